@@ -1,0 +1,226 @@
+"""The Profile record: what each layer costs, saved as JSON with a schema version.
+
+The profile pass produces it; the partition pass reads it. Users with their own cost model build one
+from plain numbers with :meth:`Profile.from_costs`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import RecordError
+
+__all__ = ["LayerCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "write_json_atomic"]
+
+PROFILE_SCHEMA = 1
+
+# With no separate forward/backward figures, backward is taken as twice the forward: the usual ratio
+# for matmul-dominated layers (one matmul forward, two backward: input and weight gradients).
+_FORWARD_SHARE = 1.0 / 3.0
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer of a LayerSequence costs per micro-batch.
+
+    Times are seconds (medians of repeated runs when measured); bytes are bytes.
+    """
+
+    index: int
+    name: str = ""
+    forward_time: float = 0.0
+    backward_time: float = 0.0
+    forward_spread: float = 0.0  # interquartile range of the forward samples
+    backward_spread: float = 0.0
+    params: int = 0  # number of parameter elements (tied ones counted in every layer using them)
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0  # optimizer state plus fp32 master weights under mixed precision
+    activation_bytes: int = 0  # saved for backward, per micro-batch
+    peak_forward_bytes: int = 0  # transient peak above inputs+params during forward
+    peak_backward_bytes: int = 0
+    output_bytes: int = 0  # bytes of the tuple leaving the layer (what crosses a cut after it)
+    flops: float = 0.0  # forward FLOPs, when known
+    tied: tuple[str, ...] = ()  # names of tied parameters this layer holds a copy of
+    structure: str = ""  # identical layers share this key and are measured once
+    source: str = "measured"  # measured | reused | estimated | given
+
+    @property
+    def time(self) -> float:
+        """Forward plus backward time."""
+        return self.forward_time + self.backward_time
+
+    @property
+    def static_bytes(self) -> int:
+        """Memory held for the whole step: parameters, gradients, optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The device a profile was measured on (or estimated for)."""
+
+    name: str = "cpu"
+    type: str = "cpu"  # cpu | cuda | meta
+    memory_bytes: int = 0  # 0 when unknown
+    peak_flops: float = 0.0  # per second, for the dtype profiled; 0 when unknown
+    memory_bandwidth: float = 0.0  # bytes per second; 0 when unknown
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-layer costs of a flattened model plus how and where they were obtained.
+
+    Example:
+        >>> prof = Profile.from_costs(times=[1.0, 2.0, 2.0, 1.0])
+        >>> round(prof.layers[1].time, 6)
+        2.0
+    """
+
+    layers: tuple[LayerCost, ...]
+    device: DeviceInfo = field(default_factory=DeviceInfo)
+    dtype: str = "float32"
+    mode: str = "given"  # measured | estimated | given
+    microbatch: dict[str, list[int]] = field(default_factory=dict)  # input name -> shape
+    input_bytes: int = 0  # bytes of the tuple entering layer 0
+    optimizer: str = "adamw"
+    mixed_precision: bool = False
+    torch_version: str = ""
+    signature: str = ""  # of the model and flatten options; "" when unknown
+    model: str = ""
+    schema: int = PROFILE_SCHEMA
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def times(self) -> list[float]:
+        return [layer.time for layer in self.layers]
+
+    @classmethod
+    def from_costs(
+        cls,
+        times: Sequence[float],
+        param_bytes: Sequence[int] | None = None,
+        activation_bytes: Sequence[int] | None = None,
+        output_bytes: Sequence[int] | None = None,
+        *,
+        forward_times: Sequence[float] | None = None,
+        names: Sequence[str] | None = None,
+        optimizer: str = "adamw",
+    ) -> "Profile":
+        """Build a profile from plain numbers, one per layer.
+
+        ``times`` are forward+backward seconds. ``forward_times`` splits them; by default the forward
+        is a third. Gradients take as many bytes as parameters; Adam/AdamW state twice as many,
+        SGD with momentum as many, plain SGD none.
+
+        Example:
+            >>> Profile.from_costs([1, 1], param_bytes=[4, 8]).layers[1].optimizer_bytes
+            16
+        """
+        n = len(times)
+        for label, values in (
+            ("param_bytes", param_bytes),
+            ("activation_bytes", activation_bytes),
+            ("output_bytes", output_bytes),
+            ("forward_times", forward_times),
+            ("names", names),
+        ):
+            if values is not None and len(values) != n:
+                raise RecordError(
+                    f"from_costs: {label} has {len(values)} values but times has {n}; give one per layer."
+                )
+        if any(t < 0 for t in times):
+            raise RecordError("from_costs: times must be >= 0.")
+        state_factor = optimizer_state_factor(optimizer)
+        layers = []
+        for i, total in enumerate(times):
+            fwd = forward_times[i] if forward_times is not None else total * _FORWARD_SHARE
+            pb = int(param_bytes[i]) if param_bytes is not None else 0
+            layers.append(
+                LayerCost(
+                    index=i,
+                    name=names[i] if names is not None else f"layer{i}",
+                    forward_time=float(fwd),
+                    backward_time=float(total) - float(fwd),
+                    param_bytes=pb,
+                    grad_bytes=pb,
+                    optimizer_bytes=int(pb * state_factor),
+                    activation_bytes=int(activation_bytes[i]) if activation_bytes is not None else 0,
+                    output_bytes=int(output_bytes[i]) if output_bytes is not None else 0,
+                    source="given",
+                )
+            )
+        return cls(layers=tuple(layers), optimizer=optimizer, mode="given")
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = "autopipe.profile"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        if d.get("kind") != "autopipe.profile":
+            raise RecordError("not an autopipe profile (missing kind 'autopipe.profile').")
+        if d.get("schema") != PROFILE_SCHEMA:
+            raise RecordError(
+                f"profile schema {d.get('schema')} is not supported (this autopipe reads {PROFILE_SCHEMA}); "
+                "profile the model again with this version."
+            )
+        d = dict(d)
+        d.pop("kind")
+        layer_names = {f.name for f in fields(LayerCost)}
+        layers = []
+        for ld in d.pop("layers"):
+            ld = {k: v for k, v in ld.items() if k in layer_names}
+            ld["tied"] = tuple(ld.get("tied", ()))
+            layers.append(LayerCost(**ld))
+        device = DeviceInfo(**d.pop("device"))
+        known = {f.name for f in fields(cls)}
+        return cls(layers=tuple(layers), device=device, **{k: v for k, v in d.items() if k in known})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Profile":
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise RecordError(f"no profile at {path}.") from None
+        except json.JSONDecodeError as e:
+            raise RecordError(f"{path} is not valid JSON ({e}).") from None
+        return cls.from_dict(d)
+
+    def with_layers(self, layers: Sequence[LayerCost]) -> "Profile":
+        return replace(self, layers=tuple(layers))
+
+
+def optimizer_state_factor(optimizer: str) -> float:
+    """Bytes of optimizer state per byte of parameter (same dtype as the parameter)."""
+    table = {"adam": 2.0, "adamw": 2.0, "sgd": 0.0, "sgd-momentum": 1.0, "none": 0.0}
+    try:
+        return table[optimizer.lower()]
+    except KeyError:
+        raise RecordError(
+            f"unknown optimizer {optimizer!r}; use one of {', '.join(sorted(table))}."
+        ) from None
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON to a temporary name beside ``path`` and rename, so a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
