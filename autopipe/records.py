@@ -93,6 +93,10 @@ class Profile:
     torch_version: str = ""
     signature: str = ""  # of the model and flatten options; "" when unknown
     model: str = ""
+    # Tied parameters: canonical name -> param+grad+optimizer bytes of that one tensor. A layer's
+    # figures include the tied tensors it uses (LayerCost.tied lists them by canonical name), so a
+    # stage holding several such layers subtracts the repeats: one copy per stage.
+    tied_static_bytes: dict[str, int] = field(default_factory=dict)
     schema: int = PROFILE_SCHEMA
 
     def __post_init__(self) -> None:

@@ -1,0 +1,54 @@
+"""The command line: a thin typer layer over the library.
+
+Each command parses, calls the library, renders with rich. Library errors (AutopipeError) become one
+red line and exit code 1; AUTOPIPE_DEBUG=1 shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+from .errors import AutopipeError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="autopipe",
+    help="Trace, profile and auto-partition PyTorch models for pipeline-parallel training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def handle_errors(fn: F) -> F:
+    """Turn library errors into one red line and exit 1 (AUTOPIPE_DEBUG=1: full traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (AutopipeError, FileNotFoundError, FileExistsError) as e:
+            if os.environ.get("AUTOPIPE_DEBUG"):
+                raise
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def main() -> None:
+    app()
+
+
+# Commands are defined in the modules below and register themselves on `app`.
+from . import cli_commands  # noqa: E402,F401
