@@ -1,0 +1,252 @@
+"""Measuring one layer: time, saved activations, transient memory; and leaving the model as it was.
+
+Mechanism only: :mod:`autopipe.profile` decides which layers to measure and assembles the record.
+A layer's value is what the DeepSpeed layer format allows: a Tensor or a tuple of Tensors.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Union
+
+import torch
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "Value",
+    "Timing",
+    "as_tuple",
+    "storage_key",
+    "static_storage_keys",
+    "backward_targets",
+    "time_layer",
+    "LiveBytes",
+    "peak_bytes",
+    "saved_pass",
+    "StateGuard",
+    "tensor_bytes",
+]
+
+Value = Union[Tensor, tuple[Tensor, ...]]
+
+
+def as_tuple(x: Any) -> tuple[Tensor, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def storage_key(t: Tensor) -> int:
+    """Identity of a tensor's storage. ``_cdata`` (the StorageImpl address) rather than data_ptr,
+    because every meta storage has data_ptr 0; views and detached copies share the key."""
+    return t.untyped_storage()._cdata
+
+
+def tensor_bytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def static_storage_keys(layer: nn.Module) -> set[int]:
+    """Storages that live for the whole step: parameters, buffers and tensor constants of a layer.
+
+    They are not activations even when autograd saves them (a Linear saves its weight)."""
+    keys = {storage_key(t) for t in layer.parameters()}
+    keys |= {storage_key(t) for t in layer.buffers()}
+    for m in layer.modules():
+        # fx GraphModules keep some constants as plain tensor attributes.
+        keys |= {storage_key(v) for v in vars(m).values() if isinstance(v, Tensor)}
+    return keys
+
+
+def backward_targets(layer: nn.Module, x: Value) -> list[Tensor]:
+    """What a pipeline stage's backward computes gradients for: trainable parameters and inputs
+    that require grad. Gradients are taken with torch.autograd.grad, so ``.grad`` is never touched."""
+    targets = [p for p in layer.parameters() if p.requires_grad]
+    targets += [t for t in as_tuple(x) if isinstance(t, Tensor) and t.requires_grad]
+    return targets
+
+
+def _grad_outputs(out: Value) -> tuple[list[Tensor], list[Tensor]]:
+    outs = [o for o in as_tuple(out) if isinstance(o, Tensor) and o.requires_grad]
+    return outs, [torch.ones_like(o) for o in outs]
+
+
+class _Clock:
+    """Elapsed seconds of a region: CUDA events on a GPU (kernels are asynchronous), else wall clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            result = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1000.0, result
+        t0 = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - t0, result
+
+
+@dataclass(frozen=True)
+class Timing:
+    forward: float
+    backward: float
+    forward_spread: float
+    backward_spread: float
+
+
+def _median_iqr(samples: list[float]) -> tuple[float, float]:
+    if len(samples) < 2:
+        return (samples[0] if samples else 0.0), 0.0
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    return statistics.median(samples), q[2] - q[0]
+
+
+def time_layer(layer: nn.Module, x: Value, *, device: torch.device, warmup: int, repeats: int) -> Timing:
+    """Median forward and backward seconds of ``layer`` on ``x`` after ``warmup`` untimed runs.
+
+    Each repeat is a fresh forward then a backward over it, as a pipeline stage runs a micro-batch.
+    """
+    clock = _Clock(device)
+    targets = backward_targets(layer, x)
+    fwd: list[float] = []
+    bwd: list[float] = []
+    grads: list[Tensor] | None = None
+    for i in range(warmup + repeats):
+        tf, out = clock(lambda: layer(x))
+        outs, fresh = _grad_outputs(out)
+        # Upstream gradients arrive ready-made in a pipeline: allocate them once, outside the timing.
+        grads = grads if grads is not None and len(grads) == len(fresh) else fresh
+        tb = 0.0
+        if outs and targets:
+            tb, _ = clock(lambda: torch.autograd.grad(outs, targets, grads, allow_unused=True))
+        del out, outs
+        if i >= warmup:
+            fwd.append(tf)
+            bwd.append(tb)
+    (f, fs), (b, bs) = _median_iqr(fwd), _median_iqr(bwd)
+    return Timing(forward=f, backward=b, forward_spread=fs, backward_spread=bs)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of storages allocated by operators while active (CPU and meta: best effort).
+
+    Every operator output whose storage is new (not one of the operator's inputs) is tracked until
+    the storage dies; the peak of the live total is kept. It cannot see allocator caching or
+    workspaces inside kernels, so it is a lower bound of what the process really allocates.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor):
+                key = storage_key(t)
+                if key not in inputs and key not in self._live:
+                    st = t.untyped_storage()
+                    self._live[key] = (StorageWeakRef(st), st.nbytes())
+        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            del self._live[key]
+        self.peak = max(self.peak, sum(n for _, n in self._live.values()))
+        return out
+
+
+def peak_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int, Any]:
+    """Transient peak above what was allocated before ``fn`` (torch.cuda memory stats on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - base), result
+    mode = LiveBytes()
+    with mode:
+        result = fn()
+    return mode.peak, result
+
+
+@dataclass
+class PassResult:
+    out: Value
+    saved: dict[int, int]  # storage key -> bytes, parameters and constants excluded
+    peak_forward: int
+    peak_backward: int
+
+
+def saved_pass(layer: nn.Module, x: Value, *, device: torch.device, measure_peaks: bool) -> PassResult:
+    """One forward (and, when measuring peaks, one backward) recording what autograd saves.
+
+    Each saved storage is counted once however many tensors view it; static storages (the layer's
+    parameters, buffers, constants) are left out.
+    """
+    static = static_storage_keys(layer)
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        key = storage_key(t)
+        if key not in static:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    def forward() -> Value:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return layer(x)
+
+    if not measure_peaks:
+        return PassResult(forward(), saved, 0, 0)
+    peak_f, out = peak_bytes(forward, device)
+    outs, grads = _grad_outputs(out)
+    targets = backward_targets(layer, x)
+    peak_b = 0
+    if outs and targets:
+        peak_b, _ = peak_bytes(lambda: torch.autograd.grad(outs, targets, grads, allow_unused=True), device)
+    return PassResult(out, saved, peak_f, peak_b)
+
+
+class StateGuard:
+    """Puts modules back as they were: buffers (BatchNorm running stats), ``.grad`` of parameters,
+    training flags, RNG state. Used around everything the profiler runs on the user's layers."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.modules = list(modules)
+
+    def __enter__(self) -> "StateGuard":
+        self._training = [(m, m.training) for top in self.modules for m in top.modules()]
+        self._grads = [(p, p.grad) for top in self.modules for p in top.parameters()]
+        self._rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return self
+
+    @staticmethod
+    def snapshot_buffers(layer: nn.Module) -> list[tuple[Tensor, Tensor]]:
+        """Copies of one layer's buffers; taken per layer, so only one layer's worth is held."""
+        return [(b, b.detach().clone()) for b in layer.buffers() if b.device.type != "meta"]
+
+    @staticmethod
+    def restore_buffers(snapshot: list[tuple[Tensor, Tensor]]) -> None:
+        with torch.no_grad():
+            for buf, copy in snapshot:
+                buf.copy_(copy)
+
+    def __exit__(self, *exc: object) -> None:
+        for m, flag in self._training:
+            m.training = flag
+        for p, g in self._grads:
+            if p.grad is not g:
+                p.grad = g
+        torch.set_rng_state(self._rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)

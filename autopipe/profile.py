@@ -1,0 +1,339 @@
+"""The profile pass: what each layer of a LayerSequence costs, measured on the device it will train on.
+
+For every layer: forward and backward time (median and spread of repeated runs after warm-up),
+parameter, gradient and optimizer bytes, activation bytes saved for backward per micro-batch, the
+transient peak of forward and backward, and the bytes of the value leaving it. Each layer runs on its
+real input: the sequence is run once, layer after layer, and each output feeds the next layer.
+Identical layers (same structure key, same input shapes) are timed once. ``estimate=True`` runs
+nothing real and prices each layer by a roofline (see :mod:`autopipe.estimate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from typing import Any, Mapping, Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from .devices import describe_device, device_spec, dtype_name
+from .errors import AutopipeError, StaleProfileError
+from .estimate import data_free, estimate_layer, meta_copy
+from .measure import StateGuard, Value, as_tuple, saved_pass, storage_key, tensor_bytes, time_layer
+from .records import LayerCost, Profile, optimizer_state_factor
+
+__all__ = ["profile", "check_signature"]
+
+_COUNTED = -1  # ledger mark: this storage's bytes are already charged to some layer
+
+
+def profile(
+    seq: Any,
+    example_args: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    optimizer: str = "adamw",
+    mixed_precision: bool = False,
+    warmup: int = 3,
+    repeats: int = 10,
+    estimate: bool = False,
+    threads: int | None = None,
+    progress: bool = True,
+) -> Profile:
+    """Measure (or estimate) what each layer of ``seq`` costs per micro-batch.
+
+    Args:
+        seq: a LayerSequence from :func:`autopipe.flatten`.
+        example_args, example_kwargs: one micro-batch, as the model takes it.
+        device: where to measure (``cpu``, ``cuda``, ``cuda:1``; default: where the layers are).
+            With ``estimate=True``, the device to estimate for: ``cpu`` (probed), ``cuda``, ``a100``,
+            ``h100``, ``h200``.
+        dtype: parameter and activation dtype to profile in (default: the model's own). Layers in
+            another dtype or on another device are measured on a copy; the model is never cast.
+        optimizer: ``adamw``, ``adam``, ``sgd-momentum``, ``sgd`` or ``none``: sizes optimizer state.
+        mixed_precision: 16-bit parameters and gradients (``dtype``, default bfloat16) with fp32
+            master weights and fp32 optimizer state.
+        warmup, repeats: untimed and timed runs per measured layer.
+        threads: CPU threads to time with (default: torch's current setting), fixed for the run.
+        progress: show a progress bar on stderr.
+
+    The model's weights, gradients, buffers (BatchNorm running statistics), training flags and RNG
+    state are the same afterwards.
+
+    Example:
+        >>> seq = autopipe.flatten(model, (ids,))
+        >>> prof = autopipe.profile(seq, (ids,), repeats=5)
+        >>> prof.layers[1].forward_time, prof.layers[1].activation_bytes
+    """
+    state_factor = optimizer_state_factor(optimizer)
+    if warmup < 0 or repeats < 1:
+        raise AutopipeError(f"profile: warmup={warmup}, repeats={repeats}; need warmup >= 0 and repeats >= 1.")
+    layers = list(seq.layers)
+    tdtype = _resolve_dtype(dtype, mixed_precision)
+    home = _home_device(layers)
+    spec = None
+    no_data: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if estimate:
+        spec = device_spec(str(device or "cpu"), dtype_name(tdtype or _model_dtype(layers)))
+        # Run where the layers were traced (the device is baked into their graphs), with no data:
+        # on meta as they are, or as fake tensors on a real device.
+        run_device = home
+        if home.type != "meta":
+            no_data = FakeTensorMode(allow_non_fake_inputs=True)
+    else:
+        run_device = torch.device(device) if device is not None else home
+        if run_device.type == "meta":
+            raise AutopipeError("profile: the layers are on the meta device (no weights); use estimate=True.")
+    sizes = _ParamSizer(tdtype, mixed_precision, state_factor)
+
+    x: Value = seq.pack_inputs(tuple(example_args), dict(example_kwargs or {}))
+    input_bytes = sum(tensor_bytes(t) for t in as_tuple(_to(x, torch.device("meta"), tdtype, estimate=True)))
+    infos = list(getattr(seq, "infos", [None] * len(layers)))
+
+    old_threads = torch.get_num_threads()
+    if run_device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
+    costs: list[dict[str, Any]] = []
+    activation = [0] * len(layers)
+    # storage key of each tensor of the current input -> layer to charge if a later layer saves it
+    owner: dict[int, int] = {}
+    measured: dict[tuple[Any, ...], dict[str, Any]] = {}
+    try:
+        with StateGuard(layers), _progress_bar(progress, len(layers)) as bar, no_data:
+            x = _to(x, run_device, tdtype, estimate=estimate)
+            owner = {storage_key(t): 0 for t in as_tuple(x)}
+            task = bar.add_task("profile", total=len(layers))
+            for i, layer in enumerate(layers):
+                info = infos[i]
+                name = info.name if info is not None else f"layer{i}"
+                bar.update(task, description=f"{'estimate' if estimate else 'measure'} {name}")
+                work, is_copy = _working_layer(layer, run_device, tdtype, estimate)
+                snapshot = [] if is_copy else StateGuard.snapshot_buffers(work)
+                work.train()  # profile what training runs: dropout on, batch statistics
+                structure = info.structure if info is not None else ""
+                key = (structure, _signature(x)) if structure else None
+                timing = measured.get(key) if key is not None else None
+                source = "reused" if timing is not None else ("estimated" if estimate else "measured")
+                if timing is None:
+                    timing = _cost_layer(work, x, estimate=estimate, spec=spec,
+                                         dtype=dtype_name(tdtype or _model_dtype(layers)), device=run_device,
+                                         warmup=warmup, repeats=repeats)
+                    if key is not None:
+                        measured[key] = timing
+                result = saved_pass(work, x, device=run_device, measure_peaks=source != "reused")
+                if source != "reused":
+                    timing.update(peak_forward_bytes=result.peak_forward, peak_backward_bytes=result.peak_backward)
+                inputs = {storage_key(t) for t in as_tuple(x)}
+                for skey, nbytes in result.saved.items():
+                    if skey in inputs:
+                        if owner.get(skey, _COUNTED) != _COUNTED:
+                            activation[owner[skey]] += nbytes
+                            owner[skey] = _COUNTED
+                    else:
+                        activation[i] += nbytes
+                x = _detached(result.out)
+                owner = {key: _next_owner(key, i, inputs, owner, result.saved) for key in map(storage_key, as_tuple(x))}
+                StateGuard.restore_buffers(snapshot)
+                params = _unique_params(layer)
+                pb, gb, ob = (sum(v) for v in zip(*(sizes(p) for p in params))) if params else (0, 0, 0)
+                costs.append(dict(
+                    index=i, name=name, params=sum(p.numel() for p in params),
+                    param_bytes=pb, grad_bytes=gb, optimizer_bytes=ob,
+                    output_bytes=sum(tensor_bytes(t) for t in as_tuple(x)),
+                    tied=tuple(info.tied) if info is not None else (), structure=structure, source=source,
+                    **timing,
+                ))
+                del result, work
+                bar.advance(task)
+    finally:
+        torch.set_num_threads(old_threads)
+
+    layer_costs = tuple(LayerCost(activation_bytes=activation[c["index"]], **c) for c in costs)
+    return Profile(
+        layers=layer_costs,
+        device=spec.info(dtype_name(tdtype or _model_dtype(layers))) if estimate else describe_device(run_device),
+        dtype=dtype_name(tdtype or _model_dtype(layers)),
+        mode="estimated" if estimate else "measured",
+        microbatch=_microbatch(example_args, example_kwargs),
+        input_bytes=input_bytes,
+        optimizer=optimizer.lower(),
+        mixed_precision=mixed_precision,
+        torch_version=torch.__version__,
+        signature=str(getattr(seq, "signature", "")),
+        tied_static_bytes=_tied_bytes(seq, layers, sizes),
+    )
+
+
+def check_signature(profile: Profile, seq: Any) -> None:
+    """Refuse a profile made for another model or other flatten options than ``seq``'s.
+
+    Raises:
+        StaleProfileError: with both signatures and how to get a matching profile.
+    """
+    expected = str(getattr(seq, "signature", ""))
+    if profile.signature and profile.signature != expected:
+        raise StaleProfileError(
+            f"the profile was made for signature {profile.signature} but this model/flatten options give "
+            f"{expected}: the model or the flatten options changed since it was measured. "
+            "Profile again (autopipe profile MODEL --out profile.json) with the same model and options."
+        )
+    if len(profile.layers) != len(seq.layers):
+        raise StaleProfileError(
+            f"the profile has {len(profile.layers)} layers but the sequence has {len(seq.layers)}; "
+            "profile this sequence again."
+        )
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _next_owner(key: int, i: int, inputs: set[int], owner: dict[int, int], saved: dict[int, int]) -> int:
+    """Who pays for a storage of layer i's output if a later layer saves it for backward.
+
+    Activation bytes are charged to the layer that produced the storage, once: a storage passed
+    through unchanged keeps its producer; one layer i already saved is paid for; a new one is i's.
+    """
+    if key in inputs:
+        return owner.get(key, _COUNTED)
+    return _COUNTED if key in saved else i
+
+
+def _cost_layer(work: nn.Module, x: Value, *, estimate: bool, spec: Any, dtype: str, device: torch.device,
+                warmup: int, repeats: int) -> dict[str, Any]:
+    if estimate:
+        est = estimate_layer(work, x, spec=spec, dtype=dtype)
+        return dict(forward_time=est.forward_time, backward_time=est.backward_time, flops=est.forward_flops)
+    t = time_layer(work, x, device=device, warmup=warmup, repeats=repeats)
+    return dict(forward_time=t.forward, backward_time=t.backward,
+                forward_spread=t.forward_spread, backward_spread=t.backward_spread)
+
+
+class _ParamSizer:
+    """Parameter, gradient and optimizer-state bytes of one parameter under the chosen training setup."""
+
+    def __init__(self, dtype: torch.dtype | None, mixed: bool, state_factor: float) -> None:
+        self.dtype, self.mixed, self.state_factor = dtype, mixed, state_factor
+
+    def __call__(self, p: Tensor) -> tuple[int, int, int]:
+        n = p.numel()
+        size = _element_size(self.dtype) if self.dtype is not None and p.is_floating_point() else p.element_size()
+        if not p.requires_grad:
+            return n * size, 0, 0
+        if self.mixed and p.is_floating_point():
+            # fp32 master copy plus fp32 optimizer state: what mixed-precision training keeps.
+            return n * size, n * size, int(n * 4 * (1 + self.state_factor))
+        return n * size, n * size, int(n * size * self.state_factor)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, mixed: bool) -> torch.dtype | None:
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise AutopipeError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16.")
+        dtype = resolved
+    if mixed:
+        dtype = dtype or torch.bfloat16
+        if dtype.itemsize != 2:
+            raise AutopipeError(f"mixed precision trains in a 16-bit dtype, not {dtype}; use bfloat16 or float16.")
+    return dtype
+
+
+def _unique_params(layer: nn.Module) -> list[Tensor]:
+    return list(dict.fromkeys(layer.parameters()))
+
+
+def _home_device(layers: list[nn.Module]) -> torch.device:
+    for layer in layers:
+        for t in (*layer.parameters(), *layer.buffers()):
+            return t.device
+    return torch.device("cpu")
+
+
+def _model_dtype(layers: list[nn.Module]) -> torch.dtype:
+    for layer in layers:
+        for p in layer.parameters():
+            if p.is_floating_point():
+                return p.dtype
+    return torch.float32
+
+
+def _working_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype | None,
+                   estimate: bool) -> tuple[nn.Module, bool]:
+    """The layer to run: the user's own when it already lives on ``device`` in ``dtype``, else a copy."""
+    if estimate:
+        return meta_copy(layer, dtype, device), True
+    tensors = [*layer.parameters(), *layer.buffers()]
+    same = all(t.device == device and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+               for t in tensors)
+    if same:
+        return layer, False
+    return copy.deepcopy(layer).to(device=device, dtype=dtype), True
+
+
+def _to(x: Value, device: torch.device, dtype: torch.dtype | None, *, estimate: bool) -> Value:
+    def move(t: Tensor) -> Tensor:
+        if estimate:
+            return data_free(t, device, dtype)
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t.detach().to(device=device, dtype=target).requires_grad_(t.requires_grad)
+
+    return tuple(move(t) for t in x) if isinstance(x, (tuple, list)) else move(x)
+
+
+def _detached(out: Value) -> Value:
+    """The next layer's input: same storages (so the ledger can follow them), no graph behind."""
+    def cut(t: Tensor) -> Tensor:
+        return t.detach().requires_grad_(t.requires_grad)
+
+    return tuple(cut(t) for t in out) if isinstance(out, (tuple, list)) else cut(out)
+
+
+def _signature(x: Value) -> tuple[Any, ...]:
+    return tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in as_tuple(x))
+
+
+def _microbatch(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> dict[str, list[int]]:
+    shapes: dict[str, list[int]] = {}
+    for path, leaf in tree_flatten_with_path((tuple(args), dict(kwargs or {})))[0]:
+        if isinstance(leaf, Tensor):
+            # path is ((args|kwargs index), then the position/key): "args[0]" / "input_ids"
+            head, rest = path[0].idx, path[1:]
+            label = keystr(rest).lstrip("[").rstrip("]").strip("'") if head == 1 else f"args{keystr(rest)}"
+            shapes[label] = list(leaf.shape)
+    return shapes
+
+
+def _tied_bytes(seq: Any, layers: list[nn.Module], sizes: _ParamSizer) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for group in getattr(seq, "tied", []) or []:
+        names = set(group.names)
+        for li in group.layers:
+            found = [p for n, p in layers[li].named_parameters(remove_duplicate=False) if n in names]
+            if found:
+                out[group.canonical] = sum(sizes(found[0]))
+                break
+    return out
+
+
+def _progress_bar(enabled: bool, total: int) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(file=sys.stderr),
+        transient=True,
+        disable=not enabled,
+    )
