@@ -1,0 +1,209 @@
+"""The profile pass on toy sequences whose costs are known exactly: sleeps, parameter and activation sizes."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import autopipe
+from autopipe.errors import AutopipeError, StaleProfileError
+from autopipe.profile import check_signature
+from autopipe.records import Profile
+
+B = 8  # micro-batch rows
+
+
+@torch.library.custom_op("autopipe_test::sleep", mutates_args=())
+def _sleep(x: Tensor, seconds: float) -> Tensor:
+    time.sleep(seconds)
+    return x.clone()
+
+
+@_sleep.register_fake
+def _(x: Tensor, seconds: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _sleep_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    ctx.seconds = inputs[1]
+
+
+def _sleep_backward(ctx, grad: Tensor):  # type: ignore[no-untyped-def]
+    # Backward costs twice the forward, like a matmul layer.
+    return _sleep(grad, 2 * ctx.seconds), None
+
+
+_sleep.register_autograd(_sleep_backward, setup_context=_sleep_setup)
+
+
+class Sleep(nn.Module):
+    """A layer of known cost: sleeps ``seconds`` forward and twice that backward."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(()))  # so layer 0 has something to differentiate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _sleep(x * self.scale, self.seconds)
+
+
+def _flatten(model: nn.Module, x: Tensor):  # type: ignore[no-untyped-def]
+    return autopipe.flatten(model, (x,))
+
+
+def test_sleep_layers_measure_their_known_time() -> None:
+    """Forward and backward medians of sleeping layers match the sleep, within scheduler noise."""
+    x = torch.randn(B, 4)
+    seq = _flatten(nn.Sequential(Sleep(0.03), Sleep(0.01)), x)
+    prof = autopipe.profile(seq, (x,), warmup=1, repeats=5, progress=False)
+    for layer, seconds in zip(prof.layers, (0.03, 0.01)):
+        assert seconds * 0.95 <= layer.forward_time <= seconds * 1.5 + 0.01, layer
+        assert 2 * seconds * 0.95 <= layer.backward_time <= 2 * seconds * 1.5 + 0.01, layer
+        assert layer.source == "measured"
+    # The slow layer is seen as slow: what the partitioner balances.
+    assert prof.layers[0].time > 2 * prof.layers[1].time
+
+
+def test_known_parameter_optimizer_and_activation_bytes() -> None:
+    """Linear/Tanh/Linear: exact parameter, gradient, AdamW state, saved-activation and output bytes."""
+    torch.manual_seed(0)
+    x = torch.randn(B, 32)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 16))
+    seq = _flatten(model, x)
+    prof = autopipe.profile(seq, (x,), warmup=0, repeats=1, progress=False)
+    l0, l1, l2 = prof.layers
+    assert (l0.params, l1.params, l2.params) == (32 * 64 + 64, 0, 64 * 16 + 16)
+    assert (l0.param_bytes, l0.grad_bytes, l0.optimizer_bytes) == (2112 * 4, 2112 * 4, 2 * 2112 * 4)
+    assert (l2.param_bytes, l2.grad_bytes, l2.optimizer_bytes) == (1040 * 4, 1040 * 4, 2 * 1040 * 4)
+    # Linear saves its input; Tanh saves its output, which the next Linear saves again (counted once);
+    # a layer's parameters are never activations.
+    assert [l.activation_bytes for l in prof.layers] == [B * 32 * 4, B * 64 * 4, 0]
+    assert [l.output_bytes for l in prof.layers] == [B * 64 * 4, B * 64 * 4, B * 16 * 4]
+    assert prof.input_bytes == B * 32 * 4
+    for layer in prof.layers:
+        assert layer.peak_forward_bytes >= layer.output_bytes  # the output is allocated in forward
+    assert l0.peak_backward_bytes >= l0.grad_bytes  # the weight gradient is allocated in backward
+
+
+def test_activation_sum_equals_whole_model_saved_bytes() -> None:
+    """Per-layer activation bytes add up to the whole sequence's saved-tensor bytes, each storage once."""
+    torch.manual_seed(0)
+    x = torch.randn(B, 16)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Sigmoid(), nn.Linear(32, 8))
+    seq = _flatten(model, x)
+    prof = autopipe.profile(seq, (x,), warmup=0, repeats=1, progress=False)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = seq(x)
+    assert sum(l.activation_bytes for l in prof.layers) == sum(saved.values()) > 0
+    del out
+
+
+@pytest.mark.parametrize(
+    "optimizer, mixed, expected",
+    [
+        ("adamw", False, (880, 880, 1760)),
+        ("sgd-momentum", False, (880, 880, 880)),
+        ("sgd", False, (880, 880, 0)),
+        # bf16 parameters and gradients; fp32 master weights and two fp32 Adam states
+        ("adamw", True, (440, 440, 220 * 4 * 3)),
+    ],
+)
+def test_optimizer_state_and_mixed_precision_bytes(optimizer: str, mixed: bool, expected: tuple[int, int, int]) -> None:
+    """Parameter/gradient/optimizer bytes follow the optimizer and mixed precision (220 elements)."""
+    x = torch.randn(B, 10)
+    model = nn.Sequential(nn.Linear(10, 20))
+    seq = _flatten(model, x)
+    prof = autopipe.profile(seq, (x,), optimizer=optimizer, mixed_precision=mixed, warmup=0, repeats=1,
+                            progress=False)
+    layer = prof.layers[0]
+    assert (layer.param_bytes, layer.grad_bytes, layer.optimizer_bytes) == expected
+    assert prof.dtype == ("bfloat16" if mixed else "float32")
+    assert model[0].weight.dtype == torch.float32  # measured on a bf16 copy, never cast in place
+
+
+def test_model_state_unchanged_after_profiling() -> None:
+    """Weights, gradients, BatchNorm running stats, training flags and the RNG are as they were."""
+    torch.manual_seed(0)
+    x = torch.randn(B, 8)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))
+    model(x).sum().backward()  # the user has gradients accumulated
+    model[2].eval()  # and a mix of training flags
+    seq = _flatten(model, x)
+    state = copy.deepcopy(model.state_dict())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    flags = [m.training for m in model.modules()]
+    seq_flags = [m.training for m in seq.modules()]
+    rng = torch.get_rng_state()
+
+    autopipe.profile(seq, (x,), warmup=1, repeats=2, progress=False)
+
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name]), name
+    assert [m.training for m in model.modules()] == flags
+    assert [m.training for m in seq.modules()] == seq_flags
+    assert torch.equal(torch.get_rng_state(), rng)
+    # The restore is needed: running the sequence in training mode does move the running stats.
+    seq.train()
+    seq(x)
+    assert not torch.equal(model[1].running_mean, state["1.running_mean"])
+
+
+def test_identical_layers_measured_once() -> None:
+    """Layers with one structure and input signature are timed once; the rest reuse it."""
+    x = torch.randn(B, 32)
+    seq = _flatten(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), x)
+    prof = autopipe.profile(seq, (x,), warmup=0, repeats=2, progress=False)
+    # Layer 0's input needs no gradient, the others' do: two signatures, two measurements.
+    assert [l.source for l in prof.layers] == ["measured", "measured", "reused", "reused"]
+    assert prof.layers[2].time == prof.layers[3].time == prof.layers[1].time
+    # Each Linear's output is saved by the next Linear and charged to its producer; the last's is not.
+    assert [l.activation_bytes for l in prof.layers] == [B * 32 * 4 * 2, B * 32 * 4, B * 32 * 4, 0]
+
+
+def test_profile_json_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A saved profile loads back equal, whole-profile fields included."""
+    x = torch.randn(B, 8)
+    seq = _flatten(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), x)
+    prof = autopipe.profile(seq, (x,), warmup=0, repeats=2, progress=False)
+    prof.save(tmp_path / "p.json")
+    loaded = Profile.load(tmp_path / "p.json")
+    assert loaded == prof
+    assert loaded.signature == seq.signature and loaded.mode == "measured"
+    assert loaded.microbatch == {"args[0]": [B, 8]} and loaded.torch_version == torch.__version__
+
+
+def test_stale_profile_is_refused() -> None:
+    """A profile of another model is refused with both signatures; the matching one is accepted."""
+    x = torch.randn(B, 8)
+    seq_a = _flatten(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), x)
+    seq_b = _flatten(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3)), x)
+    prof = autopipe.profile(seq_a, (x,), warmup=0, repeats=1, progress=False)
+    check_signature(prof, seq_a)
+    with pytest.raises(StaleProfileError) as err:
+        check_signature(prof, seq_b)
+    assert seq_a.signature in str(err.value) and seq_b.signature in str(err.value)
+    assert "profile again" in str(err.value).lower()
+
+
+def test_bad_options_are_clear_errors() -> None:
+    """Unknown optimizer, 32-bit mixed precision and zero repeats raise AutopipeError, not torch errors."""
+    x = torch.randn(B, 8)
+    seq = _flatten(nn.Sequential(nn.Linear(8, 2)), x)
+    for kwargs in ({"optimizer": "lion"}, {"mixed_precision": True, "dtype": "float32"}, {"repeats": 0}):
+        with pytest.raises(AutopipeError):
+            autopipe.profile(seq, (x,), progress=False, **kwargs)
