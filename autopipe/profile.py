@@ -11,13 +11,13 @@ nothing real and prices each layer by a roofline (see :mod:`autopipe.estimate`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 import types
 from typing import Any, Mapping, Sequence
 
 import torch
 from rich.console import Console
+from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -29,7 +29,7 @@ from .estimate import data_free, estimate_layer, meta_copy
 from .measure import StateGuard, Value, as_tuple, saved_pass, storage_key, tensor_bytes, time_layer
 from .records import LayerCost, Profile, optimizer_state_factor
 
-__all__ = ["profile", "check_signature"]
+__all__ = ["profile", "check_signature", "profile_table"]
 
 _COUNTED = -1  # ledger mark: this storage's bytes are already charged to some layer
 
@@ -54,14 +54,14 @@ def profile(
     Args:
         seq: a LayerSequence from :func:`autopipe.flatten`.
         example_args, example_kwargs: one micro-batch, as the model takes it.
-        device: where to measure (``cpu``, ``cuda``, ``cuda:1``; default: where the layers are).
+        device: where to measure (default: where the layers are; they must have been traced there).
             With ``estimate=True``, the device to estimate for: ``cpu`` (probed), ``cuda``, ``a100``,
             ``h100``, ``h200``.
-        dtype: parameter and activation dtype to profile in (default: the model's own). Layers in
-            another dtype or on another device are measured on a copy; the model is never cast.
+        dtype: the dtype the layers are expected in (default: the model's own). A traced graph keeps
+            its dtypes, so convert the model before flatten rather than here; a mismatch is an error.
         optimizer: ``adamw``, ``adam``, ``sgd-momentum``, ``sgd`` or ``none``: sizes optimizer state.
-        mixed_precision: 16-bit parameters and gradients (``dtype``, default bfloat16) with fp32
-            master weights and fp32 optimizer state.
+        mixed_precision: the (16-bit) parameters and gradients come with fp32 master weights and
+            fp32 optimizer state.
         warmup, repeats: untimed and timed runs per measured layer.
         threads: CPU threads to time with (default: torch's current setting), fixed for the run.
         progress: show a progress bar on stderr.
@@ -78,12 +78,12 @@ def profile(
     if warmup < 0 or repeats < 1:
         raise AutopipeError(f"profile: warmup={warmup}, repeats={repeats}; need warmup >= 0 and repeats >= 1.")
     layers = list(seq.layers)
-    tdtype = _resolve_dtype(dtype, mixed_precision)
+    tdtype = _resolve_dtype(dtype, mixed_precision, _model_dtype(layers))
     home = _home_device(layers)
     spec = None
     no_data: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if estimate:
-        spec = device_spec(str(device or "cpu"), dtype_name(tdtype or _model_dtype(layers)))
+        spec = device_spec(str(device or "cpu"), dtype_name(tdtype))
         # Run where the layers were traced (the device is baked into their graphs), with no data:
         # on meta as they are, or as fake tensors on a real device.
         run_device = home
@@ -93,10 +93,16 @@ def profile(
         run_device = torch.device(device) if device is not None else home
         if run_device.type == "meta":
             raise AutopipeError("profile: the layers are on the meta device (no weights); use estimate=True.")
+        if run_device.type != home.type:
+            # Traced graphs bake in their device (arange(device=cpu)), so a copy would not run there.
+            raise AutopipeError(
+                f"profile: the layers were traced on {home.type} but device={device!r}; move the model and "
+                f"its example inputs to {run_device.type} and flatten again, then profile."
+            )
     sizes = _ParamSizer(tdtype, mixed_precision, state_factor)
 
     x: Value = seq.pack_inputs(tuple(example_args), dict(example_kwargs or {}))
-    input_bytes = sum(tensor_bytes(t) for t in as_tuple(_to(x, torch.device("meta"), tdtype, estimate=True)))
+    input_bytes = sum(tensor_bytes(t) for t in as_tuple(x))
     infos = list(getattr(seq, "infos", [None] * len(layers)))
 
     old_threads = torch.get_num_threads()
@@ -109,14 +115,14 @@ def profile(
     measured: dict[tuple[Any, ...], dict[str, Any]] = {}
     try:
         with StateGuard(layers), _progress_bar(progress, len(layers)) as bar, no_data:
-            x = _to(x, run_device, tdtype, estimate=estimate)
+            x = _to(x, run_device, estimate=estimate)
             owner = {storage_key(t): 0 for t in as_tuple(x)}
             task = bar.add_task("profile", total=len(layers))
             for i, layer in enumerate(layers):
                 info = infos[i]
                 name = info.name if info is not None else f"layer{i}"
                 bar.update(task, description=f"{'estimate' if estimate else 'measure'} {name}")
-                work, is_copy = _working_layer(layer, run_device, tdtype, estimate)
+                work, is_copy = _working_layer(layer, run_device, estimate)
                 snapshot = [] if is_copy else StateGuard.snapshot_buffers(work)
                 work.train()  # profile what training runs: dropout on, batch statistics
                 structure = info.structure if info is not None else ""
@@ -125,7 +131,7 @@ def profile(
                 source = "reused" if timing is not None else ("estimated" if estimate else "measured")
                 if timing is None:
                     timing = _cost_layer(work, x, estimate=estimate, spec=spec,
-                                         dtype=dtype_name(tdtype or _model_dtype(layers)), device=run_device,
+                                         dtype=dtype_name(tdtype), device=run_device,
                                          warmup=warmup, repeats=repeats)
                     if key is not None:
                         measured[key] = timing
@@ -160,8 +166,8 @@ def profile(
     layer_costs = tuple(LayerCost(activation_bytes=activation[c["index"]], **c) for c in costs)
     return Profile(
         layers=layer_costs,
-        device=spec.info(dtype_name(tdtype or _model_dtype(layers))) if estimate else describe_device(run_device),
-        dtype=dtype_name(tdtype or _model_dtype(layers)),
+        device=spec.info(dtype_name(tdtype)) if estimate else describe_device(run_device),
+        dtype=dtype_name(tdtype),
         mode="estimated" if estimate else "measured",
         microbatch=_microbatch(example_args, example_kwargs),
         input_bytes=input_bytes,
@@ -191,6 +197,33 @@ def check_signature(profile: Profile, seq: Any) -> None:
             f"the profile has {len(profile.layers)} layers but the sequence has {len(seq.layers)}; "
             "profile this sequence again."
         )
+
+
+def profile_table(prof: Profile) -> Table:
+    """A rich table of a profile, one row per layer: time share, memory, bytes out."""
+    total = sum(prof.times) or 1.0
+    table = Table(title=f"{prof.model or 'model'}: {prof.mode} on {prof.device.name} ({prof.dtype})",
+                  title_justify="left")
+    for col in ("#", "layer", "fwd ms", "bwd ms", "share", "params+grad+opt", "activations", "peak", "out", ""):
+        table.add_column(col, justify="left" if col in ("layer", "") else "right", no_wrap=col != "layer")
+    for c in prof.layers:
+        table.add_row(
+            str(c.index), c.name, f"{c.forward_time * 1e3:.3f}", f"{c.backward_time * 1e3:.3f}",
+            f"{100 * c.time / total:.1f}%", format_bytes(c.static_bytes), format_bytes(c.activation_bytes),
+            format_bytes(max(c.peak_forward_bytes, c.peak_backward_bytes)), format_bytes(c.output_bytes),
+            ("tied " if c.tied else "") + ("" if c.source in ("measured", "estimated") else c.source),
+        )
+    table.caption = (f"total {total * 1e3:.2f} ms per micro-batch {prof.microbatch}; "
+                     f"activations {format_bytes(sum(c.activation_bytes for c in prof.layers))}")
+    return table
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -238,17 +271,25 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _resolve_dtype(dtype: str | torch.dtype | None, mixed: bool) -> torch.dtype | None:
+def _resolve_dtype(dtype: str | torch.dtype | None, mixed: bool, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the layers are in. A traced graph fixes its dtypes (it asserts them), so the profiler
+    cannot cast: the model is converted before flatten, and ``dtype`` only states what is expected."""
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(resolved, torch.dtype):
             raise AutopipeError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16.")
         dtype = resolved
-    if mixed:
-        dtype = dtype or torch.bfloat16
-        if dtype.itemsize != 2:
-            raise AutopipeError(f"mixed precision trains in a 16-bit dtype, not {dtype}; use bfloat16 or float16.")
-    return dtype
+    if dtype is not None and dtype != model_dtype:
+        raise AutopipeError(
+            f"profile: dtype={dtype_name(dtype)} but the layers are {dtype_name(model_dtype)}; a traced graph "
+            f"keeps its dtypes, so convert the model first (model.to(torch.{dtype_name(dtype)})) and flatten again."
+        )
+    if mixed and model_dtype.itemsize != 2:
+        raise AutopipeError(
+            f"mixed precision trains 16-bit parameters but the layers are {dtype_name(model_dtype)}; convert the "
+            "model first (model.to(torch.bfloat16)) and flatten again."
+        )
+    return model_dtype
 
 
 def _unique_params(layer: nn.Module) -> list[Tensor]:
@@ -270,25 +311,18 @@ def _model_dtype(layers: list[nn.Module]) -> torch.dtype:
     return torch.float32
 
 
-def _working_layer(layer: nn.Module, device: torch.device, dtype: torch.dtype | None,
-                   estimate: bool) -> tuple[nn.Module, bool]:
-    """The layer to run: the user's own when it already lives on ``device`` in ``dtype``, else a copy."""
+def _working_layer(layer: nn.Module, device: torch.device, estimate: bool) -> tuple[nn.Module, bool]:
+    """The layer to run: the user's own when measuring, a copy without data when estimating."""
     if estimate:
-        return meta_copy(layer, dtype, device), True
-    tensors = [*layer.parameters(), *layer.buffers()]
-    same = all(t.device == device and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
-               for t in tensors)
-    if same:
-        return layer, False
-    return copy.deepcopy(layer).to(device=device, dtype=dtype), True
+        return meta_copy(layer, None, device), True
+    return layer, False
 
 
-def _to(x: Value, device: torch.device, dtype: torch.dtype | None, *, estimate: bool) -> Value:
+def _to(x: Value, device: torch.device, *, estimate: bool) -> Value:
     def move(t: Tensor) -> Tensor:
         if estimate:
-            return data_free(t, device, dtype)
-        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return t.detach().to(device=device, dtype=target).requires_grad_(t.requires_grad)
+            return data_free(t, device)
+        return t.detach().to(device=device).requires_grad_(t.requires_grad)
 
     return tuple(move(t) for t in x) if isinstance(x, (tuple, list)) else move(x)
 

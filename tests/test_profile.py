@@ -123,15 +123,15 @@ def test_activation_sum_equals_whole_model_saved_bytes() -> None:
 )
 def test_optimizer_state_and_mixed_precision_bytes(optimizer: str, mixed: bool, expected: tuple[int, int, int]) -> None:
     """Parameter/gradient/optimizer bytes follow the optimizer and mixed precision (220 elements)."""
-    x = torch.randn(B, 10)
-    model = nn.Sequential(nn.Linear(10, 20))
+    dtype = torch.bfloat16 if mixed else torch.float32
+    x = torch.randn(B, 10, dtype=dtype)
+    model = nn.Sequential(nn.Linear(10, 20)).to(dtype)  # mixed precision: convert before flatten
     seq = _flatten(model, x)
     prof = autopipe.profile(seq, (x,), optimizer=optimizer, mixed_precision=mixed, warmup=0, repeats=1,
                             progress=False)
     layer = prof.layers[0]
     assert (layer.param_bytes, layer.grad_bytes, layer.optimizer_bytes) == expected
-    assert prof.dtype == ("bfloat16" if mixed else "float32")
-    assert model[0].weight.dtype == torch.float32  # measured on a bf16 copy, never cast in place
+    assert prof.dtype == ("bfloat16" if mixed else "float32") and prof.mixed_precision == mixed
 
 
 def test_model_state_unchanged_after_profiling() -> None:
@@ -201,9 +201,11 @@ def test_stale_profile_is_refused() -> None:
 
 
 def test_bad_options_are_clear_errors() -> None:
-    """Unknown optimizer, 32-bit mixed precision and zero repeats raise AutopipeError, not torch errors."""
+    """Unknown optimizer, fp32 mixed precision, a dtype the graph was not traced in, and zero repeats
+    raise AutopipeError, not torch errors."""
     x = torch.randn(B, 8)
     seq = _flatten(nn.Sequential(nn.Linear(8, 2)), x)
-    for kwargs in ({"optimizer": "lion"}, {"mixed_precision": True, "dtype": "float32"}, {"repeats": 0}):
+    for kwargs in ({"optimizer": "lion"}, {"mixed_precision": True}, {"dtype": "bfloat16"}, {"repeats": 0},
+                   {"device": "meta"}):
         with pytest.raises(AutopipeError):
             autopipe.profile(seq, (x,), progress=False, **kwargs)
