@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["StageCosts", "Solution", "solve", "Infeasible"]
+__all__ = ["StageCosts", "Solution", "solve", "fits", "min_peak_memory", "Infeasible"]
 
 
 class Infeasible(Exception):
@@ -325,3 +325,19 @@ def _lowest_peak(search: _Search, t: float, bounds: tuple[int, ...], limit: int 
             bounds = search.recover(t, mid, r)
             _, peak = search.measure(bounds)
     return bounds, peak
+
+
+def fits(costs: StageCosts, stages: int, *, inflight: Sequence[int], limit: int | None) -> bool:
+    """Whether some cut into ``stages`` non-empty stages keeps every stage within ``limit`` bytes."""
+    if not 1 <= stages <= costs.n:
+        return False
+    return _Search(costs, stages, inflight).reach(np.inf, limit) is not None
+
+
+def min_peak_memory(costs: StageCosts, stages: int, *, inflight: Sequence[int]) -> int:
+    """The smallest per-stage memory limit any cut into ``stages`` stages meets, whatever its time."""
+    search = _Search(costs, stages, inflight)
+    reach = search.reach(np.inf, None)
+    if reach is None:
+        raise ValueError(f"cannot cut {costs.n} layers into {stages} non-empty stages")
+    return _lowest_peak(search, np.inf, search.recover(np.inf, None, reach), None)[1]

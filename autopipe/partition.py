@@ -1,0 +1,333 @@
+"""The partition pass: Profile + stages + schedule + memory limit -> Plan.
+
+This module turns a profile into the solver's plain numbers (autopipe/solver.py, which owns the
+algorithm), explains infeasible limits, applies user overrides and baselines, and fills the Plan.
+
+Cost model, per micro-batch. A chunk ``[a, b)`` takes its layers' forward+backward time plus, at each
+cut it touches, the tuple crossing that cut twice (activations forward, their gradients backward) at
+``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer state (a tied tensor once per
+chunk holding it) plus its activation bytes times the micro-batches the schedule keeps in flight
+there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for interleaved and zbv.
+With v virtual stages per rank, each chunk must fit ``memory_limit / v`` (a sufficient condition for
+the rank), and the solver minimises the slowest chunk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from .baselines import baseline
+from .errors import InfeasibleMemoryError, PartitionError
+from .plan import Plan
+from .records import Profile, optimizer_state_factor
+from .schedule import check_schedule, chunk_ranks, inflight_counts, simulate
+from .solver import Infeasible, StageCosts, fits, min_peak_memory, solve
+
+__all__ = ["partition", "parse_size", "format_bytes", "DEFAULT_BANDWIDTH"]
+
+# PCIe 4.0 x16 in practice: the slowest link a pipeline commonly crosses inside one machine.
+DEFAULT_BANDWIDTH = 25e9
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from "80GiB", "512MB", "1.5g" or a plain number of bytes.
+
+    Example:
+        >>> parse_size("1.5KiB")
+        1536
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise PartitionError(
+                f"bad memory size {text!r}: give a number with a unit, like 80GiB, 512MB or 1.5TB."
+            )
+        value, unit = float(m.group(1)), m.group(2).lower()
+    size = int(value * _UNITS[unit])
+    if size <= 0:
+        raise PartitionError(f"memory size {text!r} must be more than 0 bytes.")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class _Model:
+    """The profile as the solver's numbers, for one (optimizer, bandwidth)."""
+
+    def __init__(self, profile: Profile, optimizer: str | None, bandwidth: float | None) -> None:
+        layers = profile.layers
+        self.names = [layer.name or f"layer{i}" for i, layer in enumerate(layers)]
+        old = optimizer_state_factor(profile.optimizer)
+        new = old if optimizer is None else optimizer_state_factor(optimizer)
+        # Another optimizer: its state scales with the parameters (in their dtype).
+        opt = [l.optimizer_bytes if new == old else int(l.param_bytes * new) for l in layers]
+        static = [l.param_bytes + l.grad_bytes + o for l, o in zip(layers, opt)]
+        tied = []
+        for name, size in profile.tied_static_bytes.items():
+            size = int(size * (2 + new) / (2 + old))  # param + grad + state, one copy
+            users = [i for i, l in enumerate(layers) if name in l.tied]
+            for i in users:
+                if static[i] < size:
+                    raise PartitionError(
+                        f"layer {i} ({self.names[i]}) lists tied tensor {name!r} of {size} bytes but holds only "
+                        f"{static[i]} static bytes; its figures must include the tied tensor. Profile again."
+                    )
+            tied.append((size, users))
+        bw = float("inf") if bandwidth is None else float(bandwidth)
+        if not bw > 0:
+            raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
+        self.bandwidth = bw
+        self.cut_bytes = [l.output_bytes for l in layers[:-1]]
+        one_way = [b / bw for b in self.cut_bytes]
+        self.one_way = one_way
+        self.costs = StageCosts(
+            [l.time for l in layers],
+            [2 * t for t in one_way],  # activations forward, gradients backward
+            static,
+            [l.activation_bytes for l in layers],
+            tied,
+        )
+        self.forward = np.concatenate([[0.0], np.cumsum([l.forward_time for l in layers])])
+        self.backward = np.concatenate([[0.0], np.cumsum([l.backward_time for l in layers])])
+        self.params = [l.params or l.param_bytes for l in layers]
+        self.tied = tied
+
+
+def partition(
+    profile: Profile,
+    stages: int,
+    *,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    memory_limit: int | str | None = None,
+    optimizer: str | None = None,
+    virtual_stages: int | None = None,
+    bandwidth: float | None = DEFAULT_BANDWIDTH,
+    boundaries: Sequence[int] | None = None,
+    stage_names: Sequence[Sequence[str]] | None = None,
+    method: str = "autopipe",
+    weight_share: float = 0.5,
+) -> Plan:
+    """Cut a profiled layer sequence into pipeline stages so the slowest stage is as fast as possible.
+
+    Args:
+        profile: per-layer costs (``autopipe.profile`` or ``Profile.from_costs``).
+        stages: pipeline ranks S.
+        microbatches: micro-batches per step M (default 2·S).
+        schedule: gpipe, 1f1b, interleaved1f1b or zbv; sets the in-flight activations per stage.
+        memory_limit: bytes per device, or a size like "80GiB"; None: unlimited.
+        optimizer: recount optimizer state for this optimizer (default: the profile's).
+        virtual_stages: chunks per rank v (default 1; 2 for zbv). The model is cut into S·v chunks.
+        bandwidth: bytes/s between neighbouring ranks; None: ignore communication.
+        boundaries: your own cut (S·v + 1 layer indices); the plan reports the optimum beside it.
+        stage_names: your own cut as layer/module names per chunk (a name covers the layers it
+            prefixes, e.g. "transformer.h.0").
+        method: "autopipe" (exact), or a baseline: uniform, parameters, type:REGEX, torchtitan, greedy.
+        weight_share: part of the backward that zero-bubble schedules split off as W.
+
+    Returns:
+        A :class:`~autopipe.plan.Plan`.
+
+    Raises:
+        InfeasibleMemoryError: no cut fits; the message gives the stages or memory that would.
+        PartitionError: bad options or boundaries.
+
+    Example:
+        >>> prof = Profile.from_costs([1, 4, 4, 4, 4, 3])
+        >>> partition(prof, 3, bandwidth=None).boundaries
+        (0, 2, 4, 6)
+    """
+    n = len(profile.layers)
+    if n == 0:
+        raise PartitionError("the profile has no layers.")
+    v = virtual_stages or (2 if schedule.lower().startswith("zbv") else 1)
+    m = microbatches or 2 * stages
+    schedule = check_schedule(schedule, stages, v, m)
+    k = stages * v
+    if k > n:
+        raise PartitionError(
+            f"cannot cut {n} layers into {k} non-empty chunks ({stages} stages x {v} virtual); "
+            f"use at most {n // v} stages."
+        )
+    limit = None if memory_limit is None else parse_size(memory_limit)
+    chunk_limit = None if limit is None else limit // v  # each of a rank's v chunks gets a share
+    model = _Model(profile, optimizer, bandwidth)
+    inflight = inflight_counts(schedule, stages, v, m)
+
+    chosen: tuple[int, ...] | None = None
+    if boundaries is not None or stage_names is not None:
+        if boundaries is not None and stage_names is not None:
+            raise PartitionError("give boundaries or stage_names, not both.")
+        chosen = _check_bounds(boundaries, n, k) if boundaries is not None else _names_to_bounds(stage_names, model.names, k)
+        method = "manual"
+    elif method != "autopipe":
+        chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
+
+    optimum: tuple[int, ...] | None = None
+    try:
+        optimum = solve(model.costs, k, inflight=inflight, limit=chunk_limit).boundaries
+    except Infeasible:
+        if chosen is None:
+            raise _explain(model, profile, stages, v, m, schedule, inflight, limit, chunk_limit) from None
+    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight,
+                  weight_share=weight_share, signature=profile.signature)  # fmt: skip
+    if chosen is None:
+        assert optimum is not None
+        return _make_plan(model, optimum, method="autopipe", **common)
+    plan = _make_plan(model, chosen, method=method, **common)
+    if method == "manual" and chunk_limit is not None:
+        over = [c for c, mem in enumerate(plan.stage_memory) if mem > chunk_limit]
+        if over:
+            c = over[0]
+            raise InfeasibleMemoryError(
+                f"your chunk {c} (layers {plan.boundaries[c]}..{plan.boundaries[c + 1] - 1}) needs "
+                f"{format_bytes(plan.stage_memory[c])}, more than the {format_bytes(chunk_limit)} it may use; "
+                "move layers out of it or raise the memory limit."
+            )
+    if optimum is not None:
+        best = _make_plan(model, optimum, method="autopipe", **common)
+        plan = replace(plan, optimum_bottleneck_time=best.bottleneck_time, optimum_step_time=best.step_time)
+    return plan
+
+
+def _check_bounds(bounds: Sequence[int], n: int, k: int) -> tuple[int, ...]:
+    b = tuple(int(x) for x in bounds)
+    if len(b) != k + 1 or b[0] != 0 or b[-1] != n:
+        raise PartitionError(
+            f"boundaries {list(b)} must be {k + 1} layer indices from 0 to {n} (one more than the chunks)."
+        )
+    for s, (x, y) in enumerate(zip(b, b[1:])):
+        if x >= y:
+            raise PartitionError(f"boundaries {list(b)}: chunk {s} ({x}..{y}) is empty; each needs a layer.")
+    return b
+
+
+def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str], k: int) -> tuple[int, ...]:
+    """Boundaries from module/layer names per chunk; each chunk must be a contiguous run, in order."""
+    if len(stage_names) != k:
+        raise PartitionError(f"stage_names has {len(stage_names)} chunks, expected {k}.")
+    owner = [-1] * len(names)
+    for s, wanted in enumerate(stage_names):
+        for w in wanted:
+            hits = [i for i, name in enumerate(names) if name == w or name.startswith(w + ".")]
+            if not hits:
+                raise PartitionError(f"stage_names: {w!r} (chunk {s}) names no layer; layers are named like {names[0]!r}.")
+            for i in hits:
+                if owner[i] not in (-1, s):
+                    raise PartitionError(f"stage_names: layer {names[i]!r} is in chunks {owner[i]} and {s}.")
+                owner[i] = s
+    missing = [names[i] for i, o in enumerate(owner) if o == -1]
+    if missing:
+        raise PartitionError(f"stage_names leaves {len(missing)} layers in no chunk, e.g. {missing[0]!r}.")
+    if any(x > y for x, y in zip(owner, owner[1:])):
+        i = next(i for i, (x, y) in enumerate(zip(owner, owner[1:])) if x > y)
+        raise PartitionError(
+            f"stage_names: chunks must be contiguous and in order, but {names[i]!r} (chunk {owner[i]}) "
+            f"comes before {names[i + 1]!r} (chunk {owner[i + 1]})."
+        )
+    return _check_bounds([0] + [owner.index(s) for s in range(1, k)] + [len(names)], len(names), k)
+
+
+def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, stages: int, v: int, m: int, schedule: str,
+               limit: int | None, inflight: list[int], weight_share: float, signature: str) -> Plan:  # fmt: skip
+    c = model.costs
+    pairs = list(zip(bounds, bounds[1:]))
+    times = [c.cost(a, b) for a, b in pairs]
+    mems = [int(c.memory(a, b, inflight[s])) for s, (a, b) in enumerate(pairs)]
+    comm = [(model.one_way[a - 1] if a > 0 else 0.0) + (model.one_way[b - 1] if b < c.n else 0.0) for a, b in pairs]
+    ranks = chunk_ranks(schedule, stages, v)
+    rank_mem = []
+    for r in range(stages):
+        mine = [s for s in range(len(pairs)) if ranks[s] == r]
+        total = sum(mems[s] for s in mine)
+        for size, users in model.tied:  # a tied tensor held by several chunks of one rank: once
+            holders = sum(any(pairs[s][0] <= u < pairs[s][1] for u in users) for s in mine)
+            total -= size * max(holders - 1, 0)
+        rank_mem.append(total)
+    fwd = [float(model.forward[b] - model.forward[a]) for a, b in pairs]
+    bwd = [float(model.backward[b] - model.backward[a]) for a, b in pairs]
+    sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=weight_share)
+    slowest = int(np.argmax(times))
+    return Plan(
+        boundaries=tuple(int(b) for b in bounds),
+        stages=stages,
+        virtual_stages=v,
+        microbatches=m,
+        schedule=schedule,
+        memory_limit=limit,
+        method=method,
+        signature=signature,
+        num_layers=c.n,
+        bandwidth=model.bandwidth,
+        stage_ranks=ranks,
+        stage_times=tuple(times),
+        stage_forward=tuple(fwd),
+        stage_backward=tuple(bwd),
+        stage_comm=tuple(comm),
+        stage_memory=tuple(mems),
+        stage_inflight=tuple(inflight),
+        rank_times=tuple(sum(times[s] for s in range(len(pairs)) if ranks[s] == r) for r in range(stages)),
+        rank_memory=tuple(rank_mem),
+        bottleneck_stage=slowest,
+        bottleneck_time=times[slowest],
+        peak_memory=max(rank_mem),
+        step_time=sim.step_time,
+        bubble_fraction=sim.bubble_fraction,
+        stage_first_layers=tuple(model.names[a] for a, _ in pairs),
+        weight_share=weight_share,
+    )
+
+
+def _explain(model: _Model, profile: Profile, stages: int, v: int, m: int, schedule: str,
+             inflight: list[int], limit: int | None, chunk_limit: int | None) -> InfeasibleMemoryError:  # fmt: skip
+    """Why nothing fits: the layer too big on its own, else the stages or memory that would fit."""
+    assert limit is not None and chunk_limit is not None
+    c, n = model.costs, model.costs.n
+    idx = np.arange(n)
+    alone = np.asarray(c.memory(idx, idx + 1, min(inflight)))
+    where = f"{stages} stages ({schedule}, {m} micro-batches{f', {v} virtual' if v > 1 else ''})"
+    head = f"no cut into {where} fits {format_bytes(limit)} per device"
+    worst = int(np.argmax(alone))
+    if alone[worst] > chunk_limit:
+        return InfeasibleMemoryError(
+            f"{head}: layer {worst} ({model.names[worst]}) alone needs {format_bytes(int(alone[worst]))} "
+            f"(parameters, gradients, optimizer state and {min(inflight)} micro-batch of activations), so no "
+            f"number of stages fits; raise the memory limit to at least {format_bytes(int(alone[worst]) * v)} "
+            "or use a lighter optimizer."
+        )
+    need = min_peak_memory(c, stages * v, inflight=inflight) * v
+    more = None
+    tried = min(n // v, 8 * stages)  # each try is a full feasibility test: stay within a second or so
+    for s in range(stages + 1, tried + 1):
+        try:
+            sched_ok = check_schedule(schedule, s, v, m)
+        except PartitionError:
+            continue  # e.g. interleaved needs M to be a multiple of the stages
+        if fits(c, s * v, inflight=inflight_counts(sched_ok, s, v, m), limit=chunk_limit):
+            more = s
+            break
+    hint = f"{more} stages would fit" if more else f"no number of stages up to {tried} fits"
+    return InfeasibleMemoryError(
+        f"{head}: {hint}, or {format_bytes(need)} per device with {stages} stages. "
+        "Add stages, raise the memory limit, or use fewer micro-batches (or 1f1b instead of gpipe)."
+    )

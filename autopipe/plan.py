@@ -1,0 +1,150 @@
+"""The Plan record: where to cut, what each stage then costs, and what the schedule predicts.
+
+The partition pass produces it; ``LayerSequence.split(plan)`` and the emit pass read it. Chunk c
+(``boundaries[c]:boundaries[c+1]``) runs on rank ``stage_ranks[c]``: c itself with one chunk per rank,
+``c % stages`` (round-robin) for interleaved schedules, a V for zbv.
+
+Example:
+    >>> from autopipe import Profile, partition
+    >>> plan = partition(Profile.from_costs([1, 1, 1, 1, 2, 2]), stages=3)
+    >>> plan.boundaries, plan.bottleneck_time
+    ((0, 3, 5, 6), 3.0)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import RecordError
+from .records import write_json_atomic
+from .schedule import Simulation, simulate
+
+__all__ = ["Plan", "PLAN_SCHEMA", "METHODS"]
+
+PLAN_SCHEMA = 1
+METHODS = ("autopipe", "uniform", "parameters", "type:REGEX", "torchtitan", "greedy", "manual")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A partition of a profiled layer sequence into pipeline chunks, with its predicted costs.
+
+    With ``virtual_stages = 1`` a chunk is a stage. Times are seconds per micro-batch, memory bytes.
+    """
+
+    boundaries: tuple[int, ...]  # stages * virtual_stages + 1 layer indices, 0 .. num_layers
+    stages: int  # pipeline ranks
+    virtual_stages: int
+    microbatches: int
+    schedule: str
+    memory_limit: int | None  # bytes per device; None: unlimited
+    method: str  # autopipe | uniform | parameters | type:REGEX | torchtitan | greedy | manual
+    signature: str  # the profile's; split() refuses a plan made for another model
+    num_layers: int
+    bandwidth: float  # bytes/s of the link between ranks; inf: communication ignored
+    stage_ranks: tuple[int, ...]  # rank of each chunk
+    stage_times: tuple[float, ...]  # per chunk: forward + backward + 2 x send/recv at its cuts
+    stage_forward: tuple[float, ...]  # per chunk: forward compute
+    stage_backward: tuple[float, ...]  # per chunk: backward compute
+    stage_comm: tuple[float, ...]  # per chunk: send/recv seconds in one direction
+    stage_memory: tuple[int, ...]  # per chunk: static bytes (tied once) + activations in flight
+    stage_inflight: tuple[int, ...]  # per chunk: micro-batches of activations held at the peak
+    rank_times: tuple[float, ...]  # per rank: sum of its chunks' times
+    rank_memory: tuple[int, ...]  # per rank: its chunks' memory, tied tensors once per rank
+    bottleneck_stage: int  # the slowest chunk
+    bottleneck_time: float
+    peak_memory: int  # the largest rank_memory
+    step_time: float  # simulated, for the schedule and micro-batches above
+    bubble_fraction: float
+    optimum_bottleneck_time: float | None = None  # autopipe's, when this plan is a baseline or manual
+    optimum_step_time: float | None = None
+    stage_first_layers: tuple[str, ...] = ()  # name of each chunk's first layer, for reports
+    weight_share: float = 0.5  # part of the backward that zero-bubble schedules defer (W)
+    schema: int = PLAN_SCHEMA
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.boundaries) - 1
+
+    @property
+    def balance(self) -> float:
+        """Slowest chunk over the mean chunk: 1.0 is perfectly balanced."""
+        mean = sum(self.stage_times) / len(self.stage_times)
+        return self.bottleneck_time / mean if mean > 0 else 1.0
+
+    def layers_of(self, chunk: int) -> range:
+        """Layer indices of chunk ``chunk``."""
+        return range(self.boundaries[chunk], self.boundaries[chunk + 1])
+
+    def chunks_of(self, rank: int) -> list[int]:
+        """Chunks that rank ``rank`` runs, in model order."""
+        return [c for c, r in enumerate(self.stage_ranks) if r == rank]
+
+    def simulate(self, schedule: str | None = None, microbatches: int | None = None) -> Simulation:
+        """Simulate one training step of this cut under ``schedule`` (default: the plan's own).
+
+        Example:
+            >>> plan.simulate("gpipe", 8).step_time  # doctest: +SKIP
+        """
+        return simulate(
+            schedule or self.schedule,
+            forward=self.stage_forward,
+            backward=self.stage_backward,
+            comm=self.stage_comm,
+            ranks=self.stages,
+            microbatches=microbatches or self.microbatches,
+            weight_share=self.weight_share,
+        )
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = "autopipe.plan"
+        if d["bandwidth"] == float("inf"):
+            d["bandwidth"] = None  # JSON has no infinity
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if d.get("kind") != "autopipe.plan":
+            raise RecordError("not an autopipe plan (missing kind 'autopipe.plan').")
+        if d.get("schema") != PLAN_SCHEMA:
+            raise RecordError(
+                f"plan schema {d.get('schema')} is not supported (this autopipe reads {PLAN_SCHEMA}); "
+                "run `autopipe plan` again with this version."
+            )
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        if d.get("bandwidth") is None:
+            d["bandwidth"] = float("inf")
+        try:
+            plan = cls(**d)
+        except TypeError as e:
+            raise RecordError(f"plan is missing fields ({e}); run `autopipe plan` again.") from None
+        b = plan.boundaries
+        if b[0] != 0 or b[-1] != plan.num_layers or any(x >= y for x, y in zip(b, b[1:])):
+            raise RecordError(f"plan boundaries {list(b)} are not increasing from 0 to {plan.num_layers}.")
+        return plan
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Plan":
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise RecordError(f"no plan at {path}.") from None
+        except json.JSONDecodeError as e:
+            raise RecordError(f"{path} is not valid JSON ({e}).") from None
+        return cls.from_dict(d)
