@@ -57,3 +57,65 @@ def profile_command(
     else:
         console.print(profile_table(prof))
         console.print(f"saved {out}")
+
+
+# ---- plan (issue 4) ----------------------------------------------------------------------------
+
+@app.command("plan")
+@handle_errors
+def plan_command(
+    profile: Annotated[Path, typer.Argument(help="A profile JSON from `autopipe profile` (or Profile.save).")],
+    stages: Annotated[int, typer.Option("--stages", "-s", help="Pipeline stages (ranks).")],
+    microbatches: Annotated[Optional[int], typer.Option("--microbatches", "-m", help="Micro-batches per step (default 2 x stages).")] = None,
+    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved1f1b or zbv.")] = "1f1b",
+    memory_limit: Annotated[Optional[str], typer.Option("--memory-limit", help="Memory per device, like 80GiB or 512MB.")] = None,
+    virtual_stages: Annotated[Optional[int], typer.Option("--virtual-stages", help="Chunks per rank for interleaved schedules.")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(help="Recount optimizer state for adamw, adam, sgd-momentum, sgd or none.")] = None,
+    bandwidth: Annotated[Optional[str], typer.Option(help="Link bytes per second between ranks, like 25GB; 'none' ignores communication.")] = None,
+    method: Annotated[str, typer.Option(help="autopipe, uniform, parameters, type:REGEX, torchtitan or greedy.")] = "autopipe",
+    boundaries: Annotated[Optional[str], typer.Option(help="Your own cut as layer indices, like 0,7,14,21,26.")] = None,
+    compare: Annotated[bool, typer.Option("--compare", help="Show the baseline partitioners beside autopipe.")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="Save the plan JSON here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the plan (and comparison) as JSON.")] = False,
+) -> None:
+    """Cut a profiled model into pipeline stages: the exact optimum for the schedule and memory limit."""
+    import json
+
+    from .baselines import BASELINES
+    from .errors import PartitionError
+    from .partition import DEFAULT_BANDWIDTH, parse_size, partition
+    from .plan_view import compare_table, plan_summary, plan_table
+    from .records import Profile
+
+    if out is not None and out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass --force to overwrite it.")
+    bw: float | None = DEFAULT_BANDWIDTH
+    if bandwidth is not None:
+        bw = None if bandwidth.strip().lower() in ("none", "inf") else float(parse_size(bandwidth))
+    cut = None
+    if boundaries is not None:
+        try:
+            cut = [int(x) for x in boundaries.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise PartitionError(f"--boundaries {boundaries!r}: give layer indices separated by commas, like 0,7,14,26.") from None
+    prof = Profile.load(profile)
+    options = dict(microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
+                   optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw)  # fmt: skip
+    plan = partition(prof, stages, boundaries=cut, method=method, **options)  # type: ignore[arg-type]
+    others = []
+    if compare:
+        names = ["autopipe"] + [b for b in BASELINES] + ([plan.method] if plan.method not in ("autopipe", *BASELINES) else [])
+        others = [plan if m == plan.method else partition(prof, stages, method=m, **options) for m in names]  # type: ignore[arg-type]
+    if out is not None:
+        plan.save(out)
+    if json_output:
+        data = {"plan": plan.to_dict(), "compare": [p.to_dict() for p in others]}
+        typer.echo(json.dumps(data, indent=1))
+        return
+    console.print(plan_table(plan))
+    console.print(plan_summary(plan), highlight=False)
+    if others:
+        console.print(compare_table(others))
+    if out is not None:
+        console.print(f"saved {out}", highlight=False)

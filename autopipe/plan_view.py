@@ -1,0 +1,75 @@
+"""Rich tables for plans: one plan's stages, and several partitioners side by side."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rich.table import Table
+
+from .partition import format_bytes
+from .plan import Plan
+
+__all__ = ["plan_table", "compare_table", "plan_summary"]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def plan_table(plan: Plan, title: str = "") -> Table:
+    """One row per chunk: rank, layers, times (ms per micro-batch), memory, in-flight micro-batches."""
+    table = Table(title=title or f"{plan.method}: {plan.num_layers} layers into {plan.num_chunks} chunks")
+    for col in ("chunk", "rank", "layers", "first layer", "time ms", "fwd ms", "bwd ms", "comm ms", "memory", "in flight"):
+        table.add_column(col, justify="left" if col in ("layers", "first layer") else "right")
+    for c in range(plan.num_chunks):
+        a, b = plan.boundaries[c], plan.boundaries[c + 1]
+        slow = c == plan.bottleneck_stage
+        table.add_row(
+            f"{c}{' *' if slow else ''}",
+            str(plan.stage_ranks[c]),
+            f"{a}..{b - 1} ({b - a})",
+            plan.stage_first_layers[c] if plan.stage_first_layers else "",
+            _ms(plan.stage_times[c]),
+            _ms(plan.stage_forward[c]),
+            _ms(plan.stage_backward[c]),
+            _ms(2 * plan.stage_comm[c]),
+            format_bytes(plan.stage_memory[c]),
+            str(plan.stage_inflight[c]),
+            style="bold" if slow else None,
+        )
+    return table
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line: bottleneck, balance, step time and bubble, and the optimum when this is a baseline."""
+    line = (
+        f"bottleneck chunk {plan.bottleneck_stage}: {_ms(plan.bottleneck_time)} ms/micro-batch, "
+        f"balance (max/mean) {plan.balance:.3f}, peak memory {format_bytes(plan.peak_memory)}, "
+        f"{plan.schedule} step with {plan.microbatches} micro-batches {_ms(plan.step_time)} ms "
+        f"(bubble {plan.bubble_fraction:.1%})"
+    )
+    if plan.optimum_bottleneck_time is not None:
+        line += f"; autopipe's optimum bottleneck {_ms(plan.optimum_bottleneck_time)} ms"
+    return line
+
+
+def compare_table(plans: Sequence[Plan]) -> Table:
+    """Partitioners side by side on the same profile; the first plan is the reference (autopipe)."""
+    best = plans[0]
+    table = Table(title=f"{best.num_layers} layers, {best.num_chunks} chunks, {best.schedule}, {best.microbatches} micro-batches")
+    for col in ("method", "bottleneck ms", "vs autopipe", "max/mean", "peak memory", "memory per stage", "step ms", "fits"):
+        table.add_column(col, justify="left" if col in ("method", "memory per stage") else "right")
+    for p in plans:
+        ratio = p.bottleneck_time / best.bottleneck_time if best.bottleneck_time > 0 else 1.0
+        fits = "-" if p.memory_limit is None else ("yes" if p.peak_memory <= p.memory_limit else "NO")
+        table.add_row(
+            p.method,
+            _ms(p.bottleneck_time),
+            f"{ratio:.3f}x",
+            f"{p.balance:.3f}",
+            format_bytes(p.peak_memory),
+            " ".join(format_bytes(m).replace(" ", "") for m in p.rank_memory),
+            _ms(p.step_time),
+            fits,
+        )
+    return table

@@ -1,0 +1,89 @@
+"""`autopipe plan` through typer's CliRunner: tables, JSON, --compare, --out, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from autopipe import Profile
+from autopipe.cli import app
+from autopipe.plan import Plan
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    names = ["wte"] + [f"h.{i}" for i in range(24)] + ["lm_head"]
+    times = [0.001] + [0.010] * 24 + [0.030]
+    params = [38_000_000] + [7_000_000] * 24 + [38_000_000]
+    path = tmp_path / "profile.json"
+    Profile.from_costs(times, param_bytes=params, activation_bytes=[1000] * 26, names=names).save(path)
+    return path
+
+
+def _run(*args: str):
+    result = runner.invoke(app, list(args), env={"COLUMNS": "200"})
+    return result, result.output
+
+
+def test_plan_prints_stage_table(profile_path) -> None:
+    """A plan prints one row per stage and the bottleneck summary; exit code 0."""
+    result, out = _run("plan", str(profile_path), "--stages", "4", "--bandwidth", "none")
+    assert result.exit_code == 0, out
+    assert "0..6 (7)" in out and "21..25 (5)" in out
+    assert "bottleneck chunk" in out and "70.000 ms" in out
+
+
+def test_plan_json_and_out(profile_path, tmp_path) -> None:
+    """--json prints the plan as JSON and --out saves the same plan; a second run refuses to overwrite."""
+    dest = tmp_path / "plan.json"
+    result, out = _run("plan", str(profile_path), "-s", "4", "--json", "--out", str(dest))
+    assert result.exit_code == 0, out
+    data = json.loads(out)
+    assert data["plan"]["boundaries"] == [0, 7, 14, 21, 26]
+    assert Plan.load(dest).boundaries == (0, 7, 14, 21, 26)
+    before = dest.read_text()
+    result, out = _run("plan", str(profile_path), "-s", "2", "--out", str(dest))
+    assert result.exit_code == 1 and "--force" in out
+    assert dest.read_text() == before
+    result, out = _run("plan", str(profile_path), "-s", "2", "--out", str(dest), "--force")
+    assert result.exit_code == 0, out
+    assert Plan.load(dest).stages == 2
+
+
+def test_compare_lists_every_baseline(profile_path) -> None:
+    """--compare shows autopipe and the baselines with their ratio to autopipe."""
+    result, out = _run("plan", str(profile_path), "-s", "4", "--compare", "--json")
+    assert result.exit_code == 0, out
+    rows = json.loads(out)["compare"]
+    assert [r["method"] for r in rows] == ["autopipe", "uniform", "parameters", "torchtitan", "greedy"]
+    assert all(r["bottleneck_time"] >= rows[0]["bottleneck_time"] for r in rows)
+    result, out = _run("plan", str(profile_path), "-s", "4", "--compare")
+    assert result.exit_code == 0 and "parameters" in out and "vs autopipe" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--memory-limit", "80 gigs"], "bad memory size"),
+        (["--memory-limit", "100MB"], "no cut into 4 stages"),
+        (["--schedule", "pipedream"], "unknown schedule"),
+        (["--boundaries", "0,a,26"], "--boundaries"),
+        (["--boundaries", "0,3,3,20,26"], "empty"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_1(profile_path, args, message) -> None:
+    """Bad options print one 'error:' line naming the problem and exit 1."""
+    result, out = _run("plan", str(profile_path), "--stages", "4", *args)
+    assert result.exit_code == 1, out
+    assert "error:" in out and message in out
+    assert "Traceback" not in out
+
+
+def test_missing_profile(tmp_path) -> None:
+    """A missing profile file is an error, not a traceback."""
+    result, out = _run("plan", str(tmp_path / "none.json"), "--stages", "2")
+    assert result.exit_code == 1 and "no profile at" in out

@@ -1,0 +1,117 @@
+"""Schedule simulator: exact step times on hand-checkable pipelines, and a valid timeline always."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopipe.errors import PartitionError
+from autopipe.schedule import chunk_ranks, inflight_counts, normalize_schedule, simulate
+
+
+def _equal(schedule: str, ranks: int, virtual: int, m: int, f: float, b: float, c: float = 0.0):
+    k = ranks * virtual
+    return simulate(schedule, forward=[f] * k, backward=[b] * k, comm=[c] * k, ranks=ranks, microbatches=m)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("ranks,m", [(1, 1), (2, 4), (4, 8), (4, 3), (8, 16)])
+def test_equal_stages_step_is_m_plus_s_minus_1_times_f_plus_b(schedule: str, ranks: int, m: int) -> None:
+    """GPipe and 1F1B with equal stages take (M + S - 1)(f + b)."""
+    sim = _equal(schedule, ranks, 1, m, 1.0, 2.0)
+    assert sim.step_time == pytest.approx((m + ranks - 1) * 3.0)
+    assert sim.bubble_fraction == pytest.approx((ranks - 1) / (m + ranks - 1))
+
+
+def test_communication_is_charged_to_both_directions() -> None:
+    """A chunk's send/recv time lengthens its forward and its backward: (M + S - 1)(f + b + 2c)."""
+    sim = _equal("gpipe", 3, 1, 5, 1.0, 2.0, c=0.5)
+    assert sim.step_time == pytest.approx((5 + 3 - 1) * 4.0)
+
+
+@pytest.mark.parametrize("ranks,virtual,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (8, 2, 16)])
+def test_interleaved_bubble_shrinks_by_virtual_stages(ranks: int, virtual: int, m: int) -> None:
+    """Interleaved 1F1B with equal chunks of 1/v of a stage: M(f + b) + (S - 1)(f + b)/v."""
+    f, b = 1.0 / virtual, 2.0 / virtual
+    sim = _equal("interleaved1f1b", ranks, virtual, m, f, b)
+    assert sim.step_time == pytest.approx(m * 3.0 + (ranks - 1) * 3.0 / virtual)
+
+
+@pytest.mark.parametrize("ranks,m", [(2, 4), (4, 8), (8, 16)])
+def test_zbv_bubble_is_below_1f1b(ranks: int, m: int) -> None:
+    """ZBV (V placement, split backward) idles less than 1F1B on the same total work."""
+    zb = _equal("zbv", ranks, 2, m, 0.5, 1.0)
+    one = _equal("1f1b", ranks, 1, m, 1.0, 2.0)
+    assert zb.step_time < one.step_time
+    assert zb.bubble_fraction < one.bubble_fraction
+    assert zb.step_time >= m * 3.0  # no rank can beat its own work
+
+
+def test_inflight_counts_follow_the_schedules() -> None:
+    """GPipe holds all M micro-batches on every stage; 1F1B holds min(S - s, M) at stage s."""
+    assert inflight_counts("gpipe", 4, 1, 6) == [6, 6, 6, 6]
+    assert inflight_counts("1f1b", 4, 1, 8) == [4, 3, 2, 1]
+    assert inflight_counts("1f1b", 4, 1, 2) == [2, 2, 2, 1]
+
+
+def test_placement_round_robin_and_v() -> None:
+    """Interleaved places chunk c on rank c % S; zbv places chunks in a V."""
+    assert chunk_ranks("interleaved1f1b", 3, 2) == (0, 1, 2, 0, 1, 2)
+    assert chunk_ranks("zbv", 3, 2) == (0, 1, 2, 2, 1, 0)
+    assert chunk_ranks("1f1b", 3, 1) == (0, 1, 2)
+
+
+def test_bad_schedule_options_are_explained() -> None:
+    """Unknown names, wrong virtual stages and M not a multiple of S raise PartitionError with the fix."""
+    with pytest.raises(PartitionError, match="unknown schedule"):
+        normalize_schedule("pipedream")
+    with pytest.raises(PartitionError, match="multiple of the stages"):
+        _equal("interleaved1f1b", 4, 2, 6, 1.0, 1.0)
+    with pytest.raises(PartitionError, match="virtual"):
+        _equal("1f1b", 2, 2, 4, 1.0, 1.0)
+    assert normalize_schedule("Interleaved1F1B") == "interleaved1f1b"
+    assert normalize_schedule("ScheduleZBVZeroBubble") == "zbv"
+
+
+@st.composite
+def _pipelines(draw):
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved1f1b", "zbv"]))
+    ranks = draw(st.integers(1, 5))
+    virtual = {"gpipe": 1, "1f1b": 1, "zbv": 2}.get(schedule) or draw(st.integers(2, 3))
+    m = draw(st.integers(1, 10))
+    if schedule == "interleaved1f1b":
+        m = ranks * draw(st.integers(1, 3))
+    k = ranks * virtual
+    dur = st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.5])
+    fwd = [draw(dur) for _ in range(k)]
+    bwd = [draw(dur) for _ in range(k)]
+    comm = [draw(st.sampled_from([0.0, 0.25])) for _ in range(k)]
+    return schedule, ranks, m, fwd, bwd, comm
+
+
+@settings(max_examples=150, deadline=None)
+@given(_pipelines())
+def test_timeline_is_a_valid_execution(case) -> None:
+    """Every op runs once, ops on a rank never overlap, and each op starts after what it needs."""
+    schedule, ranks, m, fwd, bwd, comm = case
+    sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=ranks, microbatches=m)
+    k = len(fwd)
+    place = chunk_ranks(schedule, ranks, k // ranks)
+    kinds = "FBW" if schedule == "zbv" else "FB"
+    end = {}
+    for r, tl in enumerate(sim.timeline):
+        for (s0, e0, *_), (s1, *_rest) in zip(tl, tl[1:]):
+            assert e0 <= s1 + 1e-12
+        for start, stop, kind, mb, c in tl:
+            assert place[c] == r
+            end[(kind, mb, c)] = (start, stop)
+    assert set(end) == {(kd, mb, c) for kd in kinds for mb in range(m) for c in range(k)}
+    for (kind, mb, c), (start, _) in end.items():
+        needs = {"F": [("F", mb, c - 1)] if c else [], "W": [("B", mb, c)]}.get(kind)
+        if needs is None:
+            needs = [("F", mb, c)] + ([("B", mb, c + 1)] if c < k - 1 else [])
+        for d in needs:
+            assert end[d][1] <= start + 1e-12
+    assert sim.step_time == pytest.approx(max(e for tl in sim.timeline for _, e, *_ in tl))
+    assert 0.0 <= sim.bubble_fraction <= 1.0 + 1e-12
