@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from .devices import DeviceSpec
-from .measure import Value, _grad_outputs, backward_targets, tensor_bytes
+from .measure import Value, _grad_outputs, backward_targets, storage_key, tensor_bytes
 
 __all__ = ["OpCost", "Estimate", "estimate_layer", "meta_copy", "data_free"]
 
@@ -45,8 +45,11 @@ class OpCost(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        # Views only reinterpret metadata: no kernel runs.
-        if func.is_view or packet.__name__ in _NO_TRAFFIC:
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+        inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+        # Views, reshapes that alias (_unsafe_view) and checks (_assert_tensor_metadata) run no kernel.
+        if (func.is_view or packet.__name__ in _NO_TRAFFIC or not outs
+                or (not func._schema.is_mutable and all(storage_key(o) in inputs for o in outs))):
             return out
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
         moved = sum(tensor_bytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, Tensor))

@@ -1,0 +1,145 @@
+"""Does the per-layer profile add up to the whole model? GPT-2 124M on this CPU.
+
+    python bench/bench_profile.py [--seq-len 128] [--repeats 10] [--threads 1]
+
+Records to bench/results/profile.json and .md, and saves the measured profile as profiles/gpt2-cpu.json:
+- the sum of per-layer forward+backward medians against the whole sequence's forward+backward median,
+  timed in the same run (whole-model runs before and after the profile, so drift hits both);
+- the sum of per-layer activation bytes against the whole sequence's saved-tensor bytes;
+- estimate-mode time shares (roofline over the probed CPU) against the measured shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import autopipe
+from autopipe.measure import static_storage_keys, storage_key
+from autopipe.records import write_json_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def whole_model_times(seq, ids, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """Forward+backward seconds of the whole sequence, gradients by autograd.grad (no .grad writes)."""
+    params = [p for p in dict.fromkeys(seq.parameters()) if p.requires_grad]
+    samples = []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        out = seq.pack_inputs((ids,), {})
+        for layer in seq.layers:
+            out = layer(out)
+        outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+        torch.autograd.grad(outs, params, [torch.ones_like(t) for t in outs], allow_unused=True)
+        if i >= 2:  # two warm-up runs
+            samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def saved_bytes(seq, ids) -> int:  # type: ignore[no-untyped-def]
+    static = set().union(*(static_storage_keys(layer) for layer in seq.layers))
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if storage_key(t) not in static:
+            saved[storage_key(t)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = seq(ids)
+    del out
+    return sum(saved.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    opts = ap.parse_args()
+    torch.set_num_threads(opts.threads)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(use_cache=False))
+    ids = torch.randint(0, model.config.vocab_size, (opts.batch_size, opts.seq_len))
+    seq = autopipe.flatten(model, (ids,))
+    seq.train()  # as the profiler measures: training mode, dropout on
+
+    whole = whole_model_times(seq, ids, opts.repeats)
+    prof = autopipe.profile(seq, (ids,), repeats=opts.repeats, warmup=3, threads=opts.threads, progress=True)
+    whole += whole_model_times(seq, ids, opts.repeats)
+    est = autopipe.profile(seq, (ids,), estimate=True, device="cpu", progress=False)
+    activation_whole = saved_bytes(seq, ids)
+
+    layer_sum = sum(prof.times)
+    whole_median = statistics.median(whole)
+    measured_share = [t / layer_sum for t in prof.times]
+    est_total = sum(est.times)
+    est_share = [t / est_total for t in est.times]
+    share_err = [abs(a - b) for a, b in zip(measured_share, est_share)]
+    activation_sum = sum(c.activation_bytes for c in prof.layers)
+    result = {
+        "model": "gpt2 (GPT2Config() defaults, 124M, random init)",
+        "microbatch": [opts.batch_size, opts.seq_len],
+        "cpu": prof.device.name,
+        "threads": opts.threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "repeats": opts.repeats,
+        "layers": len(prof.layers),
+        "measured_layers": sum(c.source == "measured" for c in prof.layers),
+        "layer_sum_s": layer_sum,
+        "whole_model_median_s": whole_median,
+        "whole_model_spread_s": statistics.quantiles(whole, n=4)[2] - statistics.quantiles(whole, n=4)[0],
+        "time_ratio_layers_over_whole": layer_sum / whole_median,
+        "activation_sum_bytes": activation_sum,
+        "whole_model_saved_bytes": activation_whole,
+        "activation_ratio": activation_sum / activation_whole,
+        "estimate_total_s": est_total,
+        "estimate_over_measured": est_total / layer_sum,
+        "share_max_abs_error": max(share_err),
+        "share_mean_abs_error": sum(share_err) / len(share_err),
+        "per_layer": [
+            {"name": c.name, "source": c.source, "measured_ms": c.time * 1e3, "measured_share": m,
+             "estimated_ms": e.time * 1e3, "estimated_share": s}
+            for c, e, m, s in zip(prof.layers, est.layers, measured_share, est_share)
+        ],
+    }
+    write_json_atomic(ROOT / "bench/results/profile.json", result)
+    (ROOT / "bench/results/profile.md").write_text(_markdown(result))
+    dataclasses.replace(prof, model="gpt2").save(ROOT / "profiles/gpt2-cpu.json")
+    print(_markdown(result))
+
+
+def _markdown(r: dict) -> str:  # type: ignore[type-arg]
+    lines = [
+        f"# bench_profile: {r['model']}, micro-batch {r['microbatch']}, {r['cpu']}, {r['threads']} thread(s)",
+        "",
+        "| figure | value |",
+        "| --- | --- |",
+        f"| sum of per-layer fwd+bwd medians | {r['layer_sum_s'] * 1e3:.1f} ms ({r['measured_layers']} of {r['layers']} layers measured, rest reused) |",
+        f"| whole-model fwd+bwd median (spread) | {r['whole_model_median_s'] * 1e3:.1f} ms ({r['whole_model_spread_s'] * 1e3:.1f} ms) |",
+        f"| ratio layers / whole (goal within 10%) | {r['time_ratio_layers_over_whole']:.3f} |",
+        f"| activation bytes: sum of layers / whole model saved | {r['activation_sum_bytes']} / {r['whole_model_saved_bytes']} = {r['activation_ratio']:.3f} |",
+        f"| estimate (CPU roofline) total / measured | {r['estimate_total_s'] * 1e3:.1f} / {r['layer_sum_s'] * 1e3:.1f} ms = {r['estimate_over_measured']:.2f} |",
+        f"| time share, estimate vs measured: max / mean abs error | {r['share_max_abs_error'] * 100:.1f} / {r['share_mean_abs_error'] * 100:.1f} points |",
+        "",
+        "| layer | source | measured ms | share | estimated ms | share |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in r["per_layer"]:
+        lines.append(f"| {row['name']} | {row['source']} | {row['measured_ms']:.2f} | {row['measured_share'] * 100:.1f}% "
+                     f"| {row['estimated_ms']:.2f} | {row['estimated_share'] * 100:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
