@@ -5,11 +5,57 @@ from __future__ import annotations
 from .cli import app, console, handle_errors  # noqa: F401
 
 
-# ---- profile (issue 3) -------------------------------------------------------------------------
+# ---- inspect (issue 2) -------------------------------------------------------------------------
 from pathlib import Path  # noqa: E402
 from typing import Annotated, Optional  # noqa: E402
 
 import typer  # noqa: E402
+
+ModelArg = Annotated[
+    str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, or module:function / file.py:function.")
+]
+
+
+@app.command("inspect")
+@handle_errors
+def inspect_command(
+    model: ModelArg,
+    batch_size: Annotated[int, typer.Option(help="Micro-batch size of the example input.")] = 1,
+    seq_len: Annotated[int, typer.Option(help="Sequence length of the example input.")] = 128,
+    device: Annotated[str, typer.Option(help="meta (no weights, any size) or cpu (real weights; the trace is checked numerically).")] = "meta",
+    granularity: Annotated[str, typer.Option(help="block: cut at repeated blocks; leaf: at every module with parameters.")] = "block",
+    blocks_per_layer: Annotated[int, typer.Option(help="Coarser layers: this many blocks per layer.")] = 1,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the layers as JSON.")] = False,
+) -> None:
+    """Trace and flatten MODEL; print its layer sequence: what each layer holds and passes on."""
+    import dataclasses
+    import json
+
+    from .flatten import flatten
+    from .inspect_view import layer_table
+    from .models import load_model
+
+    spec = load_model(model, device=device, batch_size=batch_size, seq_len=seq_len)
+    seq = flatten(spec.model, spec.args, spec.kwargs, granularity=granularity,  # type: ignore[arg-type]
+                  blocks_per_layer=blocks_per_layer, name=model)
+    if json_output:
+        data = {
+            "model": model,
+            "signature": seq.signature,
+            "layers": [dataclasses.asdict(info) for info in seq.infos],
+            "tied": [dataclasses.asdict(group) for group in seq.tied],
+            "notes": seq.notes,
+        }
+        typer.echo(json.dumps(data, indent=1))
+        return
+    console.print(layer_table(seq, title=f"{model}: {len(seq)} layers"))
+    for group in seq.tied:
+        console.print(f"tied: {' = '.join(group.names)}  (layers {', '.join(map(str, group.layers))})", highlight=False)
+    for note in seq.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+
+
+# ---- profile (issue 3) -------------------------------------------------------------------------
 
 @app.command("profile")
 @handle_errors
@@ -35,6 +81,7 @@ def profile_command(
     import torch
     from torch.utils._pytree import tree_map
 
+    from .errors import AutopipeError
     from .flatten import flatten
     from .models import load_model
     from .profile import profile, profile_table
@@ -42,6 +89,14 @@ def profile_command(
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists; pass --force to overwrite it, or choose another --out.")
     m, args, kwargs = load_model(model, device="meta" if estimate else "cpu", batch_size=batch_size, seq_len=seq_len)
+    if dtype is not None or mixed_precision:
+        # Convert before flatten: a traced graph keeps the dtypes it was traced in.
+        target = getattr(torch, dtype or "bfloat16", None)
+        if not isinstance(target, torch.dtype):
+            raise AutopipeError(f"unknown --dtype {dtype!r}; use float32, bfloat16 or float16.")
+        m = m.to(target)
+        args, kwargs = tree_map(lambda v: v.to(target) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
+                                (args, kwargs))
     if not estimate and device != "cpu":
         # Trace where it will be measured: traced graphs keep their device.
         m = m.to(device)
@@ -119,3 +174,7 @@ def plan_command(
         console.print(compare_table(others))
     if out is not None:
         console.print(f"saved {out}", highlight=False)
+
+
+# ---- convert, report (issue 6): bodies in cli_convert.py ------------------------------------------
+from . import cli_convert  # noqa: E402,F401

@@ -204,17 +204,19 @@ def profile_table(prof: Profile) -> Table:
     total = sum(prof.times) or 1.0
     table = Table(title=f"{prof.model or 'model'}: {prof.mode} on {prof.device.name} ({prof.dtype})",
                   title_justify="left")
-    for col in ("#", "layer", "fwd ms", "bwd ms", "share", "params+grad+opt", "activations", "peak", "out", ""):
-        table.add_column(col, justify="left" if col in ("layer", "") else "right", no_wrap=col != "layer")
+    # static = parameters + gradients + optimizer state; act = saved for backward per micro-batch
+    for col in ("#", "layer", "fwd ms", "bwd ms", "share", "static", "act", "peak", "out", ""):
+        table.add_column(col, justify="left" if col in ("layer", "") else "right", no_wrap=col != "layer",
+                         min_width=12 if col == "layer" else None)
     for c in prof.layers:
         table.add_row(
             str(c.index), c.name, f"{c.forward_time * 1e3:.3f}", f"{c.backward_time * 1e3:.3f}",
             f"{100 * c.time / total:.1f}%", format_bytes(c.static_bytes), format_bytes(c.activation_bytes),
             format_bytes(max(c.peak_forward_bytes, c.peak_backward_bytes)), format_bytes(c.output_bytes),
-            ("tied " if c.tied else "") + ("" if c.source in ("measured", "estimated") else c.source),
+            ("tied " if c.tied else "") + ("=" if c.source == "reused" else ""),
         )
-    table.caption = (f"total {total * 1e3:.2f} ms per micro-batch {prof.microbatch}; "
-                     f"activations {format_bytes(sum(c.activation_bytes for c in prof.layers))}")
+    table.caption = (f"total {total * 1e3:.2f} ms per micro-batch {prof.microbatch}; activations "
+                     f"{format_bytes(sum(c.activation_bytes for c in prof.layers))}; '=' reuses an identical layer")
     return table
 
 

@@ -1,0 +1,51 @@
+"""The `autopipe profile` command, through typer's CliRunner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from autopipe.cli import app
+from autopipe.records import Profile
+
+runner = CliRunner()
+
+
+def test_cli_estimate_prints_table_and_saves_json(tmp_path: Path) -> None:
+    """`profile llama-tiny --estimate` prints a per-layer table and writes a loadable profile."""
+    out = tmp_path / "p.json"
+    result = runner.invoke(app, ["profile", "llama-tiny", "--estimate", "--device", "h100", "--seq-len", "16",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "share" in result.output and "saved" in result.output
+    prof = Profile.load(out)
+    assert prof.mode == "estimated" and prof.model == "llama-tiny" and len(prof.layers) >= 4
+
+
+def test_cli_measures_on_cpu_as_json(tmp_path: Path) -> None:
+    """`profile ... --json` measures on the CPU and prints the profile as JSON."""
+    out = tmp_path / "p.json"
+    result = runner.invoke(app, ["profile", "llama-tiny", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
+                                 "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"kind": "autopipe.profile"' in result.output
+    assert Profile.load(out).mode == "measured"
+
+
+def test_cli_never_overwrites_without_force(tmp_path: Path) -> None:
+    """An existing --out is kept and the command exits 1 with one line, unless --force."""
+    out = tmp_path / "p.json"
+    out.write_text("precious")
+    result = runner.invoke(app, ["profile", "llama-tiny", "--estimate", "--seq-len", "8", "--out", str(out)])
+    assert result.exit_code == 1 and "--force" in result.output
+    assert out.read_text() == "precious"
+    forced = runner.invoke(app, ["profile", "llama-tiny", "--estimate", "--seq-len", "8", "--out", str(out), "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert Profile.load(out).mode == "estimated"
+
+
+def test_cli_unknown_model_is_one_line_error(tmp_path: Path) -> None:
+    """An unknown model name exits 1 with a one-line error, no traceback."""
+    result = runner.invoke(app, ["profile", "no-such-model", "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 1 and "unknown model" in result.output and "Traceback" not in result.output
