@@ -304,10 +304,14 @@ def _flatten_program(
         (i, constant_of.get(v, v)) for i, v in enumerate(user_out) if not isinstance(v, fx.Node) or v in constant_of
     )
 
+    names_of: dict[int, list[str]] = {}
+    for target, kind, tensor in attr_of.values():
+        if kind == "parameter":
+            names_of.setdefault(id(tensor), []).append(target)
     layers: list[nn.Module] = []
     for i, seg in enumerate(segments):
         muts = [(v, t) for v, t in mutations if layer_of.get(v) == i]
-        layers.append(_build_layer(seg, live[i], live[i + 1], attr_of, constant_of, muts, model, i))
+        layers.append(_build_layer(seg, live[i], live[i + 1], attr_of, constant_of, muts, model, i, names_of))
 
     tied, canonical_of = _find_tied(layers, attr_of)
     infos = [
@@ -338,6 +342,7 @@ def _build_layer(
     mutations: list[tuple[fx.Node, str]],
     model: nn.Module,
     index: int,
+    names_of: dict[int, list[str]],
 ) -> fx.GraphModule:
     g = fx.Graph()
     x = g.placeholder("autopipe_inputs")
@@ -349,13 +354,15 @@ def _build_layer(
     attrs: dict[str, Any] = {}
     kinds: dict[str, str] = {}
 
-    def lookup(a: fx.Node) -> Any:
+    def lookup(a: fx.Node, user: fx.Node | None = None) -> Any:
         if a in env:
             return env[a]
         if a in constant_of:
             return constant_of[a]
         if a in attr_of:
             target, kind, tensor = attr_of[a]
+            if kind == "parameter" and user is not None:
+                target = _closest_name(user, names_of.get(id(tensor), [target]))
             attrs[target] = tensor
             kinds[target] = kind
             env[a] = g.get_attr(target)
@@ -368,7 +375,7 @@ def _build_layer(
 
     for n in seg.nodes:
         for a in n.all_input_nodes:
-            lookup(a)
+            lookup(a, n)
         env[n] = g.node_copy(n, lookup)
         env[n].meta = dict(n.meta)
     for value, target in mutations:
@@ -382,6 +389,19 @@ def _build_layer(
     gm = fx.GraphModule(attrs, g, class_name=f"Layer{index}")
     gm.autopipe_attrs = kinds  # what rebind_ re-reads: original name -> parameter/buffer/constant
     return gm
+
+
+def _closest_name(user: fx.Node, names: list[str]) -> str:
+    """Of a tied tensor's names, the one under the module that uses it (wte in the embedding layer).
+
+    Export routes every use of a tied tensor through one placeholder, whichever name it kept.
+    """
+    paths = [path for _, path, _ in _stack(user)]
+
+    def depth(name: str) -> int:
+        return max((len(p) for p in paths if name.startswith(p + ".")), default=-1)
+
+    return max(sorted(names), key=depth)
 
 
 def _write_buffer(buffer: torch.Tensor, value: torch.Tensor) -> None:

@@ -111,7 +111,7 @@ class IOSpec:
 
 def _describe(spec: pytree.TreeSpec) -> str:
     try:
-        (args_spec, kwargs_spec) = spec.children_specs
+        (args_spec, kwargs_spec) = spec.children()
         return f"{args_spec.num_leaves} positional leaves and keywords {list(kwargs_spec.context)}"
     except (AttributeError, ValueError, TypeError):
         return str(spec)

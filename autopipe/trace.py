@@ -97,8 +97,12 @@ def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     try:
         sig.bind(*args, **kwargs)
     except TypeError as e:
+        bare = sig.replace(
+            parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+            return_annotation=inspect.Signature.empty,
+        )
         raise InputMismatchError(
-            f"example inputs don't match {type(model).__name__}.forward{sig}: {e}. "
+            f"example inputs don't match {type(model).__name__}.forward{bare}: {e}. "
             "Pass example inputs the way you would call the model."
         ) from None
 

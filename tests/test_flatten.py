@@ -97,6 +97,9 @@ def test_gpt2_tied_embedding_found_by_identity() -> None:
     assert [g.names for g in seq.tied] == [("lm_head.weight", "transformer.wte.weight")]
     assert seq.tied[0].layers == (0, len(seq) - 1)
     assert seq.infos[0].tied == seq.infos[-1].tied == ("lm_head.weight",)
+    # Each layer holds the tensor under the name of the module that uses it.
+    assert seq.infos[0].param_names[0] == "transformer.wte.weight"
+    assert seq.infos[-1].param_names == ("lm_head.weight",)
 
 
 def test_t5_shared_embedding_is_one_group_of_four_names() -> None:

@@ -1,0 +1,111 @@
+"""Bad input gets a clear error that names what was wrong and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopipe
+from autopipe.errors import InputMismatchError, PartitionError, TraceError, TraceMismatchError
+from archs import build
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: export cannot decide this branch
+            return x * 2
+        return x
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.lin(x))
+
+
+class TraceOnlyBranch(nn.Module):
+    """Eager Python takes a branch the trace cannot see: the graph would silently be wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if type(x) is torch.Tensor:  # False for the fake tensors export traces with
+            x = x + 1
+        return self.b(x)
+
+
+def test_data_dependent_branch_names_module_and_line() -> None:
+    """The error names the module ('gate'), the source line and what to try."""
+    with pytest.raises(TraceError) as err:
+        autopipe.flatten(Branchy(), (torch.randn(2, 4),))
+    msg = str(err.value)
+    assert "module 'gate'" in msg and "if x.sum() > 0" in msg and "branches on tensor values" in msg
+    assert "\n" not in msg
+
+
+def test_validation_catches_a_graph_that_differs_from_eager() -> None:
+    """A trace that dropped a branch is refused, with the output index and the difference."""
+    with pytest.raises(TraceMismatchError, match="differs from the eager model in output 0"):
+        autopipe.flatten(TraceOnlyBranch(), (torch.randn(2, 4),))
+    seq = autopipe.flatten(TraceOnlyBranch(), (torch.randn(2, 4),), validate=False)  # the user may insist
+    assert len(seq) == 2
+
+
+def test_example_inputs_that_do_not_fit_forward() -> None:
+    """Inputs that don't bind to forward's signature: the signature is shown."""
+    with pytest.raises(InputMismatchError, match=r"Branchy.forward\(x\): too many positional arguments"):
+        autopipe.flatten(Branchy(), (torch.randn(2, 4), torch.randn(2, 4)))
+
+
+def test_calling_the_sequence_with_other_shapes_or_structure() -> None:
+    """The sequence is specialised to the traced micro-batch shape and says so."""
+    model, args, kwargs = build("gpt2")
+    seq = autopipe.flatten(model, args, kwargs)
+    with pytest.raises(InputMismatchError, match=r"input 'input_ids' has shape \(4, 8\).*\(2, 8\)"):
+        seq(torch.zeros(4, 8, dtype=torch.long), labels=args[0], use_cache=False)
+    with pytest.raises(InputMismatchError, match="keywords"):
+        seq(*args)
+
+
+@pytest.mark.parametrize(
+    "boundaries, message",
+    [
+        ([0, 2, 2, 6], "give stage 1 no layers"),
+        ([0, 2], "must start at 0 and end at 6"),
+        ([0, 1, 2, 3, 4, 5, 6, 6], "7 stages asked for but the sequence has only 6 layers"),
+        ([5], "at least two entries"),
+    ],
+)
+def test_bad_boundaries(boundaries: list[int], message: str) -> None:
+    """Empty stages, wrong ends and more stages than layers are refused with the numbers."""
+    model, args, kwargs = build("gpt2")
+    seq = autopipe.flatten(model, args, kwargs)
+    with pytest.raises(PartitionError, match=message):
+        seq.split(boundaries)
+
+
+def test_meta_device_flatten_holds_meta_parameters_and_rebinds() -> None:
+    """On meta nothing is allocated; rebind_ swaps in materialised tensors, keeping ties as one object."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=32)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+        ids = torch.zeros(2, 8, dtype=torch.long)
+    seq = autopipe.flatten(model, (ids,), {"labels": ids, "use_cache": False})
+    assert all(p.is_meta for layer in seq.layers for p in layer.parameters())
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    seq.rebind_(model)
+    first, last = seq.layers[0], seq.layers[-1]
+    assert first.get_parameter("transformer.wte.weight") is model.transformer.wte.weight
+    assert last.get_parameter("lm_head.weight") is first.get_parameter("transformer.wte.weight")
+    assert not any(p.is_meta for layer in seq.layers for p in layer.parameters())
