@@ -134,40 +134,32 @@ class StageCosts:
         return lo
 
 
-class _Windows:
-    """Range maxima over the windows [starts[b], b) of one (in-flight count, limit): a sparse table.
-
-    The index arithmetic depends only on the windows, so it is done once and reused by every probe.
-    """
-
-    def __init__(self, starts: np.ndarray) -> None:
-        n = starts.shape[0]
-        length = np.arange(n) - starts
-        self.n = n
-        self.has = length > 0
-        longest = int(length.max(initial=0))
-        self.levels = max(longest, 1).bit_length()  # level j covers 2**j values
-        k = np.zeros(n, dtype=np.int64)
-        k[self.has] = np.floor(np.log2(length[self.has])).astype(np.int64)
-        idx = np.arange(n)
-        # Flat indices into a (levels, n) table: two overlapping power-of-two blocks cover the window.
-        self.left = k * n + np.minimum(starts, n - 1)
-        self.right = k * n + np.maximum(idx - (1 << k), 0)
-        self._table = np.empty((self.levels, n))
-
-    def max(self, values: np.ndarray) -> np.ndarray:
-        """max(values[starts[b] : b]) for every b, -inf for an empty window."""
-        table, n = self._table, self.n
-        table[0] = values
-        span = 1
-        for j in range(1, self.levels):
-            table[j] = table[j - 1]
-            np.maximum(table[j - 1, : n - span], table[j - 1, span:], out=table[j, : n - span])
-            span *= 2
-        flat = table.reshape(-1)
-        out = np.maximum(flat[self.left], flat[self.right])
-        out[~self.has] = -np.inf
+def _window_max(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """max(values[starts[i] : i]) for every i (-inf for an empty window), by a sparse table."""
+    n = values.shape[0]
+    idx = np.arange(n)
+    length = idx - starts
+    has = length > 0
+    longest = int(length.max(initial=0))
+    out = np.full(n, -np.inf)
+    if longest <= 0:
         return out
+    levels = longest.bit_length()  # level j holds the max of values[i : i + 2**j]
+    table = np.empty((levels, n))
+    table[0] = values
+    span = 1
+    for j in range(1, levels):
+        table[j] = table[j - 1]
+        np.maximum(table[j - 1, : n - span], table[j - 1, span:], out=table[j, : n - span])
+        span *= 2
+    k = np.zeros(n, dtype=np.int64)
+    k[has] = np.log2(length[has]).astype(np.int64)
+    # Two overlapping power-of-two blocks cover the window [starts[i], i).
+    flat = table.reshape(-1)
+    left = flat[k * n + np.minimum(starts, n - 1)]
+    right = flat[k * n + np.maximum(idx - (1 << k), 0)]
+    out[has] = np.maximum(left, right)[has]
+    return out
 
 
 class _Search:
@@ -178,38 +170,55 @@ class _Search:
         self.k = stages
         self.inflight = [int(x) for x in inflight]
         self.probes = 0
-        self._starts: dict[tuple[int, int | None], tuple[np.ndarray, _Windows] | None] = {}
+        self._starts: dict[tuple[int, int | None], np.ndarray | None] = {}
 
-    def windows(self, s: int, limit: int | None) -> tuple[np.ndarray, _Windows] | None:
-        """Stage s's memory windows (m(b) and their range-max table); None when memory never binds."""
+    def windows(self, s: int, limit: int | None) -> np.ndarray | None:
+        """m(b) for stage s: where its memory windows start; None when memory never binds."""
         key = (self.inflight[s], limit)
         if key not in self._starts:
             if len(self._starts) > 256:  # the tie-break tries many limits; keep only recent ones
                 self._starts.clear()
-            m = self.c.window_starts(self.inflight[s], limit)
-            self._starts[key] = None if m is None else (m, _Windows(m))
+            self._starts[key] = self.c.window_starts(self.inflight[s], limit)
         return self._starts[key]
 
     def reach(self, t: float, limit: int | None) -> list[np.ndarray] | None:
-        """R_0..R_K for bottleneck t (the recurrence in the module docstring); None if L not in R_K."""
+        """R_0..R_K for bottleneck t (the recurrence in the module docstring); None if L not in R_K.
+
+        Each step only looks at the band of positions a stage can span from R_s: from its first
+        member to where the compute alone (a lower bound of the cost) or the memory runs out.
+        """
         self.probes += 1
-        g, h, n = self.c.g, self.c.h, self.c.n
+        g, h, n, prefix = self.c.g, self.c.h, self.c.n, self.c.prefix
         reach = np.zeros(n + 1, dtype=bool)
         reach[0] = True
         out = [reach]
+        lo, hi = 0, 0  # first and last member of R_s
         for s in range(self.k):
-            vals = np.where(reach, g, -np.inf)
-            w = self.windows(s, limit)
-            if w is None:
-                best = np.empty(n + 1)
-                best[0] = -np.inf
-                best[1:] = np.maximum.accumulate(vals[:-1])
-            else:
-                best = w[1].max(vals)
-            reach = (h - best <= t) & (best > -np.inf)  # -inf: no admissible start, even for t = inf
-            reach[0] = False
-            if not reach.any():
+            m = self.windows(s, limit)
+            end = n
+            if np.isfinite(t):  # cost >= compute, so b cannot pass prefix[hi] + t (with a rounding margin)
+                bound = prefix[hi] + t + 1e-9 * (abs(prefix[hi]) + abs(t) + 1.0)
+                end = min(end, int(np.searchsorted(prefix, bound, side="right")) - 1)
+            if m is not None:  # the window of b must reach back to R_s
+                end = min(end, int(np.searchsorted(m, hi, side="right")) - 1)
+            if end <= lo:
                 return None
+            vals = np.where(reach[lo:end], g[lo:end], -np.inf)  # candidate starts a in [lo, end)
+            if m is None:
+                best = np.maximum.accumulate(vals)  # best[i]: max over a in [lo, lo + i]
+                best_b = best  # for b = lo + 1 + i: window [lo, b)
+            else:
+                starts = np.maximum(m[lo + 1 : end + 1] - lo, 0)
+                local = np.concatenate([vals, [-np.inf]])  # positions lo .. end
+                best_b = _window_max(local, np.concatenate([[0], starts]))[1:]
+            hb = h[lo + 1 : end + 1]
+            ok = (hb - best_b <= t) & (best_b > -np.inf)  # -inf: no admissible start, even for t = inf
+            reach = np.zeros(n + 1, dtype=bool)
+            reach[lo + 1 : end + 1] = ok
+            members = np.flatnonzero(ok)
+            if members.size == 0:
+                return None
+            lo, hi = lo + 1 + int(members[0]), lo + 1 + int(members[-1])
             out.append(reach)
         return out if out[-1][n] else None
 
@@ -219,8 +228,8 @@ class _Search:
         bounds = [self.c.n]
         b = self.c.n
         for s in range(self.k - 1, -1, -1):
-            w = self.windows(s, limit)
-            lo = 0 if w is None else int(w[0][b])
+            m = self.windows(s, limit)
+            lo = 0 if m is None else int(m[b])
             cand = np.arange(lo, b)
             cand = cand[reach[s][lo:b] & (h[b] - g[lo:b] <= t)]
             a = int(cand[np.argmax(g[cand])])
