@@ -1,0 +1,112 @@
+"""`autopipe convert` and `autopipe report`: parse, call autopipe.convert / autopipe.report, render."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from .cli import app, console, err_console, handle_errors
+
+__all__ = ["convert_command", "report_command", "stage_table"]
+
+
+def stage_table(plan, profile, title: str = "") -> Table:  # type: ignore[no-untyped-def]
+    """One row per stage: its layers, time per micro-batch, memory, and load against the slowest."""
+    from .partition import format_bytes
+    from .report import format_time
+
+    table = Table(title=title or None, title_justify="left")
+    for col in ("stage", "layers", "first … last layer", "time/mb", "memory", "load"):
+        table.add_column(col, justify="left" if col in ("first … last layer", "load") else "right",
+                         no_wrap=col != "first … last layer")
+    for c in range(plan.num_chunks):
+        a, b = plan.boundaries[c], plan.boundaries[c + 1]
+        names = profile.layers[a].name if b - a == 1 else f"{profile.layers[a].name} … {profile.layers[b - 1].name}"
+        share = plan.stage_times[c] / plan.bottleneck_time if plan.bottleneck_time > 0 else 1.0
+        over = plan.memory_limit is not None and plan.stage_memory[c] > plan.memory_limit // plan.virtual_stages
+        memory = format_bytes(plan.stage_memory[c])
+        stage = str(c) if plan.virtual_stages == 1 else f"{c} (rank {plan.stage_ranks[c]})"
+        table.add_row(
+            stage, f"{a}–{b - 1}", _short(names), format_time(plan.stage_times[c]),
+            f"[red]{memory}[/]" if over else memory,
+            f"{'█' * round(share * 8):<8} {share:4.0%}",
+        )
+    return table
+
+
+def _short(name: str, n: int = 40) -> str:
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+@app.command("convert")
+@handle_errors
+def convert_command(
+    model: Annotated[str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, or module:function / file.py:function.")],
+    stages: Annotated[int, typer.Option("--stages", "-s", help="Pipeline stages (one process each).")],
+    microbatches: Annotated[Optional[int], typer.Option(help="Micro-batches per step (default 2 x stages).")] = None,
+    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved1f1b or zbv.")] = "1f1b",
+    batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")] = 1,
+    seq_len: Annotated[int, typer.Option(help="Sequence length (language models); small keeps CPU runs quick.")] = 64,
+    device: Annotated[str, typer.Option(help="Profile on cpu or cuda; with --estimate also a100, h100, h200.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Training precision: fp32, bf16 or fp16 (fp32 master weights).")] = "fp32",
+    memory_limit: Annotated[Optional[str], typer.Option(help="Memory per device, like 80GiB or 512MB (default: no limit).")] = None,
+    estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: cost layers from FLOPs and bytes on the meta device.")] = False,
+    engine: Annotated[str, typer.Option(help="torch (torch.distributed.pipelining) or deepspeed.")] = "torch",
+    out: Annotated[Optional[Path], typer.Option(help="Job folder (default jobs/<model name>).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace the job files of an existing folder.")] = False,
+    repeats: Annotated[int, typer.Option(help="Timed runs per measured layer.")] = 5,
+) -> None:
+    """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
+    from .convert import convert
+    from .partition import format_bytes
+    from .report import format_time
+
+    def say(name: str) -> None:
+        err_console.print(f"[dim]{name}…[/]", highlight=False)
+
+    result = convert(
+        model, stages=stages, microbatches=microbatches, schedule=schedule, batch_size=batch_size, seq_len=seq_len,
+        device=device, dtype=dtype, memory_limit=memory_limit, estimate=estimate, engine=engine, out=out,
+        force=force, repeats=repeats, on_pass=say,
+    )  # fmt: skip
+    plan, prof = result.plan, result.profile
+    console.print(stage_table(plan, prof, title=f"{model}: {plan.stages} stages, {plan.schedule}, "
+                                                f"{plan.microbatches} micro-batches ({prof.mode} on {prof.device.name})"))
+    best = min(result.baselines.items(), key=lambda kv: kv[1].step_time, default=None)
+    versus = ""
+    if best is not None and plan.step_time > 0:
+        versus = f"; best baseline ({best[0]}) {best[1].step_time / plan.step_time - 1:+.0%}"
+    limit = f" of {format_bytes(plan.memory_limit)}" if plan.memory_limit else ""
+    console.print(f"step {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%}, "
+                  f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit}{versus}",
+                  highlight=False)
+    took = sum(result.seconds.values())
+    console.print(f"wrote {result.job.job_dir}/ (plan.json, profile.json, train.py, report.html, README.md) "
+                  f"in {took:.1f} s", highlight=False)
+    console.print("launch:", highlight=False)
+    console.print(f"  {result.job.launch}", style="bold", highlight=False, soft_wrap=True)
+
+
+@app.command("report")
+@handle_errors
+def report_command(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json (from convert or plan).")],
+    profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Its profile.json (default: beside the plan, if there).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Where to write the HTML (default: report.html beside the plan).")] = None,
+) -> None:
+    """Rebuild report.html from a plan (and its profile): per-layer costs, cuts, baselines, timeline."""
+    from .plan import Plan
+    from .records import Profile
+    from .report import write_report
+
+    plan = Plan.load(plan_path)
+    if profile_path is None and (plan_path.parent / "profile.json").exists():
+        profile_path = plan_path.parent / "profile.json"
+    prof = Profile.load(profile_path) if profile_path is not None else None
+    target = out or plan_path.parent / "report.html"
+    write_report(target, plan, prof)
+    what = "" if prof is not None else " (no profile: per-layer charts and baselines left out)"
+    console.print(f"wrote {target}{what}", highlight=False)

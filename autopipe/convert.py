@@ -1,0 +1,210 @@
+"""convert: every pass in a row, from a model name to a job folder (what `autopipe convert` runs).
+
+    load -> flatten -> profile -> partition (+ baselines) -> emit
+
+Cheap checks come first (options, the job folder, the memory limit), so a typo fails in
+milliseconds, not after a minute of profiling.
+
+Example:
+    >>> result = convert("gpt2", stages=4, out="jobs/gpt2", seq_len=64)
+    >>> result.plan.boundaries, result.job.launch
+    ((0, 4, 8, 12, 15), 'torchrun --nproc-per-node 4 jobs/gpt2/train.py')
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .emit import ENGINES, JobFiles, JobSettings, check_job_dir, emit
+from .errors import AutopipeError, PartitionError
+from .partition import parse_size
+from .plan import Plan
+from .records import Profile
+from .schedule import normalize_schedule
+
+__all__ = ["ConvertResult", "convert", "default_job_dir", "DTYPES"]
+
+# Training precision -> the torch dtype the model is profiled in (autocast runs matmuls in it).
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What convert made: the records, the baselines it compared, the job folder, and pass timings."""
+
+    settings: JobSettings
+    profile: Profile
+    plan: Plan
+    baselines: dict[str, Plan]
+    job: JobFiles
+    seconds: dict[str, float] = field(default_factory=dict)  # per pass, wall clock
+
+
+def default_job_dir(model: str) -> Path:
+    """jobs/<name>: the built-in name, the folder's name, or the factory's file/module name."""
+    base = model.rstrip("/\\")
+    if ":" in base and not Path(base).is_dir():
+        base = base.rpartition(":")[0]
+    stem = Path(base).stem if base.endswith(".py") else Path(base).name
+    stem = stem.rsplit(".", 1)[-1] if not base.endswith(".py") else stem  # package.module -> module
+    return Path("jobs") / (re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "model")
+
+
+def convert(
+    model: str,
+    *,
+    stages: int,
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    batch_size: int = 1,
+    seq_len: int = 128,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    memory_limit: str | int | None = None,
+    estimate: bool = False,
+    engine: str = "torch",
+    out: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    seed: int = 0,
+    repeats: int = 5,
+    warmup: int = 2,
+    progress: bool = True,
+    on_pass: Callable[[str], None] | None = None,
+) -> ConvertResult:
+    """Trace, flatten, profile and partition ``model``, then write its job folder.
+
+    Args:
+        model: a built-in name (``gpt2``), a local HuggingFace folder, or ``module:function`` /
+            ``file.py:function`` returning a model (and example inputs).
+        stages: pipeline stages (one process each).
+        microbatches: micro-batches per step (default 2 x stages).
+        schedule: gpipe, 1f1b, interleaved1f1b or zbv.
+        batch_size, seq_len: the micro-batch the job trains on (and is profiled with).
+        device: profile on cpu or cuda; with ``estimate``, the device to estimate for.
+        dtype: training precision fp32, bf16 or fp16 (fp32 master weights and optimizer state).
+        memory_limit: per device, e.g. "80GiB"; None: no limit.
+        estimate: run nothing; cost layers from FLOPs and bytes on the meta device (no weights).
+        engine: torch (torch.distributed.pipelining) or deepspeed (PipelineModule).
+        out: the job folder (default ``jobs/<model name>``); refused if it holds files, unless ``force``.
+        repeats, warmup: timed and untimed runs per layer when measuring.
+        on_pass: called with each pass's name as it starts (the CLI prints it).
+
+    Raises:
+        AutopipeError: with what was wrong and how to fix it; nothing is written then.
+    """
+    # ---- cheap checks first ----
+    if stages < 1:
+        raise PartitionError(f"--stages must be at least 1, got {stages}.")
+    if microbatches is not None and microbatches < 1:
+        raise PartitionError(f"--microbatches must be at least 1, got {microbatches}.")
+    if engine not in ENGINES:
+        raise AutopipeError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}.")
+    train_dtype = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    if train_dtype not in DTYPES:
+        raise AutopipeError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16.")
+    schedule = normalize_schedule(schedule)
+    limit = None if memory_limit is None else parse_size(memory_limit)
+    job_dir = Path(out) if out is not None else default_job_dir(model)
+    check_job_dir(job_dir, force=force)
+    if estimate and device not in ("cpu", "cuda") and not _is_known_target(device):
+        raise AutopipeError(f"unknown --device {device!r}; use cpu or cuda (with --estimate also a100, h100, h200).")
+    if not estimate and device not in ("cpu", "cuda"):
+        raise AutopipeError(f"--device {device!r} can only be measured as cpu or cuda; add --estimate for {device}.")
+
+    say = on_pass or (lambda _name: None)
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] = now - clock
+        clock = now
+
+    # ---- load ----
+    import torch
+
+    from .flatten import flatten
+    from .models import load_model
+    from .profile import profile as run_profile
+
+    say("load")
+    spec = load_model(model, device="meta" if estimate else "cpu", batch_size=batch_size, seq_len=seq_len, seed=seed)
+    m, args, kwargs = spec.model, spec.args, spec.kwargs
+    torch_dtype = getattr(torch, DTYPES[train_dtype])
+    if train_dtype != "fp32":
+        # The traced graph keeps its dtypes, so the model is converted before flatten (see profile()).
+        m = m.to(torch_dtype)
+        args, kwargs = _cast_floats((args, kwargs), torch_dtype)
+    if not estimate and device == "cuda":
+        if not torch.cuda.is_available():
+            raise AutopipeError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --estimate.")
+        m = m.to("cuda")
+        args, kwargs = _move((args, kwargs), "cuda")
+    lap("load")
+
+    # ---- flatten, profile ----
+    say("flatten")
+    seq = flatten(m, args, kwargs)
+    lap("flatten")
+    if stages > len(seq.layers):
+        raise PartitionError(
+            f"{model} flattens into {len(seq.layers)} layers, too few for {stages} stages; "
+            f"use --stages {len(seq.layers)} or fewer."
+        )
+    say("profile")
+    prof = run_profile(seq, args, kwargs, device=device, estimate=estimate, mixed_precision=train_dtype != "fp32",
+                       repeats=repeats, warmup=warmup, progress=progress)  # fmt: skip
+    prof = _named(prof, model)
+    lap("profile")
+
+    # ---- partition ----
+    say("partition")
+    from .partition import partition
+    from .report import compare_baselines
+
+    plan = partition(prof, stages, microbatches=microbatches, schedule=schedule, memory_limit=limit)
+    baselines = compare_baselines(prof, plan)
+    lap("partition")
+
+    # ---- emit ----
+    say("emit")
+    settings = JobSettings(
+        model=model, stages=stages, microbatches=plan.microbatches, schedule=plan.schedule,
+        batch_size=batch_size, seq_len=seq_len, dtype=train_dtype, engine=engine, device=device, seed=seed,
+    )  # fmt: skip
+    job = emit(job_dir, settings=settings, profile=prof, plan=plan, baselines=baselines, force=force)
+    lap("emit")
+    return ConvertResult(settings, prof, plan, baselines, job, seconds)
+
+
+def _named(prof: Profile, model: str) -> Profile:
+    from dataclasses import replace
+
+    return replace(prof, model=model)
+
+
+def _is_known_target(name: str) -> bool:
+    from .devices import KNOWN_DEVICES
+
+    return name.lower() in KNOWN_DEVICES
+
+
+def _cast_floats(tree: Any, dtype: Any) -> Any:
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, tree)
+
+
+def _move(tree: Any, device: str) -> Any:
+    import torch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, tree)

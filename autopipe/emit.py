@@ -1,0 +1,211 @@
+"""The emit pass: Plan + Profile -> a job folder a person launches.
+
+    jobs/gpt2/
+      plan.json      where to cut (autopipe.plan.Plan)
+      profile.json   what each layer costs (autopipe.records.Profile)
+      train.py       the training script, written by the runtime (autopipe.runtime)
+      report.html    the plan explained (autopipe.report)
+      README.md      what this job is and how to launch it
+
+An existing job folder is refused unless ``force=True``; with force, only the files above are
+replaced (a checkpoint folder beside them survives). Each file is written to a temporary name and
+renamed. If anything fails in a folder this call created, the folder is removed again.
+
+Example:
+    >>> settings = JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b")
+    >>> job = emit("jobs/gpt2", settings=settings, profile=prof, plan=plan)
+    >>> job.launch
+    'torchrun --nproc-per-node 4 jobs/gpt2/train.py'
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import AutopipeError
+from .partition import format_bytes
+from .plan import Plan
+from .records import Profile
+from .report import format_microbatch, format_time, write_report
+
+__all__ = ["JobSettings", "JobFiles", "JobExistsError", "JOB_FILES", "emit", "check_job_dir", "launch_command"]
+
+JOB_FILES = ("plan.json", "profile.json", "train.py", "report.html", "README.md")
+ENGINES = ("torch", "deepspeed")
+
+
+class JobExistsError(AutopipeError):
+    """The job folder already holds files and overwriting was not asked for."""
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """How the job was made: everything train.py needs to rebuild the model and run the plan."""
+
+    model: str  # as given to convert: a built-in name, a HF folder, or a factory module:function
+    stages: int
+    microbatches: int
+    schedule: str
+    batch_size: int = 1  # per micro-batch
+    seq_len: int = 128
+    dtype: str = "fp32"  # training precision: fp32 | bf16 | fp16 (autocast, fp32 master weights)
+    engine: str = "torch"  # torch | deepspeed
+    device: str = "cpu"  # where it was profiled
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """What emit wrote, and the command that launches it."""
+
+    job_dir: Path
+    files: tuple[Path, ...]
+    launch: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def check_job_dir(job_dir: str | os.PathLike[str], *, force: bool = False) -> Path:
+    """Refuse a job folder that already holds files, unless ``force``; refuse a file in its place.
+
+    Called before any expensive pass, so a typo in --out costs nothing.
+    """
+    path = Path(job_dir)
+    if path.exists() and not path.is_dir():
+        raise JobExistsError(f"{path} is a file, not a folder; choose another --out.")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        present = sorted(p.name for p in path.iterdir())
+        shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
+        raise JobExistsError(
+            f"job folder {path} already exists ({shown}); nothing was changed. "
+            "Pass --force to replace its plan, profile, train.py, report and README, or choose another --out."
+        )
+    return path
+
+
+def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings) -> str:
+    """The command that starts training: torchrun with one process per stage (deepspeed's launcher for it)."""
+    script = shlex.quote(str(Path(job_dir) / "train.py"))
+    if settings.engine == "deepspeed":
+        return f"deepspeed --num_gpus {settings.stages} {script}"
+    return f"torchrun --nproc-per-node {settings.stages} {script}"
+
+
+def emit(
+    job_dir: str | os.PathLike[str],
+    *,
+    settings: JobSettings,
+    profile: Profile,
+    plan: Plan,
+    baselines: Mapping[str, Plan] | None = None,
+    force: bool = False,
+) -> JobFiles:
+    """Write the job folder for ``plan``: records, train.py, report.html and README.md.
+
+    Args:
+        job_dir: the folder to write (created with its parents).
+        settings: the model and options train.py rebuilds the job from.
+        profile, plan: the records of the profile and partition passes.
+        baselines: other partitioners' plans for the report (default: computed from the profile).
+        force: replace the job files of an existing folder (other files in it are left alone).
+
+    Raises:
+        JobExistsError: the folder holds files and ``force`` is False.
+    """
+    if settings.engine not in ENGINES:
+        raise AutopipeError(f"unknown engine {settings.engine!r}; use one of {', '.join(ENGINES)}.")
+    if len(profile.layers) != plan.num_layers:
+        raise AutopipeError(
+            f"the plan cuts {plan.num_layers} layers but the profile has {len(profile.layers)}; "
+            "partition this profile again."
+        )
+    path = check_job_dir(job_dir, force=force)
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        # train.py first: the step most likely to refuse (engine, model source), before the rest is written.
+        written.append(_write_train_script(path, settings, plan))
+        plan.save(path / "plan.json")
+        written.append(path / "plan.json")
+        profile.save(path / "profile.json")
+        written.append(path / "profile.json")
+        written.append(write_report(path / "report.html", plan, profile, baselines=baselines, title=settings.model))
+        launch = launch_command(path, settings)
+        _write_text(path / "README.md", _readme(settings, profile, plan, launch))
+        written.append(path / "README.md")
+    except BaseException:
+        if created:  # leave no half-made job behind (never for a folder the user had)
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    return JobFiles(path, tuple(written), launch)
+
+
+def _write_train_script(job_dir: Path, settings: JobSettings, plan: Plan) -> Path:
+    """train.py comes from the runtime (issue 5), which owns the training loop; emit only calls it."""
+    try:
+        from .runtime import write_train_script  # type: ignore[attr-defined]
+    except ImportError:
+        raise AutopipeError(
+            "this autopipe has no training-script writer yet (autopipe.runtime.write_train_script is missing), "
+            "so no train.py can be written; update autopipe, or use `autopipe plan` for the plan alone."
+        ) from None
+    target = job_dir / "train.py"
+    write_train_script(target, plan=plan, **settings.to_dict())
+    return target
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str) -> str:
+    rows = []
+    for c in range(plan.num_chunks):
+        a, b = plan.boundaries[c], plan.boundaries[c + 1]
+        first = profile.layers[a].name or f"layer{a}"
+        last = profile.layers[b - 1].name or f"layer{b - 1}"
+        rows.append(f"| {c} | {plan.stage_ranks[c]} | {a}–{b - 1} (`{first}` … `{last}`) | "
+                    f"{format_time(plan.stage_times[c])} | {format_bytes(plan.stage_memory[c])} |")
+    limit = format_bytes(plan.memory_limit) if plan.memory_limit else "none"
+    return f"""# Pipeline job: {settings.model}
+
+Made by `autopipe convert` from {profile.mode} costs on {profile.device.name} ({profile.dtype}),
+micro-batch {format_microbatch(profile.microbatch)}. {plan.stages} stages, schedule {plan.schedule},
+{plan.microbatches} micro-batches per step, memory limit {limit}, engine {settings.engine}.
+
+## Launch
+
+Run from the folder `autopipe convert` ran in (the model is rebuilt from `{settings.model}`):
+
+    {launch}
+
+`python {Path(launch.split()[-1])} --help` lists the training options; one process (`python train.py`)
+runs every stage in turn, for debugging.
+
+## The plan
+
+Predicted step time {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%},
+slowest stage / mean {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}.
+
+| stage | rank | layers | time per micro-batch | memory |
+| --- | --- | --- | --- | --- |
+{chr(10).join(rows)}
+
+Open `report.html` for the per-layer costs, the baselines and the schedule timeline.
+
+## Files
+
+- `plan.json`: where to cut; `autopipe report plan.json` rebuilds `report.html` from it.
+- `profile.json`: what each layer costs; `autopipe plan` can cut it again for other stage counts.
+- `train.py`: the training script (settings at the top).
+"""

@@ -1,0 +1,448 @@
+"""report.html: one self-contained page a person reads to judge a plan (inline CSS and SVG, no scripts).
+
+It shows, for a Plan (and its Profile when there is one):
+
+- per-layer forward/backward time and memory, as bars coloured by stage, with the cut points;
+- per-stage load (forward, backward, send/recv) and per-rank memory against the limit;
+- autopipe's plan beside the baselines users know (uniform, parameters, torchtitan, greedy);
+- the simulated schedule: which rank is busy when, and where the bubbles are.
+
+Nothing is fetched when it is opened: no external stylesheet, font, script or image.
+
+Example:
+    >>> html = render_report(plan, profile, baselines=compare_baselines(profile, plan))
+    >>> write_report("jobs/gpt2/report.html", plan, profile)
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import math
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from .baselines import BASELINES
+from .errors import AutopipeError
+from .partition import format_bytes, partition
+from .plan import Plan
+from .records import Profile
+
+__all__ = ["render_report", "write_report", "compare_baselines", "format_time", "format_microbatch", "PALETTE"]
+
+# Tableau 10: distinct at a glance and readable for most colour-vision deficiencies.
+PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
+           "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac")  # fmt: skip
+
+_WIDTH = 1180  # px of every chart; the page is 1240 wide
+_LEFT = 86  # room for the axis labels
+
+
+def format_time(seconds: float) -> str:
+    """0.0123 -> '12.3 ms'; picks µs, ms or s, three significant digits."""
+    if seconds == 0:
+        return "0"
+    for unit, scale in (("µs", 1e-6), ("ms", 1e-3)):
+        if seconds < 1000 * scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def format_microbatch(shapes: Mapping[str, Sequence[int]]) -> str:
+    """{'args[0]': [1, 64], 'labels': [1, 64]} -> 'args[0] 1×64, labels 1×64'."""
+    return ", ".join(f"{name} {'×'.join(map(str, shape)) or 'scalar'}" for name, shape in shapes.items())
+
+
+def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
+    """The baselines' plans for the same profile, stages, schedule, micro-batches and bandwidth.
+
+    A baseline that cannot be made (e.g. fewer layers than it needs) is left out; one that breaks the
+    memory limit is kept (the report marks it), because that is exactly what the comparison shows.
+    """
+    out: dict[str, Plan] = {}
+    bandwidth = None if plan.bandwidth == float("inf") else plan.bandwidth
+    for method in BASELINES:
+        try:
+            out[method] = partition(
+                profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
+                memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
+                method=method, weight_share=plan.weight_share,
+            )  # fmt: skip
+        except AutopipeError:
+            continue
+    return out
+
+
+def write_report(
+    path: str | os.PathLike[str],
+    plan: Plan,
+    profile: Profile | None = None,
+    *,
+    baselines: Mapping[str, Plan] | None = None,
+    title: str | None = None,
+) -> Path:
+    """Render the report and write it to ``path`` (via a temporary name, so no half-written file)."""
+    if baselines is None and profile is not None:
+        baselines = compare_baselines(profile, plan)
+    text = render_report(plan, profile, baselines=baselines, title=title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def render_report(
+    plan: Plan,
+    profile: Profile | None = None,
+    *,
+    baselines: Mapping[str, Plan] | None = None,
+    title: str | None = None,
+) -> str:
+    """The report as one HTML string. Without a profile the per-layer charts and baselines are left out."""
+    if profile is not None and len(profile.layers) != plan.num_layers:
+        raise AutopipeError(
+            f"the profile has {len(profile.layers)} layers but the plan cuts {plan.num_layers}: they belong to "
+            "different models. Pass the profile.json written with this plan."
+        )
+    if profile is not None and profile.signature and plan.signature and profile.signature != plan.signature:
+        raise AutopipeError(
+            f"the plan was made for signature {plan.signature} but the profile has {profile.signature}: they belong "
+            "to different models or flatten options. Pass the profile.json written with this plan."
+        )
+    name = title or (profile.model if profile is not None and profile.model else "model")
+    parts = [_header(name, plan, profile), _stage_table(plan)]
+    if profile is not None:
+        parts.append(_section("Per layer: time", _layer_time_chart(plan, profile),
+                              "Forward (light) and backward (dark) time per micro-batch of each layer, coloured by "
+                              "the stage that runs it. Dashed lines are the cut points."))
+        parts.append(_section("Per layer: memory", _layer_memory_chart(plan, profile),
+                              "Parameters, gradients and optimizer state (dark) and saved activations times the "
+                              "micro-batches the schedule keeps in flight on that stage (light)."))
+    parts.append(_section("Per stage: load", _stage_load_chart(plan),
+                          "Forward, backward and send/recv time of each stage per micro-batch. The slowest stage "
+                          "sets the pace of the whole pipeline."))
+    parts.append(_section("Per rank: memory", _rank_memory_chart(plan),
+                          "Peak memory of each pipeline rank" + (" against the limit (red line)." if plan.memory_limit
+                                                                 else "; no memory limit was given.")))
+    if baselines:
+        parts.append(_section("autopipe against the baselines", _baseline_table(plan, baselines),
+                              "The same profile, stages, schedule and micro-batches, cut by the partitioners in "
+                              "common use. Step time is simulated."))
+    parts.append(_section(f"Schedule: {plan.schedule}, {plan.microbatches} micro-batches", _timeline_chart(plan),
+                          "One simulated training step. Each row is a pipeline rank; F is a forward, B a backward"
+                          " (W a deferred weight gradient), numbered by micro-batch. Hatched grey is idle time: "
+                          "the bubble."))
+    body = "\n".join(parts)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>autopipe report: {_e(name)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n"
+            f"<footer>written by autopipe on {stamp}; rebuild with <code>autopipe report plan.json</code></footer>"
+            "\n</body></html>\n")
+
+
+# ---- sections ------------------------------------------------------------------------------------
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:24px auto;
+max-width:1240px;color:#222;background:#fff;font-size:14px;line-height:1.4}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 4px}
+p.note{color:#555;margin:2px 0 8px;max-width:1000px}
+.facts{display:flex;flex-wrap:wrap;gap:8px;margin:12px 0}
+.fact{border:1px solid #ddd;border-radius:6px;padding:6px 12px;min-width:120px}
+.fact b{display:block;font-size:17px}.fact span{color:#666;font-size:12px}
+table{border-collapse:collapse;margin:8px 0}td,th{padding:3px 10px;border-bottom:1px solid #e4e4e4;text-align:right}
+th{background:#f6f6f6}td.l,th.l{text-align:left}
+.sw{display:inline-block;width:11px;height:11px;border-radius:2px;vertical-align:-1px;margin-right:5px}
+tr.best td{font-weight:600}.over{color:#c0392b;font-weight:600}
+svg{display:block;margin:6px 0}svg text{font-family:inherit;font-size:11px;fill:#333}
+footer{margin-top:32px;color:#888;font-size:12px}code{background:#f3f3f3;padding:1px 4px;border-radius:3px}
+"""
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _section(title: str, content: str, note: str) -> str:
+    return f"<section><h2>{_e(title)}</h2><p class=\"note\">{_e(note)}</p>{content}</section>"
+
+
+def _header(name: str, plan: Plan, profile: Profile | None) -> str:
+    where = ""
+    if profile is not None:
+        verb = {"measured": "Costs measured on", "estimated": "Costs estimated for"}.get(profile.mode, "Costs given for")
+        where = f"{verb} {profile.device.name} ({profile.dtype}), micro-batch {format_microbatch(profile.microbatch)}"
+    limit = format_bytes(plan.memory_limit) if plan.memory_limit else "none"
+    facts = [
+        ("stages", str(plan.stages) + (f" × {plan.virtual_stages} virtual" if plan.virtual_stages > 1 else "")),
+        ("layers", str(plan.num_layers)),
+        ("schedule", f"{plan.schedule}, {plan.microbatches} mb"),
+        ("step time (simulated)", format_time(plan.step_time)),
+        ("bubble", f"{plan.bubble_fraction:.0%}"),
+        ("balance (slowest / mean)", f"{plan.balance:.2f}"),
+        ("peak memory / limit", f"{format_bytes(plan.peak_memory)} / {limit}"),
+    ]
+    cells = "".join(f"<div class=\"fact\"><span>{_e(k)}</span><b>{_e(v)}</b></div>" for k, v in facts)
+    cuts = ", ".join(str(b) for b in plan.boundaries[1:-1])
+    return (f"<header><h1>autopipe plan: {_e(name)}</h1><p class=\"note\">{_e(where)} — "
+            f"cut by <b>{_e(plan.method)}</b> before layers {_e(cuts)}.</p>"
+            f"<div class=\"facts\">{cells}</div></header>")
+
+
+def _stage_table(plan: Plan) -> str:
+    rows = []
+    for c in range(plan.num_chunks):
+        a, b = plan.boundaries[c], plan.boundaries[c + 1]
+        first = plan.stage_first_layers[c] if c < len(plan.stage_first_layers) else ""
+        share = plan.stage_times[c] / plan.bottleneck_time if plan.bottleneck_time > 0 else 1.0
+        over = plan.memory_limit is not None and plan.stage_memory[c] > plan.memory_limit // plan.virtual_stages
+        rows.append(
+            f"<tr class=\"stage\" data-stage=\"{c}\"><td class=\"l\"><span class=\"sw\" style=\"background:{_colour(c)}\">"
+            f"</span>{c}</td><td>{plan.stage_ranks[c]}</td><td>{a}–{b - 1}</td><td>{b - a}</td>"
+            f"<td class=\"l\">{_e(_short(first, 40))}</td><td>{format_time(plan.stage_forward[c])}</td>"
+            f"<td>{format_time(plan.stage_backward[c])}</td><td>{format_time(2 * plan.stage_comm[c])}</td>"
+            f"<td>{format_time(plan.stage_times[c])}</td><td>{share:.0%}</td>"
+            f"<td{' class=over' if over else ''}>{format_bytes(plan.stage_memory[c])}</td>"
+            f"<td>{plan.stage_inflight[c]}</td></tr>"
+        )
+    head = ("<tr><th class=\"l\">stage</th><th>rank</th><th>layers</th><th>#</th><th class=\"l\">first layer</th>"
+            "<th>forward</th><th>backward</th><th>send/recv</th><th>total</th><th>of slowest</th><th>memory</th>"
+            "<th>in flight</th></tr>")
+    return f"<table class=\"stages\">{head}{''.join(rows)}</table>"
+
+
+def _baseline_table(plan: Plan, baselines: Mapping[str, Plan]) -> str:
+    entries = [("autopipe", plan)] + [(k, v) for k, v in baselines.items()]
+    best = min(p.step_time for _, p in entries)
+    rows = []
+    bar_w = 220
+    longest = max(p.step_time for _, p in entries) or 1.0
+    for method, p in entries:
+        over = plan.memory_limit is not None and p.peak_memory > plan.memory_limit
+        slower = (p.step_time / plan.step_time - 1) if plan.step_time > 0 else 0.0
+        w = max(1.0, bar_w * p.step_time / longest)
+        colour = PALETTE[0] if method == "autopipe" else "#999"
+        bar = (f"<svg width=\"{bar_w}\" height=\"12\" style=\"display:inline;margin:0\"><rect width=\"{w:.1f}\" "
+               f"height=\"12\" fill=\"{colour}\"/></svg>")
+        rows.append(
+            f"<tr class=\"method{' best' if p.step_time == best else ''}\" data-method=\"{_e(method)}\">"
+            f"<td class=\"l\">{_e(method)}</td><td class=\"l\">{_e(', '.join(map(str, p.boundaries[1:-1])))}</td>"
+            f"<td>{format_time(p.bottleneck_time)}</td><td>{format_time(p.step_time)}</td>"
+            f"<td>{'—' if method == 'autopipe' else f'{slower:+.1%}'}</td><td>{p.bubble_fraction:.0%}</td>"
+            f"<td{' class=over' if over else ''}>{format_bytes(p.peak_memory)}{' over limit' if over else ''}</td>"
+            f"<td class=\"l\">{bar}</td></tr>"
+        )
+    head = ("<tr><th class=\"l\">method</th><th class=\"l\">cuts before layers</th><th>slowest stage</th>"
+            "<th>step time</th><th>vs autopipe</th><th>bubble</th><th>peak memory</th><th class=\"l\">step time</th></tr>")
+    return f"<table class=\"baselines\">{head}{''.join(rows)}</table>"
+
+
+# ---- charts --------------------------------------------------------------------------------------
+
+
+def _colour(stage: int) -> str:
+    return PALETTE[stage % len(PALETTE)]
+
+
+def _tint(colour: str, amount: float) -> str:
+    """Mix ``colour`` with white (amount > 0) or black (amount < 0)."""
+    r, g, b = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
+    target = 255 if amount > 0 else 0
+    a = abs(amount)
+    return "#" + "".join(f"{int(round(v + (target - v) * a)):02x}" for v in (r, g, b))
+
+
+def _short(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _stage_of_layers(plan: Plan) -> list[int]:
+    owner = [0] * plan.num_layers
+    for c in range(plan.num_chunks):
+        for i in plan.layers_of(c):
+            owner[i] = c
+    return owner
+
+
+def _nice_ticks(top: float, count: int = 4) -> list[float]:
+    """Round tick values (1, 2, 2.5 or 5 times a power of ten apart) from 0 up to ``top``."""
+    if top <= 0:
+        return [0.0]
+    raw = top / count
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(s * mag for s in (1, 2, 2.5, 5, 10) if s * mag >= raw)
+    return [i * step for i in range(int(top / step + 1e-9) + 1)]
+
+
+def _value_axis(height: float, top: float, label: str, fmt) -> str:
+    """Horizontal grid lines with values on the left, for a chart whose bars grow upwards."""
+    out = []
+    for v in _nice_ticks(top):
+        y = 10 + height - height * v / top
+        out.append(f"<line x1=\"{_LEFT}\" x2=\"{_WIDTH}\" y1=\"{y:.1f}\" y2=\"{y:.1f}\" stroke=\"#eee\"/>"
+                   f"<text x=\"{_LEFT - 6}\" y=\"{y + 4:.1f}\" text-anchor=\"end\">{_e(fmt(v))}</text>")
+    out.append(f"<text x=\"12\" y=\"{10 + height / 2:.0f}\" transform=\"rotate(-90 12 {10 + height / 2:.0f})\" "
+               f"text-anchor=\"middle\">{_e(label)}</text>")
+    return "".join(out)
+
+
+def _layer_bars(plan: Plan, names: Sequence[str], low: Sequence[float], high: Sequence[float],
+                fmt, label: str, low_name: str, high_name: str, high_light: bool) -> str:  # fmt: skip
+    """Per-layer stacked bars (``low`` at the bottom), coloured by stage, with the cut points."""
+    n = plan.num_layers
+    height = 220
+    top = max((lo + hi for lo, hi in zip(low, high)), default=0.0) * 1.08 or 1.0
+    slot = (_WIDTH - _LEFT) / n
+    gap = min(2.0, slot * 0.15)
+    owner = _stage_of_layers(plan)
+    out = [f"<svg class=\"layers\" width=\"{_WIDTH}\" height=\"{height + 66}\" xmlns=\"http://www.w3.org/2000/svg\">",
+           _value_axis(height, top, label, fmt)]
+    base_y = 10 + height
+    for i in range(n):
+        x = _LEFT + i * slot + gap / 2
+        w = max(slot - gap, 0.8)
+        colour = _colour(owner[i])
+        h_lo = height * low[i] / top
+        h_hi = height * high[i] / top
+        lo_fill, hi_fill = (colour, _tint(colour, 0.55)) if high_light else (_tint(colour, 0.55), colour)
+        tip = (f"layer {i} {names[i]} (stage {owner[i]}): {low_name} {fmt(low[i])}, {high_name} {fmt(high[i])}")
+        out.append(f"<g class=\"layer\" data-layer=\"{i}\" data-stage=\"{owner[i]}\"><title>{_e(tip)}</title>"
+                   f"<rect x=\"{x:.2f}\" y=\"{base_y - h_lo:.2f}\" width=\"{w:.2f}\" height=\"{h_lo:.2f}\" fill=\"{lo_fill}\"/>"
+                   f"<rect x=\"{x:.2f}\" y=\"{base_y - h_lo - h_hi:.2f}\" width=\"{w:.2f}\" height=\"{h_hi:.2f}\" "
+                   f"fill=\"{hi_fill}\"/></g>")
+    out.append(f"<line x1=\"{_LEFT}\" x2=\"{_WIDTH}\" y1=\"{base_y}\" y2=\"{base_y}\" stroke=\"#888\"/>")
+    every = max(1, round(n / 30))
+    for i in range(0, n, every):
+        out.append(f"<text x=\"{_LEFT + (i + 0.5) * slot:.1f}\" y=\"{base_y + 14}\" text-anchor=\"middle\">{i}</text>")
+    for c, cut in enumerate(plan.boundaries[1:-1], start=1):
+        x = _LEFT + cut * slot
+        out.append(f"<line class=\"cut\" data-cut=\"{cut}\" x1=\"{x:.2f}\" x2=\"{x:.2f}\" y1=\"4\" y2=\"{base_y + 20}\" "
+                   "stroke=\"#222\" stroke-width=\"1.5\" stroke-dasharray=\"5 3\"/>")
+    # Stage names under the axis, centred on each stage's span.
+    for c in range(plan.num_chunks):
+        a, b = plan.boundaries[c], plan.boundaries[c + 1]
+        mid = _LEFT + (a + b) / 2 * slot
+        out.append(f"<text x=\"{mid:.1f}\" y=\"{base_y + 34}\" text-anchor=\"middle\" style=\"font-weight:600;"
+                   f"fill:{_tint(_colour(c), -0.25)}\">stage {c}</text>")
+    out.append(f"<text x=\"{_LEFT}\" y=\"{base_y + 50}\">layer index; hover a bar for its name and values</text>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _layer_time_chart(plan: Plan, profile: Profile) -> str:
+    names = [c.name for c in profile.layers]
+    return _layer_bars(plan, names, [c.backward_time for c in profile.layers], [c.forward_time for c in profile.layers],
+                       format_time, "time per micro-batch", "backward", "forward", high_light=True)
+
+
+def _layer_memory_chart(plan: Plan, profile: Profile) -> str:
+    owner = _stage_of_layers(plan)
+    names = [c.name for c in profile.layers]
+    static = [float(c.static_bytes) for c in profile.layers]
+    acts = [float(c.activation_bytes * plan.stage_inflight[owner[i]]) for i, c in enumerate(profile.layers)]
+    return _layer_bars(plan, names, static, acts, format_bytes, "memory", "params+grads+optimizer",
+                       "activations in flight", high_light=True)
+
+
+def _hbars(rows: list[tuple[str, list[tuple[float, str, str]]]], top: float, fmt, limit: float | None = None,
+           limit_label: str = "", marker: float | None = None, marker_label: str = "") -> str:  # fmt: skip
+    """Horizontal stacked bars, one row per (label, [(value, colour, tooltip), ...])."""
+    row_h, pad = 24, 6
+    top = max(top, limit or 0.0, 1e-30) * 1.1
+    span = _WIDTH - _LEFT - 120
+    height = len(rows) * (row_h + pad) + 30
+    out = [f"<svg class=\"hbars\" width=\"{_WIDTH}\" height=\"{height}\" xmlns=\"http://www.w3.org/2000/svg\">"]
+    for v in _nice_ticks(top / 1.1):
+        x = _LEFT + span * v / top
+        out.append(f"<line x1=\"{x:.1f}\" x2=\"{x:.1f}\" y1=\"0\" y2=\"{height - 24}\" stroke=\"#eee\"/>"
+                   f"<text x=\"{x:.1f}\" y=\"{height - 10}\" text-anchor=\"middle\">{_e(fmt(v))}</text>")
+    for r, (label, parts) in enumerate(rows):
+        y = r * (row_h + pad) + 4
+        out.append(f"<text x=\"{_LEFT - 8}\" y=\"{y + row_h / 2 + 4}\" text-anchor=\"end\">{_e(label)}</text>")
+        x = float(_LEFT)
+        for value, colour, tip in parts:
+            w = span * value / top
+            out.append(f"<rect x=\"{x:.2f}\" y=\"{y}\" width=\"{max(w, 0):.2f}\" height=\"{row_h}\" fill=\"{colour}\">"
+                       f"<title>{_e(tip)}</title></rect>")
+            x += w
+        total = sum(v for v, _, _ in parts)
+        out.append(f"<text x=\"{x + 6:.1f}\" y=\"{y + row_h / 2 + 4}\">{_e(fmt(total))}</text>")
+    for value, label, colour in ((limit, limit_label, "#c0392b"), (marker, marker_label, "#444")):
+        if value:
+            x = _LEFT + span * value / top
+            out.append(f"<line class=\"limit\" x1=\"{x:.1f}\" x2=\"{x:.1f}\" y1=\"0\" y2=\"{height - 24}\" "
+                       f"stroke=\"{colour}\" stroke-width=\"2\" stroke-dasharray=\"6 3\"/>"
+                       f"<text x=\"{x + 4:.1f}\" y=\"{height - 26}\" style=\"fill:{colour}\">{_e(label)}</text>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _stage_load_chart(plan: Plan) -> str:
+    rows = []
+    for c in range(plan.num_chunks):
+        col = _colour(c)
+        rows.append((f"stage {c}", [
+            (plan.stage_forward[c], _tint(col, 0.55), f"stage {c} forward {format_time(plan.stage_forward[c])}"),
+            (plan.stage_backward[c], col, f"stage {c} backward {format_time(plan.stage_backward[c])}"),
+            (2 * plan.stage_comm[c], "#888", f"stage {c} send/recv {format_time(2 * plan.stage_comm[c])}"),
+        ]))
+    legend = ("<p class=\"note\"><span class=\"sw\" style=\"background:#bbb\"></span>forward (light) "
+              "<span class=\"sw\" style=\"background:#666\"></span>backward (dark) "
+              "<span class=\"sw\" style=\"background:#888\"></span>send/recv (grey)</p>")
+    mean = sum(plan.stage_times) / len(plan.stage_times)
+    return legend + _hbars(rows, max(plan.stage_times), format_time, marker=mean, marker_label="mean")
+
+
+def _rank_memory_chart(plan: Plan) -> str:
+    rows = []
+    for r in range(plan.stages):
+        chunks = plan.chunks_of(r)
+        col = _colour(chunks[0]) if chunks else "#999"
+        rows.append((f"rank {r}", [(float(plan.rank_memory[r]), col,
+                                     f"rank {r} (stages {', '.join(map(str, chunks))}): {format_bytes(plan.rank_memory[r])}")]))
+    limit = float(plan.memory_limit) if plan.memory_limit else None
+    return _hbars(rows, max(plan.rank_memory), format_bytes, limit=limit,
+                  limit_label=f"limit {format_bytes(plan.memory_limit)}" if plan.memory_limit else "")
+
+
+def _timeline_chart(plan: Plan) -> str:
+    sim = plan.simulate()
+    row_h, pad = 30, 8
+    span = _WIDTH - _LEFT - 20
+    step = sim.step_time or 1.0
+    height = plan.stages * (row_h + pad) + 40
+    out = [f"<svg class=\"timeline\" width=\"{_WIDTH}\" height=\"{height}\" xmlns=\"http://www.w3.org/2000/svg\">",
+           "<defs><pattern id=\"idle\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
+           "patternTransform=\"rotate(45)\"><rect width=\"6\" height=\"6\" fill=\"#f2f2f2\"/>"
+           "<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#d0d0d0\" stroke-width=\"2\"/></pattern></defs>"]
+    for v in _nice_ticks(step):
+        x = _LEFT + span * v / step
+        out.append(f"<line x1=\"{x:.1f}\" x2=\"{x:.1f}\" y1=\"0\" y2=\"{height - 26}\" stroke=\"#e6e6e6\"/>"
+                   f"<text x=\"{x:.1f}\" y=\"{height - 12}\" text-anchor=\"middle\">{_e(format_time(v))}</text>")
+    for r, ops in enumerate(sim.timeline):
+        y = r * (row_h + pad) + 4
+        busy = sim.busy[r] / step if step else 0.0
+        out.append(f"<text x=\"{_LEFT - 8}\" y=\"{y + row_h / 2 + 4}\" text-anchor=\"end\">rank {r} "
+                   f"({busy:.0%})</text>")
+        out.append(f"<rect class=\"idle\" x=\"{_LEFT}\" y=\"{y}\" width=\"{span}\" height=\"{row_h}\" fill=\"url(#idle)\"/>")
+        for start, end, kind, mb, chunk in ops:
+            x = _LEFT + span * start / step
+            w = span * (end - start) / step
+            col = _colour(chunk)
+            fill = {"F": _tint(col, 0.5), "B": col, "W": _tint(col, -0.3)}.get(kind, col)
+            out.append(f"<g class=\"op\" data-kind=\"{kind}\" data-rank=\"{r}\"><title>{_e(f'{kind} micro-batch {mb}, stage {chunk}: {format_time(start)} – {format_time(end)}')}</title>"
+                       f"<rect x=\"{x:.2f}\" y=\"{y}\" width=\"{max(w - 0.5, 0.5):.2f}\" height=\"{row_h}\" fill=\"{fill}\" "
+                       "stroke=\"#fff\" stroke-width=\"0.5\"/>")
+            if w >= 16:
+                out.append(f"<text x=\"{x + w / 2:.1f}\" y=\"{y + row_h / 2 + 4}\" text-anchor=\"middle\" "
+                           f"style=\"fill:{'#222' if kind == 'F' else '#fff'}\">{kind}{mb}</text>")
+            out.append("</g>")
+    out.append("</svg>")
+    legend = (f"<p class=\"note\">Step {format_time(sim.step_time)}; bubble {sim.bubble_fraction:.0%} of "
+              f"{plan.stages} ranks × step time. <span class=\"sw\" style=\"background:{_tint(PALETTE[0], 0.5)}\">"
+              f"</span>forward <span class=\"sw\" style=\"background:{PALETTE[0]}\"></span>backward "
+              f"<span class=\"sw\" style=\"background:#eee;border:1px solid #ccc\"></span>idle</p>")
+    return legend + "".join(out)
