@@ -85,7 +85,7 @@ def convert_command(
                   highlight=False)
     took = sum(result.seconds.values())
     console.print(f"wrote {result.job.job_dir}/ (plan.json, profile.json, train.py, report.html, README.md) "
-                  f"in {took:.1f} s", highlight=False)
+                  f"in {took:.1f} s", highlight=False, soft_wrap=True)
     console.print("launch:", highlight=False)
     console.print(f"  {result.job.launch}", style="bold", highlight=False, soft_wrap=True)
 
@@ -109,4 +109,4 @@ def report_command(
     target = out or plan_path.parent / "report.html"
     write_report(target, plan, prof)
     what = "" if prof is not None else " (no profile: per-layer charts and baselines left out)"
-    console.print(f"wrote {target}{what}", highlight=False)
+    console.print(f"wrote {target}{what}", highlight=False, soft_wrap=True)

@@ -267,23 +267,35 @@ def _stage_of_layers(plan: Plan) -> list[int]:
     return owner
 
 
-def _nice_ticks(top: float, count: int = 4) -> list[float]:
-    """Round tick values (1, 2, 2.5 or 5 times a power of ten apart) from 0 up to ``top``."""
+def _nice_ticks(top: float, count: int = 4, *, binary: bool = False) -> list[float]:
+    """Round tick values (1, 2, 2.5 or 5 times a power of ten apart) from 0 up to ``top``.
+
+    ``binary``: for bytes, round in KiB/MiB/GiB so the labels read 256 MiB, not 268.44 MB.
+    """
     if top <= 0:
         return [0.0]
-    raw = top / count
+    unit = 1.0
+    if binary:
+        while top / unit >= 1024:
+            unit *= 1024
+    raw = top / unit / count
     mag = 10 ** math.floor(math.log10(raw))
     step = next(s * mag for s in (1, 2, 2.5, 5, 10) if s * mag >= raw)
-    return [i * step for i in range(int(top / step + 1e-9) + 1)]
+    return [i * step * unit for i in range(int(top / unit / step + 1e-9) + 1)]
+
+
+def _tick(fmt, value: float) -> str:  # type: ignore[no-untyped-def]
+    """An axis label: '200 MiB' rather than '200.00 MiB'."""
+    return fmt(value).replace(".00 ", " ")
 
 
 def _value_axis(height: float, top: float, label: str, fmt) -> str:
     """Horizontal grid lines with values on the left, for a chart whose bars grow upwards."""
     out = []
-    for v in _nice_ticks(top):
+    for v in _nice_ticks(top, binary=fmt is format_bytes):
         y = 10 + height - height * v / top
         out.append(f"<line x1=\"{_LEFT}\" x2=\"{_WIDTH}\" y1=\"{y:.1f}\" y2=\"{y:.1f}\" stroke=\"#eee\"/>"
-                   f"<text x=\"{_LEFT - 6}\" y=\"{y + 4:.1f}\" text-anchor=\"end\">{_e(fmt(v))}</text>")
+                   f"<text x=\"{_LEFT - 6}\" y=\"{y + 4:.1f}\" text-anchor=\"end\">{_e(_tick(fmt, v))}</text>")
     out.append(f"<text x=\"12\" y=\"{10 + height / 2:.0f}\" transform=\"rotate(-90 12 {10 + height / 2:.0f})\" "
                f"text-anchor=\"middle\">{_e(label)}</text>")
     return "".join(out)
@@ -298,7 +310,7 @@ def _layer_bars(plan: Plan, names: Sequence[str], low: Sequence[float], high: Se
     slot = (_WIDTH - _LEFT) / n
     gap = min(2.0, slot * 0.15)
     owner = _stage_of_layers(plan)
-    out = [f"<svg class=\"layers\" width=\"{_WIDTH}\" height=\"{height + 66}\" xmlns=\"http://www.w3.org/2000/svg\">",
+    out = [f"<svg class=\"layers\" width=\"{_WIDTH}\" height=\"{height + 66}\">",
            _value_axis(height, top, label, fmt)]
     base_y = 10 + height
     for i in range(n):
@@ -354,11 +366,11 @@ def _hbars(rows: list[tuple[str, list[tuple[float, str, str]]]], top: float, fmt
     top = max(top, limit or 0.0, 1e-30) * 1.1
     span = _WIDTH - _LEFT - 120
     height = len(rows) * (row_h + pad) + 30
-    out = [f"<svg class=\"hbars\" width=\"{_WIDTH}\" height=\"{height}\" xmlns=\"http://www.w3.org/2000/svg\">"]
-    for v in _nice_ticks(top / 1.1):
+    out = [f"<svg class=\"hbars\" width=\"{_WIDTH}\" height=\"{height}\">"]
+    for v in _nice_ticks(top / 1.1, binary=fmt is format_bytes):
         x = _LEFT + span * v / top
         out.append(f"<line x1=\"{x:.1f}\" x2=\"{x:.1f}\" y1=\"0\" y2=\"{height - 24}\" stroke=\"#eee\"/>"
-                   f"<text x=\"{x:.1f}\" y=\"{height - 10}\" text-anchor=\"middle\">{_e(fmt(v))}</text>")
+                   f"<text x=\"{x:.1f}\" y=\"{height - 10}\" text-anchor=\"middle\">{_e(_tick(fmt, v))}</text>")
     for r, (label, parts) in enumerate(rows):
         y = r * (row_h + pad) + 4
         out.append(f"<text x=\"{_LEFT - 8}\" y=\"{y + row_h / 2 + 4}\" text-anchor=\"end\">{_e(label)}</text>")
@@ -414,7 +426,7 @@ def _timeline_chart(plan: Plan) -> str:
     span = _WIDTH - _LEFT - 20
     step = sim.step_time or 1.0
     height = plan.stages * (row_h + pad) + 40
-    out = [f"<svg class=\"timeline\" width=\"{_WIDTH}\" height=\"{height}\" xmlns=\"http://www.w3.org/2000/svg\">",
+    out = [f"<svg class=\"timeline\" width=\"{_WIDTH}\" height=\"{height}\">",
            "<defs><pattern id=\"idle\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
            "patternTransform=\"rotate(45)\"><rect width=\"6\" height=\"6\" fill=\"#f2f2f2\"/>"
            "<line x1=\"0\" y1=\"0\" x2=\"0\" y2=\"6\" stroke=\"#d0d0d0\" stroke-width=\"2\"/></pattern></defs>"]

@@ -1,0 +1,149 @@
+"""`autopipe convert`: a job folder from a model in one command, and one clear line for each bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autopipe.cli import app
+
+runner = CliRunner()
+
+# Four blocks of known shape: traces, profiles and partitions in about a second.
+FACTORY = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return nn.functional.cross_entropy(self.out(h), y)
+
+
+def build(batch_size=4):
+    return Net(), (torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,)))
+'''
+
+
+@pytest.fixture()
+def factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A factory file in a fresh working directory (jobs/ lands there too)."""
+    (tmp_path / "tiny.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    return "tiny.py:build"
+
+
+def _convert(*args: str):
+    return runner.invoke(app, ["convert", *args, "--repeats", "1"])
+
+
+def _error_lines(output: str) -> list[str]:
+    return [l for l in output.splitlines() if l.startswith("error:")]
+
+
+def _fails_cleanly(result, expected: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    errors = _error_lines(result.output)
+    assert len(errors) == 1, result.output
+    assert expected in errors[0], errors[0]
+
+
+def test_convert_writes_the_job_folder(factory: str):
+    """Success: plan, profile, train.py, report and README in jobs/<name>, a stage table and the launch command."""
+    result = _convert(factory, "--stages", "2")
+    assert result.exit_code == 0, result.output
+    job = Path("jobs/tiny")
+    assert sorted(p.name for p in job.iterdir()) == ["README.md", "plan.json", "profile.json", "report.html", "train.py"]
+    plan = json.loads((job / "plan.json").read_text())
+    assert plan["kind"] == "autopipe.plan" and plan["stages"] == 2 and len(plan["boundaries"]) == 3
+    assert plan["boundaries"][0] == 0 and plan["boundaries"][-1] == 6  # inp, 4 blocks, out
+    profile = json.loads((job / "profile.json").read_text())
+    assert profile["model"] == factory and len(profile["layers"]) == 6
+    assert "torchrun --nproc-per-node 2 jobs/tiny/train.py" in result.output
+    names = [layer["name"] for layer in profile["layers"]]
+    for a in plan["boundaries"][:-1]:  # the stage table names each stage's first layer
+        assert names[a] in result.output
+    assert (job / "train.py").stat().st_size > 0
+    assert "torchrun --nproc-per-node 2 jobs/tiny/train.py" in (job / "README.md").read_text()
+
+
+def test_convert_estimate_and_options_reach_the_plan(factory: str):
+    """--estimate builds on meta; --out, --microbatches, --schedule and --memory-limit reach plan.json."""
+    result = _convert(factory, "--stages", "3", "--estimate", "--microbatches", "4", "--schedule", "gpipe",
+                      "--memory-limit", "1GiB", "--out", "elsewhere/job")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(Path("elsewhere/job/plan.json").read_text())
+    assert (plan["microbatches"], plan["schedule"], plan["memory_limit"]) == (4, "gpipe", 2**30)
+    assert json.loads(Path("elsewhere/job/profile.json").read_text())["mode"] == "estimated"
+    assert "torchrun --nproc-per-node 3 elsewhere/job/train.py" in result.output
+
+
+def test_unknown_model_is_one_line(factory: str):
+    """An unknown model name fails with exit 1 and one line listing what MODEL may be."""
+    _fails_cleanly(_convert("gtp2", "--stages", "2"), "unknown model 'gtp2'")
+    assert not Path("jobs").exists()
+
+
+def test_more_stages_than_layers_is_one_line(factory: str):
+    """Asking for more stages than layers says how many layers there are; nothing is written."""
+    _fails_cleanly(_convert(factory, "--stages", "7"), "flattens into 6 layers, too few for 7 stages")
+    assert not Path("jobs").exists()
+
+
+def test_memory_infeasible_is_one_line(factory: str):
+    """A memory limit no cut fits is refused with the memory that would fit; nothing is written."""
+    _fails_cleanly(_convert(factory, "--stages", "2", "--memory-limit", "1KiB"), "no cut into 2 stages")
+    assert not Path("jobs").exists()
+
+
+def test_bad_memory_limit_is_one_line(factory: str):
+    """A memory limit without a readable size says how to write one."""
+    _fails_cleanly(_convert(factory, "--stages", "2", "--memory-limit", "lots"), "bad memory size 'lots'")
+
+
+def test_bad_schedule_and_engine_are_one_line(factory: str):
+    """Unknown schedule and engine names are refused before any work."""
+    _fails_cleanly(_convert(factory, "--stages", "2", "--schedule", "zigzag"), "unknown schedule 'zigzag'")
+    _fails_cleanly(_convert(factory, "--stages", "2", "--engine", "megatron"), "unknown engine 'megatron'")
+
+
+def test_existing_folder_is_not_overwritten(factory: str):
+    """An existing job folder is refused and left exactly as it was."""
+    job = Path("jobs/tiny")
+    job.mkdir(parents=True)
+    (job / "plan.json").write_text("my precious plan")
+    _fails_cleanly(_convert(factory, "--stages", "2"), "already exists")
+    assert (job / "plan.json").read_text() == "my precious plan"
+    assert [p.name for p in job.iterdir()] == ["plan.json"]
+
+
+def test_force_replaces_job_files_but_keeps_others(factory: str):
+    """--force rewrites the job's own files; other files in the folder (a checkpoint) survive."""
+    job = Path("jobs/tiny")
+    (job / "checkpoints").mkdir(parents=True)
+    (job / "checkpoints" / "step1.pt").write_text("weights")
+    (job / "plan.json").write_text("old")
+    result = _convert(factory, "--stages", "2", "--force")
+    assert result.exit_code == 0, result.output
+    assert json.loads((job / "plan.json").read_text())["kind"] == "autopipe.plan"
+    assert (job / "checkpoints" / "step1.pt").read_text() == "weights"
+
+
+def test_out_pointing_at_a_file_is_one_line(factory: str):
+    """--out naming an existing file is refused and the file kept."""
+    Path("notes.txt").write_text("keep")
+    _fails_cleanly(_convert(factory, "--stages", "2", "--out", "notes.txt"), "is a file, not a folder")
+    assert Path("notes.txt").read_text() == "keep"

@@ -1,0 +1,154 @@
+"""report.html: one self-contained page; its content is checked by parsing it (no browser here)."""
+
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autopipe import AutopipeError, Profile, partition
+from autopipe.baselines import BASELINES
+from autopipe.cli import app
+from autopipe.report import compare_baselines, format_time, render_report, write_report
+
+runner = CliRunner()
+
+
+class _Page(HTMLParser):
+    """Collects every start tag with its attributes, and the text."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str]]] = []
+        self.text: list[str] = []
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, {k: v or "" for k, v in attrs}))
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+    def all(self, tag: str, cls: str | None = None) -> list[dict[str, str]]:
+        return [a for t, a in self.tags if t == tag and (cls is None or cls in a.get("class", "").split())]
+
+
+def _profile() -> Profile:
+    # Eight layers of known cost; layer 5 is heavy, so the cut is not uniform.
+    times = [1.0, 1.0, 1.0, 1.0, 1.0, 4.0, 1.0, 2.0]
+    return Profile.from_costs(times, param_bytes=[100] * 8, activation_bytes=[10] * 8, output_bytes=[8] * 8,
+                              names=[f"block.{i}" for i in range(8)])
+
+
+def test_report_shows_each_stage_and_cut():
+    """The stage table has one row per stage and the layer charts mark exactly the plan's cuts."""
+    prof = _profile()
+    plan = partition(prof, 3, bandwidth=None)
+    page = _Page(render_report(plan, prof))
+    assert len(page.all("tr", "stage")) == 3
+    cuts = {int(a["data-cut"]) for a in page.all("line", "cut")}
+    assert cuts == set(plan.boundaries[1:-1])
+    # two per-layer charts (time, memory), each with one bar group per layer, coloured by its stage
+    layers = page.all("g", "layer")
+    assert len(layers) == 2 * 8
+    owner = {int(a["data-layer"]): int(a["data-stage"]) for a in layers}
+    assert [owner[i] for i in range(8)] == [c for c in range(3) for _ in plan.layers_of(c)]
+
+
+def test_report_is_self_contained():
+    """No script, stylesheet link, image or URL: it reads offline; charts are inline SVG."""
+    prof = _profile()
+    text = render_report(partition(prof, 2), prof)
+    page = _Page(text)
+    assert len(page.all("svg")) >= 5
+    assert not page.all("script") and not page.all("link") and not page.all("img") and not page.all("iframe")
+    assert "http" not in text and "@import" not in text and "//" not in re.sub(r"<!DOCTYPE html>", "", text)
+    assert all(u == "url(#idle)" for u in re.findall(r"url\([^)]*\)", text))
+
+
+def test_timeline_has_every_operation_and_idle_rows():
+    """The schedule chart draws each forward and backward of each micro-batch on each rank."""
+    prof = _profile()
+    plan = partition(prof, 3, microbatches=5, schedule="1f1b")
+    page = _Page(render_report(plan, prof))
+    ops = page.all("g", "op")
+    assert len(ops) == 2 * 5 * 3
+    assert sum(a["data-kind"] == "F" for a in ops) == 15
+    assert len(page.all("rect", "idle")) == 3
+    assert f"bubble {plan.bubble_fraction:.0%}" in "".join(page.text)
+
+
+def test_baselines_are_compared_and_over_limit_marked():
+    """autopipe's plan sits beside every baseline; one that breaks the memory limit is marked."""
+    # The first layers hold much memory and little time: balancing parameters or layer counts
+    # crowds them into one stage, over the limit that autopipe's cut respects.
+    prof = Profile.from_costs([1, 1, 1, 1, 3, 3, 3, 3], param_bytes=[400, 400, 400, 400, 1, 1, 1, 1])
+    plan = partition(prof, 2, memory_limit=3300, bandwidth=None)
+    baselines = compare_baselines(prof, plan)
+    assert set(baselines) == set(BASELINES)
+    page = _Page(render_report(plan, prof, baselines=baselines))
+    methods = [a["data-method"] for a in page.all("tr", "method")]
+    assert methods == ["autopipe", *BASELINES]
+    over = [m for m, p in baselines.items() if p.peak_memory > 3300]
+    assert over  # the fixture makes at least one baseline break the limit
+    assert render_report(plan, prof, baselines=baselines).count("over limit") == len(over)
+
+
+def test_report_without_profile_leaves_out_layer_charts():
+    """With only a plan, the stage, memory and timeline charts are drawn; per-layer ones are not."""
+    plan = partition(_profile(), 2)
+    page = _Page(render_report(plan))
+    assert not page.all("g", "layer") and not page.all("tr", "method")
+    assert len(page.all("tr", "stage")) == 2 and page.all("svg", "timeline")
+
+
+def test_report_refuses_a_profile_of_another_model():
+    """A profile whose layer count differs from the plan's is an error naming both counts."""
+    plan = partition(_profile(), 2)
+    with pytest.raises(AutopipeError, match="6 layers but the plan cuts 8"):
+        render_report(plan, Profile.from_costs([1.0] * 6))
+
+
+def test_format_time_picks_a_unit():
+    """Times read as µs, ms or s with three significant digits."""
+    assert [format_time(t) for t in (0, 2.5e-5, 0.0123, 0.5, 7.919)] == ["0", "25 µs", "12.3 ms", "500 ms", "7.92 s"]
+
+
+def test_report_command_rebuilds_from_plan_and_sibling_profile(tmp_path: Path):
+    """`autopipe report plan.json` finds profile.json beside it and writes report.html there."""
+    prof = _profile()
+    plan = partition(prof, 2)
+    plan.save(tmp_path / "plan.json")
+    prof.save(tmp_path / "profile.json")
+    result = runner.invoke(app, ["report", str(tmp_path / "plan.json")])
+    assert result.exit_code == 0, result.output
+    page = _Page((tmp_path / "report.html").read_text())
+    assert len(page.all("g", "layer")) == 16 and len(page.all("tr", "stage")) == 2
+
+
+def test_report_command_writes_to_out_without_profile(tmp_path: Path):
+    """--out chooses the file; with no profile it says what it left out."""
+    partition(_profile(), 2).save(tmp_path / "plan.json")
+    result = runner.invoke(app, ["report", str(tmp_path / "plan.json"), "--out", str(tmp_path / "r.html")])
+    assert result.exit_code == 0, result.output
+    assert "no profile" in result.output and (tmp_path / "r.html").exists()
+
+
+def test_report_command_bad_plan_is_one_line(tmp_path: Path):
+    """A file that is not a plan gives exit code 1 and one error line, no traceback."""
+    (tmp_path / "plan.json").write_text('{"kind": "something else"}')
+    result = runner.invoke(app, ["report", str(tmp_path / "plan.json")])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert [l for l in result.output.splitlines() if l.strip()] == ["error: not an autopipe plan (missing kind 'autopipe.plan')."]
+
+
+def test_write_report_replaces_the_file_whole(tmp_path: Path):
+    """write_report leaves one complete file and no temporary file beside it."""
+    prof = _profile()
+    path = write_report(tmp_path / "report.html", partition(prof, 2), prof)
+    assert path.read_text().rstrip().endswith("</html>")
+    assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
