@@ -153,10 +153,13 @@ def convert(
     say("flatten")
     seq = flatten(m, args, kwargs)
     lap("flatten")
-    if stages > len(seq.layers):
+    chunks_per_rank = 2 if schedule in ("interleaved1f1b", "zbv") else 1
+    if stages * chunks_per_rank > len(seq.layers):
+        most = len(seq.layers) // chunks_per_rank
+        per = f" ({chunks_per_rank} chunks per stage under {schedule})" if chunks_per_rank > 1 else ""
         raise PartitionError(
-            f"{model} flattens into {len(seq.layers)} layers, too few for {stages} stages; "
-            f"use --stages {len(seq.layers)} or fewer."
+            f"{model} flattens into {len(seq.layers)} layers, too few for {stages} stages{per}; "
+            f"use --stages {most} or fewer."
         )
     say("profile")
     prof = run_profile(seq, args, kwargs, device=device, estimate=estimate, mixed_precision=train_dtype != "fp32",
@@ -169,7 +172,10 @@ def convert(
     from .partition import partition
     from .report import compare_baselines
 
-    plan = partition(prof, stages, microbatches=microbatches, schedule=schedule, memory_limit=limit)
+    # Interleaved schedules need chunks to interleave: two per rank, the smallest that helps.
+    virtual = 2 if schedule == "interleaved1f1b" else None
+    plan = partition(prof, stages, microbatches=microbatches, schedule=schedule, memory_limit=limit,
+                     virtual_stages=virtual)
     baselines = compare_baselines(prof, plan)
     lap("partition")
 

@@ -453,8 +453,11 @@ def _timeline_chart(plan: Plan) -> str:
                            f"style=\"fill:{'#222' if kind == 'F' else '#fff'}\">{kind}{mb}</text>")
             out.append("</g>")
     out.append("</svg>")
+    has_w = any(op[2] == "W" for ops in sim.timeline for op in ops)
     legend = (f"<p class=\"note\">Step {format_time(sim.step_time)}; bubble {sim.bubble_fraction:.0%} of "
               f"{plan.stages} ranks × step time. <span class=\"sw\" style=\"background:{_tint(PALETTE[0], 0.5)}\">"
               f"</span>forward <span class=\"sw\" style=\"background:{PALETTE[0]}\"></span>backward "
-              f"<span class=\"sw\" style=\"background:#eee;border:1px solid #ccc\"></span>idle</p>")
+              + (f"<span class=\"sw\" style=\"background:{_tint(PALETTE[0], -0.3)}\"></span>weight gradient "
+                 if has_w else "")
+              + "<span class=\"sw\" style=\"background:#eee;border:1px solid #ccc\"></span>idle</p>")
     return legend + "".join(out)
