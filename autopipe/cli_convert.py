@@ -24,17 +24,24 @@ def stage_table(plan, profile, title: str = "") -> Table:  # type: ignore[no-unt
                          no_wrap=col != "first … last layer")
     for c in range(plan.num_chunks):
         a, b = plan.boundaries[c], plan.boundaries[c + 1]
-        names = profile.layers[a].name if b - a == 1 else f"{profile.layers[a].name} … {profile.layers[b - 1].name}"
+        first, last = _label(profile.layers[a].name), _label(profile.layers[b - 1].name)
+        names = first if b - a == 1 else f"{first} … {last}"
         share = plan.stage_times[c] / plan.bottleneck_time if plan.bottleneck_time > 0 else 1.0
         over = plan.memory_limit is not None and plan.stage_memory[c] > plan.memory_limit // plan.virtual_stages
         memory = format_bytes(plan.stage_memory[c])
         stage = str(c) if plan.virtual_stages == 1 else f"{c} (rank {plan.stage_ranks[c]})"
         table.add_row(
-            stage, f"{a}–{b - 1}", _short(names), format_time(plan.stage_times[c]),
+            stage, f"{a}–{b - 1}" if b - a > 1 else str(a), _short(names), format_time(plan.stage_times[c]),
             f"[red]{memory}[/]" if over else memory,
             f"{'█' * round(share * 8):<8} {share:4.0%}",
         )
     return table
+
+
+def _label(name: str) -> str:
+    """A layer made of several glue modules is named by its first: 'transformer.wte (+2)'."""
+    parts = name.split(", ")
+    return parts[0] if len(parts) == 1 else f"{parts[0]} (+{len(parts) - 1})"
 
 
 def _short(name: str, n: int = 40) -> str:
@@ -74,15 +81,17 @@ def convert_command(
     )  # fmt: skip
     plan, prof = result.plan, result.profile
     console.print(stage_table(plan, prof, title=f"{model}: {plan.stages} stages, {plan.schedule}, "
-                                                f"{plan.microbatches} micro-batches ({prof.mode} on {prof.device.name})"))
+                                                f"{plan.microbatches} micro-batches"))
     best = min(result.baselines.items(), key=lambda kv: kv[1].step_time, default=None)
     versus = ""
     if best is not None and plan.step_time > 0:
-        versus = f"; best baseline ({best[0]}) {best[1].step_time / plan.step_time - 1:+.0%}"
+        gain = best[1].step_time / plan.step_time - 1
+        versus = f"; best baseline ({best[0]}) {gain:+.1%}" if abs(gain) >= 0.0005 else f"; best baseline ({best[0]}) equal"
+    how = "measured on" if prof.mode == "measured" else "estimated for"
     limit = f" of {format_bytes(plan.memory_limit)}" if plan.memory_limit else ""
-    console.print(f"step {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%}, "
+    console.print(f"{how} {prof.device.name}: step {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%}, "
                   f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit}{versus}",
-                  highlight=False)
+                  highlight=False, soft_wrap=True)
     took = sum(result.seconds.values())
     console.print(f"wrote {result.job.job_dir}/ (plan.json, profile.json, train.py, report.html, README.md) "
                   f"in {took:.1f} s", highlight=False, soft_wrap=True)
