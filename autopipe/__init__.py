@@ -9,31 +9,19 @@
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
-
 from .errors import AutopipeError
 from .records import DeviceInfo, LayerCost, Profile
 
 __version__ = "0.1.0"
 
-# Passes are imported on first use: `import autopipe` stays cheap for the CLI and for workers.
-_LAZY = {
-    "flatten": ("autopipe.flatten", "flatten"),
-    "LayerSequence": ("autopipe.flatten", "LayerSequence"),
-    "profile": ("autopipe.profile", "profile"),
-    "partition": ("autopipe.partition", "partition"),
-    "Plan": ("autopipe.plan", "Plan"),
-}
+# The passes share names with their modules (autopipe.flatten is a function and a module). Importing
+# the functions here binds the package attributes to them once; a later `import autopipe.flatten`
+# finds the module already loaded and leaves the attribute alone.
+from .flatten import flatten
+from .partition import partition
+from .plan import Plan
+from .profile import profile
+from .sequence import LayerSequence
 
-__all__ = ["AutopipeError", "DeviceInfo", "LayerCost", "Profile", *_LAZY]
-
-
-def __getattr__(name: str) -> Any:
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'autopipe' has no attribute {name!r}") from None
-    value = getattr(import_module(module), attr)
-    globals()[name] = value
-    return value
+__all__ = ["AutopipeError", "DeviceInfo", "LayerCost", "LayerSequence", "Plan", "Profile",
+           "flatten", "partition", "profile"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import types
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -374,16 +373,3 @@ def _progress_bar(enabled: bool, total: int) -> Progress:
         transient=True,
         disable=not enabled,
     )
-
-
-class _CallableModule(types.ModuleType):
-    """``autopipe.profile`` names both this module and its function. Importing the submodule
-    (``from autopipe.profile import check_signature``) rebinds the package attribute to the module,
-    hiding the function that autopipe/__init__.py exposes lazily; a callable module keeps
-    ``autopipe.profile(seq, ...)`` working either way."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Profile:
-        return profile(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
