@@ -1,21 +1,14 @@
-"""Flatten pass: traced graph -> LayerSequence.
+"""Flatten pass: traced graph -> LayerSequence (the mechanism; autopipe/segment.py is the policy).
 
-Policy (where to cut) is apart from mechanism (how to cut):
-- ``_segment`` decides: each node gets the key of the module call it belongs to, read from the
-  ``nn_module_stack`` torch.export records (the first entry whose path ends in an index, e.g.
-  ``transformer.h.3``, is a block; repeated calls of one module carry ``@N`` and stay apart). Runs of
-  equal keys are layers; the glue between blocks becomes a layer if it holds parameters and joins
-  the next layer otherwise.
-- ``_build_layer`` cuts: a layer is a GraphModule over its nodes that takes the tuple of every value
-  live across its input cut and returns the tuple live across its output cut. Parameters and buffers
-  are the model's own objects, registered at their original dotted names.
+A layer is a GraphModule over its nodes that takes the tuple of every value live across its input
+cut and returns the tuple live across its output cut. Parameters and buffers are the model's own
+objects, registered at their original dotted names.
 """
 
 from __future__ import annotations
 
 import hashlib
 import operator
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -24,21 +17,13 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from .errors import TraceError, TraceMismatchError
+from .segment import Segment, group_blocks, is_glue, module_stack, segment
 from .sequence import IOSpec, LayerInfo, LayerSequence, TensorSig, TiedGroup, as_tuple
 from .trace import _as_args, trace_with_notes
 
 __all__ = ["flatten", "Granularity"]
 
 Granularity = Literal["block", "leaf"]
-
-
-@dataclass
-class _Segment:
-    key: str | None  # module call key; None or "glue:..." for code around the blocks
-    nodes: list[fx.Node] = field(default_factory=list)
-    paths: list[str] = field(default_factory=list)  # module paths seen, in order
-    kind: str = "glue"
-    has_params: bool = False
 
 
 def flatten(
@@ -82,117 +67,6 @@ def flatten(
     if validate and not _on_meta(model):
         _validate(model, seq, args, kwargs)
     return seq
-
-
-# ---------------------------------------------------------------------------------------------
-# Policy: which node goes to which layer
-
-
-def _stack(node: fx.Node) -> list[tuple[str, str, str]]:
-    """(call key, module path, class name) from outermost to innermost, the root left out."""
-    stack = node.meta.get("nn_module_stack") or {}
-    out = []
-    for key, (path, typ) in stack.items():
-        if path == "":
-            continue
-        cls = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
-        out.append((key, path, cls.rsplit(".", 1)[-1]))
-    return out
-
-
-_GLUE = "glue:"
-
-
-def _is_glue(key: str | None) -> bool:
-    return key is None or key.startswith(_GLUE)
-
-
-def _is_indexed(path: str) -> bool:
-    return path.rsplit(".", 1)[-1].isdigit()
-
-
-def _segment(gm: fx.GraphModule, param_nodes: set[fx.Node], granularity: str) -> list[_Segment]:
-    # get_attr nodes (higher-order-op subgraphs) are not computation: each layer using one gets its own.
-    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    any_indexed = any(_is_indexed(p) for n in compute for _, p, _ in _stack(n))
-
-    def key_of(node: fx.Node) -> tuple[str | None, str, str]:
-        stack = _stack(node)
-        if not stack:
-            return None, "", "glue"
-        if granularity == "leaf":
-            return stack[-1]
-        for entry in stack:
-            # Without indexed children (a U-Net of named blocks), top-level children are the blocks.
-            if _is_indexed(entry[1]) or not any_indexed:
-                return entry
-        # Glue is kept apart per top-level child (ln_f | lm_head), so each piece can be a layer.
-        return _GLUE + stack[0][0], stack[-1][1], "glue"
-
-    segments: list[_Segment] = []
-    node_key: dict[fx.Node, tuple[str | None, str, str]] = {}
-    for node in compute:
-        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0] in node_key:
-            k = node_key[node.args[0]]  # a tuple's items stay with the op that made the tuple
-        else:
-            k = key_of(node)
-        node_key[node] = k
-        key, path, cls = k
-        if not segments or segments[-1].key != key:
-            segments.append(_Segment(key=key, kind=cls if not _is_glue(key) else "glue"))
-        seg = segments[-1]
-        seg.nodes.append(node)
-        deepest = _stack(node)[-1][1] if _stack(node) else ""
-        label = path if not _is_glue(key) else deepest
-        if label and label not in seg.paths:
-            seg.paths.append(label)
-        if any(a in param_nodes for a in node.all_input_nodes):
-            seg.has_params = True
-    return _merge(segments, granularity)
-
-
-def _merge(segments: list[_Segment], granularity: str) -> list[_Segment]:
-    """Parameter-free glue (masks, position ids, residual adds) joins the next layer."""
-    out: list[_Segment] = []
-    pending: list[_Segment] = []
-    for seg in segments:
-        small = not seg.has_params and (_is_glue(seg.key) or granularity == "leaf")
-        if small:
-            pending.append(seg)
-            continue
-        for p in reversed(pending):
-            seg.nodes[:0] = p.nodes
-        pending = []
-        out.append(seg)
-    if pending:
-        if out:
-            for p in pending:
-                out[-1].nodes.extend(p.nodes)
-        else:
-            merged = _Segment(key=None)
-            for p in pending:
-                merged.nodes.extend(p.nodes)
-                merged.paths.extend(x for x in p.paths if x not in merged.paths)
-            out.append(merged)
-    return out
-
-
-def _group(segments: list[_Segment], k: int) -> list[_Segment]:
-    """Coarser layers: ``k`` consecutive blocks per layer (glue layers stay on their own)."""
-    if k == 1:
-        return segments
-    out: list[_Segment] = []
-    run = 0
-    for seg in segments:
-        if not _is_glue(seg.key) and out and not _is_glue(out[-1].key) and run < k:
-            out[-1].nodes.extend(seg.nodes)
-            out[-1].paths.extend(seg.paths)
-            out[-1].has_params |= seg.has_params
-            run += 1
-        else:
-            out.append(_Segment(seg.key, list(seg.nodes), list(seg.paths), seg.kind, seg.has_params))
-            run = 1
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +121,7 @@ def _flatten_program(
             constant_of[node] = leaf
 
     params_set = {n for n, (_, kind, _) in attr_of.items() if kind == "parameter"}
-    segments = _group(_segment(gm, params_set, granularity), blocks_per_layer)
+    segments = group_blocks(segment(gm, params_set, granularity), blocks_per_layer)
     if not segments:
         raise TraceError(f"{type(model).__name__} traced to an empty graph: there is nothing to pipeline.")
 
@@ -334,7 +208,7 @@ def _flatten_program(
 
 
 def _build_layer(
-    seg: _Segment,
+    seg: Segment,
     inputs: list[fx.Node],
     outputs: list[fx.Node],
     attr_of: dict[fx.Node, tuple[str, str, torch.Tensor]],
@@ -396,7 +270,7 @@ def _closest_name(user: fx.Node, names: list[str]) -> str:
 
     Export routes every use of a tied tensor through one placeholder, whichever name it kept.
     """
-    paths = [path for _, path, _ in _stack(user)]
+    paths = [path for _, path, _ in module_stack(user)]
 
     def depth(name: str) -> int:
         return max((len(p) for p in paths if name.startswith(p + ".")), default=-1)
@@ -444,7 +318,7 @@ def _sig(node: fx.Node) -> TensorSig:
 
 
 def _layer_info(
-    i: int, seg: _Segment, layer: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], canonical_of: dict[str, str]
+    i: int, seg: Segment, layer: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], canonical_of: dict[str, str]
 ) -> LayerInfo:
     params: dict[int, tuple[str, nn.Parameter]] = {}
     pnames = []
@@ -454,7 +328,7 @@ def _layer_info(
             params.setdefault(id(p), (target, p))
             pnames.append(target)
     tied = tuple(sorted({canonical_of[n] for n in pnames if n in canonical_of}))
-    if _is_glue(seg.key):
+    if is_glue(seg.key):
         # Containers ("transformer") say less than what they contain ("transformer.wte").
         paths = [p for p in seg.paths if not any(q.startswith(p + ".") for q in seg.paths)]
         label = ", ".join(paths[:3]) + (f" +{len(paths) - 3}" if len(paths) > 3 else "")
