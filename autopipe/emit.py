@@ -127,7 +127,8 @@ def emit(
             "partition this profile again."
         )
     path = check_job_dir(job_dir, force=force)
-    created = not path.exists()
+    # The topmost folder this call creates (jobs/ itself on a first run): removed again on failure.
+    created = next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
     path.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     try:
@@ -142,8 +143,8 @@ def emit(
         _write_text(path / "README.md", _readme(settings, profile, plan, launch))
         written.append(path / "README.md")
     except BaseException:
-        if created:  # leave no half-made job behind (never for a folder the user had)
-            shutil.rmtree(path, ignore_errors=True)
+        if created is not None:  # leave no half-made job behind (never a folder the user had)
+            shutil.rmtree(created, ignore_errors=True)
         raise
     return JobFiles(path, tuple(written), launch)
 

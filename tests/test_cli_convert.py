@@ -147,3 +147,15 @@ def test_out_pointing_at_a_file_is_one_line(factory: str):
     Path("notes.txt").write_text("keep")
     _fails_cleanly(_convert(factory, "--stages", "2", "--out", "notes.txt"), "is a file, not a folder")
     assert Path("notes.txt").read_text() == "keep"
+
+
+def test_failure_while_writing_leaves_no_folder(factory: str, monkeypatch: pytest.MonkeyPatch):
+    """If writing the job fails midway, the folders convert created are removed again."""
+    import autopipe.emit
+
+    def broken(*args, **kwargs):
+        raise autopipe.emit.AutopipeError("disk full (simulated)")
+
+    monkeypatch.setattr(autopipe.emit, "write_report", broken)
+    _fails_cleanly(_convert(factory, "--stages", "2", "--out", "new/deep/job"), "")
+    assert not Path("new").exists()
