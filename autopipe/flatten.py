@@ -259,10 +259,36 @@ def _build_layer(
         g.call_function(_write_buffer, (g.get_attr(target), env[value]))
     outs = tuple(lookup(v) for v in outputs)
     g.output(outs[0] if len(outs) == 1 else outs)
+    _clone_mutated_inputs(g, [env[v] for v in inputs])
     g.lint()
     gm = fx.GraphModule(attrs, g, class_name=f"Layer{index}")
     gm.autopipe_attrs = kinds  # what rebind_ re-reads: original name -> parameter/buffer/constant
     return gm
+
+
+def _clone_mutated_inputs(g: fx.Graph, inputs: list[fx.Node]) -> None:
+    """Give in-place ops (``ReLU(inplace=True)``) a copy of a layer input to write into.
+
+    A pipeline stage receives its inputs as leaves that require grad, and autograd forbids writing
+    into those. Every use in the layer, outputs included, then sees the written copy, as in the model.
+    """
+    for node in inputs:
+        if any(_writes(user, node) for user in node.users):
+            with g.inserting_after(node):
+                copy = g.call_function(torch.ops.aten.clone.default, (node,))
+            node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+
+
+def _writes(user: fx.Node, value: fx.Node) -> bool:
+    target = user.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            given = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+            if given is value:
+                return True
+    return False
 
 
 def _closest_name(user: fx.Node, names: list[str]) -> str:

@@ -215,3 +215,23 @@ def test_bloom_custom_autograd_function_is_reported() -> None:
     model, args, kwargs = build("bloom")
     seq = autopipe.flatten(model.train(), args, kwargs)
     assert any("GeLUFunction" in note for note in seq.notes)
+
+
+def test_in_place_op_on_a_stage_input() -> None:
+    """ReLU(inplace=True) first in a stage whose input is a leaf requiring grad (as a pipeline engine
+    hands it over): the layer writes into a copy, and outputs and gradients equal the model's."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    expected = model(x).detach()
+    model.zero_grad(set_to_none=True)
+    first, second = autopipe.flatten(model, (x,)).split([0, 1, 3])
+    h = first(x)
+    received = h.detach().requires_grad_()  # what the next rank gets
+    out = second(received)
+    out.sum().backward()
+    h.backward(received.grad)
+    torch.testing.assert_close(out, expected)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], msg=name)
