@@ -15,10 +15,8 @@ the rank), and the solver minimises the slowest chunk.
 from __future__ import annotations
 
 import re
-import sys
-import types
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -334,14 +332,3 @@ def _explain(model: _Model, profile: Profile, stages: int, v: int, m: int, sched
         "Add stages, raise the memory limit, or use fewer micro-batches (or 1f1b instead of gpipe)."
     )
 
-
-class _CallableModule(types.ModuleType):
-    """``autopipe.partition`` names both this module and its function. Importing the submodule
-    rebinds the package attribute to the module, hiding the function autopipe/__init__.py exposes
-    lazily; a callable module keeps ``autopipe.partition(profile, stages)`` working either way."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
-        return partition(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

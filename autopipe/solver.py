@@ -30,7 +30,7 @@ over those candidates, never over floats: keep ``lo`` infeasible and ``hi`` the 
 actually found; count the candidates strictly between (per b, a range of the sorted ``g``); probe a
 random one; stop when none is left, then ``hi`` is the optimum exactly. Expected O(log L) probes
 (the candidates are at most L²). The peak-memory tie-break then bisects over integer byte limits
-with T fixed at the optimum: O(log(bytes)) more probes.
+with T fixed at the optimum: O(log(bytes / gcd of the byte counts)) more probes.
 
 Example:
     >>> solve([1, 1, 1, 1, 2, 2], 3).boundaries
@@ -105,6 +105,7 @@ class StageCosts:
             if len(users) > 1
         ]
         self.has_memory = bool(self.static_prefix[-1] or self.act_prefix[-1])
+        self._q_cache: dict[int, np.ndarray] = {}
 
     def cost(self, a: int, b: int) -> float:
         """Seconds per micro-batch of stage [a, b): compute plus the cut terms on both sides."""
@@ -117,20 +118,44 @@ class StageCosts:
             m = m - w * np.maximum(count[b] - count[a] - 1, 0)
         return m if isinstance(m, np.ndarray) else int(m)
 
-    def window_starts(self, inflight: int, limit: int | None) -> np.ndarray | None:
-        """m(b): the first a with memory(a, b) <= limit, for every b (b when no a fits); None: no limit."""
-        b = np.arange(self.n + 1)
-        if limit is None or int(self.memory(0, self.n, inflight)) <= limit:
-            return None  # the whole model fits one stage: every window starts at 0
+    def binds(self, inflight: int, limit: int | None) -> bool:
+        """Whether the limit can bind at all (the whole model in one stage would exceed it)."""
+        return limit is not None and int(self.memory(0, self.n, inflight)) > limit
+
+    def _q(self, inflight: int) -> np.ndarray:
+        """Prefix sums of static + inflight x activation bytes (no tied tensors), cached per count."""
+        cache = self._q_cache
+        if inflight not in cache:
+            if len(cache) > 64:
+                cache.clear()
+            cache[inflight] = self.static_prefix + inflight * self.act_prefix
+        return cache[inflight]
+
+    def window_start(self, inflight: int, limit: int, b: np.ndarray) -> np.ndarray:
+        """m(b): the first a with memory(a, b) <= limit, for each b given (b itself when none fits)."""
         if not self.tied:  # a plain prefix difference: one binary search per b, in numpy
-            q = self.static_prefix + inflight * self.act_prefix
-            return np.minimum(np.searchsorted(q, q - limit, side="left"), b)
+            q = self._q(inflight)
+            return np.minimum(np.searchsorted(q, q[b] - limit, side="left"), b)
         lo, hi = np.zeros_like(b), b.copy()
         while np.any(lo < hi):  # vectorised bisection; memory(a, b) only shrinks as a grows
             mid = (lo + hi) // 2
             ok = (self.memory(mid, b, inflight) <= limit) | (lo == hi)  # settled entries stay put
             hi = np.where(ok, mid, hi)
             lo = np.where(ok, lo, mid + 1)
+        return lo
+
+    def window_end(self, inflight: int, limit: int, a: int) -> int:
+        """The last b >= a with memory(a, b) <= limit: how far a stage starting at a can reach."""
+        if not self.tied:
+            q = self._q(inflight)
+            return int(np.searchsorted(q, q[a] + limit, side="right")) - 1
+        lo, hi = a, self.n  # memory(a, b) only grows with b
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if int(self.memory(a, mid, inflight)) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
         return lo
 
 
@@ -170,16 +195,16 @@ class _Search:
         self.k = stages
         self.inflight = [int(x) for x in inflight]
         self.probes = 0
-        self._starts: dict[tuple[int, int | None], np.ndarray | None] = {}
+        self._binds: dict[tuple[int, int | None], bool] = {}
 
-    def windows(self, s: int, limit: int | None) -> np.ndarray | None:
-        """m(b) for stage s: where its memory windows start; None when memory never binds."""
+    def binds(self, s: int, limit: int | None) -> bool:
+        """Whether stage s's memory can bind under ``limit`` (cached per in-flight count)."""
         key = (self.inflight[s], limit)
-        if key not in self._starts:
-            if len(self._starts) > 256:  # the tie-break tries many limits; keep only recent ones
-                self._starts.clear()
-            self._starts[key] = self.c.window_starts(self.inflight[s], limit)
-        return self._starts[key]
+        if key not in self._binds:
+            if len(self._binds) > 4096:  # the tie-break tries many limits
+                self._binds.clear()
+            self._binds[key] = self.c.binds(self.inflight[s], limit)
+        return self._binds[key]
 
     def reach(self, t: float, limit: int | None) -> list[np.ndarray] | None:
         """R_0..R_K for bottleneck t (the recurrence in the module docstring); None if L not in R_K.
@@ -194,21 +219,22 @@ class _Search:
         out = [reach]
         lo, hi = 0, 0  # first and last member of R_s
         for s in range(self.k):
-            m = self.windows(s, limit)
+            binds = self.binds(s, limit)
             end = n
             if np.isfinite(t):  # cost >= compute, so b cannot pass prefix[hi] + t (with a rounding margin)
                 bound = prefix[hi] + t + 1e-9 * (abs(prefix[hi]) + abs(t) + 1.0)
                 end = min(end, int(np.searchsorted(prefix, bound, side="right")) - 1)
-            if m is not None:  # the window of b must reach back to R_s
-                end = min(end, int(np.searchsorted(m, hi, side="right")) - 1)
+            if binds:  # a stage from the last member of R_s must still fit
+                end = min(end, self.c.window_end(self.inflight[s], limit, hi))  # type: ignore[arg-type]
             if end <= lo:
                 return None
             vals = np.where(reach[lo:end], g[lo:end], -np.inf)  # candidate starts a in [lo, end)
-            if m is None:
+            if not binds:
                 best = np.maximum.accumulate(vals)  # best[i]: max over a in [lo, lo + i]
                 best_b = best  # for b = lo + 1 + i: window [lo, b)
             else:
-                starts = np.maximum(m[lo + 1 : end + 1] - lo, 0)
+                m = self.c.window_start(self.inflight[s], limit, np.arange(lo + 1, end + 1))  # type: ignore[arg-type]
+                starts = np.maximum(m - lo, 0)
                 local = np.concatenate([vals, [-np.inf]])  # positions lo .. end
                 best_b = _window_max(local, np.concatenate([[0], starts]))[1:]
             hb = h[lo + 1 : end + 1]
@@ -228,8 +254,8 @@ class _Search:
         bounds = [self.c.n]
         b = self.c.n
         for s in range(self.k - 1, -1, -1):
-            m = self.windows(s, limit)
-            lo = 0 if m is None else int(m[b])
+            binds = self.binds(s, limit)
+            lo = int(self.c.window_start(self.inflight[s], limit, np.array([b]))[0]) if binds else 0  # type: ignore[arg-type]
             cand = np.arange(lo, b)
             cand = cand[reach[s][lo:b] & (h[b] - g[lo:b] <= t)]
             a = int(cand[np.argmax(g[cand])])
@@ -322,14 +348,18 @@ def _lowest_peak(search: _Search, t: float, bounds: tuple[int, ...], limit: int 
     c = search.c
     if not c.has_memory:
         return bounds, peak
+    # Every memory figure is a sum of multiples of the per-layer and tied byte counts, so only
+    # multiples of their gcd need trying (4 for float32 tensors, often far more).
+    unit = int(np.gcd.reduce(np.concatenate([np.diff(c.static_prefix), np.diff(c.act_prefix), [w for w, _ in c.tied]]).astype(np.int64)))
+    unit = max(unit, 1)
     # Every layer sits in some stage, which holds at least that layer alone.
     one = c.memory(np.arange(c.n), np.arange(1, c.n + 1), min(search.inflight))
-    lo = int(np.max(one)) - 1  # infeasible
-    while peak - lo > 1:
-        mid = (lo + peak) // 2
+    lo = (int(np.max(one)) - 1) // unit  # in units; infeasible
+    while peak // unit - lo > 1:
+        mid = (lo + peak // unit) // 2 * unit
         r = search.reach(t, mid)
         if r is None:
-            lo = mid
+            lo = mid // unit
         else:
             bounds = search.recover(t, mid, r)
             _, peak = search.measure(bounds)

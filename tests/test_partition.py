@@ -209,6 +209,9 @@ def test_plan_simulate_draws_every_op() -> None:
 
 def test_public_names_after_submodule_import() -> None:
     """autopipe.partition stays callable after its submodule is imported; autopipe.Plan is the record."""
+    import autopipe.partition  # noqa: F401  (the submodule must not shadow the function)
+
+    assert autopipe.partition is partition
     prof = Profile.from_costs([1.0, 1.0, 2.0])
     assert autopipe.partition(prof, 2, bandwidth=None).boundaries == (0, 2, 3)
     assert autopipe.Plan is Plan
