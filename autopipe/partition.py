@@ -24,7 +24,7 @@ from .baselines import baseline
 from .errors import InfeasibleMemoryError, PartitionError
 from .plan import Plan
 from .records import Profile, optimizer_state_factor
-from .schedule import check_schedule, chunk_ranks, inflight_counts, simulate
+from .schedule import check_schedule, chunk_ranks, inflight_counts, normalize_schedule, simulate
 from .solver import Infeasible, StageCosts, fits, min_peak_memory, solve
 
 __all__ = ["partition", "parse_size", "format_bytes", "DEFAULT_BANDWIDTH"]
@@ -137,7 +137,8 @@ def partition(
         schedule: gpipe, 1f1b, interleaved1f1b or zbv; sets the in-flight activations per stage.
         memory_limit: bytes per device, or a size like "80GiB"; None: unlimited.
         optimizer: recount optimizer state for this optimizer (default: the profile's).
-        virtual_stages: chunks per rank v (default 1; 2 for zbv). The model is cut into S·v chunks.
+        virtual_stages: chunks per rank v (default 1; 2 for interleaved1f1b and zbv). The model is
+            cut into S·v chunks.
         bandwidth: bytes/s between neighbouring ranks; None: ignore communication.
         boundaries: your own cut (S·v + 1 layer indices); the plan reports the optimum beside it.
         stage_names: your own cut as layer/module names per chunk (a name covers the layers it
@@ -160,7 +161,8 @@ def partition(
     n = len(profile.layers)
     if n == 0:
         raise PartitionError("the profile has no layers.")
-    v = virtual_stages or (2 if schedule.lower().startswith("zbv") else 1)
+    schedule = normalize_schedule(schedule)
+    v = virtual_stages or (2 if schedule in ("interleaved1f1b", "zbv") else 1)
     m = microbatches or 2 * stages
     schedule = check_schedule(schedule, stages, v, m)
     k = stages * v

@@ -174,6 +174,7 @@ def test_virtual_stages_cut_into_s_times_v_chunks() -> None:
     plan = partition(lm_profile(), 2, schedule="interleaved1f1b", virtual_stages=2, microbatches=4, bandwidth=None)
     assert len(plan.boundaries) == 5 and plan.stage_ranks == (0, 1, 0, 1)
     assert len(plan.rank_times) == 2
+    assert partition(lm_profile(), 2, schedule="Interleaved1F1B", microbatches=4).virtual_stages == 2
     zbv = partition(lm_profile(), 2, schedule="zbv", microbatches=4, bandwidth=None)
     assert zbv.virtual_stages == 2 and zbv.stage_ranks == (0, 1, 1, 0)
 
