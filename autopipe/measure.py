@@ -109,6 +109,13 @@ def _median_iqr(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), q[2] - q[0]
 
 
+def median_seconds(fn: Callable[[], Any], *, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after one untimed run."""
+    clock = _Clock(device)
+    fn()
+    return statistics.median(clock(fn)[0] for _ in range(repeats))
+
+
 def time_layer(layer: nn.Module, x: Value, *, device: torch.device, warmup: int, repeats: int) -> Timing:
     """Median forward and backward seconds of ``layer`` on ``x`` after ``warmup`` untimed runs.
 

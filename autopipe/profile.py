@@ -22,10 +22,10 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from .devices import describe_device, device_spec, dtype_name
+from .devices import describe_device, device_spec, dtype_name, keep_freed_memory
 from .errors import AutopipeError, StaleProfileError
 from .estimate import data_free, estimate_layer, meta_copy
-from .measure import StateGuard, Value, as_tuple, saved_pass, storage_key, tensor_bytes, time_layer
+from .measure import StateGuard, Value, as_tuple, median_seconds, saved_pass, storage_key, tensor_bytes, time_layer
 from .records import LayerCost, Profile, optimizer_state_factor
 
 __all__ = ["profile", "check_signature", "profile_table"]
@@ -105,6 +105,8 @@ def profile(
     infos = list(getattr(seq, "infos", [None] * len(layers)))
 
     old_threads = torch.get_num_threads()
+    if run_device.type == "cpu" and not estimate:
+        keep_freed_memory()  # else page faults, not the layers, dominate CPU timings
     if run_device.type == "cpu" and threads:
         torch.set_num_threads(threads)
     costs: list[dict[str, Any]] = []
@@ -175,7 +177,32 @@ def profile(
         torch_version=torch.__version__,
         signature=str(getattr(seq, "signature", "")),
         tied_static_bytes=_tied_bytes(seq, layers, sizes),
+        tied_grad_time=_tied_grad_time(seq, layers, run_device, spec, repeats, estimate),
     )
+
+
+def _tied_grad_time(
+    seq: Any, layers: list[nn.Module], device: torch.device, spec: Any, repeats: int, estimate: bool
+) -> dict[str, float]:
+    """Seconds to sum two gradients of each tied tensor: what the unsplit model pays in backward.
+
+    GPT-2's 154 MB wte/lm_head sum is ~10% of its CPU step; per-layer times cannot contain it.
+    """
+    out: dict[str, float] = {}
+    for group in getattr(seq, "tied", []):
+        tensor = next(
+            (layer.get_parameter(n) for layer in layers for n, _ in layer.named_parameters() if n in group.names), None
+        )
+        if tensor is None:
+            continue
+        if estimate:
+            # Read two, write one, at the device's memory bandwidth.
+            out[group.canonical] = 3 * tensor_bytes(tensor) / spec.memory_bandwidth if spec.memory_bandwidth else 0.0
+            continue
+        a = torch.ones(tensor.shape, dtype=tensor.dtype, device=device)
+        b = torch.ones_like(a)
+        out[group.canonical] = median_seconds(lambda: a + b, device=device, repeats=max(3, repeats // 2))
+    return out
 
 
 def check_signature(profile: Profile, seq: Any) -> None:

@@ -97,6 +97,10 @@ class Profile:
     # figures include the tied tensors it uses (LayerCost.tied lists them by canonical name), so a
     # stage holding several such layers subtracts the repeats: one copy per stage.
     tied_static_bytes: dict[str, int] = field(default_factory=dict)
+    # Tied parameters: canonical name -> seconds to add two gradients of that tensor (out of place, as
+    # autograd sums the uses of one tensor in a backward). A stage holding k uses pays k - 1 of them
+    # per micro-batch; stages holding one use each all-reduce instead. Not charged by the partitioner.
+    tied_grad_time: dict[str, float] = field(default_factory=dict)
     schema: int = PROFILE_SCHEMA
 
     def __post_init__(self) -> None:

@@ -4,7 +4,9 @@
 
 Records to bench/results/profile.json and .md, and saves the measured profile as profiles/gpt2-cpu.json:
 - the sum of per-layer forward+backward medians against the whole sequence's forward+backward median,
-  timed in the same run (whole-model runs before and after the profile, so drift hits both);
+  timed in the same run (whole-model runs before and after the profile, so drift hits both); the
+  unsplit tied model also sums the two gradients of wte/lm_head, so the ratio is given with that
+  measured sum added, and for an untied GPT-2 as a control;
 - the sum of per-layer activation bytes against the whole sequence's saved-tensor bytes;
 - estimate-mode time shares (roofline over the probed CPU) against the measured shares.
 """
@@ -23,6 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopipe
 from autopipe.measure import static_storage_keys, storage_key
+from autopipe.devices import keep_freed_memory
 from autopipe.records import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +70,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     opts = ap.parse_args()
     torch.set_num_threads(opts.threads)
+    # As profile() and autopipe.runtime do on CPU; else page faults of memory glibc returned to the OS
+    # cost the unsplit model ~20% of its step here, which no layer timed alone pays.
+    keep_freed_memory()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(use_cache=False))
     ids = torch.randint(0, model.config.vocab_size, (opts.batch_size, opts.seq_len))
@@ -79,7 +85,16 @@ def main() -> None:
     est = autopipe.profile(seq, (ids,), estimate=True, device="cpu", progress=False)
     activation_whole = saved_bytes(seq, ids)
 
+    # Control in the same run: GPT-2 with untied wte/lm_head. The unsplit tied model also sums the two
+    # gradients of the shared 154 MB tensor, which no single layer contains (Profile.tied_grad_time).
+    untied = autopipe.flatten(GPT2LMHeadModel(GPT2Config(use_cache=False, tie_word_embeddings=False)), (ids,))
+    untied_whole = whole_model_times(untied, ids, opts.repeats)
+    untied_prof = autopipe.profile(untied, (ids,), repeats=opts.repeats, warmup=3, threads=opts.threads, progress=False)
+    untied_whole += whole_model_times(untied, ids, opts.repeats)
+    untied_ratio = sum(untied_prof.times) / statistics.median(untied_whole)
+
     layer_sum = sum(prof.times)
+    tied_sum = sum(prof.tied_grad_time.values())
     whole_median = statistics.median(whole)
     measured_share = [t / layer_sum for t in prof.times]
     est_total = sum(est.times)
@@ -100,6 +115,9 @@ def main() -> None:
         "whole_model_median_s": whole_median,
         "whole_model_spread_s": statistics.quantiles(whole, n=4)[2] - statistics.quantiles(whole, n=4)[0],
         "time_ratio_layers_over_whole": layer_sum / whole_median,
+        "tied_grad_time_s": tied_sum,
+        "time_ratio_layers_plus_tied_over_whole": (layer_sum + tied_sum) / whole_median,
+        "untied_control_ratio_layers_over_whole": untied_ratio,
         "activation_sum_bytes": activation_sum,
         "whole_model_saved_bytes": activation_whole,
         "activation_ratio": activation_sum / activation_whole,
@@ -128,6 +146,9 @@ def _markdown(r: dict) -> str:  # type: ignore[type-arg]
         f"| sum of per-layer fwd+bwd medians | {r['layer_sum_s'] * 1e3:.1f} ms ({r['measured_layers']} of {r['layers']} layers measured, rest reused) |",
         f"| whole-model fwd+bwd median (spread) | {r['whole_model_median_s'] * 1e3:.1f} ms ({r['whole_model_spread_s'] * 1e3:.1f} ms) |",
         f"| ratio layers / whole (goal within 10%) | {r['time_ratio_layers_over_whole']:.3f} |",
+        f"| measured sum of the two tied wte/lm_head gradients (Profile.tied_grad_time) | {r['tied_grad_time_s'] * 1e3:.1f} ms |",
+        f"| ratio (layers + tied gradient sum) / whole | {r['time_ratio_layers_plus_tied_over_whole']:.3f} |",
+        f"| control, same run: untied GPT-2, ratio layers / whole | {r['untied_control_ratio_layers_over_whole']:.3f} |",
         f"| activation bytes: sum of layers / whole model saved | {r['activation_sum_bytes']} / {r['whole_model_saved_bytes']} = {r['activation_ratio']:.3f} |",
         f"| estimate (CPU roofline) total / measured | {r['estimate_total_s'] * 1e3:.1f} / {r['layer_sum_s'] * 1e3:.1f} ms = {r['estimate_over_measured']:.2f} |",
         f"| time share, estimate vs measured: max / mean abs error | {r['share_max_abs_error'] * 100:.1f} / {r['share_mean_abs_error'] * 100:.1f} points |",

@@ -56,6 +56,15 @@ def test_gpt2_tied_embedding_counted_per_layer_and_once_in_static_bytes(gpt2_mea
     assert holders == list(group.layers)
 
 
+def test_gpt2_tied_gradient_sum_is_measured(gpt2_measured) -> None:  # type: ignore[no-untyped-def]
+    """The unsplit model sums the two wte/lm_head gradients; the profile records what that costs."""
+    _, _, seq, prof, _ = gpt2_measured
+    (group,) = seq.tied
+    assert set(prof.tied_grad_time) == {group.canonical}
+    assert 0 < prof.tied_grad_time[group.canonical] < sum(prof.times)
+    assert type(prof).from_dict(prof.to_dict()).tied_grad_time == prof.tied_grad_time
+
+
 def test_gpt2_identical_blocks_measured_once(gpt2_measured) -> None:  # type: ignore[no-untyped-def]
     """Blocks with one structure key and input signature are measured once, then reused."""
     _, _, seq, prof, _ = gpt2_measured
