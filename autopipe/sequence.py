@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from .errors import InputMismatchError, PartitionError, StaleProfileError
+from .errors import AutopipeError, InputMismatchError, PartitionError, StaleProfileError
 
-__all__ = ["TensorSig", "LayerInfo", "TiedGroup", "IOSpec", "LayerSequence", "Stage"]
+__all__ = ["TensorSig", "LayerInfo", "TiedGroup", "IOSpec", "LayerSequence", "Stage", "retarget_device_", "check_boundaries"]
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,11 @@ class LayerSequence(nn.Module):
             for s in range(n)
         ]
 
+    def retarget_(self, device: str | torch.device) -> "LayerSequence":
+        """Make the layers create their tensors on ``device`` (after tracing on meta); see rebind_."""
+        retarget_device_(self, device)
+        return self
+
     def rebind_(self, model: nn.Module) -> "LayerSequence":
         """Re-read every parameter and buffer the layers hold from ``model`` by original name.
 
@@ -220,6 +225,40 @@ class LayerSequence(nn.Module):
                 elif kind == "buffer":
                     _set_attr(layer, name, model.get_buffer(name), parameter=False)
         return self
+
+
+def retarget_device_(module: nn.Module, device: str | torch.device) -> None:
+    """Point the device constants baked into traced graphs (``arange(device=meta)``) at ``device``.
+
+    A model traced on meta records ``meta`` in every op that creates a tensor; after its parameters
+    are materialised elsewhere the graphs must create tensors there too. Lifted constant tensors
+    move along; traced on meta they have no data, which is an error.
+    """
+    target = torch.device(device)
+
+    def swap(value: Any) -> Any:
+        return target if isinstance(value, torch.device) else value
+
+    for sub in module.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+        sub.recompile()
+        for name, kind in getattr(sub, "autopipe_attrs", {}).items():
+            if kind != "constant":
+                continue
+            *path, leaf = name.split(".")
+            owner = sub.get_submodule(".".join(path))
+            value = owner._buffers[leaf]
+            if value is not None and value.is_meta and target.type != "meta":
+                raise AutopipeError(
+                    f"a layer holds a constant tensor '{name}' created in forward, traced on meta so its "
+                    "values are unknown; flatten on a real device (or build that tensor from a buffer)."
+                )
+            if value is not None:
+                owner._buffers[leaf] = value.to(target)
 
 
 def check_boundaries(boundaries: Sequence[int], num_layers: int) -> list[int]:
@@ -295,6 +334,11 @@ class Stage(nn.Module):
         if self.last and self.unpack:
             return self.io.unpack(x)
         return x
+
+    def retarget_(self, device: str | torch.device) -> "Stage":
+        """Make this stage's layers create their tensors on ``device`` (after tracing on meta)."""
+        retarget_device_(self, device)
+        return self
 
     def named_original_parameters(self) -> dict[str, nn.Parameter]:
         """Parameters by their name in the original model, each tensor once."""

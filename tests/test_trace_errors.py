@@ -109,3 +109,29 @@ def test_meta_device_flatten_holds_meta_parameters_and_rebinds() -> None:
     assert first.get_parameter("transformer.wte.weight") is model.transformer.wte.weight
     assert last.get_parameter("lm_head.weight") is first.get_parameter("transformer.wte.weight")
     assert not any(p.is_meta for layer in seq.layers for p in layer.parameters())
+
+
+def test_meta_trace_runs_on_cpu_after_rebind_and_retarget() -> None:
+    """Trace on meta, materialise, rebind_ and retarget_: the layers give the real model's outputs
+    and gradients (device constants like arange(device=meta) now point at the CPU)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=32,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    real = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 96, (2, 8))
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    seq = autopipe.flatten(model, (ids.to("meta"),), {"labels": ids.to("meta"), "use_cache": False})
+    model.to_empty(device="cpu")
+    model.load_state_dict(real.state_dict())
+    model.tie_weights()
+    stages = seq.rebind_(model).retarget_("cpu").split([0, 2, len(seq)])
+    x = stages[0](ids, labels=ids, use_cache=False)
+    out = stages[1](*x)
+    ref = real(ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(out.logits, ref.logits)
+    out.loss.backward()
+    ref.loss.backward()
+    torch.testing.assert_close(model.transformer.wte.weight.grad, real.transformer.wte.weight.grad)
