@@ -7,7 +7,8 @@ Cost model, per micro-batch. A chunk ``[a, b)`` takes its layers' forward+backwa
 cut it touches, the tuple crossing that cut twice (activations forward, their gradients backward) at
 ``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer state (a tied tensor once per
 chunk holding it) plus its activation bytes times the micro-batches the schedule keeps in flight
-there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for interleaved and zbv.
+there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for interleaved, and min(M, 2S)
+for the greedy zbv, whose order depends on the costs (see schedule.inflight_counts).
 With v virtual stages per rank, each chunk must fit ``memory_limit / v`` (a sufficient condition for
 the rank), and the solver minimises the slowest chunk.
 """

@@ -246,7 +246,7 @@ class _ZBV:
         self.m = m
         # Micro-batches the shallow chunk may hold (F done, W not yet). Only the shallow chunk is
         # capped: the deep one must always be free to move, or a full rank would wait on itself.
-        self.cap = 2 * ranks
+        self.cap = _zbv_cap(ranks)
         self.chunks = [[c for c, r in enumerate(placement) if r == rank] for rank in range(ranks)]
         self.next_f = {c: 0 for c in range(len(placement))}
         self.next_b = dict(self.next_f)
@@ -286,21 +286,33 @@ class _ZBV:
 
 
 def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) -> list[int]:
-    """Per chunk, the most micro-batches whose activations it holds at once under ``schedule``.
+    """Per chunk, the most micro-batches whose activations it may hold at once under ``schedule``.
 
-    Read off the op order (equal unit costs for the greedy zbv): a unit is held from its F to its B
-    (to its W when the backward is split). Gives M for GPipe and min(S - s, M) for 1F1B.
+    A unit is held from its F to its B (to its W when the backward is split). GPipe, 1F1B and
+    interleaved run a fixed op order, so the count is read off that order and holds for any costs:
+    M for GPipe, min(S - s, M) for 1F1B. The greedy zbv order depends on the costs, so it gets a
+    bound instead: min(M, 2S) on every chunk. The shallow chunk of a rank is capped at 2S units
+    (F to W); a unit reaches the deep chunk only after the shallow one's F, and its deep W runs
+    before its shallow W (W follows B order, and the deep B comes first), so the deep chunk never
+    holds more than the shallow one. Equal costs stay below the bound on the deep chunks, which is
+    why simulating them undercounts.
     """
+    schedule = check_schedule(schedule, ranks, virtual, microbatches)
     k = ranks * virtual
-    sim = simulate(schedule, forward=[1.0] * k, backward=[2.0] * k, comm=[0.0] * k, ranks=ranks, microbatches=microbatches)
-    release = "W" if sim.schedule == "zbv" else "B"
+    if schedule == "zbv":
+        return [min(microbatches, _zbv_cap(ranks))] * k
     peak = [0] * k
-    for tl in sim.timeline:
+    for order in _fixed_orders(schedule, ranks, virtual, microbatches):
         held = [0] * k
-        for _, _, kind, _, c in tl:
+        for kind, _, c in order:
             if kind == "F":
                 held[c] += 1
                 peak[c] = max(peak[c], held[c])
-            elif kind == release:
+            else:
                 held[c] -= 1
     return peak
+
+
+def _zbv_cap(ranks: int) -> int:
+    """Micro-batches the greedy zbv lets a rank's shallow chunk hold (F done, W not yet)."""
+    return 2 * ranks

@@ -115,3 +115,37 @@ def test_timeline_is_a_valid_execution(case) -> None:
             assert end[d][1] <= start + 1e-12
     assert sim.step_time == pytest.approx(max(e for tl in sim.timeline for _, e, *_ in tl))
     assert 0.0 <= sim.bubble_fraction <= 1.0 + 1e-12
+
+
+def _held_peak(sim, chunks: int) -> list[int]:
+    """Per chunk, the most micro-batches held at once in a timeline: from F to W (zbv) or B."""
+    release = "W" if sim.schedule == "zbv" else "B"
+    peak = [0] * chunks
+    for tl in sim.timeline:
+        held = [0] * chunks
+        for _, _, kind, _, c in tl:
+            if kind == "F":
+                held[c] += 1
+                peak[c] = max(peak[c], held[c])
+            elif kind == release:
+                held[c] -= 1
+    return peak
+
+
+@settings(max_examples=150, deadline=None)
+@given(_pipelines())
+def test_inflight_counts_bound_every_cost(case) -> None:
+    """What partition charges per chunk is never less than what any costs make the schedule hold."""
+    schedule, ranks, m, fwd, bwd, comm = case
+    k = len(fwd)
+    sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=ranks, microbatches=m)
+    charged = inflight_counts(schedule, ranks, k // ranks, m)
+    assert all(h <= c for h, c in zip(_held_peak(sim, k), charged)), (_held_peak(sim, k), charged)
+
+
+def test_zbv_inflight_is_the_cap_on_every_chunk() -> None:
+    """zbv charges min(M, 2S) on every chunk: uneven costs reach it where equal ones do not."""
+    assert inflight_counts("zbv", 2, 2, 8) == [4, 4, 4, 4]
+    assert inflight_counts("zbv", 4, 2, 5) == [5] * 8
+    sim = simulate("zbv", forward=[0.5] * 4, backward=[3.5, 0.5, 0.5, 0.5], comm=[0.0] * 4, ranks=2, microbatches=8)
+    assert _held_peak(sim, 4) == [4, 4, 4, 4]  # equal costs hold 3 on the last chunk
