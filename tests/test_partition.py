@@ -253,3 +253,22 @@ def test_never_worse_than_any_baseline(times, params, out, stages, schedule) -> 
         other = partition(prof, stages, bandwidth=1.0, schedule=schedule, method=method)
         assert all(x < y for x, y in zip(other.boundaries, other.boundaries[1:]))
         assert best.bottleneck_time <= other.bottleneck_time
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.5, 1.0, 2.0, 7.0]), min_size=8, max_size=16),
+    st.integers(1, 4),
+    st.integers(1, 12),
+)
+def test_zbv_plan_charges_what_its_simulation_holds(times, stages, m) -> None:
+    """A zbv plan's charged in-flight micro-batches cover what plan.simulate holds per chunk."""
+    prof = Profile.from_costs(times, activation_bytes=[1] * len(times))
+    plan = partition(prof, stages, schedule="zbv", microbatches=m, bandwidth=None)
+    held = [0] * plan.num_chunks
+    peak = [0] * plan.num_chunks
+    for tl in plan.simulate().timeline:
+        for _, _, kind, _, c in tl:
+            held[c] += {"F": 1, "W": -1}.get(kind, 0)
+            peak[c] = max(peak[c], held[c])
+    assert all(p <= q for p, q in zip(peak, plan.stage_inflight)), (peak, plan.stage_inflight)
