@@ -149,13 +149,21 @@ def test_out_pointing_at_a_file_is_one_line(factory: str):
     assert Path("notes.txt").read_text() == "keep"
 
 
+def _fake_train_script(job_dir: Path, settings, plan) -> Path:
+    """Stands in for the runtime's train.py writer, so the emit tests do not depend on it."""
+    target = job_dir / "train.py"
+    target.write_text("# train.py (test stand-in)\n")
+    return target
+
+
 def test_failure_while_writing_leaves_no_folder(factory: str, monkeypatch: pytest.MonkeyPatch):
-    """If writing the job fails midway, the folders convert created are removed again."""
+    """If writing the job fails midway (the report here), the error is shown and the folders convert created are removed."""
     import autopipe.emit
 
     def broken(*args, **kwargs):
         raise autopipe.emit.AutopipeError("disk full (simulated)")
 
+    monkeypatch.setattr(autopipe.emit, "_write_train_script", _fake_train_script)
     monkeypatch.setattr(autopipe.emit, "write_report", broken)
-    _fails_cleanly(_convert(factory, "--stages", "2", "--out", "new/deep/job"), "")
+    _fails_cleanly(_convert(factory, "--stages", "2", "--out", "new/deep/job"), "disk full (simulated)")
     assert not Path("new").exists()
