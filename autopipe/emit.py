@@ -8,8 +8,9 @@
       README.md      what this job is and how to launch it
 
 An existing job folder is refused unless ``force=True``; with force, only the files above are
-replaced (a checkpoint folder beside them survives). Each file is written to a temporary name and
-renamed. If anything fails in a folder this call created, the folder is removed again.
+replaced (a checkpoint folder beside them survives). All files are written into a temporary folder
+beside the job folder and moved into it only once every one is written, so a failure leaves the old
+job as it was. If anything fails in a folder this call created, the folder is removed again.
 
 Example:
     >>> settings = JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b")
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -130,23 +132,26 @@ def emit(
     # The topmost folder this call creates (jobs/ itself on a first run): removed again on failure.
     created = next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
     path.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    # Every file is written into a staging folder beside the job first and moved in only when all are
+    # written: a failure midway (with --force) leaves the old job whole, not half old and half new.
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         # train.py first: the step most likely to refuse (engine, model source), before the rest is written.
-        written.append(_write_train_script(path, settings, plan))
-        plan.save(path / "plan.json")
-        written.append(path / "plan.json")
-        profile.save(path / "profile.json")
-        written.append(path / "profile.json")
-        written.append(write_report(path / "report.html", plan, profile, baselines=baselines, title=settings.model))
+        _write_train_script(staging, settings, plan)
+        plan.save(staging / "plan.json")
+        profile.save(staging / "profile.json")
+        write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model)
         launch = launch_command(path, settings)
-        _write_text(path / "README.md", _readme(settings, profile, plan, launch))
-        written.append(path / "README.md")
+        _write_text(staging / "README.md", _readme(settings, profile, plan, launch))
+        for name in JOB_FILES:
+            os.replace(staging / name, path / name)
     except BaseException:
         if created is not None:  # leave no half-made job behind (never a folder the user had)
             shutil.rmtree(created, ignore_errors=True)
         raise
-    return JobFiles(path, tuple(written), launch)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return JobFiles(path, tuple(path / name for name in JOB_FILES), launch)
 
 
 def _write_train_script(job_dir: Path, settings: JobSettings, plan: Plan) -> Path:

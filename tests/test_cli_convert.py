@@ -167,3 +167,38 @@ def test_failure_while_writing_leaves_no_folder(factory: str, monkeypatch: pytes
     monkeypatch.setattr(autopipe.emit, "write_report", broken)
     _fails_cleanly(_convert(factory, "--stages", "2", "--out", "new/deep/job"), "disk full (simulated)")
     assert not Path("new").exists()
+
+
+def test_force_failing_midway_keeps_the_old_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """With force, a failure while writing leaves the old job files and the checkpoints as they were."""
+    import autopipe.emit
+    from autopipe import Profile, partition
+    from autopipe.emit import JOB_FILES, JobSettings, emit
+
+    job = tmp_path / "jobs" / "tiny"
+    (job / "checkpoints").mkdir(parents=True)
+    (job / "checkpoints" / "step1.pt").write_text("weights")
+    for name in JOB_FILES:
+        (job / name).write_text(f"old {name}")
+    prof = Profile.from_costs([1.0, 2.0, 1.0, 2.0])
+    plan = partition(prof, 2)
+    settings = JobSettings(model="tiny.py:build", stages=2, microbatches=plan.microbatches, schedule=plan.schedule)
+
+    def broken(*args, **kwargs):
+        raise autopipe.emit.AutopipeError("disk full (simulated)")
+
+    monkeypatch.setattr(autopipe.emit, "_write_train_script", _fake_train_script)
+    monkeypatch.setattr(autopipe.emit, "write_report", broken)
+    with pytest.raises(autopipe.emit.AutopipeError, match="disk full"):
+        emit(job, settings=settings, profile=prof, plan=plan, force=True)
+    assert {name: (job / name).read_text() for name in JOB_FILES} == {name: f"old {name}" for name in JOB_FILES}
+    assert (job / "checkpoints" / "step1.pt").read_text() == "weights"
+    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["tiny"]  # no staging folder left
+
+    monkeypatch.undo()
+    monkeypatch.setattr(autopipe.emit, "_write_train_script", _fake_train_script)
+    files = emit(job, settings=settings, profile=prof, plan=plan, force=True)
+    assert json.loads((job / "plan.json").read_text())["kind"] == "autopipe.plan"
+    assert sorted(p.name for p in files.files) == sorted(JOB_FILES)
+    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["tiny"]
+    assert (job / "checkpoints" / "step1.pt").read_text() == "weights"
