@@ -239,6 +239,12 @@ def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str],
                 if owner[i] not in (-1, s):
                     raise PartitionError(f"stage_names: layer {names[i]!r} is in chunks {owner[i]} and {s}.")
                 owner[i] = s
+    empty = [s for s, wanted in enumerate(stage_names) if s not in owner]
+    if empty:
+        raise PartitionError(
+            f"stage_names: chunk {empty[0]} is empty (it names {list(stage_names[empty[0]])}); "
+            "each chunk needs at least one layer."
+        )
     missing = [names[i] for i, o in enumerate(owner) if o == -1]
     if missing:
         raise PartitionError(f"stage_names leaves {len(missing)} layers in no chunk, e.g. {missing[0]!r}.")

@@ -155,6 +155,8 @@ def test_stage_names_become_boundaries() -> None:
         (dict(stage_names=[["wte"], ["h.0"], ["h.1"], ["lm_head"]]), "no chunk"),
         (dict(stage_names=[["h.0"], ["wte"], [f"h.{i}" for i in range(1, 24)], ["lm_head"]]), "contiguous"),
         (dict(stage_names=[["nope"], ["h"], ["h.1"], ["lm_head"]]), "names no layer"),
+        (dict(stage_names=[["wte", "h.0"], [], [f"h.{i}" for i in range(1, 24)], ["lm_head"]]), "chunk 1 is empty"),
+        (dict(stage_names=[["wte"], ["h"], ["lm_head"], []]), "chunk 3 is empty"),
     ],
 )
 def test_bad_overrides_are_explained(kwargs, match) -> None:
