@@ -242,8 +242,7 @@ def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str],
     empty = [s for s, wanted in enumerate(stage_names) if s not in owner]
     if empty:
         raise PartitionError(
-            f"stage_names: chunk {empty[0]} is empty (it names {list(stage_names[empty[0]])}); "
-            "each chunk needs at least one layer."
+            f"stage_names: chunk {empty[0]} is empty; give each of the {k} chunks at least one layer or module name."
         )
     missing = [names[i] for i, o in enumerate(owner) if o == -1]
     if missing:
