@@ -32,7 +32,7 @@ from typing import Any, Mapping
 from .errors import AutopipeError
 from .partition import format_bytes
 from .plan import Plan
-from .records import Profile
+from .records import Profile, write_text_atomic
 from .report import format_microbatch, format_time, write_report
 
 __all__ = ["JobSettings", "JobFiles", "JobExistsError", "JOB_FILES", "emit", "check_job_dir", "launch_command"]
@@ -142,7 +142,7 @@ def emit(
         profile.save(staging / "profile.json")
         write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model)
         launch = launch_command(path, settings)
-        _write_text(staging / "README.md", _readme(settings, profile, plan, launch))
+        write_text_atomic(staging / "README.md", _readme(settings, profile, plan, launch))
         for name in JOB_FILES:
             os.replace(staging / name, path / name)
     except BaseException:
@@ -166,12 +166,6 @@ def _write_train_script(job_dir: Path, settings: JobSettings, plan: Plan) -> Pat
     target = job_dir / "train.py"
     write_train_script(target, plan=plan, **settings.to_dict())
     return target
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str) -> str:

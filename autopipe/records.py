@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from .errors import RecordError
 
-__all__ = ["LayerCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "write_json_atomic"]
+__all__ = ["LayerCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "write_json_atomic", "write_text_atomic"]
 
 PROFILE_SCHEMA = 1
 
@@ -225,10 +225,28 @@ def optimizer_state_factor(optimizer: str) -> float:
         ) from None
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON to a temporary name beside ``path`` and rename, so a crash never leaves half a file."""
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to a temporary name beside ``path`` and rename, so a crash never leaves half a file.
+
+    On failure the temporary file is removed and the OSError names ``path`` ("cannot write
+    out/plan.json: Is a directory"), not the temporary name.
+
+    Example:
+        >>> write_text_atomic("jobs/gpt2/README.md", "# Pipeline job\n")
+        PosixPath('jobs/gpt2/README.md')
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise type(e)(e.errno, f"cannot write {path}: {e.strerror or e}") from e
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON atomically (see :func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=False) + "\n")

@@ -27,7 +27,7 @@ from .baselines import BASELINES
 from .errors import AutopipeError
 from .partition import format_bytes, partition
 from .plan import Plan
-from .records import Profile
+from .records import Profile, write_text_atomic
 
 __all__ = ["render_report", "write_report", "compare_baselines", "format_time", "format_microbatch", "PALETTE"]
 
@@ -86,12 +86,7 @@ def write_report(
     if baselines is None and profile is not None:
         baselines = compare_baselines(profile, plan)
     text = render_report(plan, profile, baselines=baselines, title=title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, text)
 
 
 def render_report(

@@ -152,3 +152,16 @@ def test_write_report_replaces_the_file_whole(tmp_path: Path):
     path = write_report(tmp_path / "report.html", partition(prof, 2), prof)
     assert path.read_text().rstrip().endswith("</html>")
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
+
+
+def test_atomic_writes_leave_no_temporary_file_when_the_target_is_a_folder(tmp_path: Path):
+    """A plan, profile or report aimed at a folder fails with the target named, and leaves no temporary file."""
+    from autopipe.records import write_text_atomic
+
+    (tmp_path / "taken").mkdir()
+    prof = _profile()
+    for write in (lambda p: write_text_atomic(p, "text"), lambda p: partition(prof, 2).save(p), prof.save,
+                  lambda p: write_report(p, partition(prof, 2), prof)):
+        with pytest.raises(IsADirectoryError, match=r"cannot write \S*taken: Is a directory"):
+            write(tmp_path / "taken")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
