@@ -1,7 +1,8 @@
 """The command line: a thin typer layer over the library.
 
-Each command parses, calls the library, renders with rich. Library errors (AutopipeError) become one
-red line and exit code 1; AUTOPIPE_DEBUG=1 shows the traceback instead.
+Each command parses, calls the library, renders with rich. Library errors (AutopipeError) and file
+errors (OSError: a folder given as --out, no permission) become one red line and exit code 1;
+AUTOPIPE_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -31,19 +32,27 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def handle_errors(fn: F) -> F:
-    """Turn library errors into one red line and exit 1 (AUTOPIPE_DEBUG=1: full traceback)."""
+    """Turn library and file errors into one red line and exit 1 (AUTOPIPE_DEBUG=1: full traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (AutopipeError, FileNotFoundError, FileExistsError) as e:
+        except (AutopipeError, OSError) as e:
             if os.environ.get("AUTOPIPE_DEBUG"):
                 raise
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {_message(e)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _message(e: Exception) -> str:
+    """One line for the user: ours as written; an OS error as "cannot access PATH: Is a directory"."""
+    if isinstance(e, OSError) and e.strerror:
+        # The atomic writers already say "cannot write PATH: ..."; other OS errors name their file.
+        return f"cannot access {e.filename}: {e.strerror}" if e.filename else e.strerror
+    return str(e)
 
 
 def main() -> None:

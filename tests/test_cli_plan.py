@@ -87,3 +87,16 @@ def test_missing_profile(tmp_path) -> None:
     """A missing profile file is an error, not a traceback."""
     result, out = _run("plan", str(tmp_path / "none.json"), "--stages", "2")
     assert result.exit_code == 1 and "no profile at" in out
+
+
+def test_out_that_cannot_be_written_is_one_line(profile_path, tmp_path) -> None:
+    """--out naming a folder (with --force) or a read-only place fails with one line and exit 1."""
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    result, out = _run("plan", str(profile_path), "-s", "2", "--out", str(folder), "--force")
+    assert result.exit_code == 1, out
+    assert "Traceback" not in out and out.count("error:") == 1
+    assert f"error: cannot write {folder}: Is a directory" in out
+    result, out = _run("plan", str(folder), "-s", "2")
+    assert result.exit_code == 1 and "Traceback" not in out
+    assert f"error: cannot access {folder}: Is a directory" in out
