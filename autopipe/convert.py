@@ -47,12 +47,22 @@ class ConvertResult:
 
 
 def default_job_dir(model: str) -> Path:
-    """jobs/<name>: the built-in name, the folder's name, or the factory's file/module name."""
+    """jobs/<name>: the built-in name, the folder's name, or the factory's file stem or module name.
+
+    Example:
+        >>> default_job_dir("models/Llama-3.2-1B"), default_job_dir("pkg.nets:build"), default_job_dir("tiny.py:build")
+        (PosixPath('jobs/Llama-3.2-1B'), PosixPath('jobs/nets'), PosixPath('jobs/tiny'))
+    """
     base = model.rstrip("/\\")
-    if ":" in base and not Path(base).is_dir():
-        base = base.rpartition(":")[0]
-    stem = Path(base).stem if base.endswith(".py") else Path(base).name
-    stem = stem.rsplit(".", 1)[-1] if not base.endswith(".py") else stem  # package.module -> module
+    target, colon, _function = base.rpartition(":")
+    if Path(base).is_dir():
+        stem = Path(os.path.abspath(base)).name  # dots are part of a folder's name (Llama-3.2-1B); "." too
+    elif not colon:
+        stem = Path(base).name  # a built-in name
+    elif target.endswith(".py"):
+        stem = Path(target).stem  # file.py:function
+    else:
+        stem = target.rsplit(".", 1)[-1]  # package.module:function -> module
     return Path("jobs") / (re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "model")
 
 

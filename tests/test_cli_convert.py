@@ -202,3 +202,26 @@ def test_force_failing_midway_keeps_the_old_job(tmp_path: Path, monkeypatch: pyt
     assert sorted(p.name for p in files.files) == sorted(JOB_FILES)
     assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["tiny"]
     assert (job / "checkpoints" / "step1.pt").read_text() == "weights"
+
+
+@pytest.mark.parametrize(
+    "model,expected",
+    [
+        ("gpt2", "gpt2"),
+        ("llama-1b", "llama-1b"),
+        ("models/Llama-3.2-1B", "Llama-3.2-1B"),
+        ("models/Llama-3.2-1B/", "Llama-3.2-1B"),
+        ("mypkg.nets.resnet:build", "resnet"),
+        ("tiny.py:build", "tiny"),
+        ("src/v1.2/my.models.py:build", "my.models"),
+    ],
+)
+def test_default_job_dir_names(model: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """jobs/<name>: a folder's last component (dots kept), a module's last part, a factory file's stem."""
+    from autopipe.convert import default_job_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert default_job_dir(model) == Path("jobs") / expected
+    if "/" in model and ":" not in model:  # the same for a folder that exists
+        Path(model).mkdir(parents=True)
+        assert default_job_dir(model) == Path("jobs") / expected
