@@ -163,8 +163,9 @@ def partition(
     if n == 0:
         raise PartitionError("the profile has no layers.")
     schedule = normalize_schedule(schedule)
-    v = virtual_stages or (2 if schedule in ("interleaved1f1b", "zbv") else 1)
-    m = microbatches or 2 * stages
+    # `is None`, not `or`: 0 is a mistake to report, not a request for the default.
+    v = virtual_stages if virtual_stages is not None else (2 if schedule in ("interleaved1f1b", "zbv") else 1)
+    m = microbatches if microbatches is not None else 2 * max(stages, 1)
     schedule = check_schedule(schedule, stages, v, m)
     k = stages * v
     if k > n:

@@ -96,12 +96,12 @@ class Plan:
         ``plan.simulate("gpipe", 8).timeline[0]`` lists rank 0's ops as (start, end, kind, mb, chunk).
         """
         return simulate(
-            schedule or self.schedule,
+            self.schedule if schedule is None else schedule,
             forward=self.stage_forward,
             backward=self.stage_backward,
             comm=self.stage_comm,
             ranks=self.stages,
-            microbatches=microbatches or self.microbatches,
+            microbatches=self.microbatches if microbatches is None else microbatches,
             weight_share=self.weight_share,
         )
 

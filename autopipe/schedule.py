@@ -85,10 +85,9 @@ def normalize_schedule(name: str) -> str:
 def check_schedule(schedule: str, ranks: int, virtual: int, microbatches: int) -> str:
     """Validate the (schedule, virtual stages, micro-batches) combination; returns the canonical name."""
     schedule = normalize_schedule(schedule)
-    if ranks < 1 or microbatches < 1 or virtual < 1:
-        raise PartitionError(
-            f"stages ({ranks}), micro-batches ({microbatches}) and virtual stages ({virtual}) must be >= 1."
-        )
+    for label, value in (("stages", ranks), ("micro-batches", microbatches), ("virtual stages", virtual)):
+        if value < 1:
+            raise PartitionError(f"{label} must be at least 1, got {value}.")
     if schedule in ("gpipe", "1f1b") and virtual != 1:
         raise PartitionError(
             f"schedule {schedule} runs one chunk per rank, but virtual_stages={virtual}; "

@@ -73,6 +73,9 @@ def test_compare_lists_every_baseline(profile_path) -> None:
         (["--schedule", "pipedream"], "unknown schedule"),
         (["--boundaries", "0,a,26"], "--boundaries"),
         (["--boundaries", "0,3,3,20,26"], "empty"),
+        (["-m", "0"], "micro-batches must be at least 1, got 0"),
+        (["--microbatches", "-3"], "micro-batches must be at least 1, got -3"),
+        (["--schedule", "interleaved1f1b", "--virtual-stages", "0"], "virtual stages must be at least 1, got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_1(profile_path, args, message) -> None:

@@ -165,6 +165,30 @@ def test_bad_overrides_are_explained(kwargs, match) -> None:
         partition(lm_profile(), 4, bandwidth=None, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(stages=0), "stages must be at least 1, got 0"),
+        (dict(stages=-2), "stages must be at least 1, got -2"),
+        (dict(stages=2, microbatches=0), "micro-batches must be at least 1, got 0"),
+        (dict(stages=2, microbatches=-1), "micro-batches must be at least 1, got -1"),
+        (dict(stages=2, schedule="interleaved1f1b", virtual_stages=0), "virtual stages must be at least 1, got 0"),
+        (dict(stages=2, schedule="zbv", virtual_stages=0), "virtual stages must be at least 1, got 0"),
+    ],
+)
+def test_zero_or_negative_counts_are_refused(kwargs, match) -> None:
+    """0 or a negative count is an error naming the option, never silently the default."""
+    with pytest.raises(PartitionError, match=match):
+        partition(lm_profile(), **kwargs)
+
+
+def test_plan_simulate_refuses_zero_microbatches() -> None:
+    """plan.simulate(microbatches=0) is an error, not the plan's own micro-batches."""
+    plan = partition(lm_profile(), 2, microbatches=4)
+    with pytest.raises(PartitionError, match="micro-batches must be at least 1, got 0"):
+        plan.simulate(microbatches=0)
+
+
 def test_too_many_stages_is_an_error() -> None:
     """More chunks than layers cannot be cut without an empty stage."""
     with pytest.raises(PartitionError, match="at most 3 stages"):
