@@ -15,6 +15,7 @@ the rank), and the solver minimises the slowest chunk.
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import replace
 from typing import Sequence
@@ -25,7 +26,7 @@ from .baselines import baseline
 from .errors import InfeasibleMemoryError, PartitionError
 from .plan import Plan
 from .records import Profile, optimizer_state_factor
-from .schedule import check_schedule, chunk_ranks, inflight_counts, normalize_schedule, simulate
+from .schedule import check_schedule, check_weight_share, chunk_ranks, inflight_counts, normalize_schedule, simulate
 from .solver import Infeasible, StageCosts, fits, min_peak_memory, solve
 
 __all__ = ["partition", "parse_size", "format_bytes", "DEFAULT_BANDWIDTH"]
@@ -167,6 +168,7 @@ def partition(
     v = virtual_stages if virtual_stages is not None else (2 if schedule in ("interleaved1f1b", "zbv") else 1)
     m = microbatches if microbatches is not None else 2 * max(stages, 1)
     schedule = check_schedule(schedule, stages, v, m)
+    check_weight_share(weight_share)
     k = stages * v
     if k > n:
         raise PartitionError(
@@ -215,7 +217,15 @@ def partition(
 
 
 def _check_bounds(bounds: Sequence[int], n: int, k: int) -> tuple[int, ...]:
-    b = tuple(int(x) for x in bounds)
+    for x in bounds:
+        try:
+            operator.index(x)  # ints and numpy ints; int() would truncate 1.5 to 1 without a word
+        except TypeError:
+            raise PartitionError(
+                f"boundaries {list(bounds)} must be whole layer indices, but {x!r} is not; "
+                f"give {k + 1} integers from 0 to {n}."
+            ) from None
+    b = tuple(operator.index(x) for x in bounds)
     if len(b) != k + 1 or b[0] != 0 or b[-1] != n:
         raise PartitionError(
             f"boundaries {list(b)} must be {k + 1} layer indices from 0 to {n} (one more than the chunks)."

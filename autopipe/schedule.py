@@ -37,6 +37,8 @@ __all__ = [
     "SCHEDULES",
     "Simulation",
     "normalize_schedule",
+    "check_schedule",
+    "check_weight_share",
     "chunk_ranks",
     "simulate",
     "inflight_counts",
@@ -106,6 +108,15 @@ def check_schedule(schedule: str, ranks: int, virtual: int, microbatches: int) -
     return schedule
 
 
+def check_weight_share(weight_share: float) -> None:
+    """The W part of a backward is a share of it: between 0 and 1."""
+    if not 0.0 <= weight_share <= 1.0:  # also refuses nan
+        raise PartitionError(
+            f"weight_share must be between 0 and 1, got {weight_share}; it is the part of the backward that is "
+            "weight gradient (0.5 when unknown)."
+        )
+
+
 def chunk_ranks(schedule: str, ranks: int, virtual: int) -> tuple[int, ...]:
     """The rank that runs each chunk: round-robin (c % ranks), or a V for zbv."""
     if normalize_schedule(schedule) == "zbv":
@@ -166,6 +177,7 @@ def simulate(
         raise PartitionError(f"simulate: need one forward/backward/comm value per chunk, a multiple of {ranks}.")
     virtual = k // ranks
     schedule = check_schedule(schedule, ranks, virtual, microbatches)
+    check_weight_share(weight_share)
     placement = chunk_ranks(schedule, ranks, virtual)
     zb = schedule == "zbv"
     dur = {

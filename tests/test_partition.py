@@ -152,6 +152,11 @@ def test_stage_names_become_boundaries() -> None:
     [
         (dict(boundaries=[0, 5, 5, 20, 26]), "empty"),
         (dict(boundaries=[0, 5, 26]), "5 layer indices"),
+        (dict(boundaries=[0, 1.5, 12, 19, 26]), r"whole layer indices, but 1\.5"),
+        (dict(boundaries=[0, "7", 12, 19, 26]), "whole layer indices, but '7'"),
+        (dict(weight_share=1.5), r"weight_share must be between 0 and 1, got 1\.5"),
+        (dict(weight_share=-0.1), r"weight_share must be between 0 and 1, got -0\.1"),
+        (dict(weight_share=float("nan")), "weight_share must be between 0 and 1, got nan"),
         (dict(stage_names=[["wte"], ["h.0"], ["h.1"], ["lm_head"]]), "no chunk"),
         (dict(stage_names=[["h.0"], ["wte"], [f"h.{i}" for i in range(1, 24)], ["lm_head"]]), "contiguous"),
         (dict(stage_names=[["nope"], ["h"], ["h.1"], ["lm_head"]]), "names no layer"),

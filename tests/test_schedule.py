@@ -70,6 +70,8 @@ def test_bad_schedule_options_are_explained() -> None:
         _equal("interleaved1f1b", 4, 2, 6, 1.0, 1.0)
     with pytest.raises(PartitionError, match="virtual"):
         _equal("1f1b", 2, 2, 4, 1.0, 1.0)
+    with pytest.raises(PartitionError, match="weight_share must be between 0 and 1"):
+        simulate("zbv", forward=[1.0] * 4, backward=[1.0] * 4, comm=[0.0] * 4, ranks=2, microbatches=4, weight_share=2.0)
     assert normalize_schedule("Interleaved1F1B") == "interleaved1f1b"
     assert normalize_schedule("ScheduleZBVZeroBubble") == "zbv"
 
