@@ -139,9 +139,10 @@ def plan_command(
 
     from .baselines import BASELINES
     from .errors import PartitionError
-    from .partition import DEFAULT_BANDWIDTH, parse_size, partition
+    from .partition import DEFAULT_BANDWIDTH, partition
     from .plan_view import compare_table, plan_summary, plan_table
     from .records import Profile
+    from .units import parse_size
 
     if out is not None and out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it.")

@@ -15,7 +15,7 @@ __all__ = ["convert_command", "report_command", "stage_table"]
 
 def stage_table(plan, profile, title: str = "") -> Table:  # type: ignore[no-untyped-def]
     """One row per stage: its layers, time per micro-batch, memory, and load against the slowest."""
-    from .partition import format_bytes
+    from .units import format_bytes
     from .report import format_time
 
     table = Table(title=title or None, title_justify="left")
@@ -68,7 +68,7 @@ def convert_command(
 ) -> None:
     """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
     from .convert import convert
-    from .partition import format_bytes
+    from .units import format_bytes
     from .report import format_time
 
     def say(name: str) -> None:

@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 from .emit import ENGINES, JobFiles, JobSettings, check_job_dir, emit
 from .errors import AutopipeError, PartitionError
-from .partition import parse_size
 from .plan import Plan
 from .records import Profile
 from .schedule import normalize_schedule
+from .units import parse_size
 
 __all__ = ["ConvertResult", "convert", "default_job_dir", "DTYPES"]
 

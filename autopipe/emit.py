@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import AutopipeError
-from .partition import format_bytes
 from .plan import Plan
 from .records import Profile, write_text_atomic
 from .report import format_microbatch, format_time, write_report
+from .units import format_bytes
 
 __all__ = ["JobSettings", "JobFiles", "JobExistsError", "JOB_FILES", "emit", "check_job_dir", "launch_command"]
 

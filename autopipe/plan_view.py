@@ -6,7 +6,7 @@ from typing import Sequence
 
 from rich.table import Table
 
-from .partition import format_bytes
+from .units import format_bytes
 from .plan import Plan
 
 __all__ = ["plan_table", "compare_table", "plan_summary"]

@@ -27,6 +27,7 @@ from .errors import AutopipeError, StaleProfileError
 from .estimate import data_free, estimate_layer, meta_copy
 from .measure import StateGuard, Value, as_tuple, median_seconds, saved_pass, storage_key, tensor_bytes, time_layer
 from .records import LayerCost, Profile, optimizer_state_factor
+from .units import format_bytes
 
 __all__ = ["profile", "check_signature", "profile_table"]
 
@@ -244,14 +245,6 @@ def profile_table(prof: Profile) -> Table:
     table.caption = (f"total {total * 1e3:.2f} ms per micro-batch {prof.microbatch}; activations "
                      f"{format_bytes(sum(c.activation_bytes for c in prof.layers))}; '=' reuses an identical layer")
     return table
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 # ---- helpers ------------------------------------------------------------------------------------

@@ -25,9 +25,10 @@ from typing import Mapping, Sequence
 
 from .baselines import BASELINES
 from .errors import AutopipeError
-from .partition import format_bytes, partition
+from .partition import partition
 from .plan import Plan
 from .records import Profile, write_text_atomic
+from .units import format_bytes
 
 __all__ = ["render_report", "write_report", "compare_baselines", "format_time", "format_microbatch", "PALETTE"]
 

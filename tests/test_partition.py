@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 import autopipe
 from autopipe import Profile
 from autopipe.errors import InfeasibleMemoryError, PartitionError, RecordError
-from autopipe.partition import parse_size, partition
+from autopipe.partition import partition
 from autopipe.plan import Plan
+from autopipe.units import parse_size
 
 MB = 10**6
 

@@ -49,3 +49,18 @@ def test_cli_unknown_model_is_one_line_error(tmp_path: Path) -> None:
     """An unknown model name exits 1 with a one-line error, no traceback."""
     result = runner.invoke(app, ["profile", "no-such-model", "--out", str(tmp_path / "p.json")])
     assert result.exit_code == 1 and "unknown model" in result.output and "Traceback" not in result.output
+
+
+def test_profile_table_formats_bytes_like_the_plan() -> None:
+    """The profile table and the plan share one byte format (two decimals, up to TiB)."""
+    from rich.console import Console
+
+    from autopipe.profile import profile_table
+    from autopipe.units import format_bytes
+
+    assert [format_bytes(n) for n in (512, 1536, 5 * 2**30, 3 * 2**40)] == ["512 B", "1.50 KiB", "5.00 GiB", "3.00 TiB"]
+    prof = Profile.from_costs([1.0], param_bytes=[2**40], activation_bytes=[1536])  # static: 4 x 1 TiB (adamw)
+    console = Console(width=200, record=True)
+    console.print(profile_table(prof))
+    text = console.export_text()
+    assert "4.00 TiB" in text and "1.50 KiB" in text

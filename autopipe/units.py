@@ -1,0 +1,52 @@
+"""Sizes in bytes: read "80GiB" / "512MB" from the command line, and write them back for people.
+
+Example:
+    >>> parse_size("1.5KiB"), format_bytes(1536)
+    (1536, '1.50 KiB')
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import PartitionError
+
+__all__ = ["parse_size", "format_bytes"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from "80GiB", "512MB", "1.5g" or a plain number of bytes.
+
+    Example:
+        >>> parse_size("1.5KiB")
+        1536
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise PartitionError(
+                f"bad memory size {text!r}: give a number with a unit, like 80GiB, 512MB or 1.5TB."
+            )
+        value, unit = float(m.group(1)), m.group(2).lower()
+    size = int(value * _UNITS[unit])
+    if size <= 0:
+        raise PartitionError(f"memory size {text!r} must be more than 0 bytes.")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
