@@ -142,13 +142,11 @@ def plan_command(
     from .partition import DEFAULT_BANDWIDTH, partition
     from .plan_view import compare_table, plan_summary, plan_table
     from .records import Profile
-    from .units import parse_size
+    from .units import parse_bandwidth
 
     if out is not None and out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it.")
-    bw: float | None = DEFAULT_BANDWIDTH
-    if bandwidth is not None:
-        bw = None if bandwidth.strip().lower() in ("none", "inf") else float(parse_size(bandwidth))
+    bw = DEFAULT_BANDWIDTH if bandwidth is None else parse_bandwidth(bandwidth)
     cut = None
     if boundaries is not None:
         try:

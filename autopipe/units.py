@@ -1,4 +1,4 @@
-"""Sizes in bytes: read "80GiB" / "512MB" from the command line, and write them back for people.
+"""Sizes in bytes (and bandwidths in bytes/s): read "80GiB" / "25GB" from the command line, write them for people.
 
 Example:
     >>> parse_size("1.5KiB"), format_bytes(1536)
@@ -11,7 +11,7 @@ import re
 
 from .errors import PartitionError
 
-__all__ = ["parse_size", "format_bytes"]
+__all__ = ["parse_size", "parse_bandwidth", "format_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -28,18 +28,32 @@ def parse_size(text: str | int | float) -> int:
         >>> parse_size("1.5KiB")
         1536
     """
+    return int(_parse(text, "memory size", "like 80GiB, 512MB or 1.5TB", "bytes"))
+
+
+def parse_bandwidth(text: str | int | float) -> float | None:
+    """Bytes per second from "25GB", "900GB" or a plain number; None for "none" (no communication cost).
+
+    Example:
+        >>> parse_bandwidth("25GB"), parse_bandwidth("none")
+        (25000000000.0, None)
+    """
+    if isinstance(text, str) and text.strip().lower() in ("none", "inf"):
+        return None
+    return float(_parse(text, "bandwidth", "in bytes per second, like 25GB or 900GB, or 'none'", "bytes per second"))
+
+
+def _parse(text: str | int | float, what: str, example: str, unit_name: str) -> int:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
-            raise PartitionError(
-                f"bad memory size {text!r}: give a number with a unit, like 80GiB, 512MB or 1.5TB."
-            )
+            raise PartitionError(f"bad {what} {text!r}: give a number with a unit, {example}.")
         value, unit = float(m.group(1)), m.group(2).lower()
     size = int(value * _UNITS[unit])
     if size <= 0:
-        raise PartitionError(f"memory size {text!r} must be more than 0 bytes.")
+        raise PartitionError(f"{what} {text!r} must be more than 0 {unit_name}.")
     return size
 
 

@@ -73,6 +73,8 @@ def test_compare_lists_every_baseline(profile_path) -> None:
         (["--schedule", "pipedream"], "unknown schedule"),
         (["--boundaries", "0,a,26"], "--boundaries"),
         (["--boundaries", "0,3,3,20,26"], "empty"),
+        (["--bandwidth", "0"], "bandwidth '0' must be more than 0 bytes per second"),
+        (["--bandwidth", "fast"], "bad bandwidth 'fast'"),
         (["-m", "0"], "micro-batches must be at least 1, got 0"),
         (["--microbatches", "-3"], "micro-batches must be at least 1, got -3"),
         (["--schedule", "interleaved1f1b", "--virtual-stages", "0"], "virtual stages must be at least 1, got 0"),

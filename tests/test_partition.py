@@ -304,3 +304,14 @@ def test_zbv_plan_charges_what_its_simulation_holds(times, stages, m) -> None:
             held[c] += {"F": 1, "W": -1}.get(kind, 0)
             peak[c] = max(peak[c], held[c])
     assert all(p <= q for p, q in zip(peak, plan.stage_inflight)), (peak, plan.stage_inflight)
+
+
+def test_parse_bandwidth() -> None:
+    """Bandwidths read like sizes (per second); 'none' ignores communication; 0 is refused as a bandwidth."""
+    from autopipe.units import parse_bandwidth
+
+    assert parse_bandwidth("25GB") == 25e9 and parse_bandwidth("none") is None and parse_bandwidth(" Inf ") is None
+    with pytest.raises(PartitionError, match="bandwidth '0' must be more than 0 bytes per second"):
+        parse_bandwidth("0")
+    with pytest.raises(PartitionError, match="bad bandwidth '-1GB'"):
+        parse_bandwidth("-1GB")
