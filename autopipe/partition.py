@@ -42,6 +42,7 @@ class _Model:
         self.names = [layer.name or f"layer{i}" for i, layer in enumerate(layers)]
         old = optimizer_state_factor(profile.optimizer)
         new = old if optimizer is None else optimizer_state_factor(optimizer)
+        self.optimizer = (optimizer or profile.optimizer).lower()
         # Another optimizer: its state scales with the parameters (in their dtype).
         opt = [l.optimizer_bytes if new == old else int(l.param_bytes * new) for l in layers]
         static = [l.param_bytes + l.grad_bytes + o for l, o in zip(layers, opt)]
@@ -275,6 +276,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, stages: int
         bubble_fraction=sim.bubble_fraction,
         stage_first_layers=tuple(model.names[a] for a, _ in pairs),
         weight_share=weight_share,
+        optimizer=model.optimizer,
     )
 
 

@@ -64,6 +64,7 @@ class Plan:
     optimum_step_time: float | None = None
     stage_first_layers: tuple[str, ...] = ()  # name of each chunk's first layer, for reports
     weight_share: float = 0.5  # part of the backward that zero-bubble schedules defer (W)
+    optimizer: str | None = None  # whose state the memory counts; None: the profile's (plans before this field)
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:

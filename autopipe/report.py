@@ -56,7 +56,7 @@ def format_microbatch(shapes: Mapping[str, Sequence[int]]) -> str:
 
 
 def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
-    """The baselines' plans for the same profile, stages, schedule, micro-batches and bandwidth.
+    """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth and optimizer.
 
     A baseline that cannot be made (e.g. fewer layers than it needs) is left out; one that breaks the
     memory limit is kept (the report marks it), because that is exactly what the comparison shows.
@@ -68,7 +68,7 @@ def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
             out[method] = partition(
                 profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
                 memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
-                method=method, weight_share=plan.weight_share,
+                method=method, weight_share=plan.weight_share, optimizer=plan.optimizer,
             )  # fmt: skip
         except AutopipeError:
             continue

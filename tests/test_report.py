@@ -165,3 +165,30 @@ def test_atomic_writes_leave_no_temporary_file_when_the_target_is_a_folder(tmp_p
         with pytest.raises(IsADirectoryError, match=r"cannot write \S*taken: Is a directory"):
             write(tmp_path / "taken")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_baselines_use_the_plans_optimizer(tmp_path: Path):
+    """A plan made for SGD records it; the report's baselines are then counted with SGD, not the profile's AdamW."""
+    prof = _profile()  # AdamW: 100 B of parameters hold 400 B static; SGD: 200 B
+    plan = partition(prof, 2, optimizer="sgd")
+    assert plan.optimizer == "sgd" and partition(prof, 2).optimizer == "adamw"
+    plan.save(tmp_path / "plan.json")
+    loaded = type(plan).load(tmp_path / "plan.json")
+    assert loaded == plan
+    for method, other in compare_baselines(prof, loaded).items():
+        assert other.optimizer == "sgd"
+        assert other.peak_memory == partition(prof, 2, optimizer="sgd", method=method).peak_memory
+    assert compare_baselines(prof, loaded)["uniform"].peak_memory < partition(prof, 2, method="uniform").peak_memory
+
+
+def test_plan_without_optimizer_field_still_loads(tmp_path: Path):
+    """A plan.json written before the optimizer was recorded loads, taking the profile's optimizer."""
+    import json
+
+    plan = partition(_profile(), 2)
+    data = plan.to_dict()
+    del data["optimizer"]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    old = type(plan).load(tmp_path / "plan.json")
+    assert old.optimizer is None
+    assert compare_baselines(_profile(), old)["uniform"].optimizer == "adamw"
