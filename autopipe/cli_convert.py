@@ -105,12 +105,16 @@ def report_command(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json (from convert or plan).")],
     profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Its profile.json (default: beside the plan, if there).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Where to write the HTML (default: report.html beside the plan).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
 ) -> None:
     """Rebuild report.html from a plan (and its profile): per-layer costs, cuts, baselines, timeline."""
     from .plan import Plan
     from .records import Profile
     from .report import write_report
 
+    # The plan's own report.html is what this command rebuilds; any other file is the user's to keep.
+    if out is not None and out.exists() and not force:
+        raise FileExistsError(f"{out} already exists; pass --force to overwrite it, or choose another --out.")
     plan = Plan.load(plan_path)
     if profile_path is None and (plan_path.parent / "profile.json").exists():
         profile_path = plan_path.parent / "profile.json"

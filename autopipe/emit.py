@@ -189,7 +189,7 @@ Run from the folder `autopipe convert` ran in (the model is rebuilt from `{setti
 
     {launch}
 
-`python {Path(launch.split()[-1])} --help` lists the training options; one process (`python train.py`)
+`python {shlex.quote(shlex.split(launch)[-1])} --help` lists the training options; one process (`python train.py`)
 runs every stage in turn, for debugging.
 
 ## The plan

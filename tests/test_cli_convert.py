@@ -225,3 +225,21 @@ def test_default_job_dir_names(model: str, expected: str, tmp_path: Path, monkey
     if "/" in model and ":" not in model:  # the same for a folder that exists
         Path(model).mkdir(parents=True)
         assert default_job_dir(model) == Path("jobs") / expected
+
+
+def test_readme_names_a_quoted_train_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A job folder with a space in its path gets a README whose commands quote it whole."""
+    import autopipe.emit
+    from autopipe import Profile, partition
+    from autopipe.emit import JobSettings, emit
+
+    monkeypatch.setattr(autopipe.emit, "_write_train_script", _fake_train_script)
+    prof = Profile.from_costs([1.0, 2.0, 1.0, 2.0])
+    plan = partition(prof, 2)
+    settings = JobSettings(model="tiny.py:build", stages=2, microbatches=plan.microbatches, schedule=plan.schedule)
+    job = tmp_path / "my jobs" / "tiny"
+    files = emit(job, settings=settings, profile=prof, plan=plan)
+    readme = (job / "README.md").read_text()
+    script = str(job / "train.py")
+    assert files.launch == f"torchrun --nproc-per-node 2 '{script}'"
+    assert f"`python '{script}' --help`" in readme

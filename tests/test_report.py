@@ -192,3 +192,19 @@ def test_plan_without_optimizer_field_still_loads(tmp_path: Path):
     old = type(plan).load(tmp_path / "plan.json")
     assert old.optimizer is None
     assert compare_baselines(_profile(), old)["uniform"].optimizer == "adamw"
+
+
+def test_report_command_refuses_to_overwrite_out_without_force(tmp_path: Path):
+    """--out naming an existing file is refused (file kept) unless --force; the default beside the plan is rebuilt."""
+    partition(_profile(), 2).save(tmp_path / "plan.json")
+    mine = tmp_path / "notes.html"
+    mine.write_text("my notes")
+    result = runner.invoke(app, ["report", str(tmp_path / "plan.json"), "--out", str(mine)])
+    assert result.exit_code == 1 and "--force" in result.output and "Traceback" not in result.output
+    assert mine.read_text() == "my notes"
+    result = runner.invoke(app, ["report", str(tmp_path / "plan.json"), "--out", str(mine), "--force"])
+    assert result.exit_code == 0, result.output
+    assert mine.read_text().rstrip().endswith("</html>")
+    for _ in range(2):  # the plan's own report.html is what `report` rebuilds: no --force needed
+        result = runner.invoke(app, ["report", str(tmp_path / "plan.json")])
+        assert result.exit_code == 0, result.output
