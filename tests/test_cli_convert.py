@@ -97,9 +97,16 @@ def test_unknown_model_is_one_line(factory: str):
     assert not Path("jobs").exists()
 
 
-def test_more_stages_than_layers_is_one_line(factory: str):
-    """Asking for more stages than layers says how many layers there are; nothing is written."""
+def test_more_stages_than_layers_is_one_line(factory: str, monkeypatch: pytest.MonkeyPatch):
+    """More stages than layers is found right after flatten, before any profiling; nothing is written."""
+    import sys
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled although the stages cannot fit the layers")
+
+    monkeypatch.setattr(sys.modules["autopipe.profile"], "profile", no_profiling)
     _fails_cleanly(_convert(factory, "--stages", "7"), "flattens into 6 layers, too few for 7 stages")
+    _fails_cleanly(_convert(factory, "--stages", "4", "--schedule", "zbv"), "6 layers, too few for 4 stages (2 chunks")
     assert not Path("jobs").exists()
 
 
