@@ -25,7 +25,7 @@ import os
 import shlex
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -71,7 +71,6 @@ class JobFiles:
     job_dir: Path
     files: tuple[Path, ...]
     launch: str
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 def check_job_dir(job_dir: str | os.PathLike[str], *, force: bool = False) -> Path:

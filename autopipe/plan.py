@@ -23,10 +23,9 @@ from .errors import RecordError
 from .records import write_json_atomic
 from .schedule import Simulation, simulate
 
-__all__ = ["Plan", "PLAN_SCHEMA", "METHODS"]
+__all__ = ["Plan", "PLAN_SCHEMA"]
 
 PLAN_SCHEMA = 1
-METHODS = ("autopipe", "uniform", "parameters", "type:REGEX", "torchtitan", "greedy", "manual")
 
 
 @dataclass(frozen=True)
