@@ -15,8 +15,8 @@ __all__ = ["convert_command", "report_command", "stage_table"]
 
 def stage_table(plan, profile, title: str = "") -> Table:  # type: ignore[no-untyped-def]
     """One row per stage: its layers, time per micro-batch, memory, and load against the slowest."""
-    from .units import format_bytes
     from .report import format_time
+    from .units import format_bytes
 
     table = Table(title=title or None, title_justify="left")
     for col in ("stage", "layers", "first … last layer", "time/mb", "memory", "load"):
@@ -68,8 +68,8 @@ def convert_command(
 ) -> None:
     """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
     from .convert import convert
-    from .units import format_bytes
     from .report import format_time
+    from .units import format_bytes
 
     def say(name: str) -> None:
         err_console.print(f"[dim]{name}…[/]", highlight=False)

@@ -6,8 +6,8 @@ from typing import Sequence
 
 from rich.table import Table
 
-from .units import format_bytes
 from .plan import Plan
+from .units import format_bytes
 
 __all__ = ["plan_table", "compare_table", "plan_summary"]
 

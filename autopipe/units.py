@@ -11,7 +11,7 @@ import re
 
 from .errors import PartitionError
 
-__all__ = ["parse_size", "parse_bandwidth", "format_bytes"]
+__all__ = ["format_bytes", "parse_bandwidth", "parse_size"]
 
 _UNITS = {
     "": 1, "b": 1,
