@@ -129,6 +129,7 @@ def plan_command(
     bandwidth: Annotated[Optional[str], typer.Option(help="Link bytes per second between ranks, like 25GB; 'none' ignores communication.")] = None,
     method: Annotated[str, typer.Option(help="autopipe, uniform, parameters, type:REGEX, torchtitan or greedy.")] = "autopipe",
     boundaries: Annotated[Optional[str], typer.Option(help="Your own cut as layer indices, like 0,7,14,21,26.")] = None,
+    stage_names: Annotated[Optional[str], typer.Option("--stage-names", help="Your own cut as module names per stage: stages split by ';', names by ',', like 'wte,h.0,h.1;h.2,h.3,ln_f'. A name covers the layers it prefixes.")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Show the baseline partitioners beside autopipe.")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Save the plan JSON here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
@@ -153,10 +154,13 @@ def plan_command(
             cut = [int(x) for x in boundaries.replace(" ", "").split(",") if x]
         except ValueError:
             raise PartitionError(f"--boundaries {boundaries!r}: give layer indices separated by commas, like 0,7,14,26.") from None
+    names = None
+    if stage_names is not None:  # "a,b;c" -> [["a", "b"], ["c"]]; an empty stage is left for partition to name
+        names = [[n.strip() for n in part.split(",") if n.strip()] for part in stage_names.split(";")]
     prof = Profile.load(profile)
     options = dict(microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
                    optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw)  # fmt: skip
-    plan = partition(prof, stages, boundaries=cut, method=method, **options)  # type: ignore[arg-type]
+    plan = partition(prof, stages, boundaries=cut, stage_names=names, method=method, **options)  # type: ignore[arg-type]
     others = []
     if compare:
         names = ["autopipe"] + [b for b in BASELINES] + ([plan.method] if plan.method not in ("autopipe", *BASELINES) else [])

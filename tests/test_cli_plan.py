@@ -105,3 +105,29 @@ def test_out_that_cannot_be_written_is_one_line(profile_path, tmp_path) -> None:
     result, out = _run("plan", str(folder), "-s", "2")
     assert result.exit_code == 1 and "Traceback" not in out
     assert f"error: cannot access {folder}: Is a directory" in out
+
+
+def test_stage_names_option(profile_path) -> None:
+    """--stage-names takes module names per stage (stages split by ';', names by ','): a manual plan."""
+    stages = [["wte"] + [f"h.{i}" for i in range(6)], [f"h.{i}" for i in range(6, 13)],
+              [f"h.{i}" for i in range(13, 20)], [f"h.{i}" for i in range(20, 24)] + ["lm_head"]]  # fmt: skip
+    text = "; ".join(", ".join(names) for names in stages)
+    result, out = _run("plan", str(profile_path), "-s", "4", "--stage-names", text, "--json")
+    assert result.exit_code == 0, out
+    plan = json.loads(out)["plan"]
+    assert plan["boundaries"] == [0, 7, 14, 21, 26] and plan["method"] == "manual"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("wte;h;;lm_head", "chunk 2 is empty"),
+        ("wte;h", "stage_names has 2 chunks, expected 4"),
+        ("wte;nope;h;lm_head", "'nope' (chunk 1) names no layer"),
+    ],
+)
+def test_bad_stage_names_are_one_line(profile_path, text, message) -> None:
+    """Stage names that do not make a cut print one error line and exit 1."""
+    result, out = _run("plan", str(profile_path), "-s", "4", "--stage-names", text)
+    assert result.exit_code == 1, out
+    assert "Traceback" not in out and out.count("error:") == 1 and message in out
