@@ -1,0 +1,59 @@
+"""autopipe.runtime: what a generated train.py calls to train a plan for real.
+
+On each rank: ``init_dist`` lays the world out as dp × pp; ``build_stage`` builds only this rank's
+chunks (meta model -> flatten -> materialise just their tensors); ``Trainer`` runs the plan's
+torch.distributed.pipelining schedule, syncs tied gradients, averages over replicas, clips the
+global norm and steps AdamW; ``save_checkpoint``/``load_checkpoint`` write and read per-stage shards
+atomically; ``export`` joins them into one safetensors file.
+
+    env = init_dist(dp=1)
+    build = build_stage(make_model, (ids,), {"labels": ids}, plan, pp_rank=env.pp_rank, pp_size=env.pp_size)
+    trainer = Trainer(build, env, TrainConfig(steps=100, microbatches=4))
+    stats = trainer.step((batch,), {"labels": batch})
+
+Submodules are imported on first use, so ``import autopipe.runtime`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "Layout": "layout",
+    "even_boundaries": "layout",
+    "schedule_name": "layout",
+    "DistEnv": "distenv",
+    "init_dist": "distenv",
+    "StageBuild": "build",
+    "PipeChunk": "build",
+    "build_stage": "build",
+    "build_reference": "build",
+    "PipelineEngine": "engine",
+    "TrainConfig": "optim",
+    "Trainer": "trainer",
+    "StepStats": "trainer",
+    "ReferenceTrainer": "reference",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "latest_checkpoint": "checkpoint",
+    "export": "checkpoint",
+    "TokenData": "data",
+    "StepLogger": "logs",
+    "verify_step": "verify",
+    "model_factory": "models",
+    "write_train_script": "script",
+    "run_training": "train",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'autopipe.runtime' has no attribute {name!r}") from None
+    value = getattr(import_module(f"autopipe.runtime.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,349 @@
+"""Build only this rank's part of the model: meta model -> flatten -> chunks -> materialise its tensors.
+
+No rank ever holds the whole model: the model is constructed on the meta device (no memory),
+flattened there, and only the parameters and buffers of this rank's layers get real storage, loaded
+from a safetensors file or initialised per module (see ``weights``). ``build_reference`` builds the
+whole model the same way, so the unpipelined reference starts from identical weights.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..errors import AutopipeError
+from .layout import Layout, even_boundaries
+from .weights import (
+    SafetensorsSource,
+    init_weights_,
+    load_weights_,
+    materialize_,
+    params_on_meta,
+    tensor_names,
+)
+
+__all__ = ["TiedSpec", "PipeChunk", "StageBuild", "build_stage", "build_reference", "meta_model"]
+
+ModelFn = Callable[[], nn.Module]
+
+
+@dataclass(frozen=True)
+class TiedSpec:
+    """One tensor several layers share, and the pipeline ranks that hold a copy of it."""
+
+    name: str  # the name the layers register it under
+    names: tuple[str, ...]  # every name the model reaches it by
+    holders: tuple[int, ...]  # pipeline ranks, sorted
+
+
+class PipeChunk(nn.Module):
+    """Consecutive layers run as one pipeline stage, in the layer format both engines use.
+
+    ``forward(*xs)`` takes the tensors crossing the cut before it (for the first chunk, the model's
+    inputs as ``LayerSequence.pack_inputs`` orders them) and returns the tuple crossing the cut after
+    it (for the last chunk, the model's flat outputs; ``LayerSequence.unpack_outputs`` rebuilds them).
+    Under mixed precision the layers run in autocast; parameters stay fp32.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], index: int, layer_range: tuple[int, int]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.index = index
+        self.layer_range = layer_range
+        self.autocast_dtype: torch.dtype | None = None
+        # zero-bubble schedules detach stage outputs in place, which torch refuses for views
+        self.unview_outputs = False
+
+    def forward(self, *xs: torch.Tensor) -> Any:
+        x: Any = xs[0] if len(xs) == 1 else tuple(xs)
+        device_type = xs[0].device.type if xs else "cpu"
+        with torch.autocast(
+            device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None
+        ):
+            for layer in self.layers:
+                x = layer(x)
+        if self.unview_outputs:
+            x = tuple(t.clone() if t._is_view() else t for t in x) if isinstance(x, tuple) else (
+                x.clone() if x._is_view() else x
+            )
+        return x
+
+
+@dataclass
+class StageBuild:
+    """What one pipeline rank holds after building."""
+
+    seq: Any  # LayerSequence (on meta except for this rank's tensors)
+    model: nn.Module  # the meta model; this rank's tensors are real
+    layout: Layout
+    pp_rank: int
+    chunk_ids: list[int]
+    chunks: list[PipeChunk]
+    params: dict[str, nn.Parameter]  # this rank's parameters, each object once, sorted by name
+    tied: list[TiedSpec]  # every tied tensor of the model (ranks that hold none included)
+    # tied tensor name -> extra leaves sharing its storage, one per further local chunk using it
+    aliases: dict[str, list[nn.Parameter]] = field(default_factory=dict)
+
+    def fold_alias_grads_(self) -> None:
+        """Add the gradients of local alias leaves into the parameter they alias."""
+        for name, leaves in self.aliases.items():
+            main = self.params[name]
+            for leaf in leaves:
+                if leaf.grad is not None:
+                    main.grad = leaf.grad.clone() if main.grad is None else main.grad.add_(leaf.grad)
+                    leaf.grad = None
+
+    def tied_here(self) -> list[TiedSpec]:
+        return [t for t in self.tied if self.pp_rank in t.holders]
+
+
+def meta_model(model_fn: ModelFn) -> nn.Module:
+    """Construct the model with every tensor on the meta device (no memory, no init cost)."""
+    with torch.device("meta"):
+        model = model_fn()
+    model.train()
+    return model
+
+
+def _to_meta(tree: Any) -> Any:
+    return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, tree)
+
+
+def build_stage(
+    model_fn: ModelFn,
+    example_args: Sequence[Any],
+    example_kwargs: dict[str, Any] | None,
+    boundaries: Sequence[int] | Any,
+    *,
+    pp_rank: int,
+    pp_size: int,
+    schedule: str = "1F1B",
+    seed: int = 0,
+    weights: str | None = None,
+    device: torch.device | str = "cpu",
+    granularity: str = "block",
+) -> StageBuild:
+    """Build pipeline rank ``pp_rank``'s chunks of the model ``model_fn`` makes.
+
+    Args:
+        model_fn: builds the model; called under ``torch.device("meta")``.
+        example_args / example_kwargs: one micro-batch of inputs (any device; only shapes are used).
+        boundaries: the plan (``plan.boundaries``), its list of S·v + 1 layer indices, or a number
+            of chunks to cut evenly.
+        weights: a safetensors file or HF folder to load from; None initialises from ``seed``.
+
+    Example:
+        >>> b = build_stage(make_gpt2, (ids,), {"labels": ids}, [0, 3, 6], pp_rank=1, pp_size=2)
+        >>> [c.layer_range for c in b.chunks]
+        [(3, 6)]
+    """
+    from ..flatten import flatten
+
+    model = meta_model(model_fn)
+    seq = flatten(model, _to_meta(tuple(example_args)), _to_meta(dict(example_kwargs or {})), validate=False, granularity=granularity)  # type: ignore[arg-type]
+    if isinstance(boundaries, int):  # a chunk count: cut evenly (no plan yet)
+        boundaries = even_boundaries(len(seq.layers), boundaries)
+    layout = Layout.make(boundaries, pp_size=pp_size, schedule=schedule)
+    if layout.num_layers != len(seq.layers):
+        raise AutopipeError(
+            f"the plan cuts {layout.num_layers} layers but this model flattens into {len(seq.layers)}; "
+            "the plan was made for another model or flatten options: partition again."
+        )
+    chunk_ids = layout.chunks_of(pp_rank)
+    needed: list[str] = []
+    for c in chunk_ids:
+        for i in layout.layers_of(c):
+            layer = seq.layers[i]
+            needed += [n for n, _ in layer.named_parameters(remove_duplicate=False)]
+            needed += [n for n, _ in layer.named_buffers(remove_duplicate=False)]
+    _fill(model, model_fn, needed, seed=seed, weights=weights, device=device)
+    seq.rebind_(model)
+    for c in chunk_ids:
+        for i in layout.layers_of(c):
+            retarget_graph_(seq.layers[i], torch.device(device))
+    _check_constants(seq, chunk_ids, layout)
+    chunks = [
+        PipeChunk(
+            [seq.layers[i] for i in layout.layers_of(c)],
+            c,
+            (layout.boundaries[c], layout.boundaries[c + 1]),
+        )
+        for c in chunk_ids
+    ]
+    # a tied tensor goes by its group's canonical name on every rank, whichever alias a layer uses
+    canonical = {}
+    for g in seq.tied:
+        for alias in g.names:
+            try:
+                canonical[id(model.get_parameter(alias))] = g.canonical
+            except AttributeError:
+                pass
+    params: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for chunk in chunks:
+        for layer in chunk.layers:
+            for name, p in layer.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params[canonical.get(id(p), name)] = p
+    tied = [
+        TiedSpec(g.canonical, tuple(g.names), tuple(layout.ranks_holding(g.layers)))
+        for g in seq.tied
+    ]
+    aliases = _alias_local_copies(chunks, params, {t.name for t in tied})
+    return StageBuild(
+        seq=seq,
+        model=model,
+        layout=layout,
+        pp_rank=pp_rank,
+        chunk_ids=chunk_ids,
+        chunks=chunks,
+        params=dict(sorted(params.items())),
+        tied=tied,
+        aliases=aliases,
+    )
+
+
+def build_reference(
+    model_fn: ModelFn, *, seed: int = 0, weights: str | None = None, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """The whole model with exactly the weights the pipelined ranks build (for --verify and tests)."""
+    model = meta_model(model_fn)
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    _fill(model, model_fn, names, seed=seed, weights=weights, device=device)
+    return model
+
+
+def _fill(
+    model: nn.Module,
+    model_fn: ModelFn,
+    names: Sequence[str],
+    *,
+    seed: int,
+    weights: str | None,
+    device: torch.device | str,
+) -> None:
+    new = materialize_(model, names, device=device)
+    if weights is not None:
+        missing = load_weights_(model, new, SafetensorsSource(weights))
+        by_name = tensor_names(model)
+        left = [t for t in new if by_name[id(t)][0] in set(missing)]
+        missing = init_weights_(model, left, seed=seed) if left else []
+    else:
+        missing = init_weights_(model, new, seed=seed)
+    if missing:
+        _fill_from_constructor(model, model_fn, missing, seed=seed)
+
+
+@torch.no_grad()
+def _fill_from_constructor(model: nn.Module, model_fn: ModelFn, names: list[str], *, seed: int) -> None:
+    """Tensors no per-module init covers take the value the model's constructor gives them.
+
+    Buffers (masks, tables made in ``__init__``) come from a build whose parameters stay on meta,
+    which is cheap. Parameters without an init function force a whole build on the CPU, seeded with
+    ``seed``: correct on every layout, but it costs the whole model's memory once, so we warn.
+    """
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    want_params = [n for n in names if n in params]
+    if want_params:
+        warnings.warn(
+            f"parameters {want_params[:3]}{'...' if len(want_params) > 3 else ''} have no init "
+            "function (no reset_parameters, no HF _init_weights); building the whole model once on "
+            "the CPU to take their initial values. Give their modules a reset_parameters() to avoid it.",
+            stacklevel=3,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            source = model_fn()
+    else:
+        with torch.random.fork_rng(devices=[]), params_on_meta():
+            torch.manual_seed(seed)
+            source = model_fn()
+    for name in names:
+        *path, attr = name.split(".")
+        src_mod = source.get_submodule(".".join(path)) if path else source
+        dst_mod = model.get_submodule(".".join(path)) if path else model
+        value = src_mod._parameters.get(attr)
+        if value is None:
+            value = src_mod._buffers.get(attr)
+        target = dst_mod._parameters.get(attr)
+        if target is None:
+            target = dst_mod._buffers.get(attr)
+        if value is None or target is None or value.device.type == "meta":
+            raise AutopipeError(f"could not find an initial value for {name!r} in the model.")
+        target.copy_(value)
+
+
+def _alias_local_copies(
+    chunks: list[PipeChunk], params: dict[str, nn.Parameter], tied_names: set[str]
+) -> dict[str, list[nn.Parameter]]:
+    """Give each further local chunk that uses a tied tensor its own leaf over the same storage.
+
+    Two chunks of one rank (interleaved, V schedules) sharing one Parameter object confuse the
+    zero-bubble schedules' split backward, which tracks weights per stage; the gradients came out
+    wrong (ZBV on GPT-2). With one leaf per chunk each stage's autograd graph is its own; the
+    optimizer updates the first leaf in place and the aliases see it, since they share storage.
+    """
+    aliases: dict[str, list[nn.Parameter]] = {}
+    for name in sorted(tied_names & set(params)):
+        main = params[name]
+        users = [c for c in chunks if any(p is main for p in c.parameters())]
+        for chunk in users[1:]:
+            leaf = nn.Parameter(main.data, requires_grad=main.requires_grad)
+            for mod in chunk.modules():
+                for attr, p in list(mod._parameters.items()):
+                    if p is main:
+                        mod._parameters[attr] = leaf
+            aliases.setdefault(name, []).append(leaf)
+    return aliases
+
+
+def retarget_graph_(layer: nn.Module, device: torch.device) -> None:
+    """Make a layer traced on meta run on ``device``, in place.
+
+    torch.export writes the trace-time device into creation ops (``arange(device=meta)``) and adds
+    ``_assert_tensor_metadata`` checks of device and dtype; the first would compute on meta, the
+    second fails on the real device and under autocast (bf16 where fp32 was traced). We point the
+    former at ``device`` and drop the latter (they check, they compute nothing).
+    """
+    graph = getattr(layer, "graph", None)
+    if graph is None:
+        return
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+            changed = True
+            continue
+        dev = node.kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.type == "meta":
+            node.kwargs = {**node.kwargs, "device": device}
+            changed = True
+    if changed:
+        layer.recompile()  # type: ignore[operator]
+
+
+def _check_constants(seq: Any, chunk_ids: list[int], layout: Layout) -> None:
+    """A tensor constant traced on meta has no value; say so instead of failing deep in a kernel."""
+    for c in chunk_ids:
+        for i in layout.layers_of(c):
+            layer = seq.layers[i]
+            for name, kind in getattr(layer, "autopipe_attrs", {}).items():
+                if kind != "constant":
+                    continue
+                value = layer
+                for part in name.split("."):
+                    value = getattr(value, part)
+                if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                    raise AutopipeError(
+                        f"layer {i} holds a tensor constant {name!r} created on the meta device while "
+                        "tracing; register it as a buffer in the model so it can be materialised."
+                    )

@@ -1,0 +1,175 @@
+"""Run this rank's chunks under a torch.distributed.pipelining schedule.
+
+Inputs: the first chunk takes the model's inputs packed into one flat tuple of tensors
+(``LayerSequence.pack_inputs``), so integer ids and boolean masks cross cuts like any activation;
+PipelineStage gives them no gradient (they do not require grad). The last chunk returns the
+model's flat outputs; the loss function rebuilds the model's own output (``unpack_outputs``) and takes
+its ``.loss`` (a HuggingFace model given ``labels``) or applies a user loss to it and the target.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..errors import AutopipeError
+from .build import PipeChunk, StageBuild
+
+__all__ = ["PipelineEngine", "model_loss", "pack_batch", "split_batch"]
+
+
+def model_loss(outputs: Any) -> torch.Tensor:
+    """The loss the model computed itself: ``.loss``, ``["loss"]``, or a scalar first output."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    if loss is None and isinstance(outputs, (tuple, list)) and outputs:
+        loss = outputs[0]
+    if loss is None and isinstance(outputs, torch.Tensor):
+        loss = outputs
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise AutopipeError(
+            "the model's outputs hold no scalar loss; pass labels to the model (HF models compute "
+            "the loss then) or give the trainer a loss_fn(outputs, target)."
+        )
+    return loss
+
+
+def split_batch(args: Sequence[Any], kwargs: dict[str, Any] | None, n: int) -> list[tuple[tuple, dict]]:
+    """Cut every tensor of a batch into ``n`` micro-batches along dim 0 (non-tensors are repeated)."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    pieces: list[list[Any]] = [[] for _ in range(n)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] % n:
+                raise AutopipeError(
+                    f"a batch of {leaf.shape[0]} rows cannot be cut into {n} equal micro-batches; "
+                    "use a batch size that is a multiple of --microbatches."
+                )
+            for i, part in enumerate(leaf.chunk(n)):
+                pieces[i].append(part)
+        else:
+            for i in range(n):
+                pieces[i].append(leaf)
+    return [pytree.tree_unflatten(p, spec) for p in pieces]
+
+
+def pack_batch(seq: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, n: int) -> tuple[torch.Tensor, ...]:
+    """The first chunk's input for a whole batch: each micro-batch packed, then stacked along dim 0,
+    so the schedule's own dim-0 split hands each micro-batch its packed tuple."""
+    packed = [seq.pack_inputs(a, k) for a, k in split_batch(args, kwargs, n)]
+    return tuple(torch.cat(parts, dim=0) for parts in zip(*packed))
+
+
+def _stage_class() -> type:
+    """PipelineStage whose shape-inference pass feeds zeros, not uninitialised memory.
+
+    On the first step each stage runs once on placeholders built from the previous stage's
+    metadata. torch leaves them uninitialised; integer ones that crossed a cut (token ids, labels)
+    then hold garbage indices and an embedding or cross-entropy fails out of bounds. Zeros are
+    valid ids and harmless activations.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    class ZeroInitStage(PipelineStage):
+        def _to_tensor(self, arg: Any) -> torch.Tensor:
+            t = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor):
+                with torch.no_grad():
+                    t.zero_()
+            return t
+
+    return ZeroInitStage
+
+
+# schedules that split backward into input and weight parts (and detach outputs in place)
+_SPLIT_BACKWARD = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+
+
+class PipelineEngine:
+    """This rank's PipelineStages and the schedule that runs them.
+
+    With one pipeline rank every layer forms one chunk: the same schedule code, the same
+    micro-batches and the same losses, in one process.
+    """
+
+    def __init__(
+        self,
+        build: StageBuild,
+        *,
+        pp_group: Any,
+        device: torch.device,
+        microbatches: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        loss_scale: Callable[[], float] = lambda: 1.0,
+    ) -> None:
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        PipelineStage = _stage_class()
+
+        self.build = build
+        self.microbatches = microbatches
+        layout = build.layout
+        chunks = build.chunks
+        if layout.pp_size == 1 and len(chunks) > 1:
+            layers = [layer for c in chunks for layer in c.layers]
+            chunks = [PipeChunk(layers, 0, (0, layout.num_layers))]
+        num_stages = 1 if layout.pp_size == 1 else layout.num_chunks
+        self.chunks = chunks
+        self.forward_time = 0.0
+        for chunk in chunks:
+            chunk.autocast_dtype = autocast_dtype
+            chunk.unview_outputs = layout.schedule in _SPLIT_BACKWARD
+            chunk.register_forward_pre_hook(self._tic)
+            chunk.register_forward_hook(self._toc)
+        self.stages = [
+            PipelineStage(c, c.index if num_stages > 1 else 0, num_stages, device, group=pp_group)
+            for c in chunks
+        ]
+        self.is_first = any(s.is_first for s in self.stages)
+        self.is_last = any(s.is_last for s in self.stages)
+        self._user_loss = loss_fn
+        self._loss_scale = loss_scale
+        name = layout.schedule if (layout.pp_size > 1 or not layout.multi) else "GPipe"
+        cls = get_schedule_class(name)
+        if layout.pp_size > 1 and layout.multi:
+            self.schedule = cls(self.stages, microbatches, loss_fn=self._loss, scale_grads=True)
+        else:
+            self.schedule = cls(self.stages[0], microbatches, loss_fn=self._loss, scale_grads=True)
+        self._t0 = 0.0
+
+    def _tic(self, module: nn.Module, args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def _toc(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.forward_time += time.perf_counter() - self._t0
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        outputs = self.build.seq.unpack_outputs(output)
+        loss = model_loss(outputs) if self._user_loss is None else self._user_loss(outputs, target)
+        return loss * self._loss_scale()
+
+    def run(self, inputs: tuple[torch.Tensor, ...] | None, target: torch.Tensor | None) -> float | None:
+        """One forward/backward of all micro-batches; gradients accumulate (mean over micro-batches).
+
+        ``inputs`` (from ``pack_batch``) matter on the rank of the first chunk, ``target`` on the
+        rank of the last; other ranks may pass None. Returns the mean micro-batch loss (unscaled)
+        on the rank of the last chunk, None elsewhere.
+        """
+        self.forward_time = 0.0
+        args = tuple(inputs) if (self.is_first and inputs is not None) else ()
+        tgt = target if self.is_last else None
+        if self.is_last and tgt is None:
+            # the schedule wants a target on the last stage even when the model computes its loss
+            tgt = torch.zeros(self.microbatches)
+        losses: list[torch.Tensor] = []
+        scale = self._loss_scale()
+        self.schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
+        if not self.is_last:
+            return None
+        return float(torch.stack([l.detach().float() for l in losses]).mean()) / scale

@@ -1,0 +1,111 @@
+"""Training settings, AdamW with a warmup + cosine learning rate, and fp16 loss scaling.
+
+The pipelined trainer and the unpipelined reference both build their optimizer here, so they make
+the same decisions (which tensors get weight decay, the LR at each step) and stay comparable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import AutopipeError
+
+__all__ = ["TrainConfig", "make_optimizer", "make_lr_scheduler", "LossScaler", "DTYPES"]
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings shared by every rank (and by the reference)."""
+
+    steps: int = 100
+    microbatches: int = 4
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # the cosine decays to lr · min_lr_ratio at the last step
+    warmup: int = 0  # steps of linear warmup
+    weight_decay: float = 0.1  # applied to matrices only (not to biases, norms' gains)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (autocast; master weights stay fp32)
+    loss_scale: float = 2.0**16  # initial fp16 loss scale
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise AutopipeError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}.")
+        if self.microbatches < 1 or self.steps < 0:
+            raise AutopipeError(
+                f"microbatches ({self.microbatches}) must be >= 1 and steps ({self.steps}) >= 0."
+            )
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_optimizer(params: Mapping[str, nn.Parameter], config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over ``params`` (name -> parameter, each object once), decay on tensors of 2+ dims.
+
+    ``foreach=False``: the per-tensor path, so the pipeline and the reference apply bit-identical
+    updates whatever the grouping of tensors on a rank.
+    """
+    decay = [p for _, p in sorted(params.items()) if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for _, p in sorted(params.items()) if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """LR multiplier at ``step`` (0-based): linear warmup, then cosine down to ``min_lr_ratio``."""
+    if config.warmup and step < config.warmup:
+        return (step + 1) / config.warmup
+    span = max(1, config.steps - config.warmup)
+    progress = min(1.0, (step - config.warmup) / span)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: multiply the loss, unscale the gradients, skip a step whose
+    gradients overflowed (on any rank) and halve the scale; double it after ``growth_interval``
+    good steps. A no-op (scale 1) for fp32 and bf16."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.enabled = enabled
+        self.scale = float(init_scale) if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if finite:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+        else:
+            self.scale = max(1.0, self.scale / 2.0)
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])

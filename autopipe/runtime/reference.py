@@ -1,0 +1,84 @@
+"""Plain single-process training of the original model: what the pipeline must reproduce.
+
+Same weights (``build_reference``), same micro-batches, same loss, same clipping, same AdamW and LR
+schedule as the pipelined ``Trainer``; ``--verify`` and the tests compare the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .engine import model_loss, split_batch
+from .grads import clip_grads_
+from .optim import LossScaler, TrainConfig, make_lr_scheduler, make_optimizer
+
+__all__ = ["ReferenceTrainer", "unique_parameters"]
+
+
+def unique_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Each parameter object once, under its first name."""
+    out: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            out[name] = p
+    return out
+
+
+class ReferenceTrainer:
+    """Trains the whole model in this process, micro-batch by micro-batch (no pipeline)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainConfig,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.loss_fn = loss_fn
+        self.params = unique_parameters(model)
+        self.optimizer = make_optimizer(self.params, config)
+        self.scheduler = make_lr_scheduler(self.optimizer, config)
+        self.scaler = LossScaler(config.dtype == "fp16", config.loss_scale)
+
+    def forward_backward(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: Any = None, *, microbatches: int | None = None
+    ) -> float:
+        """Gradients of the mean micro-batch loss (left in ``.grad``); returns that loss."""
+        m = microbatches or self.config.microbatches
+        targets = list(target.chunk(m)) if isinstance(target, torch.Tensor) else [None] * m
+        total = 0.0
+        dtype = self.config.autocast_dtype
+        for (a, k), t in zip(split_batch(args, dict(kwargs or {}), m), targets):
+            device_type = next(self.model.parameters()).device.type
+            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                out = self.model(*a, **k)
+            loss = model_loss(out) if self.loss_fn is None else self.loss_fn(out, t)
+            (loss * self.scaler.scale / m).backward()
+            total += float(loss.detach())
+        if self.scaler.enabled:
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.div_(self.scaler.scale)
+        return total / m
+
+    def step(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: Any = None, *, microbatches: int | None = None
+    ) -> float:
+        loss = self.forward_backward(args, kwargs, target, microbatches=microbatches)
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        norm = float(torch.sqrt(sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))))
+        if finite:
+            clip_grads_([p for p in self.params.values() if p.grad is not None], norm, self.config.grad_clip)
+            self.optimizer.step()
+        self.scaler.update(finite)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss

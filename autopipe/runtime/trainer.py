@@ -1,0 +1,208 @@
+"""One optimizer step of a pipelined model, and the state a checkpoint needs to continue it exactly.
+
+A step: the schedule runs every micro-batch forward and backward (gradients averaged over
+micro-batches) -> fp16 gradients unscaled -> tied gradients summed over their holders -> averaged
+over data-parallel replicas -> global norm clipped -> AdamW -> learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import AutopipeError
+from .build import StageBuild
+from .distenv import DistEnv
+from .engine import PipelineEngine, pack_batch
+from .grads import all_finite, average_dp_grads, clip_grads_, global_grad_norm, sync_tied_grads
+from .optim import LossScaler, TrainConfig, make_lr_scheduler, make_optimizer
+
+__all__ = ["StepStats", "Trainer"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did, the same on every rank (rank 0 prints it)."""
+
+    step: int  # 1-based: the number of optimizer steps done after this one
+    loss: float  # mean over micro-batches and replicas
+    lr: float
+    grad_norm: float
+    step_time: float  # seconds, slowest rank
+    tokens_per_s: float  # whole world
+    stage_times: list[float] = field(default_factory=list)  # per pipeline rank: step wall time
+    forward_times: list[float] = field(default_factory=list)  # per pipeline rank: time in forward
+    skipped: bool = False  # fp16 overflow: no update this step
+    loss_scale: float = 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Trainer:
+    """Trains this rank's chunks as part of the whole pipeline.
+
+    Example:
+        >>> env = init_dist(dp=1)
+        >>> build = build_stage(make_model, (ids,), {"labels": ids}, plan, pp_rank=env.pp_rank, pp_size=env.pp_size)
+        >>> trainer = Trainer(build, env, TrainConfig(steps=10, microbatches=4))
+        >>> stats = trainer.step((batch,), {"labels": batch})
+    """
+
+    def __init__(
+        self,
+        build: StageBuild,
+        env: DistEnv,
+        config: TrainConfig,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> None:
+        if build.layout.pp_size != env.pp_size:
+            raise AutopipeError(
+                f"the stage was built for {build.layout.pp_size} pipeline ranks but the world has "
+                f"{env.pp_size} (world {env.world} / dp {env.dp_size}); launch with "
+                f"--nproc-per-node {build.layout.pp_size * env.dp_size}."
+            )
+        self.build = build
+        self.env = env
+        self.config = config
+        self.scaler = LossScaler(config.dtype == "fp16", config.loss_scale)
+        self.engine = PipelineEngine(
+            build,
+            pp_group=env.pp_group,
+            device=env.device,
+            microbatches=config.microbatches,
+            loss_fn=loss_fn,
+            autocast_dtype=config.autocast_dtype,
+            loss_scale=lambda: self.scaler.scale,
+        )
+        env.make_tied_groups(build.tied)
+        self.params = build.params
+        # a tied tensor's norm is counted by its first holder only
+        self._counted_elsewhere = {
+            t.name for t in build.tied_here() if t.holders[0] != env.pp_rank and t.name in self.params
+        }
+        self.optimizer = make_optimizer(self.params, config)
+        self.scheduler = make_lr_scheduler(self.optimizer, config)
+        self.step_count = 0
+
+    def step(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: torch.Tensor | None = None
+    ) -> StepStats:
+        """Train on one batch (this replica's share): the model's own arguments, plus a target when
+        a user loss_fn needs one. Every rank calls it with the same batch (only the first and last
+        chunks read it)."""
+        env = self.env
+        t0 = time.perf_counter()
+        inputs = (
+            pack_batch(self.build.seq, args, dict(kwargs or {}), self.config.microbatches)
+            if self.engine.is_first
+            else None
+        )
+        loss = self.engine.run(inputs, target)
+        step_time = time.perf_counter() - t0
+
+        params = list(self.params.values())
+        if self.scaler.enabled:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(self.scaler.scale)
+        self.build.fold_alias_grads_()
+        sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups)
+        average_dp_grads(self.params, env.dp_group, env.dp_size)
+        finite = all_finite(params) if self.scaler.enabled else True
+        norm = global_grad_norm(self.params, self._counted_elsewhere, env.pp_group)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if finite:
+            clip_grads_(params, norm, self.config.grad_clip)
+            self.optimizer.step()
+        self.scaler.update(finite)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return self._stats(loss, lr, norm, step_time, t0, skipped=not finite, tokens=_tokens(args, kwargs))
+
+    def _stats(
+        self, loss: float | None, lr: float, norm: float, step_time: float, t0: float, *, skipped: bool, tokens: int
+    ) -> StepStats:
+        env = self.env
+        # one all-reduce for the loss (only last-stage ranks contribute), one all-gather for times
+        loss_t = torch.tensor([loss / env.dp_size if loss is not None else 0.0], dtype=torch.float64)
+        times = torch.tensor([step_time, self.engine.forward_time], dtype=torch.float64)
+        gathered = [torch.zeros_like(times) for _ in range(env.world)]
+        if env.world > 1:
+            dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+            dist.all_gather(gathered, times)
+        else:
+            gathered = [times]
+        total = time.perf_counter() - t0
+        first_replica = gathered[: env.pp_size]
+        return StepStats(
+            step=self.step_count,
+            loss=float(loss_t[0]),
+            lr=lr,
+            grad_norm=norm,
+            step_time=max(float(g[0]) for g in gathered),
+            tokens_per_s=tokens * env.dp_size / total if total > 0 else 0.0,
+            stage_times=[float(g[0]) for g in first_replica],
+            forward_times=[float(g[1]) for g in first_replica],
+            skipped=skipped,
+            loss_scale=self.scaler.scale,
+        )
+
+    # --- checkpoint state -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: parameters and optimizer state by parameter name, step, RNG."""
+        order = [id(p) for g in self.optimizer.param_groups for p in g["params"]]
+        names = {id(p): n for n, p in self.params.items()}
+        opt = self.optimizer.state_dict()
+        return {
+            "params": {n: p.detach().clone() for n, p in self.params.items()},
+            "optimizer": opt,
+            "optimizer_names": [names[i] for i in order],
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step_count,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "chunks": self.build.chunk_ids,
+            "boundaries": list(self.build.layout.boundaries),
+            "config": self.config.to_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if list(state["boundaries"]) != list(self.build.layout.boundaries) or list(state["chunks"]) != self.build.chunk_ids:
+            raise AutopipeError(
+                f"the checkpoint holds chunks {state['chunks']} of boundaries {state['boundaries']} but "
+                f"this rank runs chunks {self.build.chunk_ids} of {list(self.build.layout.boundaries)}; "
+                "resume with the plan and process count it was saved with, or export and reload it."
+            )
+        for name, p in self.params.items():
+            p.copy_(state["params"][name])
+        order = [id(p) for g in self.optimizer.param_groups for p in g["params"]]
+        names = {id(p): n for n, p in self.params.items()}
+        if [names[i] for i in order] != list(state["optimizer_names"]):
+            raise AutopipeError("the checkpoint's optimizer state lists other parameters than this stage holds.")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step_count = int(state["step"])
+        torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def _tokens(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> int:
+    """Tokens in a batch: elements of the first integer tensor argument (samples if none)."""
+    for v in [*args, *(kwargs or {}).values()]:
+        if isinstance(v, torch.Tensor) and not v.is_floating_point():
+            return v.numel()
+    for v in [*args, *(kwargs or {}).values()]:
+        if isinstance(v, torch.Tensor):
+            return int(v.shape[0]) if v.dim() else 1
+    return 0
