@@ -23,6 +23,7 @@ _LAZY = {
     "Layout": "layout",
     "even_boundaries": "layout",
     "schedule_name": "layout",
+    "load_plan": "layout",
     "DistEnv": "distenv",
     "init_dist": "distenv",
     "StageBuild": "build",
@@ -43,7 +44,7 @@ _LAZY = {
     "verify_step": "verify",
     "model_factory": "models",
     "write_train_script": "script",
-    "run_training": "train",
+    "train_deepspeed": "ds",
 }
 
 __all__ = sorted(_LAZY)

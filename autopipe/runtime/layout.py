@@ -10,12 +10,16 @@ chunk's owner before any schedule exists (to materialise parameters and build ti
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Sequence
 
-from ..errors import PartitionError
+from ..errors import PartitionError, RecordError
 
-__all__ = ["Layout", "SCHEDULES", "schedule_name", "schedule_style", "even_boundaries"]
+__all__ = ["Layout", "SCHEDULES", "schedule_name", "schedule_style", "even_boundaries", "load_plan"]
 
 # Canonical names of the schedules torch.distributed.pipelining provides, lower-case key -> name.
 SCHEDULES = {
@@ -26,6 +30,11 @@ SCHEDULES = {
     "interleavedzerobubble": "InterleavedZeroBubble",
     "zbvzerobubble": "ZBVZeroBubble",
     "dualpipev": "DualPipeV",
+    # the partitioner's spellings (autopipe.schedule)
+    "interleaved": "Interleaved1F1B",
+    "zbv": "ZBVZeroBubble",
+    "zerobubble": "ZBVZeroBubble",
+    "interleavedzb": "InterleavedZeroBubble",
 }
 _SINGLE = {"GPipe", "1F1B"}  # one chunk per rank
 _V_SHAPED = {"ZBVZeroBubble", "DualPipeV"}  # exactly two chunks per rank, V-shaped
@@ -79,11 +88,14 @@ class Layout:
     @classmethod
     def make(cls, boundaries: Sequence[int] | Any, *, pp_size: int, schedule: str) -> "Layout":
         """Check the boundaries (or ``plan.boundaries``) fit ``pp_size`` ranks and the schedule."""
+        plan_ranks = tuple(getattr(boundaries, "stage_ranks", ()) or ())
         cuts = tuple(int(b) for b in getattr(boundaries, "boundaries", boundaries))
         name = schedule_name(schedule)
         chunks = len(cuts) - 1
         if chunks < 1 or any(b <= a for a, b in zip(cuts, cuts[1:])):
             raise PartitionError(f"boundaries {list(cuts)} must be strictly increasing from 0.")
+        if pp_size == 1:  # one process runs every chunk, as one stage
+            return cls(cuts, 1, name)
         if chunks % pp_size:
             raise PartitionError(
                 f"{chunks} chunks cannot be spread evenly over {pp_size} pipeline ranks; "
@@ -100,7 +112,15 @@ class Layout:
                 f"{name} needs exactly 2 chunks per rank, the plan has {per_rank}; "
                 "partition with virtual_stages=2."
             )
-        return cls(cuts, pp_size, name)
+        layout = cls(cuts, pp_size, name)
+        if plan_ranks and pp_size > 1:
+            mine = tuple(layout.owner(c) for c in range(chunks))
+            if mine != plan_ranks:
+                raise PartitionError(
+                    f"the plan places chunks on ranks {list(plan_ranks)} but {name} runs them on "
+                    f"{list(mine)}; make the plan for schedule {name} (or run the plan's own schedule)."
+                )
+        return layout
 
     @property
     def num_chunks(self) -> int:
@@ -137,3 +157,21 @@ class Layout:
             if any(i in r for i in layers):
                 found.add(self.owner(c))
         return sorted(found)
+
+
+def load_plan(path: str | os.PathLike[str]) -> Any:
+    """Read plan.json: a full ``autopipe.plan.Plan``, or a hand-written ``{"boundaries": [...]}``."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise RecordError(f"no plan at {p}; run `autopipe convert`, or pass --plan even.") from None
+    except ValueError as e:
+        raise RecordError(f"{p} is not valid JSON ({e}).") from None
+    if isinstance(data, dict) and set(data) <= {"boundaries", "stage_ranks", "schedule", "microbatches"}:
+        if "boundaries" not in data:
+            raise RecordError(f"{p} has no 'boundaries'.")
+        return SimpleNamespace(boundaries=tuple(data["boundaries"]), stage_ranks=tuple(data.get("stage_ranks", ())))
+    from ..plan import Plan
+
+    return Plan.from_dict(data)

@@ -1,0 +1,189 @@
+"""Per-stage checkpoints, written atomically, and export to one safetensors file.
+
+Layout of a checkpoint folder::
+
+    ckpt/step_00000200/            one folder per saved step
+        rank00000.pt ...           each rank's shard: parameters, optimizer state, step, RNG, LR, loss scale
+        meta.json                  step, world layout, boundaries, schedule, tied names (written last)
+
+Every rank writes into ``step_N.tmp/``; after a barrier rank 0 writes meta.json and renames the
+folder to ``step_N``. A crash at any moment leaves either the complete new folder or a ``.tmp`` one
+that ``latest_checkpoint`` ignores; the previous good checkpoint is never touched before that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import AutopipeError, RecordError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "export", "read_meta"]
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2) -> Path:
+    """Save every rank's shard of ``trainer`` under ``root/step_N`` (collective: all ranks call it).
+
+    Keeps the newest ``keep`` checkpoints (0 keeps all). Returns the folder.
+    """
+    env = trainer.env
+    root = Path(root)
+    step = trainer.step_count
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    if env.rank == 0:
+        if tmp.exists():  # left by a crash while saving this step before
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = trainer.state_dict()
+    part = tmp / f"rank{env.rank:05d}.pt.part"
+    with open(part, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, tmp / f"rank{env.rank:05d}.pt")
+    _barrier()
+    if env.rank == 0:
+        meta = {
+            "step": step,
+            "world": env.world,
+            "dp": env.dp_size,
+            "pp": env.pp_size,
+            "boundaries": list(trainer.build.layout.boundaries),
+            "schedule": trainer.build.layout.schedule,
+            "tied": {t.name: list(t.names) for t in trainer.build.tied},
+            "config": trainer.config.to_dict(),
+            "time": time.time(),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        _fsync_dir(tmp)
+        if final.exists():  # saving the same step again (after a resume): replace it whole
+            old = root / f"step_{step:08d}.old"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+        if keep > 0:
+            for stale in _step_dirs(root)[:-keep]:
+                shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    _fault_hook(step, env.rank)
+    return final
+
+
+def _fault_hook(step: int, rank: int) -> None:
+    """Test hook: AUTOPIPE_KILL_AT=STEP:RANK kills that rank with SIGKILL once checkpoint STEP is
+    complete, a real crash for the resume tests."""
+    spec = os.environ.get("AUTOPIPE_KILL_AT", "")
+    if spec and spec == f"{step}:{rank}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint folder under ``root`` (None if there is none)."""
+    dirs = _step_dirs(Path(root))
+    return dirs[-1] if dirs else None
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path) / "meta.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise RecordError(f"{p} is missing or unreadable ({e}); the checkpoint is incomplete.") from e
+
+
+def load_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> int:
+    """Load this rank's shard from checkpoint folder ``path`` into ``trainer``; returns the step."""
+    env = trainer.env
+    meta = read_meta(path)
+    if (meta["dp"], meta["pp"]) != (env.dp_size, env.pp_size):
+        raise AutopipeError(
+            f"checkpoint {path} was saved by dp={meta['dp']} × pp={meta['pp']} ranks but this run has "
+            f"dp={env.dp_size} × pp={env.pp_size}; resume with {meta['world']} processes, or "
+            "export it and start a new run from the exported weights (--weights)."
+        )
+    state = torch.load(Path(path) / f"rank{env.rank:05d}.pt", map_location=env.device, weights_only=False)
+    trainer.load_state_dict(state)
+    return int(meta["step"])
+
+
+def export(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    model_fn: Callable[[], nn.Module] | None = None,
+) -> Path:
+    """Join a checkpoint's stage shards into ``out_dir/model.safetensors``.
+
+    Tied tensors are written under every name the model has for them, so any loader finds the key
+    it expects. With ``model_fn`` building a HuggingFace model, its config.json is written too and
+    ``AutoModel...from_pretrained(out_dir)`` loads the result. Reads replica 0's shards only.
+    """
+    from safetensors.torch import save_file
+
+    meta = read_meta(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for pp_rank in range(meta["pp"]):
+        state = torch.load(Path(path) / f"rank{pp_rank:05d}.pt", map_location="cpu", weights_only=False)
+        for name, value in state["params"].items():
+            tensors.setdefault(name, value.contiguous())
+    for canonical, names in meta.get("tied", {}).items():
+        if canonical in tensors:
+            for alias in names:
+                if alias not in tensors:
+                    tensors[alias] = tensors[canonical].clone()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "model.safetensors"
+    part = out / "model.safetensors.part"
+    save_file(tensors, str(part), metadata={"format": "pt", "step": str(meta["step"])})
+    os.replace(part, target)
+    if model_fn is not None:
+        with torch.device("meta"):
+            model = model_fn()
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(out)
+    return target

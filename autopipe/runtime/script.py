@@ -1,0 +1,172 @@
+"""Write a job's train.py: a short nanoGPT-style script over autopipe.runtime.
+
+The script is the template below with the job's settings filled in at the top; everything else
+(building the stage, the schedule, checkpoints) lives in the runtime, so the script stays readable
+and a person can edit it (another data loader, another loss) without touching autopipe.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import AutopipeError
+from ..records import write_text_atomic
+
+__all__ = ["write_train_script", "TEMPLATE"]
+
+TEMPLATE = '''\
+"""Pipeline-parallel training of {model}, written by autopipe.
+
+    torchrun --nproc-per-node {stages} train.py                 # one process per pipeline stage
+    torchrun --nproc-per-node {stages_x2} train.py --dp 2             # x 2 data-parallel replicas
+    python train.py                                       # every stage in one process (debugging)
+    deepspeed --num_gpus {stages} train.py --engine deepspeed   # DeepSpeed's PipelineModule instead
+
+Each rank builds the model on the meta device, keeps only its own stage and gives just that stage
+real weights. `python train.py --help` lists the flags.
+"""
+
+import argparse
+from pathlib import Path
+
+import autopipe.runtime as rt
+
+# ---- settings (from `autopipe convert`; the flags below override them) --------------------------
+MODEL = {model!r}  # built-in name, HF folder or module:function
+PLAN = Path(__file__).with_name("plan.json")  # where to cut; {stages} pipeline stages
+SCHEDULE = {schedule!r}
+MICROBATCHES = {microbatches}
+BATCH_SIZE = {batch_size}  # rows per micro-batch
+SEQ_LEN = {seq_len}
+DTYPE = {dtype!r}  # fp32 | bf16 | fp16
+ENGINE = {engine!r}  # torch | deepspeed
+SEED = {seed}
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--steps", type=int, default=100)
+parser.add_argument("--seed", type=int, default=SEED)
+parser.add_argument("--lr", type=float, default=3e-4)
+parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps before the cosine decay")
+parser.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
+parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="rows per micro-batch")
+parser.add_argument("--schedule", default=SCHEDULE, help="gpipe | 1f1b | interleaved1f1b | zbv | interleavedzb")
+parser.add_argument("--dtype", default=DTYPE, choices=["fp32", "bf16", "fp16"])
+parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp x stages)")
+parser.add_argument("--plan", default=str(PLAN), help="plan.json; 'even' cuts the layers evenly")
+parser.add_argument("--data", default=None, help="token file (.bin/.npy/.pt) or text file; default: synthetic tokens")
+parser.add_argument("--weights", default=None, help="safetensors file or HF folder to start from")
+parser.add_argument("--ckpt-dir", default=str(Path(__file__).with_name("checkpoints")))
+parser.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only at the end)")
+parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
+parser.add_argument("--export", default=None, help="write the final weights to this folder (model.safetensors)")
+parser.add_argument("--log-json", default=None, help="append one JSON line per step to this file")
+parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with the unpipelined model")
+parser.add_argument("--engine", default=ENGINE, choices=["torch", "deepspeed"])
+parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+args = parser.parse_args()
+
+# ---- model: a factory every rank calls on the meta device, and one micro-batch of example inputs --
+source = rt.model_factory(MODEL, batch_size=args.batch_size, seq_len=SEQ_LEN, seed=args.seed)
+weights = args.weights or source.weights
+config = rt.TrainConfig(
+    steps=args.steps, microbatches=args.microbatches, lr=args.lr, warmup=args.warmup,
+    grad_clip=args.grad_clip, dtype=args.dtype, seed=args.seed,
+)
+if args.engine == "deepspeed":
+    rt.train_deepspeed(source, args.plan, config, args)
+    raise SystemExit(0)
+
+# ---- this rank's stage ---------------------------------------------------------------------------
+env = rt.init_dist(dp=args.dp)
+plan = env.pp_size if args.plan == "even" else rt.load_plan(args.plan)
+build = rt.build_stage(
+    source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size,
+    schedule=args.schedule, seed=args.seed, weights=weights, device=env.device,
+)
+trainer = rt.Trainer(build, env, config)
+log = rt.StepLogger(env.rank, json_path=args.log_json)
+log.info(f"{{MODEL}}: {{len(build.seq.layers)}} layers, chunks {{build.layout.boundaries}} on {{env.pp_size}} "
+         f"stage(s) x {{env.dp_size}} replica(s), {{build.layout.schedule}}, {{args.microbatches}} micro-batches")
+
+# ---- data: the same global batch on every rank for a step; each replica takes its rows -----------
+data = rt.TokenData(args.data, vocab_size=source.vocab_size, seq_len=SEQ_LEN, seed=args.seed) if source.vocab_size else None
+rows = args.batch_size * args.microbatches * env.dp_size
+
+
+def get_batch(step, replica=env.dp_rank, replicas=env.dp_size):
+    tokens = data.batch(step, rows, replica=replica, replicas=replicas) if data else None
+    return source.batch(tokens, rows // replicas, step=step, seed=args.seed)
+
+
+# ---- resume, verify, train -------------------------------------------------------------------------
+if args.resume and (last := rt.latest_checkpoint(args.ckpt_dir)) is not None:
+    rt.load_checkpoint(trainer, last)
+    log.info(f"resumed from {{last}} at step {{trainer.step_count}}")
+if args.verify:
+    report = rt.verify_step(trainer, source.factory, *get_batch(trainer.step_count, 0, 1),
+                            local_args=get_batch(trainer.step_count)[0], local_kwargs=get_batch(trainer.step_count)[1],
+                            weights=weights)
+    log.info(f"verify: loss {{report.loss:.6f}} vs {{report.reference_loss:.6f}}, max grad diff {{report.max_grad_diff:.1e}}: ok")
+
+for step in range(trainer.step_count, args.steps):
+    batch_args, batch_kwargs = get_batch(step)
+    stats = trainer.step(batch_args, batch_kwargs)
+    log.step(stats)
+    if (args.ckpt_every and stats.step % args.ckpt_every == 0) or stats.step == args.steps:
+        rt.save_checkpoint(trainer, args.ckpt_dir)
+
+if args.export and env.rank == 0 and (last := rt.latest_checkpoint(args.ckpt_dir)) is not None:
+    log.info(f"exported {{rt.export(last, args.export, model_fn=source.factory)}}")
+'''
+
+
+def write_train_script(
+    path: str | os.PathLike[str],
+    *,
+    model: str,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    plan: Any = None,
+    batch_size: int = 1,
+    seq_len: int = 128,
+    dtype: str = "fp32",
+    engine: str = "torch",
+    seed: int = 0,
+    **_ignored: Any,
+) -> Path:
+    """Write train.py at ``path`` (a file, or a folder to put train.py in).
+
+    ``plan`` is not embedded: the script reads plan.json beside it. Unknown settings (``device``,
+    what the profile ran on) are accepted and ignored, so emit can pass its settings whole.
+
+    Example:
+        >>> write_train_script("jobs/gpt2/train.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b")
+        PosixPath('jobs/gpt2/train.py')
+    """
+    from .layout import schedule_name
+
+    target = Path(path)
+    if target.is_dir():
+        target = target / "train.py"
+    if engine not in ("torch", "deepspeed"):
+        raise AutopipeError(f"engine must be 'torch' or 'deepspeed', got {engine!r}.")
+    schedule_name(schedule)  # refuse an unknown schedule now, not at launch
+    text = TEMPLATE.format(
+        model=model,
+        stages=stages,
+        stages_x2=2 * stages,
+        schedule=schedule,
+        microbatches=microbatches,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        dtype=dtype,
+        engine=engine,
+        seed=seed,
+    )
+    compile(text, str(target), "exec")  # a template bug must fail here, not on the cluster
+    write_text_atomic(target, text)
+    return target
