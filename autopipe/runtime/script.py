@@ -60,6 +60,7 @@ parser.add_argument("--data", default=None, help="token file (.bin/.npy/.pt) or 
 parser.add_argument("--weights", default=None, help="safetensors file or HF folder to start from")
 parser.add_argument("--ckpt-dir", default=str(Path(__file__).with_name("checkpoints")))
 parser.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only at the end)")
+parser.add_argument("--ckpt-keep", type=int, default=2, help="keep the newest N checkpoints (0: all)")
 parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
 parser.add_argument("--export", default=None, help="write the final weights to this folder (model.safetensors)")
 parser.add_argument("--log-json", default=None, help="append one JSON line per step to this file")
@@ -116,7 +117,7 @@ for step in range(trainer.step_count, args.steps):
     stats = trainer.step(batch_args, batch_kwargs)
     log.step(stats)
     if (args.ckpt_every and stats.step % args.ckpt_every == 0) or stats.step == args.steps:
-        rt.save_checkpoint(trainer, args.ckpt_dir)
+        rt.save_checkpoint(trainer, args.ckpt_dir, keep=args.ckpt_keep)
 
 if args.export and env.rank == 0 and (last := rt.latest_checkpoint(args.ckpt_dir)) is not None:
     log.info(f"exported {{rt.export(last, args.export, model_fn=source.factory)}}")
