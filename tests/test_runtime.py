@@ -97,8 +97,8 @@ def logged_losses(run: Path) -> dict[int, float]:
 
 def final_params(run: Path) -> dict[str, list[torch.Tensor]]:
     """Every rank's copy of every parameter in the newest checkpoint, by name."""
-    ckpt = latest_checkpoint(run / "ckpt")
-    assert ckpt is not None
+    ckpt = latest_checkpoint(run / "ckpt") or run / "ckpt" / "deepspeed_final"
+    assert ckpt.is_dir()
     out: dict[str, list[torch.Tensor]] = {}
     for shard in sorted(ckpt.glob("rank*.pt")):
         for name, value in torch.load(shard, weights_only=False)["params"].items():
@@ -174,3 +174,11 @@ def test_killed_rank_resumes_exactly(job: Path, num_layers: int) -> None:
     model = GPT2LMHeadModel.from_pretrained(job / "exported")
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), ref_params[name], atol=TOL, rtol=0, msg=name)
+
+
+def test_deepspeed_pipeline_module_matches_single_process_training(job: Path, num_layers: int) -> None:
+    """--engine deepspeed: PipelineModule with TiedLayerSpec, cut at the plan's boundaries, matches too."""
+    run, proc = launch(job, "deepspeed", 2, "--engine", "deepspeed", plan=even_boundaries(num_layers, 2),
+                       env={"DS_ACCELERATOR": "cpu"})
+    assert json.loads((run / "ds_config.json").read_text())["gradient_accumulation_steps"] == MICRO
+    assert_matches_reference(run, job)

@@ -71,6 +71,12 @@ class DistEnv:
     def barrier(self) -> None:
         dist.barrier()
 
+    def close(self) -> None:
+        """Leave together, then tear the process group down (no rank exits mid-collective)."""
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
 
 def init_dist(*, dp: int = 1, backend: str | None = None, timeout_s: float = 600) -> DistEnv:
     """Join (or make) the process group and lay the world out as dp × pp.

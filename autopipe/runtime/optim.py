@@ -53,7 +53,9 @@ class TrainConfig:
         return asdict(self)
 
 
-def make_optimizer(params: Mapping[str, nn.Parameter], config: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(
+    params: Mapping[str, nn.Parameter], config: TrainConfig, *, cls: type[torch.optim.AdamW] = torch.optim.AdamW
+) -> torch.optim.AdamW:
     """AdamW over ``params`` (name -> parameter, each object once), decay on tensors of 2+ dims.
 
     ``foreach=False``: the per-tensor path, so the pipeline and the reference apply bit-identical
@@ -65,7 +67,7 @@ def make_optimizer(params: Mapping[str, nn.Parameter], config: TrainConfig) -> t
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
+    return cls(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:

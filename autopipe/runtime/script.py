@@ -77,7 +77,7 @@ config = rt.TrainConfig(
     grad_clip=args.grad_clip, dtype=args.dtype, seed=args.seed,
 )
 if args.engine == "deepspeed":
-    rt.train_deepspeed(source, args.plan, config, args)
+    rt.train_deepspeed(source, args.plan, config, args, seq_len=SEQ_LEN)
     raise SystemExit(0)
 
 # ---- this rank's stage ---------------------------------------------------------------------------
@@ -121,6 +121,7 @@ for step in range(trainer.step_count, args.steps):
 
 if args.export and env.rank == 0 and (last := rt.latest_checkpoint(args.ckpt_dir)) is not None:
     log.info(f"exported {{rt.export(last, args.export, model_fn=source.factory)}}")
+env.close()
 '''
 
 

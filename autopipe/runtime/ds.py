@@ -1,0 +1,309 @@
+"""DeepSpeed engine: the flattened layers as a ``PipelineModule`` cut exactly where the plan cuts.
+
+The layer format is already DeepSpeed's (a Tensor or tuple of Tensors in and out), so each layer
+becomes a ``LayerSpec``. Tied tensors become ``TiedLayerSpec`` entries: a small holder module owns
+the tied weight (so DeepSpeed all-reduces its gradient between the stages holding it) and its
+forward appends the weight to the activations; the layer right after it takes the weight from
+there. The holder always sits on its layer's stage, so the weight never crosses a cut.
+
+DeepSpeed's ``partition_method`` knows only uniform / parameters / type:regex, none of which
+reproduces a plan, so ``PlannedPipelineModule`` takes the boundaries explicitly.
+
+Each rank builds only its stage: DeepSpeed calls ``LayerSpec.build`` for the local layers only, and
+our specs materialise their tensors from the meta model on demand (same seeded init as the torch
+path, so both engines start from the same weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import AutopipeError
+from .build import _fill, meta_model, retarget_graph_, _to_meta
+from .engine import model_loss, pack_batch, split_batch
+from .layout import even_boundaries, load_plan
+from .optim import TrainConfig, make_lr_scheduler, make_optimizer
+
+__all__ = ["ds_config", "build_pipeline_module", "train_deepspeed"]
+
+
+class _Context:
+    """The meta model and its flattened layers, materialised piece by piece as specs are built."""
+
+    def __init__(self, model_fn: Any, example_args: Sequence[Any], example_kwargs: dict[str, Any], *, seed: int,
+                 weights: str | None, device: torch.device) -> None:
+        from ..flatten import flatten
+
+        self.model_fn = model_fn
+        self.model = meta_model(model_fn)
+        self.seq = flatten(self.model, _to_meta(tuple(example_args)), _to_meta(dict(example_kwargs)), validate=False)
+        self.seed, self.weights, self.device = seed, weights, device
+        self.built: list[DSLayer] = []
+
+    def materialize(self, names: Sequence[str]) -> None:
+        _fill(self.model, self.model_fn, list(names), seed=self.seed, weights=self.weights, device=self.device)
+        self.seq.rebind_(self.model)
+        for layer in self.built:  # rebind_ re-registers the tied tensors the built layers gave away
+            layer.detach_tied()
+
+    def tied_of(self, index: int) -> list[str]:
+        return [g.canonical for g in self.seq.tied if index in g.layers]
+
+
+class TiedHolder(nn.Module):
+    """Owns one tied tensor on a stage (DeepSpeed syncs ``.weight`` between its holders)."""
+
+    def __init__(self, ctx: _Context, name: str) -> None:
+        super().__init__()
+        ctx.materialize([name])
+        self.tied_name = name
+        self.weight = ctx.model.get_parameter(name)
+
+
+def _append_weight(holder: TiedHolder, x: Any) -> tuple[torch.Tensor, ...]:
+    xs = x if isinstance(x, tuple) else (x,)
+    return (*xs, holder.weight)
+
+
+class DSLayer(nn.Module):
+    """Layer ``index`` of the sequence, taking its tied weights from the end of its input tuple.
+
+    Booleans cross cuts as uint8 (DeepSpeed's p2p casts only a trailing mask; gloo sends no bool);
+    the layer's recorded input signature says which inputs to turn back into bool.
+    """
+
+    def __init__(self, ctx: _Context, index: int) -> None:
+        super().__init__()
+        layer = ctx.seq.layers[index]
+        names = [n for n, _ in layer.named_parameters(remove_duplicate=False)]
+        names += [n for n, _ in layer.named_buffers(remove_duplicate=False)]
+        ctx.materialize(names)
+        retarget_graph_(layer, ctx.device)
+        self.ctx, self.index, self.layer = ctx, index, layer
+        self.num_tied = len(ctx.tied_of(index))
+        self.slots: list[tuple[nn.Module, str]] = []
+        self.detach_tied()
+        ctx.built.append(self)
+        self.bool_inputs = {i for i, sig in enumerate(ctx.seq.infos[index].inputs) if sig.dtype == "bool"}
+
+    def detach_tied(self) -> None:
+        """Remove the tied tensors from the layer's parameters (the TiedHolder owns them); remember
+        where they sat, in the order their holders append them (sorted names)."""
+        tied = sorted(self.ctx.tied_of(self.index))
+        order = {id(self.ctx.model.get_parameter(n)): i for i, n in enumerate(tied)}
+        found: list[tuple[int, nn.Module, str]] = []
+        for mod in self.layer.modules():
+            for attr, p in list(mod._parameters.items()):
+                if p is not None and id(p) in order:
+                    del mod._parameters[attr]
+                    found.append((order[id(p)], mod, attr))
+        if found:
+            self.slots = [(m, a) for _, m, a in sorted(found, key=lambda t: t[0])]
+
+    def forward(self, x: Any) -> Any:
+        xs = list(x) if isinstance(x, tuple) else [x]
+        weights = xs[len(xs) - self.num_tied :] if self.num_tied else []
+        xs = xs[: len(xs) - self.num_tied]
+        for (mod, attr), w in zip(self.slots, _expand(weights, self.slots)):
+            mod.__dict__[attr] = w
+        xs = [t.bool() if i in self.bool_inputs else t for i, t in enumerate(xs)]
+        out = self.layer(xs[0] if len(xs) == 1 else tuple(xs))
+        outs = out if isinstance(out, tuple) else (out,)
+        outs = tuple(t.to(torch.uint8) if t.dtype == torch.bool else t for t in outs)
+        return outs[0] if len(outs) == 1 else outs
+
+
+def _expand(weights: list[torch.Tensor], slots: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:
+    """One weight per tied tensor, repeated for each slot (a tensor may sit in several modules)."""
+    if len(weights) == len(slots):
+        return weights
+    if len(weights) == 1:
+        return weights * len(slots)
+    raise AutopipeError("a layer holds several tied tensors in several places; DeepSpeed export needs one slot each.")
+
+
+def _pipeline_module_class() -> type:
+    from deepspeed.pipe import PipelineModule
+
+    class PlannedPipelineModule(PipelineModule):
+        """PipelineModule whose stage boundaries are given, not computed."""
+
+        def __init__(self, layers: list[Any], parts: list[int], **kwargs: Any) -> None:
+            self._planned_parts = list(parts)
+            super().__init__(layers, partition_method="uniform", **kwargs)
+
+        def _partition_layers(self, method: str = "uniform") -> None:
+            self.parts = list(self._planned_parts)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    return PlannedPipelineModule
+
+
+def _save_final(module: nn.Module, folder: Path, rank: int) -> None:
+    """This rank's trained parameters under their names in the original model (for inspection and
+    for the tests that compare with unpipelined training)."""
+    params: dict[str, torch.Tensor] = {}
+    for child in module.modules():
+        if isinstance(child, DSLayer):
+            for name, p in child.layer.named_parameters():
+                params[name] = p.detach().clone()
+    for holder in getattr(module, "tied_modules", {}).values():
+        params[holder.tied_name] = holder.weight.detach().clone()
+    folder.mkdir(parents=True, exist_ok=True)
+    part = folder / f"rank{rank:05d}.pt.part"
+    torch.save({"params": params}, part)
+    os.replace(part, folder / f"rank{rank:05d}.pt")
+
+
+def build_pipeline_module(ctx: _Context, boundaries: Sequence[int], num_stages: int, loss_fn: Any) -> nn.Module:
+    """LayerSpecs over the flattened layers (TiedLayerSpecs before layers using a tied tensor),
+    partitioned at ``boundaries`` (layer indices, mapped onto the expanded spec list)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    specs: list[Any] = []
+    starts: list[int] = []
+    for i in range(len(ctx.seq.layers)):
+        starts.append(len(specs))
+        for name in sorted(ctx.tied_of(i)):
+            # ModuleDict keys may not hold dots
+            specs.append(TiedLayerSpec(name.replace(".", "__"), TiedHolder, ctx, name, forward_fn=_append_weight, tied_weight_attr=["weight"]))
+        specs.append(LayerSpec(DSLayer, ctx, i))
+    starts.append(len(specs))
+    parts = [starts[b] for b in boundaries]
+    return _pipeline_module_class()(specs, parts, num_stages=num_stages, loss_fn=loss_fn)
+
+
+class _ClippingAdamW(torch.optim.AdamW):
+    """AdamW that clips the global gradient norm first, each tied tensor counted once.
+
+    DeepSpeed's fp32 clipping (``runtime.utils.clip_grad_norm_``) sums the norm of a tied tensor on
+    every stage holding it, so its clip differs from the unpipelined model's; we clip ourselves,
+    once DeepSpeed has reduced the gradients, just before the update.
+    """
+
+    clip: Any = None
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self.clip is not None:
+            self.clip()
+        return super().step(closure)
+
+
+def _make_clip(module: nn.Module, pipe_group: Any, max_norm: float) -> Any:
+    from .grads import clip_grads_, global_grad_norm
+
+    params = dict(module.named_parameters())
+    replicated = {n for n, p in params.items() if getattr(p, "ds_pipe_replicated", False)}
+
+    def clip() -> None:
+        norm = global_grad_norm(params, replicated, pipe_group)
+        clip_grads_(list(params.values()), norm, max_norm)
+
+    return clip
+
+
+def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
+    """The ds_config.json for these settings (optimizer and LR schedule are passed as objects)."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": rows,
+        "gradient_accumulation_steps": config.microbatches,
+        "train_batch_size": rows * config.microbatches * dp,
+        "gradient_clipping": 0.0,  # done by _ClippingAdamW (tied tensors counted once)
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if config.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif config.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return cfg
+
+
+def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any, *, seq_len: int) -> list[float]:
+    """Train with DeepSpeed's PipelineEngine (what train.py runs for ``--engine deepspeed``).
+
+    Launch with the deepspeed launcher or torchrun; on CPU the gloo backend is used. Returns the
+    per-step losses. Writes ds_config.json beside the checkpoints folder for reference.
+    """
+    os.environ.setdefault("LOCAL_RANK", "0")
+    import deepspeed
+    import torch.distributed as dist
+
+    from .distenv import default_device
+    from .logs import StepLogger
+    from .trainer import StepStats
+
+    device = default_device(int(os.environ["LOCAL_RANK"]))
+    if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: a one-rank world
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    dp = args.dp
+    if world % dp:
+        raise AutopipeError(f"world size {world} is not a multiple of --dp {dp}.")
+    pp = world // dp
+    rank = dist.get_rank()
+    ctx = _Context(source.factory, source.args, source.kwargs, seed=config.seed,
+                   weights=args.weights or source.weights, device=device)
+    num_layers = len(ctx.seq.layers)
+    boundaries = even_boundaries(num_layers, pp) if plan_path == "even" else list(load_plan(plan_path).boundaries)
+    if len(boundaries) - 1 != pp:
+        raise AutopipeError(
+            f"DeepSpeed runs one chunk per stage but the plan has {len(boundaries) - 1} chunks for {pp} stages; "
+            "make a plan without virtual stages for --engine deepspeed."
+        )
+    seq = ctx.seq
+
+    def loss_fn(outputs: Any, labels: Any) -> torch.Tensor:
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return model_loss(seq.unpack_outputs(tuple(t.bool() if t.dtype == torch.uint8 else t for t in outs)))
+
+    module = build_pipeline_module(ctx, boundaries, pp, loss_fn)
+    params = {n: p for n, p in module.named_parameters()}
+    optimizer = make_optimizer(params, config, cls=_ClippingAdamW)
+    scheduler = make_lr_scheduler(optimizer, config)
+    cfg = ds_config(config, rows=args.batch_size, dp=dp)
+    if rank == 0:
+        out = Path(args.ckpt_dir).parent / "ds_config.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(cfg, indent=2))
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+    optimizer.clip = _make_clip(module, engine.grid.get_pipe_parallel_group(), config.grad_clip) if config.grad_clip > 0 else None
+    data = None
+    if source.vocab_size:
+        from .data import TokenData
+
+        data = TokenData(args.data, vocab_size=source.vocab_size, seq_len=seq_len, seed=config.seed)
+    log = StepLogger(rank, json_path=args.log_json)
+    dp_rank = engine.grid.get_data_parallel_rank()
+    rows = args.batch_size * config.microbatches * dp
+    losses = []
+    for step in range(config.steps):
+        tokens = data.batch(step, rows, replica=dp_rank, replicas=dp) if data else None
+        batch_args, batch_kwargs = source.batch(tokens, rows // dp, step=step, seed=config.seed)
+        micro = [
+            (seq.pack_inputs(a, k), torch.zeros(1)) for a, k in split_batch(batch_args, batch_kwargs, config.microbatches)
+        ]
+        lr = optimizer.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        loss = float(engine.train_batch(data_iter=iter(micro)))
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        tokens_n = rows * seq_len
+        log.step(StepStats(step=step + 1, loss=loss, lr=lr, grad_norm=float(engine.get_global_grad_norm() or 0.0),
+                           step_time=dt, tokens_per_s=tokens_n / dt if dt > 0 else 0.0, stage_times=[dt]))
+    _save_final(module, Path(args.ckpt_dir) / "deepspeed_final", rank)
+    if rank == 0 and args.export:
+        log.info("export: not supported with --engine deepspeed yet (use engine.save_checkpoint's files)")
+    # leave together: a rank exiting while DeepSpeed's comm threads still run aborts the process
+    dist.barrier()
+    dist.destroy_process_group()
+    return losses
