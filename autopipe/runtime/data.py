@@ -22,7 +22,7 @@ __all__ = ["TokenData"]
 class TokenData:
     """Windows of ``seq_len`` tokens.
 
-    Sources: None (uniform random tokens), a ``.npy`` / ``.pt`` array of token ids, a ``.bin`` file of
+    Sources: None (synthetic: a learnable cycle through 64 token ids), a ``.npy`` / ``.pt`` array of token ids, a ``.bin`` file of
     uint16 ids (nanoGPT's format), or any other file read as UTF-8 bytes (one token per byte, so
     the model's vocabulary must have at least 256 entries).
 
@@ -54,12 +54,29 @@ class TokenData:
             raise AutopipeError(f"global batch {batch_size} does not split into {replicas} replicas.")
         g = torch.Generator().manual_seed(module_seed(self.seed, f"data:{step}"))
         if self.tokens is None:
-            full = torch.randint(0, self.vocab_size, (batch_size, self.seq_len), generator=g)
+            full = self._synthetic(batch_size, g)
         else:
             starts = torch.randint(0, self.tokens.numel() - self.seq_len, (batch_size,), generator=g)
             full = torch.stack([self.tokens[s : s + self.seq_len] for s in starts.tolist()])
         per = batch_size // replicas
         return full[replica * per : (replica + 1) * per].clone()
+
+
+    def _synthetic(self, rows: int, g: torch.Generator) -> torch.Tensor:
+        """Rows that walk a fixed random cycle through 64 of the vocabulary's ids, from random starts.
+
+        Uniform random tokens cannot be learned (the loss stays at ln V), so a run could not show
+        that training works. Here the next token is a function of the current one and only 64 ids
+        occur: within a few steps a model learns which ids occur (loss towards ln 64), then the cycle.
+        """
+        perm = torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(module_seed(self.seed, "data:ids")))
+        ids = perm[: min(self.vocab_size, _SYNTHETIC_IDS)]
+        k = len(ids)
+        pos = torch.randint(0, k, (rows, 1), generator=g) + torch.arange(self.seq_len)
+        return ids[pos % k]
+
+
+_SYNTHETIC_IDS = 64
 
 
 def _read_tokens(path: Path) -> torch.Tensor:
