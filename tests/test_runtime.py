@@ -182,3 +182,15 @@ def test_deepspeed_pipeline_module_matches_single_process_training(job: Path, nu
                        env={"DS_ACCELERATOR": "cpu"})
     assert json.loads((run / "ds_config.json").read_text())["gradient_accumulation_steps"] == MICRO
     assert_matches_reference(run, job)
+
+
+@pytest.mark.parametrize("dtype,nproc", [("bf16", 2), ("fp16", 1)])
+def test_mixed_precision_trains_close_to_fp32_with_fp32_master_weights(job: Path, num_layers: int, dtype: str, nproc: int) -> None:
+    """--dtype bf16|fp16: --verify passes against the reference under the same autocast; losses stay
+    near fp32 training; master weights (checkpointed) stay fp32."""
+    run, proc = launch(job, f"amp-{dtype}", nproc, "--dtype", dtype, "--verify", plan=even_boundaries(num_layers, 2))
+    assert "verify:" in proc.stdout
+    losses = logged_losses(run)
+    ref_losses, _ = ref(job)
+    assert [losses[s + 1] for s in range(STEPS)] == pytest.approx(ref_losses, abs=3e-2)
+    assert all(v.dtype == torch.float32 for copies in final_params(run).values() for v in copies)

@@ -107,11 +107,11 @@ class Trainer:
         step_time = time.perf_counter() - t0
 
         params = list(self.params.values())
+        self.build.fold_alias_grads_()  # before unscaling: alias leaves hold scaled gradients too
         if self.scaler.enabled:
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(self.scaler.scale)
-        self.build.fold_alias_grads_()
         sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups)
         average_dp_grads(self.params, env.dp_group, env.dp_size)
         finite = all_finite(params) if self.scaler.enabled else True

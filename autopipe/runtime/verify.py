@@ -9,6 +9,7 @@ gradients are cleared afterwards, so training starts as if nothing had run. Drop
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -49,17 +50,23 @@ def verify_step(
     local_kwargs: Mapping[str, Any] | None = None,
     local_target: Any = None,
     weights: str | None = None,
-    atol: float = 1e-5,
-    rtol: float = 1e-4,
+    atol: float | None = None,
+    rtol: float | None = None,
     raise_on_mismatch: bool = True,
 ) -> VerifyReport:
     """Compare one pipelined step's loss and gradients with the reference (collective call).
+
+    Tolerances default to 1e-5 absolute / 1e-4 relative in fp32, 1e-3 / 1e-2 under bf16/fp16.
 
     ``global_*`` is the whole step's batch (all replicas); ``local_*`` this replica's share (defaults
     to the global batch when there is one replica).
     """
     env = trainer.env
     cfg = trainer.config
+    # half-precision sums in another order (micro-batch accumulation, loss scale) differ by ~1e-5
+    default_atol, default_rtol = (1e-5, 1e-4) if cfg.dtype == "fp32" else (1e-3, 1e-2)
+    atol = default_atol if atol is None else atol
+    rtol = default_rtol if rtol is None else rtol
     local_args = global_args if local_args is None else local_args
     local_kwargs = global_kwargs if local_kwargs is None else local_kwargs
     local_target = global_target if local_target is None else local_target
@@ -67,6 +74,10 @@ def verify_step(
     inputs = pack_batch(trainer.build.seq, local_args, dict(local_kwargs or {}), cfg.microbatches) if trainer.engine.is_first else None
     loss = trainer.engine.run(inputs, local_target)
     trainer.build.fold_alias_grads_()
+    if trainer.scaler.enabled:  # fp16: gradients of the scaled loss
+        for p in trainer.params.values():
+            if p.grad is not None:
+                p.grad.div_(trainer.scaler.scale)
     sync_tied_grads(trainer.params, trainer.build.tied_here(), env.tied_groups)
     average_dp_grads(trainer.params, env.dp_group, env.dp_size)
 
@@ -86,11 +97,13 @@ def verify_step(
             bad = True
     if loss is not None and abs(loss - ref_loss) > atol + rtol * abs(ref_loss):
         bad = True
-    verdict = torch.tensor([1.0 if bad else 0.0, worst], dtype=torch.float64)
+    # the loss lives on the last stage; MAX over ranks hands it to everyone (others hold -inf)
+    verdict = torch.tensor([1.0 if bad else 0.0, worst, loss if loss is not None else -math.inf], dtype=torch.float64)
     if dist.is_initialized() and env.world > 1:
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    loss = float(verdict[2])
     trainer.optimizer.zero_grad(set_to_none=True)
-    report = VerifyReport(loss or 0.0, ref_loss, float(verdict[1]), worst_name, not bool(verdict[0]))
+    report = VerifyReport(loss, ref_loss, float(verdict[1]), worst_name, not bool(verdict[0]))
     if not report.ok and raise_on_mismatch:
         raise VerifyError(
             f"the pipelined step differs from the unpipelined model: loss {report.loss:.6f} vs "

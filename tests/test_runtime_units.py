@@ -1,0 +1,213 @@
+"""Runtime pieces on their own: layouts, identical weights on every layout, memory per rank,
+checkpoint folders, the script writer, mixed precision. No process group except where stated."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autopipe.errors import AutopipeError, PartitionError
+from autopipe.runtime import build_reference, build_stage, write_train_script
+from autopipe.runtime.checkpoint import latest_checkpoint
+from autopipe.runtime.data import TokenData
+from autopipe.runtime.layout import Layout, even_boundaries, schedule_name
+from autopipe.runtime.weights import init_weights_, materialize_
+
+
+def tiny_gpt2(n_layer: int = 4, n_embd: int = 32, vocab: int = 128) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=2, vocab_size=vocab, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False))
+
+
+IDS = torch.zeros(2, 16, dtype=torch.long)
+
+
+def test_layout_owners_loop_and_v() -> None:
+    """Looped schedules deal chunks round-robin; V schedules go down and back up."""
+    loop = Layout.make([0, 1, 2, 3, 4, 5, 6, 7, 8], pp_size=4, schedule="interleaved1f1b")
+    assert [loop.owner(c) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    v = Layout.make([0, 1, 2, 3, 4, 5, 6, 7, 8], pp_size=4, schedule="zbv")
+    assert [v.owner(c) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert v.chunks_of(0) == [0, 7]
+    assert loop.ranks_holding([0, 7]) == [0, 3]
+
+
+def test_layout_refuses_mismatched_plans() -> None:
+    """Wrong chunk counts for a schedule fail with the fix in the message."""
+    with pytest.raises(PartitionError, match="Interleaved1F1B"):
+        Layout.make([0, 1, 2, 3, 4], pp_size=2, schedule="1f1b")
+    with pytest.raises(PartitionError, match="virtual_stages=2"):
+        Layout.make([0, 1, 2, 3], pp_size=3, schedule="zbv")
+    with pytest.raises(PartitionError, match="evenly"):
+        Layout.make([0, 1, 2, 3], pp_size=2, schedule="interleaved1f1b")
+
+
+def test_even_boundaries_and_schedule_names() -> None:
+    """Even cuts put the longer chunks first; schedule names accept the partitioner's spellings."""
+    assert even_boundaries(7, 3) == [0, 3, 5, 7]
+    assert even_boundaries(4, 4) == [0, 1, 2, 3, 4]
+    assert schedule_name("zbv") == "ZBVZeroBubble"
+    assert schedule_name("Interleaved-1F1B") == "Interleaved1F1B"
+    with pytest.raises(PartitionError, match="unknown schedule"):
+        schedule_name("pipedream")
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_every_rank_builds_exactly_the_reference_weights(chunks: int) -> None:
+    """Per-module seeded init: each rank's tensors equal the whole model's, whatever the layout."""
+    reference = dict(build_reference(tiny_gpt2, seed=7).named_parameters(remove_duplicate=False))
+    seen: set[str] = set()
+    for rank in range(chunks):
+        build = build_stage(tiny_gpt2, (IDS,), {"labels": IDS}, chunks, pp_rank=rank, pp_size=chunks, seed=7)
+        for name, p in build.params.items():
+            assert torch.equal(p, reference[name]), name
+            seen.add(name)
+        real = {n for n, p in build.model.named_parameters() if p.device.type != "meta"}
+        assert real < set(dict(build.model.named_parameters()))  # the rest stays on meta
+    assert len(seen) == len(dict(build_reference(tiny_gpt2, seed=7).named_parameters()))
+
+
+def test_gpt2_init_follows_the_model_s_own_scheme() -> None:
+    """HF's _init_weights runs per module: residual projections get GPT-2's 1/sqrt(2·n_layer) std."""
+    model = build_reference(lambda: tiny_gpt2(n_layer=8, n_embd=256), seed=0)
+    std_proj = float(model.transformer.h[0].mlp.c_proj.weight.detach().std())
+    std_fc = float(model.transformer.h[0].mlp.c_fc.weight.detach().std())
+    assert std_fc == pytest.approx(0.02, rel=0.05)
+    assert std_proj == pytest.approx(0.02 / 4, rel=0.05)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_tensors_without_an_init_function_are_reported() -> None:
+    """A raw nn.Parameter no init writes stays NaN and is named, so the caller can fill it."""
+
+    class Raw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+            self.lin = nn.Linear(3, 3)
+
+    with torch.device("meta"):
+        model = Raw()
+    new = materialize_(model, ["scale", "lin.weight", "lin.bias"])
+    assert init_weights_(model, new, seed=0) == ["scale"]
+    assert torch.isfinite(model.lin.weight).all()
+
+
+def test_constructor_fallback_gives_the_same_values_on_every_layout() -> None:
+    """A model whose parameter has no init function still starts identically pipelined or not."""
+    from autopipe.runtime import build_reference as ref_build
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), _Scale(), nn.Linear(4, 2))
+
+    x = torch.randn(2, 4)
+    with pytest.warns(UserWarning, match="no init function"):
+        reference = dict(ref_build(make, seed=3).named_parameters())
+    with pytest.warns(UserWarning, match="no init function"):
+        build = build_stage(make, (x,), None, [0, 2, 3], pp_rank=0, pp_size=2, seed=3)
+    for name, p in build.params.items():
+        assert torch.equal(p, reference[name]), name
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.g
+
+
+MEMORY_PROBE = textwrap.dedent('''
+    import sys, torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from autopipe.runtime import build_stage, build_reference
+    def make():
+        return GPT2LMHeadModel(GPT2Config(n_layer=8, n_embd=768, n_head=8, vocab_size=4096, n_positions=16,
+                                          bos_token_id=0, eos_token_id=0, use_cache=False))
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    # warm up: load the tracing machinery so its own allocations are in the baseline
+    build_stage(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)), (torch.zeros(1, 2),), None, 1, pp_rank=0, pp_size=1)
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+    before = status("VmRSS")
+    if sys.argv[1] == "whole":
+        share = sum(4 * p.numel() for p in build_reference(make).parameters())
+    else:
+        build = build_stage(make, (ids,), {"labels": ids}, 4, pp_rank=int(sys.argv[1]), pp_size=4)
+        share = sum(4 * p.numel() for p in build.params.values())
+    print(status("VmHWM") - before, share)
+''')
+
+
+def _peak_growth(which: str) -> tuple[int, int]:
+    """(peak RSS growth while building, bytes of the parameters built) in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, which], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    growth, share = out.stdout.strip().splitlines()[-1].split()
+    return int(growth), int(share)
+
+
+def test_peak_memory_per_rank_is_its_share_not_the_whole_model() -> None:
+    """Building rank 1 of 4 peaks at its own parameters plus tracing overhead, not the whole model."""
+    whole, model_bytes = _peak_growth("whole")
+    stage, share = _peak_growth("1")
+    assert whole > 0.9 * model_bytes  # the probe does see the weights
+    assert share < 0.4 * model_bytes  # rank 1 holds 3 of 11 layers
+    # its share, plus what tracing the graph costs (~16 MB here), and far below the whole model
+    assert stage < share + 0.15 * model_bytes, (stage, share, model_bytes)
+    assert stage < 0.5 * whole, (stage, whole)
+
+
+def test_latest_checkpoint_ignores_half_written_folders(tmp_path: Path) -> None:
+    """Only complete step folders (renamed, with meta.json) count; a crash's .tmp does not."""
+    for name, meta in [("step_00000001", True), ("step_00000002", True), ("step_00000003.tmp", True), ("step_00000004", False)]:
+        (tmp_path / name).mkdir()
+        if meta:
+            (tmp_path / name / "meta.json").write_text(json.dumps({"step": int(name[5:13])}))
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_token_data_is_a_function_of_seed_and_step(tmp_path: Path) -> None:
+    """Same (seed, step) -> same batch; replicas split the global batch; text files are bytes."""
+    data = TokenData(None, vocab_size=100, seq_len=8, seed=1)
+    full = data.batch(5, 4)
+    assert torch.equal(full, data.batch(5, 4))
+    assert torch.equal(torch.cat([data.batch(5, 4, replica=r, replicas=2) for r in range(2)]), full)
+    assert not torch.equal(full, data.batch(6, 4))
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello pipeline " * 20)
+    batch = TokenData(text, vocab_size=256, seq_len=8, seed=0).batch(0, 2)
+    assert batch.shape == (2, 8) and int(batch.max()) < 256
+    with pytest.raises(AutopipeError, match="vocabulary"):
+        TokenData(text, vocab_size=50, seq_len=8)
+
+
+def test_write_train_script_fills_settings_and_refuses_bad_ones(tmp_path: Path) -> None:
+    """The script compiles, carries the job's settings at the top, and bad settings fail early."""
+    path = write_train_script(tmp_path, model="gpt2", stages=4, microbatches=8, schedule="1f1b",
+                              batch_size=2, seq_len=64, dtype="bf16", device="cpu", seed=3)
+    text = path.read_text()
+    assert path.name == "train.py"
+    for line in ["MODEL = 'gpt2'", "SCHEDULE = '1f1b'", "MICROBATCHES = 8", "SEQ_LEN = 64", "DTYPE = 'bf16'", "SEED = 3"]:
+        assert line in text
+    help_out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
+    assert help_out.returncode == 0 and "--resume" in help_out.stdout and "--verify" in help_out.stdout
+    with pytest.raises(PartitionError):
+        write_train_script(tmp_path, model="gpt2", stages=2, microbatches=4, schedule="nope")
+    with pytest.raises(AutopipeError, match="engine"):
+        write_train_script(tmp_path, model="gpt2", stages=2, microbatches=4, schedule="1f1b", engine="megatron")
