@@ -23,10 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
 RESULTS = ROOT / "bench" / "results"
-CONFIG = dict(n_layer=8, n_embd=256, n_head=4, vocab_size=8192, n_positions=128)
+CONFIG = {"n_layer": 8, "n_embd": 256, "n_head": 4, "vocab_size": 8192, "n_positions": 128}
 ROWS, SEQ, MICRO, STEPS, WARMUP = 4, 128, 8, 14, 4
 
 
@@ -64,7 +64,7 @@ def run_plan(job: Path, name: str, plan) -> list[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(run / "train.py"),
            "--steps", str(STEPS), "--log-json", str(run / "log.json"), "--ckpt-dir", str(run / "ckpt")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1200, env=env)
     if proc.returncode != 0:
         raise SystemExit(proc.stdout[-2000:] + proc.stderr[-2000:])
     records = [json.loads(line) for line in (run / "log.json").read_text().splitlines()]
@@ -81,27 +81,27 @@ def main() -> None:
         for method, plan in found.items():
             times = run_plan(job, method, plan)
             measured = statistics.median(times)
-            rows.append(dict(
-                method=method, boundaries=list(plan.boundaries), predicted_step_s=plan.step_time,
-                predicted_bottleneck_s=plan.bottleneck_time, measured_step_s=measured,
-                measured_spread_s=(max(times) - min(times)), ratio_measured_to_predicted=measured / plan.step_time,
-                steps_timed=len(times),
-            ))
+            rows.append({
+                "method": method, "boundaries": list(plan.boundaries), "predicted_step_s": plan.step_time,
+                "predicted_bottleneck_s": plan.bottleneck_time, "measured_step_s": measured,
+                "measured_spread_s": (max(times) - min(times)), "ratio_measured_to_predicted": measured / plan.step_time,
+                "steps_timed": len(times),
+            })
     base = {r["method"]: r for r in rows}
-    result = dict(
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), torch=torch.__version__,
-                     note="2 processes x 1 thread, gloo; the machine is shared, so absolute times are noisy"),
-        model=dict(CONFIG, rows_per_microbatch=ROWS, seq_len=SEQ, microbatches=MICRO, schedule="1f1b"),
-        runs=rows,
-        measured_speedup_autopipe_vs_parameters=base["parameters"]["measured_step_s"] / base["autopipe"]["measured_step_s"],
-        predicted_speedup_autopipe_vs_parameters=base["parameters"]["predicted_step_s"] / base["autopipe"]["predicted_step_s"],
-    )
+    result = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                     "note": "2 processes x 1 thread, gloo; the machine is shared, so absolute times are noisy"},
+        "model": dict(CONFIG, rows_per_microbatch=ROWS, seq_len=SEQ, microbatches=MICRO, schedule="1f1b"),
+        "runs": rows,
+        "measured_speedup_autopipe_vs_parameters": base["parameters"]["measured_step_s"] / base["autopipe"]["measured_step_s"],
+        "predicted_speedup_autopipe_vs_parameters": base["parameters"]["predicted_step_s"] / base["autopipe"]["predicted_step_s"],
+    }
     (RESULTS / "runtime.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# Runtime: measured vs predicted step time (2-stage GPT-2-shaped model, CPU, 1F1B)",
         "",
-        f"Model {CONFIG}, {MICRO} micro-batches of {ROWS}x{SEQ} tokens; {len(rows[0]) and rows[0]['steps_timed']} "
-        f"steps timed after {WARMUP} warm-up; 2 ranks x 1 thread, gloo. Shared machine: times are noisy.",
+        (f"Model {CONFIG}, {MICRO} micro-batches of {ROWS}x{SEQ} tokens; {len(rows[0]) and rows[0]['steps_timed']} "
+        f"steps timed after {WARMUP} warm-up; 2 ranks x 1 thread, gloo. Shared machine: times are noisy."),
         "",
         "| plan | boundaries | predicted step (s) | measured step (s, median) | measured / predicted |",
         "| --- | --- | --- | --- | --- |",
@@ -109,9 +109,9 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['method']} | {r['boundaries']} | {r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | "
                      f"{r['ratio_measured_to_predicted']:.2f} |")
-    lines += ["", f"Speed-up of autopipe's plan over the parameter-count baseline: measured "
+    lines += ["", (f"Speed-up of autopipe's plan over the parameter-count baseline: measured "
               f"{result['measured_speedup_autopipe_vs_parameters']:.2f}x, predicted "
-              f"{result['predicted_speedup_autopipe_vs_parameters']:.2f}x.", ""]
+              f"{result['predicted_speedup_autopipe_vs_parameters']:.2f}x."), ""]
     (RESULTS / "runtime.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -47,7 +47,33 @@ _LAZY = {
     "train_deepspeed": "ds",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "DistEnv",
+    "Layout",
+    "PipeChunk",
+    "PipelineEngine",
+    "ReferenceTrainer",
+    "StageBuild",
+    "StepLogger",
+    "StepStats",
+    "TokenData",
+    "TrainConfig",
+    "Trainer",
+    "build_reference",
+    "build_stage",
+    "even_boundaries",
+    "export",
+    "init_dist",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_plan",
+    "model_factory",
+    "save_checkpoint",
+    "schedule_name",
+    "train_deepspeed",
+    "verify_step",
+    "write_train_script",
+]
 
 
 def __getattr__(name: str) -> Any:

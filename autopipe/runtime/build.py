@@ -9,8 +9,9 @@ whole model the same way, so the unpipelined reference starts from identical wei
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from .weights import (
     tensor_names,
 )
 
-__all__ = ["TiedSpec", "PipeChunk", "StageBuild", "build_stage", "build_reference", "meta_model"]
+__all__ = ["PipeChunk", "StageBuild", "TiedSpec", "build_reference", "build_stage", "meta_model"]
 
 ModelFn = Callable[[], nn.Module]
 

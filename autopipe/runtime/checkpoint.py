@@ -18,8 +18,9 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from torch import nn
 
 from ..errors import AutopipeError, RecordError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "export", "read_meta"]
+__all__ = ["export", "latest_checkpoint", "load_checkpoint", "read_meta", "save_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 

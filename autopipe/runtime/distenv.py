@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..errors import AutopipeError
 
-__all__ = ["DistEnv", "init_dist", "default_device"]
+__all__ = ["DistEnv", "default_device", "init_dist"]
 
 
 def default_device(local_rank: int = 0) -> torch.device:

@@ -19,19 +19,20 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import AutopipeError
-from .build import _fill, meta_model, retarget_graph_, _to_meta
-from .engine import model_loss, pack_batch, split_batch
+from .build import _fill, _to_meta, meta_model, retarget_graph_
+from .engine import model_loss, split_batch
 from .layout import even_boundaries, load_plan
 from .optim import TrainConfig, make_lr_scheduler, make_optimizer
 
-__all__ = ["ds_config", "build_pipeline_module", "train_deepspeed"]
+__all__ = ["build_pipeline_module", "ds_config", "train_deepspeed"]
 
 
 class _Context:

@@ -10,7 +10,8 @@ its ``.loss`` (a HuggingFace model given ``labels``) or applies a user loss to i
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -9,13 +9,14 @@ keep the copies equal (DeepSpeed's TiedLayerSpec does the same all-reduce).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["sync_tied_grads", "average_dp_grads", "global_grad_norm", "clip_grads_", "all_finite"]
+__all__ = ["all_finite", "average_dp_grads", "clip_grads_", "global_grad_norm", "sync_tied_grads"]
 
 
 def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:

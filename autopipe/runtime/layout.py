@@ -10,16 +10,18 @@ chunk's owner before any schedule exists (to materialise parameters and build ti
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import PartitionError, RecordError
 
-__all__ = ["Layout", "SCHEDULES", "schedule_name", "schedule_style", "even_boundaries", "load_plan"]
+__all__ = ["SCHEDULES", "Layout", "even_boundaries", "load_plan", "schedule_name", "schedule_style"]
 
 # Canonical names of the schedules torch.distributed.pipelining provides, lower-case key -> name.
 SCHEDULES = {
@@ -86,13 +88,13 @@ class Layout:
     schedule: str  # canonical schedule name
 
     @classmethod
-    def make(cls, boundaries: Sequence[int] | Any, *, pp_size: int, schedule: str) -> "Layout":
+    def make(cls, boundaries: Sequence[int] | Any, *, pp_size: int, schedule: str) -> Layout:
         """Check the boundaries (or ``plan.boundaries``) fit ``pp_size`` ranks and the schedule."""
         plan_ranks = tuple(getattr(boundaries, "stage_ranks", ()) or ())
         cuts = tuple(int(b) for b in getattr(boundaries, "boundaries", boundaries))
         name = schedule_name(schedule)
         chunks = len(cuts) - 1
-        if chunks < 1 or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        if chunks < 1 or any(b <= a for a, b in itertools.pairwise(cuts)):
             raise PartitionError(f"boundaries {list(cuts)} must be strictly increasing from 0.")
         if pp_size == 1:  # one process runs every chunk, as one stage
             return cls(cuts, 1, name)

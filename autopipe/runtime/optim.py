@@ -7,15 +7,16 @@ the same decisions (which tensors get weight decay, the LR at each step) and sta
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import AutopipeError
 
-__all__ = ["TrainConfig", "make_optimizer", "make_lr_scheduler", "LossScaler", "DTYPES"]
+__all__ = ["DTYPES", "LossScaler", "TrainConfig", "make_lr_scheduler", "make_optimizer"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -6,7 +6,8 @@ schedule as the pipelined ``Trainer``; ``--verify`` and the tests compare the tw
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import AutopipeError
 from ..records import write_text_atomic
 
-__all__ = ["write_train_script", "TEMPLATE"]
+__all__ = ["TEMPLATE", "write_train_script"]
 
 TEMPLATE = '''\
 """Pipeline-parallel training of {model}, written by autopipe.

@@ -8,8 +8,9 @@ over data-parallel replicas -> global norm clipped -> AdamW -> learning-rate sch
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,13 @@ from ..errors import AutopipeError
 from .build import StageBuild
 from .distenv import DistEnv
 from .engine import PipelineEngine, pack_batch
-from .grads import all_finite, average_dp_grads, clip_grads_, global_grad_norm, sync_tied_grads
+from .grads import (
+    all_finite,
+    average_dp_grads,
+    clip_grads_,
+    global_grad_norm,
+    sync_tied_grads,
+)
 from .optim import LossScaler, TrainConfig, make_lr_scheduler, make_optimizer
 
 __all__ = ["StepStats", "Trainer"]

@@ -10,8 +10,9 @@ gradients are cleared afterwards, so training starts as if nothing had run. Drop
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from .engine import pack_batch
 from .grads import average_dp_grads, sync_tied_grads
 from .reference import ReferenceTrainer
 
-__all__ = ["VerifyReport", "verify_step", "VerifyError"]
+__all__ = ["VerifyError", "VerifyReport", "verify_step"]
 
 
 class VerifyError(AutopipeError):

@@ -18,8 +18,8 @@ import hashlib
 import json
 import os
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -27,12 +27,12 @@ from torch import nn
 from ..errors import AutopipeError, ModelNotFoundError
 
 __all__ = [
-    "materialize_",
+    "SafetensorsSource",
     "init_weights_",
     "load_weights_",
-    "tensor_names",
+    "materialize_",
     "module_seed",
-    "SafetensorsSource",
+    "tensor_names",
 ]
 
 
@@ -218,7 +218,7 @@ class SafetensorsSource:
 
         for f in files:
             with safe_open(str(f), framework="pt") as h:
-                for key in h.keys():
+                for key in h.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                     self.files.setdefault(key, f)
 
     def __contains__(self, key: str) -> bool:
