@@ -248,6 +248,8 @@ def _build_layer(
         raise TraceError(f"value {a.name} is used by layer {index} but is not live into it (internal error).")
 
     for n in seg.nodes:
+        if n.target in _TRACE_ONLY:
+            continue
         for a in n.all_input_nodes:
             lookup(a, n)
         env[n] = g.node_copy(n, lookup)
@@ -264,6 +266,11 @@ def _build_layer(
     gm = fx.GraphModule(attrs, g, class_name=f"Layer{index}")
     gm.autopipe_attrs = kinds  # what rebind_ re-reads: original name -> parameter/buffer/constant
     return gm
+
+
+# Checks export inserts at .to() calls: they pin the traced device and dtype, so a layer traced on
+# meta or in fp32 would refuse to run on the GPU or under autocast. Nothing uses their result.
+_TRACE_ONLY = {torch.ops.aten._assert_tensor_metadata.default}
 
 
 def _clone_mutated_inputs(g: fx.Graph, inputs: list[fx.Node]) -> None:

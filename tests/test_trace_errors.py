@@ -135,3 +135,20 @@ def test_meta_trace_runs_on_cpu_after_rebind_and_retarget() -> None:
     out.loss.backward()
     ref.loss.backward()
     torch.testing.assert_close(model.transformer.wte.weight.grad, real.transformer.wte.weight.grad)
+
+
+def test_layers_run_under_autocast_after_an_fp32_trace() -> None:
+    """Export's dtype assertions are dropped: a layer traced in fp32 runs under bf16 autocast and
+    gives the eager model's autocast result."""
+    model, args, kwargs = build("llama")  # RMSNorm casts with .to(): export asserted those dtypes
+    seq = autopipe.flatten(model, args, kwargs)
+    assert not any(
+        n.target is torch.ops.aten._assert_tensor_metadata.default for layer in seq.layers for n in layer.graph.nodes
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = seq(*args, **kwargs)
+        ref = model(*args, **kwargs)
+    # Values and loss match; the logits' dtype may not: export returns them through the loss's
+    # .float(), a no-op in the fp32 trace, so the sequence hands them back upcast.
+    torch.testing.assert_close(got.loss, ref.loss)
+    torch.testing.assert_close(got.logits.float(), ref.logits.float())
