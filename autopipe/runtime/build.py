@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
+from ..sequence import retarget_device_
 from .layout import Layout, even_boundaries
 from .weights import (
     SafetensorsSource,
@@ -166,8 +167,8 @@ def build_stage(
     seq.rebind_(model)
     for c in chunk_ids:
         for i in layout.layers_of(c):
-            retarget_graph_(seq.layers[i], torch.device(device))
-    _check_constants(seq, chunk_ids, layout)
+            # Traced on meta: point the graphs' device constants at the real device.
+            retarget_device_(seq.layers[i], device)
     chunks = [
         PipeChunk(
             [seq.layers[i] for i in layout.layers_of(c)],
@@ -305,46 +306,3 @@ def _alias_local_copies(
     return aliases
 
 
-def retarget_graph_(layer: nn.Module, device: torch.device) -> None:
-    """Make a layer traced on meta run on ``device``, in place.
-
-    torch.export writes the trace-time device into creation ops (``arange(device=meta)``) and adds
-    ``_assert_tensor_metadata`` checks of device and dtype; the first would compute on meta, the
-    second fails on the real device and under autocast (bf16 where fp32 was traced). We point the
-    former at ``device`` and drop the latter (they check, they compute nothing).
-    """
-    graph = getattr(layer, "graph", None)
-    if graph is None:
-        return
-    changed = False
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
-            graph.erase_node(node)
-            changed = True
-            continue
-        dev = node.kwargs.get("device")
-        if isinstance(dev, torch.device) and dev.type == "meta":
-            node.kwargs = {**node.kwargs, "device": device}
-            changed = True
-    if changed:
-        layer.recompile()  # type: ignore[operator]
-
-
-def _check_constants(seq: Any, chunk_ids: list[int], layout: Layout) -> None:
-    """A tensor constant traced on meta has no value; say so instead of failing deep in a kernel."""
-    for c in chunk_ids:
-        for i in layout.layers_of(c):
-            layer = seq.layers[i]
-            for name, kind in getattr(layer, "autopipe_attrs", {}).items():
-                if kind != "constant":
-                    continue
-                value = layer
-                for part in name.split("."):
-                    value = getattr(value, part)
-                if isinstance(value, torch.Tensor) and value.device.type == "meta":
-                    raise AutopipeError(
-                        f"layer {i} holds a tensor constant {name!r} created on the meta device while "
-                        "tracing; register it as a buffer in the model so it can be materialised."
-                    )

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from ..errors import AutopipeError
-from .build import _fill, _to_meta, meta_model, retarget_graph_
+from ..sequence import retarget_device_
+from .build import _fill, _to_meta, meta_model
 from .engine import model_loss, split_batch
 from .layout import even_boundaries, load_plan
 from .optim import TrainConfig, make_lr_scheduler, make_optimizer
@@ -86,7 +87,7 @@ class DSLayer(nn.Module):
         names = [n for n, _ in layer.named_parameters(remove_duplicate=False)]
         names += [n for n, _ in layer.named_buffers(remove_duplicate=False)]
         ctx.materialize(names)
-        retarget_graph_(layer, ctx.device)
+        retarget_device_(layer, ctx.device)
         self.ctx, self.index, self.layer = ctx, index, layer
         self.num_tied = len(ctx.tied_of(index))
         self.slots: list[tuple[nn.Module, str]] = []
