@@ -13,14 +13,12 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from .errors import RecordError
-from .records import write_json_atomic
+from .records import read_json, write_json_atomic
 from .schedule import Simulation, simulate
 
 __all__ = ["Plan", "PLAN_SCHEMA"]
@@ -140,10 +138,4 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Plan":
-        try:
-            d = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise RecordError(f"no plan at {path}.") from None
-        except json.JSONDecodeError as e:
-            raise RecordError(f"{path} is not valid JSON ({e}).") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_json(path, "plan"))

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from .errors import RecordError
 
-__all__ = ["LayerCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "write_json_atomic", "write_text_atomic"]
+__all__ = ["LayerCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "read_json", "write_json_atomic", "write_text_atomic"]
 
 PROFILE_SCHEMA = 1
 
@@ -202,13 +202,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Profile":
-        try:
-            d = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise RecordError(f"no profile at {path}.") from None
-        except json.JSONDecodeError as e:
-            raise RecordError(f"{path} is not valid JSON ({e}).") from None
-        return cls.from_dict(d)
+        return cls.from_dict(read_json(path, "profile"))
 
     def with_layers(self, layers: Sequence[LayerCost]) -> "Profile":
         return replace(self, layers=tuple(layers))
@@ -245,6 +239,16 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise type(e)(e.errno, f"cannot write {path}: {e.strerror or e}") from e
     return path
+
+
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """A saved record's JSON, or a RecordError saying it is missing or malformed."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise RecordError(f"no {what} at {path}.") from None
+    except json.JSONDecodeError as e:
+        raise RecordError(f"{path} is not valid JSON ({e}).") from None
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
