@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .errors import RecordError
-from .records import read_json, write_json_atomic
+from .records import check_header, read_json, write_json_atomic
 from .schedule import Simulation, simulate
 
 __all__ = ["Plan", "PLAN_SCHEMA"]
@@ -113,13 +113,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        if d.get("kind") != "autopipe.plan":
-            raise RecordError("not an autopipe plan (missing kind 'autopipe.plan').")
-        if d.get("schema") != PLAN_SCHEMA:
-            raise RecordError(
-                f"plan schema {d.get('schema')} is not supported (this autopipe reads {PLAN_SCHEMA}); "
-                "run `autopipe plan` again with this version."
-            )
+        check_header(d, "plan", PLAN_SCHEMA, "run `autopipe plan` again with this version")
         known = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in known}
         if d.get("bandwidth") is None:

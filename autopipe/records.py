@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from .errors import RecordError
 
-__all__ = ["LayerCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "read_json", "write_json_atomic", "write_text_atomic"]
+__all__ = ["LayerCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "check_header", "read_json", "write_json_atomic", "write_text_atomic"]
 
 PROFILE_SCHEMA = 1
 
@@ -178,13 +178,7 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
-        if d.get("kind") != "autopipe.profile":
-            raise RecordError("not an autopipe profile (missing kind 'autopipe.profile').")
-        if d.get("schema") != PROFILE_SCHEMA:
-            raise RecordError(
-                f"profile schema {d.get('schema')} is not supported (this autopipe reads {PROFILE_SCHEMA}); "
-                "profile the model again with this version."
-            )
+        check_header(d, "profile", PROFILE_SCHEMA, "profile the model again with this version")
         d = dict(d)
         d.pop("kind")
         layer_names = {f.name for f in fields(LayerCost)}
@@ -239,6 +233,16 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise type(e)(e.errno, f"cannot write {path}: {e.strerror or e}") from e
     return path
+
+
+def check_header(d: Any, what: str, schema: int, redo: str) -> None:
+    """A saved record names its kind and schema; refuse others with what to do instead."""
+    if not isinstance(d, dict) or d.get("kind") != f"autopipe.{what}":
+        raise RecordError(f"not an autopipe {what} (missing kind 'autopipe.{what}').")
+    if d.get("schema") != schema:
+        raise RecordError(
+            f"{what} schema {d.get('schema')} is not supported (this autopipe reads {schema}); {redo}."
+        )
 
 
 def read_json(path: str | os.PathLike[str], what: str) -> Any:
