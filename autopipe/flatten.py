@@ -283,7 +283,7 @@ def _clone_mutated_inputs(g: fx.Graph, inputs: list[fx.Node]) -> None:
         if any(_writes(user, node) for user in node.users):
             with g.inserting_after(node):
                 copy = g.call_function(torch.ops.aten.clone.default, (node,))
-            node.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+            node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
 
 
 def _writes(user: fx.Node, value: fx.Node) -> bool:

@@ -8,7 +8,6 @@ HuggingFace ModelOutput).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -350,7 +349,3 @@ class Stage(nn.Module):
                     out[name] = p
                     seen.add(id(p))
         return out
-
-
-# The layer graphs call this first: a bare Tensor stands for a one-element tuple.
-_getitem = operator.getitem
