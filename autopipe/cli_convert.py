@@ -16,7 +16,7 @@ __all__ = ["convert_command", "report_command", "stage_table"]
 def stage_table(plan, profile, title: str = "") -> Table:  # type: ignore[no-untyped-def]
     """One row per stage: its layers, time per micro-batch, memory, and load against the slowest."""
     from .report import format_time
-    from .units import format_bytes
+    from .units import format_bytes, shorten
 
     table = Table(title=title or None, title_justify="left")
     for col in ("stage", "layers", "first … last layer", "time/mb", "memory", "load"):
@@ -31,7 +31,7 @@ def stage_table(plan, profile, title: str = "") -> Table:  # type: ignore[no-unt
         memory = format_bytes(plan.stage_memory[c])
         stage = str(c) if plan.virtual_stages == 1 else f"{c} (rank {plan.stage_ranks[c]})"
         table.add_row(
-            stage, f"{a}–{b - 1}" if b - a > 1 else str(a), _short(names), format_time(plan.stage_times[c]),
+            stage, f"{a}–{b - 1}" if b - a > 1 else str(a), shorten(names, 40), format_time(plan.stage_times[c]),
             f"[red]{memory}[/]" if over else memory,
             f"{'█' * round(share * 8):<8} {share:4.0%}",
         )
@@ -42,10 +42,6 @@ def _label(name: str) -> str:
     """A layer made of several glue modules is named by its first: 'transformer.wte (+2)'."""
     parts = name.split(", ")
     return parts[0] if len(parts) == 1 else f"{parts[0]} (+{len(parts) - 1})"
-
-
-def _short(name: str, n: int = 40) -> str:
-    return name if len(name) <= n else name[: n - 1] + "…"
 
 
 @app.command("convert")

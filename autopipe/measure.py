@@ -17,6 +17,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .sequence import as_tuple
+
 __all__ = [
     "Value",
     "Timing",
@@ -33,10 +35,6 @@ __all__ = [
 ]
 
 Value = Union[Tensor, tuple[Tensor, ...]]
-
-
-def as_tuple(x: Any) -> tuple[Tensor, ...]:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def storage_key(t: Tensor) -> int:

@@ -151,7 +151,7 @@ def profile(
                 x = _detached(result.out)
                 owner = {key: _next_owner(key, i, inputs, owner, result.saved) for key in map(storage_key, as_tuple(x))}
                 StateGuard.restore_buffers(snapshot)
-                params = _unique_params(layer)
+                params = list(layer.parameters())  # each tensor once, tied or not
                 pb, gb, ob = (sum(v) for v in zip(*(sizes(p) for p in params))) if params else (0, 0, 0)
                 costs.append(dict(
                     index=i, name=name, params=sum(p.numel() for p in params),
@@ -311,10 +311,6 @@ def _resolve_dtype(dtype: str | torch.dtype | None, mixed: bool, model_dtype: to
             "model first (model.to(torch.bfloat16)) and flatten again."
         )
     return model_dtype
-
-
-def _unique_params(layer: nn.Module) -> list[Tensor]:
-    return list(dict.fromkeys(layer.parameters()))
 
 
 def _home_device(layers: list[nn.Module]) -> torch.device:

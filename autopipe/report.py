@@ -28,7 +28,7 @@ from .errors import AutopipeError
 from .partition import partition
 from .plan import Plan
 from .records import Profile, write_text_atomic
-from .units import format_bytes
+from .units import format_bytes, shorten
 
 __all__ = ["render_report", "write_report", "compare_baselines", "format_time", "format_microbatch", "PALETTE"]
 
@@ -198,7 +198,7 @@ def _stage_table(plan: Plan) -> str:
         rows.append(
             f"<tr class=\"stage\" data-stage=\"{c}\"><td class=\"l\"><span class=\"sw\" style=\"background:{_colour(c)}\">"
             f"</span>{c}</td><td>{plan.stage_ranks[c]}</td><td>{a}–{b - 1}</td><td>{b - a}</td>"
-            f"<td class=\"l\">{_e(_short(first, 40))}</td><td>{format_time(plan.stage_forward[c])}</td>"
+            f"<td class=\"l\">{_e(shorten(first, 40))}</td><td>{format_time(plan.stage_forward[c])}</td>"
             f"<td>{format_time(plan.stage_backward[c])}</td><td>{format_time(2 * plan.stage_comm[c])}</td>"
             f"<td>{format_time(plan.stage_times[c])}</td><td>{share:.0%}</td>"
             f"<td{' class=over' if over else ''}>{format_bytes(plan.stage_memory[c])}</td>"
@@ -249,10 +249,6 @@ def _tint(colour: str, amount: float) -> str:
     target = 255 if amount > 0 else 0
     a = abs(amount)
     return "#" + "".join(f"{int(round(v + (target - v) * a)):02x}" for v in (r, g, b))
-
-
-def _short(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 def _stage_of_layers(plan: Plan) -> list[int]:

@@ -118,7 +118,9 @@ def _describe(spec: pytree.TreeSpec) -> str:
 
 def as_tuple(x: Any) -> tuple[Any, ...]:
     """Layers accept a bare Tensor where a one-element tuple is meant (DeepSpeed does the same)."""
-    return x if isinstance(x, tuple) else (x,)
+    if isinstance(x, tuple):
+        return x
+    return tuple(x) if isinstance(x, list) else (x,)
 
 
 class LayerSequence(nn.Module):
@@ -338,14 +340,3 @@ class Stage(nn.Module):
         """Make this stage's layers create their tensors on ``device`` (after tracing on meta)."""
         retarget_device_(self, device)
         return self
-
-    def named_original_parameters(self) -> dict[str, nn.Parameter]:
-        """Parameters by their name in the original model, each tensor once."""
-        out: dict[str, nn.Parameter] = {}
-        seen: set[int] = set()
-        for layer in self.layers:
-            for name, p in layer.named_parameters():
-                if name not in out and id(p) not in seen:
-                    out[name] = p
-                    seen.add(id(p))
-        return out

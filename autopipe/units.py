@@ -11,7 +11,7 @@ import re
 
 from .errors import PartitionError
 
-__all__ = ["format_bytes", "parse_bandwidth", "parse_size"]
+__all__ = ["format_bytes", "parse_bandwidth", "parse_size", "shorten"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -64,3 +64,8 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def shorten(text: str, n: int) -> str:
+    """``text`` cut to ``n`` characters with an ellipsis."""
+    return text if len(text) <= n else text[: n - 1] + "…"
