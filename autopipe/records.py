@@ -14,13 +14,27 @@ from typing import Any, Sequence
 
 from .errors import RecordError
 
-__all__ = ["LayerCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "check_header", "read_json", "write_json_atomic", "write_text_atomic"]
+__all__ = ["LayerCost", "RecomputeCost", "RECOMPUTE_MODES", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "check_header", "read_json", "write_json_atomic", "write_text_atomic"]
 
 PROFILE_SCHEMA = 1
 
 # With no separate forward/backward figures, backward is taken as twice the forward: the usual ratio
 # for matmul-dominated layers (one matmul forward, two backward: input and weight gradients).
 _FORWARD_SHARE = 1.0 / 3.0
+
+
+# Activation recompute, per layer: "full" keeps only the layer's inputs and runs its forward again
+# in backward; "selective" keeps the outputs of the expensive ops (matmuls, attention) and recomputes
+# the cheap ones (pointwise, norms, softmax) in backward. "none" is the layer's own figures.
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class RecomputeCost:
+    """What one layer costs per micro-batch under one recompute mode, beside its plain figures."""
+
+    activation_bytes: int  # saved for backward per micro-batch under this mode (replaces LayerCost's)
+    extra_backward_time: float  # seconds the recomputation adds to the layer's backward
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,8 @@ class LayerCost:
     tied: tuple[str, ...] = ()  # names of tied parameters this layer holds a copy of
     structure: str = ""  # identical layers share this key and are measured once
     source: str = "measured"  # measured | reused | estimated | given
+    # mode ("selective", "full") -> its cost; a mode absent here was not measured for this layer
+    recompute: dict[str, RecomputeCost] = field(default_factory=dict)
 
     @property
     def time(self) -> float:
@@ -186,6 +202,7 @@ class Profile:
         for ld in d.pop("layers"):
             ld = {k: v for k, v in ld.items() if k in layer_names}
             ld["tied"] = tuple(ld.get("tied", ()))
+            ld["recompute"] = {m: RecomputeCost(**rc) for m, rc in (ld.get("recompute") or {}).items()}
             layers.append(LayerCost(**ld))
         device = DeviceInfo(**d.pop("device"))
         known = {f.name for f in fields(cls)}
