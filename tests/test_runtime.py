@@ -62,15 +62,21 @@ def reference(job: Path, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]
     trainer = ReferenceTrainer(model, TrainConfig(steps=STEPS, microbatches=MICRO, lr=LR, seed=0))
     rows = ROWS * MICRO * dp
     losses = []
+    _NORMS[dp] = []
     for step in range(STEPS):
         args, kwargs = source.batch(data.batch(step, rows), rows, step=step)
         losses.append(trainer.step(args, kwargs, microbatches=MICRO * dp))
+        _NORMS[dp].append(trainer.last_grad_norm)
     # every name of every tensor (a tied one under each of its names), cloned once per tensor
     clones = {id(p): p.detach().clone() for p in model.parameters()}
     return losses, {n: clones[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 _REFS: dict[int, tuple[list[float], dict[str, torch.Tensor]]] = {}
+# per dp: the global gradient norm of each reference step, before clipping. Compared with the
+# pipelined run's logged norm, it sees what weights after AdamW cannot: a gradient summed instead of
+# averaged (over micro-batches or replicas) or a tied gradient counted twice changes the norm.
+_NORMS: dict[int, list[float]] = {}
 
 
 def ref(job: Path, dp: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -117,6 +123,8 @@ def assert_matches_reference(run: Path, job: Path, dp: int = 1) -> None:
     ref_losses, ref_params = ref(job, dp)
     losses = logged_losses(run)
     assert [losses[s + 1] for s in range(STEPS)] == pytest.approx(ref_losses, abs=TOL)
+    norms = {r["step"]: r["grad_norm"] for r in map(json.loads, (run / "log.json").read_text().splitlines())}
+    assert [norms[s + 1] for s in range(STEPS)] == pytest.approx(_NORMS[dp], rel=TOL)
     params = final_params(run)
     assert set(params) <= set(ref_params)
     assert len(params) == len({id(p) for p in ref_params.values()})  # every tensor trained somewhere
@@ -129,8 +137,9 @@ def assert_matches_reference(run: Path, job: Path, dp: int = 1) -> None:
 
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 2), ("1f1b", 2), ("interleaved1f1b", 4), ("zbv", 4)])
 def test_two_stage_pipeline_matches_single_process_training(job: Path, num_layers: int, schedule: str, chunks: int) -> None:
-    """2 ranks: per-step losses and final weights equal plain training within 1e-5."""
-    run, _ = launch(job, f"pp2-{schedule}", 2, "--schedule", schedule, plan=even_boundaries(num_layers, chunks))
+    """2 ranks: per-step losses and final weights equal plain training within 1e-5; with --check, every
+    collective and stage input is on the rank's device and each step reads the device once."""
+    run, _ = launch(job, f"pp2-{schedule}", 2, "--schedule", schedule, "--check", plan=even_boundaries(num_layers, chunks))
     assert_matches_reference(run, job)
 
 
@@ -151,8 +160,9 @@ def test_four_stage_pipeline_matches_and_tied_copies_stay_equal(job: Path, num_l
 
 
 def test_dp2_x_pp2_matches_training_on_the_global_batch(job: Path, num_layers: int) -> None:
-    """dp=2 × pp=2 (4 ranks): gradients averaged over replicas equal one model on the global batch."""
-    run, _ = launch(job, "dp2pp2", 4, "--dp", "2", plan=even_boundaries(num_layers, 2))
+    """dp=2 × pp=2 (4 ranks): gradients averaged over replicas equal one model on the global batch
+    (under --check: tied and data-parallel collectives on the rank's device)."""
+    run, _ = launch(job, "dp2pp2", 4, "--dp", "2", "--check", plan=even_boundaries(num_layers, 2))
     assert_matches_reference(run, job, dp=2)
 
 
@@ -185,7 +195,7 @@ def test_killed_rank_resumes_exactly(job: Path, num_layers: int) -> None:
 
 def test_deepspeed_pipeline_module_matches_single_process_training(job: Path, num_layers: int) -> None:
     """--engine deepspeed: PipelineModule with TiedLayerSpec, cut at the plan's boundaries, matches too."""
-    run, _proc = launch(job, "deepspeed", 2, "--engine", "deepspeed", plan=even_boundaries(num_layers, 2),
+    run, _proc = launch(job, "deepspeed", 2, "--engine", "deepspeed", "--check", plan=even_boundaries(num_layers, 2),
                        env={"DS_ACCELERATOR": "cpu"})
     assert json.loads((run / "ds_config.json").read_text())["gradient_accumulation_steps"] == MICRO
     assert_matches_reference(run, job)

@@ -26,6 +26,9 @@ _LAZY = {
     "load_plan": "layout",
     "DistEnv": "distenv",
     "init_dist": "distenv",
+    "rank_device": "distenv",
+    "to_device": "distenv",
+    "Comm": "comm",
     "StageBuild": "build",
     "PipeChunk": "build",
     "build_stage": "build",
@@ -48,6 +51,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "Comm",
     "DistEnv",
     "Layout",
     "PipeChunk",
@@ -68,8 +72,10 @@ __all__ = [
     "load_checkpoint",
     "load_plan",
     "model_factory",
+    "rank_device",
     "save_checkpoint",
     "schedule_name",
+    "to_device",
     "train_deepspeed",
     "verify_step",
     "write_train_script",

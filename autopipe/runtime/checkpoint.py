@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..errors import AutopipeError, RecordError
@@ -31,11 +30,6 @@ from ..errors import AutopipeError, RecordError
 __all__ = ["export", "latest_checkpoint", "load_checkpoint", "read_meta", "save_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -65,7 +59,7 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
         if tmp.exists():  # left by a crash while saving this step before
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    _barrier()
+    env.barrier()
     state = trainer.state_dict()
     part = tmp / f"rank{env.rank:05d}.pt.part"
     with open(part, "wb") as f:
@@ -73,7 +67,7 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, tmp / f"rank{env.rank:05d}.pt")
-    _barrier()
+    env.barrier()
     if env.rank == 0:
         meta = {
             "step": step,
@@ -99,7 +93,7 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
         if keep > 0:
             for stale in _step_dirs(root)[:-keep]:
                 shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+    env.barrier()
     _fault_hook(step, env.rank)
     return final
 

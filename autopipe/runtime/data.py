@@ -56,7 +56,7 @@ class TokenData:
         if self.tokens is None:
             full = self._synthetic(batch_size, g)
         else:
-            starts = torch.randint(0, self.tokens.numel() - self.seq_len, (batch_size,), generator=g)
+            starts = torch.randint(0, self.tokens.numel() - self.seq_len, (batch_size,), generator=g, device="cpu")
             full = torch.stack([self.tokens[s : s + self.seq_len] for s in starts.tolist()])
         per = batch_size // replicas
         return full[replica * per : (replica + 1) * per].clone()
@@ -72,7 +72,8 @@ class TokenData:
         perm = torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(module_seed(self.seed, "data:ids")))
         ids = perm[: min(self.vocab_size, _SYNTHETIC_IDS)]
         k = len(ids)
-        pos = torch.randint(0, k, (rows, 1), generator=g) + torch.arange(self.seq_len)
+        # host tensors: batches are made on the CPU and copied to each rank's device by the trainer
+        pos = torch.randint(0, k, (rows, 1), generator=g, device="cpu") + torch.arange(self.seq_len, device="cpu")
         return ids[pos % k]
 
 

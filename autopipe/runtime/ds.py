@@ -184,32 +184,40 @@ def build_pipeline_module(ctx: _Context, boundaries: Sequence[int], num_stages: 
 
 
 class _ClippingAdamW(torch.optim.AdamW):
-    """AdamW that clips the global gradient norm first, each tied tensor counted once.
+    """AdamW that takes the global gradient norm and clips to it first, each tied tensor counted once.
 
     DeepSpeed's fp32 clipping (``runtime.utils.clip_grad_norm_``) sums the norm of a tied tensor on
     every stage holding it, so its clip differs from the unpipelined model's; we clip ourselves,
-    once DeepSpeed has reduced the gradients, just before the update.
+    once DeepSpeed has reduced the gradients, just before the update. ``last_norm`` keeps the norm
+    (a device tensor) for the step log.
     """
 
     clip: Any = None
+    last_norm: Any = None
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if self.clip is not None:
-            self.clip()
+            self.last_norm = self.clip()
         return super().step(closure)
 
 
-def _make_clip(module: nn.Module, pipe_group: Any, max_norm: float) -> Any:
+def _make_clip(module: nn.Module, pipe_group: Any, max_norm: float, comm: Any) -> Any:
     from .grads import clip_grads_, global_grad_norm
 
     params = dict(module.named_parameters())
     replicated = {n for n, p in params.items() if getattr(p, "ds_pipe_replicated", False)}
 
-    def clip() -> None:
-        norm = global_grad_norm(params, replicated, pipe_group)
+    def clip() -> torch.Tensor:
+        norm = global_grad_norm(params, replicated, pipe_group, comm)
         clip_grads_(list(params.values()), norm, max_norm)
+        return norm
 
     return clip
+
+
+def _norm_value(norm: Any) -> float:
+    """The logged gradient norm (the optimizer's last; nan when no step has run)."""
+    return float(norm) if norm is not None else float("nan")
 
 
 def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
@@ -239,11 +247,12 @@ def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any,
     import deepspeed
     import torch.distributed as dist
 
-    from .distenv import default_device
+    from .comm import Comm, checking_requested
+    from .distenv import rank_device
     from .logs import StepLogger
     from .trainer import StepStats
 
-    device = default_device(int(os.environ["LOCAL_RANK"]))
+    device = rank_device()
     if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: a one-rank world
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
@@ -278,7 +287,9 @@ def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any,
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(cfg, indent=2))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
-    optimizer.clip = _make_clip(module, engine.grid.get_pipe_parallel_group(), config.grad_clip) if config.grad_clip > 0 else None
+    comm = Comm(device, checking=bool(getattr(args, "check", False)) or checking_requested())
+    # the norm is taken (and logged) always; a clip of 0 only skips the scaling
+    optimizer.clip = _make_clip(module, engine.grid.get_pipe_parallel_group(), config.grad_clip, comm)
     data = None
     if source.vocab_size:
         from .data import TokenData
@@ -292,7 +303,8 @@ def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any,
         tokens = data.batch(step, rows, replica=dp_rank, replicas=dp) if data else None
         batch_args, batch_kwargs = source.batch(tokens, rows // dp, step=step, seed=config.seed)
         micro = [
-            (seq.pack_inputs(a, k), torch.zeros(1)) for a, k in split_batch(batch_args, batch_kwargs, config.microbatches)
+            # host tensors: DeepSpeed's engine copies each micro-batch to its device when it loads it
+            (seq.pack_inputs(a, k), torch.zeros(1, device="cpu")) for a, k in split_batch(batch_args, batch_kwargs, config.microbatches)
         ]
         lr = optimizer.param_groups[0]["lr"]
         t0 = time.perf_counter()
@@ -300,7 +312,7 @@ def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any,
         dt = time.perf_counter() - t0
         losses.append(loss)
         tokens_n = rows * seq_len
-        log.step(StepStats(step=step + 1, loss=loss, lr=lr, grad_norm=float(engine.get_global_grad_norm() or 0.0),
+        log.step(StepStats(step=step + 1, loss=loss, lr=lr, grad_norm=_norm_value(optimizer.last_norm),
                            step_time=dt, tokens_per_s=tokens_n / dt if dt > 0 else 0.0, stage_times=[dt]))
     _save_final(module, Path(args.ckpt_dir) / "deepspeed_final", rank)
     if rank == 0 and args.export:

@@ -19,8 +19,9 @@ from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
 from .build import PipeChunk, StageBuild
+from .comm import Comm
 
-__all__ = ["PipelineEngine", "model_loss", "pack_batch", "split_batch"]
+__all__ = ["PipelineEngine", "Stopwatch", "model_loss", "pack_batch", "split_batch"]
 
 
 def model_loss(outputs: Any) -> torch.Tensor:
@@ -108,12 +109,15 @@ class PipelineEngine:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         autocast_dtype: torch.dtype | None = None,
         loss_scale: Callable[[], float] = lambda: 1.0,
+        comm: Comm | None = None,
     ) -> None:
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         PipelineStage = _stage_class()
 
         self.build = build
+        self.device = torch.device(device)
+        self.comm = comm or Comm(self.device)
         self.microbatches = microbatches
         layout = build.layout
         chunks = build.chunks
@@ -122,7 +126,7 @@ class PipelineEngine:
             chunks = [PipeChunk(layers, 0, (0, layout.num_layers))]
         num_stages = 1 if layout.pp_size == 1 else layout.num_chunks
         self.chunks = chunks
-        self.forward_time = 0.0
+        self._clock = Stopwatch(self.device)
         for chunk in chunks:
             chunk.autocast_dtype = autocast_dtype
             chunk.unview_outputs = layout.schedule in _SPLIT_BACKWARD
@@ -142,35 +146,82 @@ class PipelineEngine:
             self.schedule = cls(self.stages, microbatches, loss_fn=self._loss, scale_grads=True)
         else:
             self.schedule = cls(self.stages[0], microbatches, loss_fn=self._loss, scale_grads=True)
-        self._t0 = 0.0
 
     def _tic(self, module: nn.Module, args: Any) -> None:
-        self._t0 = time.perf_counter()
+        # what the stage receives (inputs, or activations from the previous rank) is on our device
+        self.comm.check(f"input of pipeline chunk {module.index}", args)
+        self._clock.start()
 
     def _toc(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.forward_time += time.perf_counter() - self._t0
+        self._clock.stop()
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         outputs = self.build.seq.unpack_outputs(output)
         loss = model_loss(outputs) if self._user_loss is None else self._user_loss(outputs, target)
         return loss * self._loss_scale()
 
-    def run(self, inputs: tuple[torch.Tensor, ...] | None, target: torch.Tensor | None) -> float | None:
+    def run(self, inputs: tuple[torch.Tensor, ...] | None, target: torch.Tensor | None) -> torch.Tensor | None:
         """One forward/backward of all micro-batches; gradients accumulate (mean over micro-batches).
 
-        ``inputs`` (from ``pack_batch``) matter on the rank of the first chunk, ``target`` on the
-        rank of the last; other ranks may pass None. Returns the mean micro-batch loss (unscaled)
-        on the rank of the last chunk, None elsewhere.
+        ``inputs`` (from ``pack_batch``, on this rank's device) matter on the rank of the first
+        chunk, ``target`` on the rank of the last; other ranks may pass None. Returns the mean
+        micro-batch loss (unscaled, a 0-dim float32 tensor on the device: reading it waits for the
+        GPU, so the trainer reads it once, with the step's other figures) on the rank of the last
+        chunk, None elsewhere. ``forward_time`` is then ready to read as well (see ``Stopwatch``).
         """
-        self.forward_time = 0.0
+        self._clock.reset()
         args = tuple(inputs) if (self.is_first and inputs is not None) else ()
         tgt = target if self.is_last else None
         if self.is_last and tgt is None:
             # the schedule wants a target on the last stage even when the model computes its loss
-            tgt = torch.zeros(self.microbatches)
+            tgt = torch.zeros(self.microbatches, device=self.device)
+        self.comm.check("pipeline inputs", args)
+        self.comm.check("pipeline target", tgt)
         losses: list[torch.Tensor] = []
         scale = self._loss_scale()
         self.schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
         if not self.is_last:
             return None
-        return float(torch.stack([l.detach().float() for l in losses]).mean()) / scale
+        return torch.stack([l.detach().float() for l in losses]).mean() / scale
+
+    @property
+    def forward_time(self) -> float:
+        """Seconds this rank spent in its chunks' forwards during the last ``run`` (read after the
+        step's one device synchronisation: on a GPU it reads CUDA events)."""
+        return self._clock.total()
+
+
+class Stopwatch:
+    """Time summed over start/stop pairs: CUDA events on a GPU (kernels run asynchronously, so the
+    host clock would time the launches), the host clock on a CPU. ``total()`` on a GPU must come
+    after the device is synchronised, which the trainer does once per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self._host = 0.0
+        self._t0 = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def start(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._events.append((ev, None))
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._events[-1] = (self._events[-1][0], ev)
+        else:
+            self._host += time.perf_counter() - self._t0
+
+    def total(self) -> float:
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self._events if b is not None) / 1000.0
+        return self._host

@@ -46,16 +46,17 @@ class ModelSource:
         from .weights import module_seed
 
         g = torch.Generator().manual_seed(module_seed(seed, f"synthetic:{step}"))
+        host = torch.device("cpu")  # batches are made on the host; the trainer copies them to the rank's device
 
         def draw(v: Any) -> Any:
             if not isinstance(v, torch.Tensor):
                 return v
             shape = (rows, *v.shape[1:]) if v.dim() else ()
             if v.is_floating_point():
-                return torch.randn(shape, generator=g, dtype=v.dtype)
+                return torch.randn(shape, generator=g, dtype=v.dtype, device=host)
             if v.dtype == torch.bool:
-                return torch.ones(shape, dtype=torch.bool)  # masks: attend everywhere
-            return torch.randint(0, max(2, self.vocab_size), shape, generator=g, dtype=v.dtype)
+                return torch.ones(shape, dtype=torch.bool, device=host)  # masks: attend everywhere
+            return torch.randint(0, max(2, self.vocab_size), shape, generator=g, dtype=v.dtype, device=host)
 
         args, kwargs = pytree.tree_map(draw, (self.args, self.kwargs))
         return tuple(args), dict(kwargs)

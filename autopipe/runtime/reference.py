@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distenv import to_device
 from .engine import model_loss, split_batch
 from .grads import clip_grads_
 from .optim import LossScaler, TrainConfig, make_lr_scheduler, make_optimizer
@@ -47,18 +48,20 @@ class ReferenceTrainer:
         self.optimizer = make_optimizer(self.params, config)
         self.scheduler = make_lr_scheduler(self.optimizer, config)
         self.scaler = LossScaler(config.dtype == "fp16", config.loss_scale)
+        self.last_grad_norm = float("nan")  # the global norm of the last step's gradients, before clipping
 
     def forward_backward(
         self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: Any = None, *, microbatches: int | None = None
     ) -> float:
         """Gradients of the mean micro-batch loss (left in ``.grad``); returns that loss."""
         m = microbatches or self.config.microbatches
+        device = next(self.model.parameters()).device
+        args, kwargs, target = to_device((tuple(args), dict(kwargs or {}), target), device)
         targets = list(target.chunk(m)) if isinstance(target, torch.Tensor) else [None] * m
         total = 0.0
         dtype = self.config.autocast_dtype
-        for (a, k), t in zip(split_batch(args, dict(kwargs or {}), m), targets):
-            device_type = next(self.model.parameters()).device.type
-            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        for (a, k), t in zip(split_batch(args, kwargs, m), targets):
+            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 out = self.model(*a, **k)
             loss = model_loss(out) if self.loss_fn is None else self.loss_fn(out, t)
             (loss * self.scaler.scale / m).backward()
@@ -75,7 +78,9 @@ class ReferenceTrainer:
         loss = self.forward_backward(args, kwargs, target, microbatches=microbatches)
         grads = [p.grad for p in self.params.values() if p.grad is not None]
         finite = all(bool(torch.isfinite(g).all()) for g in grads)
-        norm = float(torch.sqrt(sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))))
+        zero = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+        norm = float(torch.sqrt(sum((g.double().pow(2).sum() for g in grads), zero)))
+        self.last_grad_norm = norm
         if finite:
             clip_grads_([p for p in self.params.values() if p.grad is not None], norm, self.config.grad_clip)
             self.optimizer.step()

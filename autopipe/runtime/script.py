@@ -66,6 +66,8 @@ parser.add_argument("--export", default=None, help="write the final weights to t
 parser.add_argument("--log-json", default=None, help="append one JSON line per step to this file")
 parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with the unpipelined model")
 parser.add_argument("--engine", default=ENGINE, choices=["torch", "deepspeed"])
+parser.add_argument("--check", action="store_true",
+                    help="debug: refuse tensors off this rank's device at collectives and stages, and host syncs in the step (slow)")
 parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
 args = parser.parse_args()
 
@@ -81,7 +83,7 @@ if args.engine == "deepspeed":
     raise SystemExit(0)
 
 # ---- this rank's stage ---------------------------------------------------------------------------
-env = rt.init_dist(dp=args.dp)
+env = rt.init_dist(dp=args.dp, check=args.check or None)
 plan = env.pp_size if args.plan == "even" else rt.load_plan(args.plan)
 build = rt.build_stage(
     source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size,

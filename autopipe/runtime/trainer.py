@@ -1,31 +1,30 @@
 """One optimizer step of a pipelined model, and the state a checkpoint needs to continue it exactly.
 
-A step: the schedule runs every micro-batch forward and backward (gradients averaged over
-micro-batches) -> fp16 gradients unscaled -> tied gradients summed over their holders -> averaged
-over data-parallel replicas -> global norm clipped -> AdamW -> learning-rate schedule.
+A step: the batch is copied to the rank's device -> the schedule runs every micro-batch forward and
+backward (gradients averaged over micro-batches) -> fp16 gradients unscaled -> tied gradients
+summed over their holders -> averaged over data-parallel replicas -> global gradient norm -> the
+step's one host read (loss, norm, times, gathered from every rank) -> norm clipped -> AdamW ->
+learning-rate schedule.
+
+Everything before the host read stays on the device, so on a GPU the host queues the whole step
+without waiting; the read is where it waits once, and where rank 0 gets what it logs.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..errors import AutopipeError
 from .build import StageBuild
 from .distenv import DistEnv
-from .engine import PipelineEngine, pack_batch
-from .grads import (
-    all_finite,
-    average_dp_grads,
-    clip_grads_,
-    global_grad_norm,
-    sync_tied_grads,
-)
+from .engine import PipelineEngine, Stopwatch, pack_batch
+from .grads import average_dp_grads, clip_grads_, global_grad_norm, sync_tied_grads
 from .optim import LossScaler, TrainConfig, make_lr_scheduler, make_optimizer
 
 __all__ = ["StepStats", "Trainer"]
@@ -86,6 +85,7 @@ class Trainer:
             loss_fn=loss_fn,
             autocast_dtype=config.autocast_dtype,
             loss_scale=lambda: self.scaler.scale,
+            comm=env.comm,
         )
         env.make_tied_groups(build.tied)
         self.params = build.params
@@ -96,70 +96,86 @@ class Trainer:
         self.optimizer = make_optimizer(self.params, config)
         self.scheduler = make_lr_scheduler(self.optimizer, config)
         self.step_count = 0
+        self._run_clock = Stopwatch(env.device)
 
     def step(
         self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: torch.Tensor | None = None
     ) -> StepStats:
         """Train on one batch (this replica's share): the model's own arguments, plus a target when
         a user loss_fn needs one. Every rank calls it with the same batch (only the first and last
-        chunks read it)."""
-        env = self.env
+        chunks read it); host tensors are copied to the rank's device here."""
+        env, comm = self.env, self.env.comm
         t0 = time.perf_counter()
-        inputs = (
-            pack_batch(self.build.seq, args, dict(kwargs or {}), self.config.microbatches)
-            if self.engine.is_first
-            else None
-        )
-        loss = self.engine.run(inputs, target)
-        step_time = time.perf_counter() - t0
+        with comm.step():
+            self._run_clock.reset()
+            self._run_clock.start()
+            inputs = None
+            if self.engine.is_first:
+                packed = pack_batch(self.build.seq, args, dict(kwargs or {}), self.config.microbatches)
+                inputs = env.to_device(packed)
+            loss = self.engine.run(inputs, env.to_device(target) if self.engine.is_last else None)
+            self._run_clock.stop()
 
-        params = list(self.params.values())
-        self.build.fold_alias_grads_()  # before unscaling: alias leaves hold scaled gradients too
-        if self.scaler.enabled:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(self.scaler.scale)
-        sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups)
-        average_dp_grads(self.params, env.dp_group, env.dp_size)
-        finite = all_finite(params) if self.scaler.enabled else True
-        norm = global_grad_norm(self.params, self._counted_elsewhere, env.pp_group)
+            params = list(self.params.values())
+            self.build.fold_alias_grads_()  # before unscaling: alias leaves hold scaled gradients too
+            if self.scaler.enabled:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(self.scaler.scale)
+            sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups, comm)
+            average_dp_grads(self.params, env.dp_group, env.dp_size, comm)
+            norm = global_grad_norm(self.params, self._counted_elsewhere, env.pp_group, comm)
+            stats = self._gather(loss, norm)
+            # an inf/nan anywhere makes the global norm inf/nan: fp16 then skips the update
+            finite = stats["finite"]
+            if finite:
+                clip_grads_(params, norm, self.config.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         if finite:
-            clip_grads_(params, norm, self.config.grad_clip)
             self.optimizer.step()
         self.scaler.update(finite)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        return self._stats(loss, lr, norm, step_time, t0, skipped=not finite, tokens=_tokens(args, kwargs))
-
-    def _stats(
-        self, loss: float | None, lr: float, norm: float, step_time: float, t0: float, *, skipped: bool, tokens: int
-    ) -> StepStats:
-        env = self.env
-        # one all-reduce for the loss (only last-stage ranks contribute), one all-gather for times
-        loss_t = torch.tensor([loss / env.dp_size if loss is not None else 0.0], dtype=torch.float64)
-        times = torch.tensor([step_time, self.engine.forward_time], dtype=torch.float64)
-        gathered = [torch.zeros_like(times) for _ in range(env.world)]
-        if env.world > 1:
-            dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
-            dist.all_gather(gathered, times)
-        else:
-            gathered = [times]
         total = time.perf_counter() - t0
-        first_replica = gathered[: env.pp_size]
+        tokens = _tokens(args, kwargs) * env.dp_size
         return StepStats(
             step=self.step_count,
-            loss=float(loss_t[0]),
+            loss=stats["loss"],
             lr=lr,
-            grad_norm=norm,
-            step_time=max(float(g[0]) for g in gathered),
-            tokens_per_s=tokens * env.dp_size / total if total > 0 else 0.0,
-            stage_times=[float(g[0]) for g in first_replica],
-            forward_times=[float(g[1]) for g in first_replica],
-            skipped=skipped,
+            grad_norm=stats["grad_norm"],
+            step_time=max(stats["step_times"]),
+            tokens_per_s=tokens / total if total > 0 else 0.0,
+            stage_times=stats["step_times"][: env.pp_size],
+            forward_times=stats["forward_times"][: env.pp_size],
+            skipped=not finite,
             loss_scale=self.scaler.scale,
         )
+
+    def _gather(self, loss: torch.Tensor | None, norm: torch.Tensor) -> dict[str, Any]:
+        """The step's one host read: every rank's (loss share, norm, pipeline time, forward time).
+
+        One all-gather carries everything rank 0 logs; only last-stage ranks hold a loss. On a GPU
+        the device is synchronised first and the times come from CUDA events, so they are the
+        device's, not the time the host took to queue the work.
+        """
+        env, comm = self.env, self.env.comm
+        with comm.host_read():
+            comm.synchronize()
+            mine = torch.zeros(4, dtype=torch.float64, device=env.device)
+            if loss is not None:
+                mine[0] = loss.double() / env.dp_size
+            mine[1] = norm
+            mine[2] = self._run_clock.total()
+            mine[3] = self.engine.forward_time
+            rows = comm.all_gather(mine, where="step statistics").tolist()
+        return {
+            "loss": sum(r[0] for r in rows),
+            "grad_norm": rows[env.rank][1],  # equal on every rank (summed over the pipeline)
+            "finite": all(math.isfinite(r[1]) for r in rows),
+            "step_times": [r[2] for r in rows],
+            "forward_times": [r[3] for r in rows],
+        }
 
     # --- checkpoint state -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

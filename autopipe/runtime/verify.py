@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..errors import AutopipeError
@@ -72,15 +71,18 @@ def verify_step(
     local_kwargs = global_kwargs if local_kwargs is None else local_kwargs
     local_target = global_target if local_target is None else local_target
 
-    inputs = pack_batch(trainer.build.seq, local_args, dict(local_kwargs or {}), cfg.microbatches) if trainer.engine.is_first else None
-    loss = trainer.engine.run(inputs, local_target)
+    inputs = None
+    if trainer.engine.is_first:
+        inputs = env.to_device(pack_batch(trainer.build.seq, local_args, dict(local_kwargs or {}), cfg.microbatches))
+    loss_t = trainer.engine.run(inputs, env.to_device(local_target) if trainer.engine.is_last else None)
+    loss = None if loss_t is None else float(loss_t)
     trainer.build.fold_alias_grads_()
     if trainer.scaler.enabled:  # fp16: gradients of the scaled loss
         for p in trainer.params.values():
             if p.grad is not None:
                 p.grad.div_(trainer.scaler.scale)
-    sync_tied_grads(trainer.params, trainer.build.tied_here(), env.tied_groups)
-    average_dp_grads(trainer.params, env.dp_group, env.dp_size)
+    sync_tied_grads(trainer.params, trainer.build.tied_here(), env.tied_groups, env.comm)
+    average_dp_grads(trainer.params, env.dp_group, env.dp_size, env.comm)
 
     reference = ReferenceTrainer(build_reference(model_fn, seed=cfg.seed, weights=weights, device=env.device), cfg)
     ref_loss = reference.forward_backward(
@@ -99,9 +101,9 @@ def verify_step(
     if loss is not None and abs(loss - ref_loss) > atol + rtol * abs(ref_loss):
         bad = True
     # the loss lives on the last stage; MAX over ranks hands it to everyone (others hold -inf)
-    verdict = torch.tensor([1.0 if bad else 0.0, worst, loss if loss is not None else -math.inf], dtype=torch.float64)
-    if dist.is_initialized() and env.world > 1:
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    values = [1.0 if bad else 0.0, worst, loss if loss is not None else -math.inf]
+    verdict = torch.tensor(values, dtype=torch.float64, device=env.device)
+    env.comm.all_reduce(verdict, op="max", where="verify verdict")
     loss = float(verdict[2])
     trainer.optimizer.zero_grad(set_to_none=True)
     report = VerifyReport(loss, ref_loss, float(verdict[1]), worst_name, not bool(verdict[0]))
