@@ -225,3 +225,39 @@ def test_stages_load_their_own_keys_from_safetensors(tmp_path: Path) -> None:
         build = build_stage(tiny_gpt2, (IDS,), {"labels": IDS}, 2, pp_rank=rank, pp_size=2, seed=0, weights=str(tmp_path))
         for name, p in build.params.items():
             assert torch.equal(p, source.get_parameter(name)), name
+
+
+def test_peak_memory_window_sees_what_the_step_allocates() -> None:
+    """PeakMemory: each reset starts a window; a 64 MiB tensor held in it shows, above the baseline."""
+    from autopipe.runtime.peak import PeakMemory, resident_bytes
+
+    peak = PeakMemory(torch.device("cpu"))
+    assert peak.supported
+    size = 64 * 2**20
+    peak.reset()
+    held = torch.ones(size // 4)  # touched pages: resident
+    during = peak.read()
+    assert during >= resident_bytes() - peak.baseline - 2**20 and during >= size * 0.9
+    del held
+
+
+def test_step_log_carries_the_plan_s_predictions_only_for_the_planned_run(tmp_path: Path) -> None:
+    """--log-json lines hold predicted step time and per-rank memory beside the measured ones, when
+    the run uses the plan's schedule, micro-batches and stage count; otherwise none."""
+    import json as _json
+    from types import SimpleNamespace
+
+    from autopipe.runtime.logs import StepLogger, predictions
+    from autopipe.runtime.trainer import StepStats
+
+    plan = SimpleNamespace(schedule="1f1b", microbatches=4, stages=2, step_time=1.5, rank_memory=(100, 200))
+    assert predictions(plan, schedule="gpipe", microbatches=4, pp_size=2) is None
+    assert predictions(plan, schedule="1F1B", microbatches=8, pp_size=2) is None
+    assert predictions(SimpleNamespace(boundaries=(0, 2, 4)), schedule="1f1b", microbatches=4, pp_size=2) is None
+    pred = predictions(plan, schedule="1F1B", microbatches=4, pp_size=2)
+    log = StepLogger(0, json_path=tmp_path / "log.json", quiet=True, predicted=pred)
+    log.step(StepStats(step=1, loss=1.0, lr=0.1, grad_norm=1.0, step_time=1.4, tokens_per_s=1.0,
+                       stage_times=[1.4, 1.3], peak_memory=[110, 190]))
+    record = _json.loads((tmp_path / "log.json").read_text())
+    assert record["peak_memory"] == [110, 190] and record["predicted_peak_memory"] == [100, 200]
+    assert record["predicted_step_time"] == 1.5 and record["step_time"] == 1.4

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from ..devices import keep_freed_memory
 from ..errors import AutopipeError
 from .comm import Comm, checking_requested
+from .peak import PeakMemory
 
 __all__ = ["DistEnv", "init_dist", "rank_device", "to_device"]
 
@@ -76,6 +77,7 @@ class DistEnv:
     pp_group: Any
     dp_group: Any
     comm: Comm  # the runtime's collectives, on ``device``
+    peak: PeakMemory  # per-step peak memory above the baseline taken before the model was built
     tied_groups: dict[str, Any] = field(default_factory=dict)  # tied tensor name -> group (holders only)
 
     @property
@@ -160,4 +162,5 @@ def init_dist(
         pp_group=mesh.get_group("pp"),
         dp_group=mesh.get_group("dp"),
         comm=Comm(device, checking=checking_requested() if check is None else check),
+        peak=PeakMemory(device),
     )

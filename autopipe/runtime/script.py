@@ -90,7 +90,10 @@ build = rt.build_stage(
     schedule=args.schedule, seed=args.seed, weights=weights, device=env.device,
 )
 trainer = rt.Trainer(build, env, config)
-log = rt.StepLogger(env.rank, json_path=args.log_json)
+# the plan's predictions hold for the run it was made for: same schedule, micro-batches, batch, dtype
+planned = rt.predictions(plan, schedule=args.schedule, microbatches=args.microbatches, pp_size=env.pp_size)
+same_batch = args.batch_size == BATCH_SIZE and args.dtype == DTYPE
+log = rt.StepLogger(env.rank, json_path=args.log_json, predicted=planned if same_batch else None)
 log.info(f"{{MODEL}}: {{len(build.seq.layers)}} layers, chunks {{build.layout.boundaries}} on {{env.pp_size}} "
          f"stage(s) x {{env.dp_size}} replica(s), {{build.layout.schedule}}, {{args.microbatches}} micro-batches")
 

@@ -44,6 +44,9 @@ class StepStats:
     forward_times: list[float] = field(default_factory=list)  # per pipeline rank: time in forward
     skipped: bool = False  # fp16 overflow: no update this step
     loss_scale: float = 1.0
+    # per pipeline rank: bytes at the step's peak above the rank's baseline (autopipe.runtime.peak),
+    # what the plan's rank_memory predicts
+    peak_memory: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,6 +109,7 @@ class Trainer:
         chunks read it); host tensors are copied to the rank's device here."""
         env, comm = self.env, self.env.comm
         t0 = time.perf_counter()
+        env.peak.reset()
         with comm.step():
             self._run_clock.reset()
             self._run_clock.start()
@@ -150,10 +154,12 @@ class Trainer:
             forward_times=stats["forward_times"][: env.pp_size],
             skipped=not finite,
             loss_scale=self.scaler.scale,
+            peak_memory=stats["peak_memory"][: env.pp_size],
         )
 
     def _gather(self, loss: torch.Tensor | None, norm: torch.Tensor) -> dict[str, Any]:
-        """The step's one host read: every rank's (loss share, norm, pipeline time, forward time).
+        """The step's one host read: every rank's (loss share, norm, pipeline time, forward time,
+        peak memory so far in the step).
 
         One all-gather carries everything rank 0 logs; only last-stage ranks hold a loss. On a GPU
         the device is synchronised first and the times come from CUDA events, so they are the
@@ -162,12 +168,15 @@ class Trainer:
         env, comm = self.env, self.env.comm
         with comm.host_read():
             comm.synchronize()
-            mine = torch.zeros(4, dtype=torch.float64, device=env.device)
+            mine = torch.zeros(5, dtype=torch.float64, device=env.device)
             if loss is not None:
                 mine[0] = loss.double() / env.dp_size
             mine[1] = norm
             mine[2] = self._run_clock.total()
             mine[3] = self.engine.forward_time
+            # the optimizer step comes after this read; its state exists from the first step on,
+            # so from step 2 the peak of the backward (gradients + state + activations) is the step's
+            mine[4] = env.peak.read()
             rows = comm.all_gather(mine, where="step statistics").tolist()
         return {
             "loss": sum(r[0] for r in rows),
@@ -175,6 +184,7 @@ class Trainer:
             "finite": all(math.isfinite(r[1]) for r in rows),
             "step_times": [r[2] for r in rows],
             "forward_times": [r[3] for r in rows],
+            "peak_memory": [int(r[4]) for r in rows],
         }
 
     # --- checkpoint state -------------------------------------------------------------------
