@@ -117,6 +117,12 @@ class Profile:
     # autograd sums the uses of one tensor in a backward). A stage holding k uses pays k - 1 of them
     # per micro-batch; stages holding one use each all-reduce instead. Not charged by the partitioner.
     tied_grad_time: dict[str, float] = field(default_factory=dict)
+    # The dtype autocast ran the layers in ("" when it did not): the mode train.py trains in, fp32
+    # parameters with 16-bit matmuls, whose saved low-precision weight copies are activations.
+    autocast: str = ""
+    # Bytes the training runtime holds on this device beyond the model's tensors (allocator, process
+    # group, traced graph), measured once per device; part of every rank's predicted peak.
+    reserve_bytes: int = 0
     schema: int = PROFILE_SCHEMA
 
     def __post_init__(self) -> None:

@@ -1,10 +1,13 @@
 """A rank's measured peak memory per step, defined as the plan's ``rank_memory`` predicts it.
 
-- CPU: the process's peak resident set (``VmHWM``) during the step, above the baseline taken when
-  the process group was up and before any of the model was built. The peak is reset at each step
-  start (``/proc/self/clear_refs``), so each step reports its own peak. With freed memory kept in
-  the process (``keep_freed_memory``, as the runtime does), what the process once held stays
-  resident, so this is the high-water mark of the heap: what the OS has to give the rank.
+- CPU: the process's peak resident set (``VmHWM``) during the step, above a baseline: the resident
+  set once this rank's stage is built (``rebase``), less the bytes of the tensors the stage holds
+  then (its parameters and buffers). So the figure counts every tensor the rank holds, and what
+  the allocator holds for them, but not the host-side Python objects of the traced graph, which on
+  a GPU would not be in device memory either. The peak is reset at each step start
+  (``/proc/self/clear_refs``), so each step reports its own peak. With freed memory kept in the
+  process (``keep_freed_memory``, as the runtime does), what the process once held stays resident,
+  so this is the high-water mark of the heap: what the OS has to give the rank.
 - CUDA: ``torch.cuda.max_memory_allocated`` during the step, plus what the device holds outside
   torch's allocator (CUDA context, NCCL, cuBLAS workspaces), measured at the baseline as the used
   device memory less torch's reserved bytes. Not yet verified on a GPU.
@@ -54,6 +57,11 @@ class PeakMemory:
         else:
             self.baseline = resident_bytes()
         self.supported = self.cuda or (sys.platform.startswith("linux") and _status_kib("VmHWM") is not None)
+
+    def rebase(self, tensor_bytes: int) -> None:
+        """Take the CPU baseline now, with the stage built and holding ``tensor_bytes`` of tensors."""
+        if not self.cuda:
+            self.baseline = resident_bytes() - int(tensor_bytes)
 
     def reset(self) -> None:
         """Start a new measurement window (each step calls it first)."""

@@ -100,6 +100,7 @@ class Trainer:
         self.scheduler = make_lr_scheduler(self.optimizer, config)
         self.step_count = 0
         self._run_clock = Stopwatch(env.device)
+        env.peak.rebase(_held_bytes(build))
 
     def step(
         self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: torch.Tensor | None = None
@@ -228,6 +229,16 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         if state.get("cuda_rng") and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def _held_bytes(build: StageBuild) -> int:
+    """Bytes of the tensors this rank's chunks hold once built: parameters and buffers, each once."""
+    seen: dict[int, int] = {}
+    for chunk in build.chunks:
+        for t in (*chunk.parameters(), *chunk.buffers()):
+            if t.device.type != "meta":
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def _tokens(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> int:

@@ -1,0 +1,190 @@
+"""What a pipeline rank holds at its peak while training, term by term. No torch.
+
+The plan's ``rank_memory`` is this module's ``RankMemory.total``; the step log's measured
+``peak_memory`` (``autopipe.runtime.peak``) is its counterpart. Per rank, over the chunks it runs:
+
+- ``weights``, ``gradients``, ``optimizer``: what the layers' parameters hold for the whole step,
+  as the profile sized them for the training mode (fp32 master weights and fp32 state under
+  autocast; a tied tensor once per rank). Gradients exist from a micro-batch's first backward on
+  (the trainer frees them after each update), so they count at the peak.
+- ``activations``: each chunk's saved-for-backward bytes per micro-batch times the micro-batches
+  its schedule keeps in flight there (``schedule.inflight_counts``). Profiled under autocast they
+  include the low-precision copy of each weight autocast saves per micro-batch. With recompute a
+  layer keeps only what its mode keeps (``LayerCost.recompute``).
+- ``outputs``: each in-flight micro-batch's chunk output, which the schedule holds until that
+  micro-batch's backward. A middle chunk's output is saved by the next layer already (and counted
+  as its producer's activation); the model's last output (logits, loss) is not, so it is counted
+  here, on the rank of the last chunk.
+- ``buffers``: torch's PipelineStage allocates one receive buffer per micro-batch for the tensors
+  entering a chunk (forward) and for the gradients of those leaving it (backward), once, and keeps
+  them across steps: M × the cut's bytes on each side that faces another rank.
+- ``transient``: the heaviest one-layer peak the rank sees on top (a layer's temporaries in forward
+  or backward, beyond what it saves and the gradients it writes; under recompute, the layer's whole
+  activation set rematerialised for one micro-batch).
+- ``data_parallel``: with dp > 1 the hand-written all-reduce concatenates every gradient into one
+  flat buffer after the backward, when the activations are gone: the rank's peak is the larger of
+  the two phases, not their sum.
+- ``reserve``: what the runtime holds on the device beyond these tensors (allocator, process group,
+  the traced graph), measured once per device (``Profile.reserve_bytes``).
+
+Example:
+    >>> from autopipe.records import Profile
+    >>> prof = Profile.from_costs([1, 1], param_bytes=[400, 400], activation_bytes=[10, 20], output_bytes=[8, 8])
+    >>> [m.total for m in rank_memory(prof, (0, 1, 2), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)]
+    [1652, 1660]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from .records import Profile, optimizer_state_factor
+
+__all__ = ["RankMemory", "LayerMemory", "layer_memory", "rank_memory"]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One pipeline rank's predicted peak, by what holds it (bytes)."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    outputs: int = 0
+    buffers: int = 0
+    transient: int = 0
+    data_parallel: int = 0
+    reserve: int = 0
+
+    @property
+    def total(self) -> int:
+        """The peak: what lives all step, plus the larger of the backward phase and the dp phase."""
+        steady = self.weights + self.gradients + self.optimizer + self.buffers + self.reserve
+        return steady + max(self.activations + self.outputs + self.transient, self.data_parallel)
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Per-layer byte counts the memory model (and the partitioner) adds up, for one optimizer."""
+
+    weights: tuple[int, ...]
+    gradients: tuple[int, ...]
+    optimizer: tuple[int, ...]
+    activations: dict[str, tuple[int, ...]]  # recompute mode -> saved bytes per micro-batch
+    transient: dict[str, tuple[int, ...]]  # recompute mode -> one-layer peak on top
+    outputs: tuple[int, ...]  # bytes leaving each layer (what crosses a cut after it)
+    input_bytes: int  # bytes entering layer 0
+    tied: tuple[tuple[int, tuple[int, ...], int, int, int], ...]  # (size, users, weights, grads, state)
+
+    @property
+    def static(self) -> tuple[int, ...]:
+        return tuple(w + g + o for w, g, o in zip(self.weights, self.gradients, self.optimizer))
+
+
+def layer_memory(profile: Profile, optimizer: str | None = None) -> LayerMemory:
+    """The profile's per-layer bytes, with optimizer state recounted for ``optimizer`` if given.
+
+    Recompute modes a layer was not profiled for are derived: ``full`` keeps the layer's input (the
+    previous layer's output) and rematerialises its activations in backward.
+    """
+    layers = profile.layers
+    old = optimizer_state_factor(profile.optimizer)
+    new = old if optimizer is None else optimizer_state_factor(optimizer)
+    opt = [l.optimizer_bytes if new == old else int(l.param_bytes * new) for l in layers]
+    inputs = [profile.input_bytes] + [l.output_bytes for l in layers[:-1]]
+    base_transient = [
+        max(l.peak_forward_bytes - l.activation_bytes, l.peak_backward_bytes - l.grad_bytes, 0) for l in layers
+    ]
+    acts: dict[str, tuple[int, ...]] = {"none": tuple(l.activation_bytes for l in layers)}
+    trans: dict[str, tuple[int, ...]] = {"none": tuple(base_transient)}
+    for mode in ("selective", "full"):
+        kept, extra = [], []
+        for l, inp, t in zip(layers, inputs, base_transient):
+            rc = l.recompute.get(mode)
+            if rc is None and mode == "selective":
+                rc_bytes = l.activation_bytes  # not profiled: selective keeps what none keeps
+            elif rc is None:
+                rc_bytes = min(inp, l.activation_bytes)
+            else:
+                rc_bytes = rc.activation_bytes
+            kept.append(rc_bytes)
+            # backward rematerialises what the mode did not keep, for one micro-batch at a time
+            extra.append(t + max(l.activation_bytes - rc_bytes, 0))
+        acts[mode], trans[mode] = tuple(kept), tuple(extra)
+    tied = []
+    for name, size in profile.tied_static_bytes.items():
+        users = tuple(i for i, l in enumerate(layers) if name in l.tied)
+        if not users:
+            continue
+        # split the tied tensor's static bytes the way its first user's figures split
+        u = layers[users[0]]
+        total = max(u.static_bytes, 1)
+        w, g = size * u.param_bytes // total, size * u.grad_bytes // total
+        tied.append((size, users, w, g, size - w - g))
+    return LayerMemory(
+        weights=tuple(l.param_bytes for l in layers),
+        gradients=tuple(l.grad_bytes for l in layers),
+        optimizer=tuple(opt),
+        activations=acts,
+        transient=trans,
+        outputs=tuple(l.output_bytes for l in layers),
+        input_bytes=profile.input_bytes,
+        tied=tuple(tied),
+    )
+
+
+def rank_memory(
+    profile: Profile | LayerMemory,
+    boundaries: Sequence[int],
+    *,
+    stage_ranks: Sequence[int],
+    inflight: Sequence[int],
+    microbatches: int,
+    recompute: Sequence[str] = (),
+    dp: int = 1,
+    reserve: int | None = None,
+    optimizer: str | None = None,
+) -> list[RankMemory]:
+    """Each pipeline rank's peak for a cut: chunk c is ``boundaries[c]:boundaries[c+1]`` on rank
+    ``stage_ranks[c]`` with ``inflight[c]`` micro-batches held and recompute mode ``recompute[c]``
+    (default none). ``reserve`` defaults to the profile's."""
+    lm = profile if isinstance(profile, LayerMemory) else layer_memory(profile, optimizer)
+    if reserve is None:
+        reserve = profile.reserve_bytes if isinstance(profile, Profile) else 0
+    n = len(lm.weights)
+    chunks = list(zip(boundaries, boundaries[1:]))
+    modes = list(recompute) or ["none"] * len(chunks)
+    ranks = max(stage_ranks) + 1
+    out: list[RankMemory] = []
+    for r in range(ranks):
+        mine = [c for c, owner in enumerate(stage_ranks) if owner == r]
+        layers = sorted({i for c in mine for i in range(*chunks[c])})
+        w = sum(lm.weights[i] for i in layers)
+        g = sum(lm.gradients[i] for i in layers)
+        o = sum(lm.optimizer[i] for i in layers)
+        for size, users, tw, tg, to in lm.tied:  # a tied tensor: once per rank, not per user layer
+            extra = sum(1 for i in layers if i in users) - 1
+            if extra > 0:
+                w, g, o = w - extra * tw, g - extra * tg, o - extra * to
+        act = outs = buf = trans = 0
+        for c in mine:
+            a, b = chunks[c]
+            act += inflight[c] * sum(lm.activations[modes[c]][i] for i in range(a, b))
+            trans = max([trans, *(lm.transient[modes[c]][i] for i in range(a, b))])
+            if b == n:
+                outs += inflight[c] * lm.outputs[n - 1]
+            # one buffer per micro-batch for each cut facing another rank
+            if a > 0 and stage_ranks[c - 1] != r:
+                buf += microbatches * lm.outputs[a - 1]
+            if b < n and stage_ranks[c + 1] != r:
+                buf += microbatches * lm.outputs[b - 1]
+        out.append(RankMemory(
+            weights=w, gradients=g, optimizer=o, activations=act, outputs=outs, buffers=buf,
+            transient=trans, data_parallel=g if dp > 1 else 0, reserve=int(reserve),
+        ))  # fmt: skip
+    return out

@@ -1,0 +1,120 @@
+"""The memory model from first principles: layers of known size give exactly the bytes each term says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopipe
+from autopipe.memory import RankMemory, layer_memory, rank_memory
+from autopipe.records import LayerCost, Profile, RecomputeCost
+
+MIB = 2**20
+
+
+def _profile(n: int = 4, *, tied: bool = False) -> Profile:
+    """n layers of 1000 parameter bytes, 100 activation bytes, 10 output bytes; AdamW (state 2x)."""
+    layers = []
+    for i in range(n):
+        layers.append(LayerCost(
+            index=i, name=f"l{i}", forward_time=1.0, backward_time=2.0, param_bytes=1000, grad_bytes=1000,
+            optimizer_bytes=2000, activation_bytes=100, output_bytes=10, peak_forward_bytes=130,
+            peak_backward_bytes=1050, tied=("w",) if tied and i in (0, n - 1) else (),
+            recompute={"full": RecomputeCost(10, 1.0)},
+        ))  # fmt: skip
+    return Profile(layers=tuple(layers), input_bytes=8, tied_static_bytes={"w": 4000} if tied else {},
+                   reserve_bytes=7)  # fmt: skip
+
+
+def test_each_term_of_a_two_stage_1f1b_cut() -> None:
+    """Static bytes, activations x in-flight, the last output held, one receive buffer per micro-batch
+    on each cut facing another rank, the worst one-layer transient, the reserve."""
+    prof = _profile()
+    m0, m1 = rank_memory(prof, (0, 2, 4), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)
+    assert m0 == RankMemory(weights=2000, gradients=2000, optimizer=4000, activations=2 * 200, outputs=0,
+                            buffers=4 * 10, transient=50, data_parallel=0, reserve=7)  # fmt: skip
+    assert m1 == RankMemory(weights=2000, gradients=2000, optimizer=4000, activations=1 * 200, outputs=1 * 10,
+                            buffers=4 * 10, transient=50, data_parallel=0, reserve=7)  # fmt: skip
+    assert m0.total == 8000 + 40 + 7 + 400 + 50
+    # transient: max(peak forward - saved, peak backward - gradients written) = max(30, 50)
+
+
+def test_tied_tensor_counts_once_per_rank_and_on_each_rank_holding_it() -> None:
+    """A tensor tied between layer 0 and 3: one copy on a rank holding both, one on each rank otherwise."""
+    prof = _profile(tied=True)
+    (alone,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1)
+    assert alone.weights + alone.gradients + alone.optimizer == 4 * 4000 - 4000
+    split = rank_memory(prof, (0, 2, 4), stage_ranks=(0, 1), inflight=(1, 1), microbatches=1)
+    assert [m.weights + m.gradients + m.optimizer for m in split] == [8000, 8000]
+
+
+def test_recompute_keeps_what_its_mode_keeps_and_rematerialises_one_layer() -> None:
+    """Full recompute: 10 bytes kept per layer and micro-batch; backward rebuilds one layer's 100."""
+    prof = _profile()
+    (full,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(3,), microbatches=3, recompute=("full",))
+    assert full.activations == 3 * 4 * 10
+    assert full.transient == 50 + (100 - 10)
+    lm = layer_memory(prof)
+    assert lm.activations["selective"] == (100,) * 4  # not profiled: selective keeps what none keeps
+
+
+def test_data_parallel_buffer_is_a_phase_of_its_own() -> None:
+    """dp > 1: the flat gradient copy comes after the backward, so the peak is the larger phase."""
+    prof = _profile()
+    (m,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1, dp=2)
+    assert m.data_parallel == 4000
+    assert m.total == m.weights + m.gradients + m.optimizer + m.buffers + m.reserve + max(
+        m.activations + m.outputs + m.transient, 4000)
+
+
+def test_interleaved_ranks_hold_their_chunks_and_no_buffer_between_local_chunks() -> None:
+    """zbv: rank 0 holds chunks 0 and 3 (V); rank 1 chunks 1 and 2, which meet on rank 1 itself."""
+    prof = _profile()
+    m0, m1 = rank_memory(prof, (0, 1, 2, 3, 4), stage_ranks=(0, 1, 1, 0), inflight=(2, 2, 2, 2), microbatches=2)
+    assert m0.buffers == 2 * 10 + 2 * 10  # chunk 0's output cut, chunk 3's input cut
+    assert m1.buffers == 2 * 10 + 2 * 10  # chunk 1's input, chunk 2's output; 1->2 stays on the rank
+    assert m0.outputs == 2 * 10 and m1.outputs == 0
+
+
+class _MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def test_profiled_mlp_terms_match_first_principles() -> None:
+    """A real profile of 4 MLP blocks (d=64, batch 32): static = params x 4 bytes x (1 + 1 + 2) for
+    AdamW in fp32; receive buffers = micro-batches x the tensors crossing the cut."""
+    d, rows = 64, 32
+    torch.manual_seed(0)
+    model = _MLP(d)
+    x = torch.randn(rows, d, requires_grad=True)
+    seq = autopipe.flatten(model, (x,))
+    prof = autopipe.profile(seq, (x,), repeats=1, warmup=0, progress=False)
+    params_per_block = 4 * d * d + 4 * d + 4 * d * d + d
+    bounds = (0, 2, len(seq.layers))
+    m0, m1 = rank_memory(prof, bounds, stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in seq.layers]
+    assert sum(per_layer) == 4 * params_per_block
+    assert m0.weights == 4 * sum(per_layer[:2]) and m0.optimizer == 2 * m0.weights and m0.gradients == m0.weights
+    hidden = rows * d * 4
+    # the residual add runs in the parent's forward, so x and the block's output both cross a cut
+    assert prof.layers[1].output_bytes == 2 * hidden
+    assert m0.buffers == 4 * 2 * hidden and m1.buffers == 4 * 2 * hidden
+    assert m1.outputs == 1 * hidden  # the model's output, held until its backward
+    assert m0.activations == 2 * sum(prof.layers[i].activation_bytes for i in range(2))
+
+
+@pytest.mark.parametrize("inflight", [1, 3])
+def test_total_grows_by_one_micro_batch_of_activations_per_micro_batch_in_flight(inflight: int) -> None:
+    """Each further micro-batch in flight adds exactly the chunk's activations and held outputs."""
+    prof = _profile()
+    (a,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(inflight,), microbatches=4)
+    (b,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(inflight + 1,), microbatches=4)
+    assert b.total - a.total == 4 * 100 + 10
