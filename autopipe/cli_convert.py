@@ -102,8 +102,10 @@ def report_command(
     profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Its profile.json (default: beside the plan, if there).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Where to write the HTML (default: report.html beside the plan).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
+    log: Annotated[Optional[Path], typer.Option("--log", help="A train.py --log-json file: show what the run measured beside the predictions.")] = None,
 ) -> None:
-    """Rebuild report.html from a plan (and its profile): per-layer costs, cuts, baselines, timeline."""
+    """Rebuild report.html from a plan (and its profile): per-layer costs, cuts, baselines, timeline;
+    with --log, the training run's measured step time and peak memory beside the plan's."""
     from .plan import Plan
     from .records import Profile
     from .report import write_report
@@ -115,7 +117,16 @@ def report_command(
     if profile_path is None and (plan_path.parent / "profile.json").exists():
         profile_path = plan_path.parent / "profile.json"
     prof = Profile.load(profile_path) if profile_path is not None else None
+    measured = None
+    if log is not None:
+        from .steplog import compare, read_step_log
+
+        measured = compare(plan, read_step_log(log))
     target = out or plan_path.parent / "report.html"
-    write_report(target, plan, prof)
+    write_report(target, plan, prof, measured=measured)
     what = "" if prof is not None else " (no profile: per-layer charts and baselines left out)"
     console.print(f"wrote {target}{what}", highlight=False, soft_wrap=True)
+    if measured is not None:
+        mem = " ".join(f"{x:.2f}" for x in measured.memory_ratios)
+        console.print(f"measured / predicted: step {measured.step_ratio:.2f}, peak memory per rank {mem}",
+                      highlight=False, soft_wrap=True)

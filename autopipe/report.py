@@ -5,7 +5,8 @@ It shows, for a Plan (and its Profile when there is one):
 - per-layer forward/backward time and memory, as bars coloured by stage, with the cut points;
 - per-stage load (forward, backward, send/recv) and per-rank memory against the limit;
 - autopipe's plan beside the baselines users know (uniform, parameters, torchtitan, greedy);
-- the simulated schedule: which rank is busy when, and where the bubbles are.
+- the simulated schedule: which rank is busy when, and where the bubbles are;
+- given a training run's step log, what was measured beside what the plan predicted.
 
 Nothing is fetched when it is opened: no external stylesheet, font, script or image.
 
@@ -28,6 +29,7 @@ from .errors import AutopipeError
 from .partition import partition
 from .plan import Plan
 from .records import Profile, write_text_atomic
+from .steplog import Comparison
 from .units import format_bytes, shorten
 
 __all__ = ["render_report", "write_report", "compare_baselines", "format_time", "format_microbatch", "PALETTE"]
@@ -82,11 +84,12 @@ def write_report(
     *,
     baselines: Mapping[str, Plan] | None = None,
     title: str | None = None,
+    measured: Comparison | None = None,
 ) -> Path:
     """Render the report and write it to ``path`` (via a temporary name, so no half-written file)."""
     if baselines is None and profile is not None:
         baselines = compare_baselines(profile, plan)
-    text = render_report(plan, profile, baselines=baselines, title=title)
+    text = render_report(plan, profile, baselines=baselines, title=title, measured=measured)
     return write_text_atomic(path, text)
 
 
@@ -96,8 +99,10 @@ def render_report(
     *,
     baselines: Mapping[str, Plan] | None = None,
     title: str | None = None,
+    measured: Comparison | None = None,
 ) -> str:
-    """The report as one HTML string. Without a profile the per-layer charts and baselines are left out."""
+    """The report as one HTML string. Without a profile the per-layer charts and baselines are left out;
+    with ``measured`` (``autopipe.steplog.compare``) a section sets the run beside the predictions."""
     if profile is not None and len(profile.layers) != plan.num_layers:
         raise AutopipeError(
             f"the profile has {len(profile.layers)} layers but the plan cuts {plan.num_layers}: they belong to "
@@ -110,6 +115,11 @@ def render_report(
         )
     name = title or (profile.model if profile is not None and profile.model else "model")
     parts = [_header(name, plan, profile), _stage_table(plan)]
+    if measured is not None:
+        parts.append(_section("Measured against predicted", _measured_table(plan, measured),
+                              f"From the training run's step log ({measured.steps} steps after warm-up): the median "
+                              "step time and each pipeline rank's largest peak memory, beside what the plan "
+                              "predicted. A ratio above 1 means the run took more than the plan said."))
     if profile is not None:
         parts.append(_section("Per layer: time", _layer_time_chart(plan, profile),
                               "Forward (light) and backward (dark) time per micro-batch of each layer, coloured by "
@@ -234,6 +244,22 @@ def _baseline_table(plan: Plan, baselines: Mapping[str, Plan]) -> str:
     head = ("<tr><th class=\"l\">method</th><th class=\"l\">cuts before layers</th><th>slowest stage</th>"
             "<th>step time</th><th>vs autopipe</th><th>bubble</th><th>peak memory</th><th class=\"l\">step time</th></tr>")
     return f"<table class=\"baselines\">{head}{''.join(rows)}</table>"
+
+
+def _measured_table(plan: Plan, cmp: Comparison) -> str:
+    def ratio(x: float) -> str:
+        cls = " class=over" if math.isfinite(x) and abs(round(x * 100) - 100) > 10 else ""  # as printed
+        return f"<td{cls}>{x:.2f}</td>" if math.isfinite(x) else "<td>—</td>"
+
+    rows = [
+        f"<tr><td class=\"l\">step time</td><td>{format_time(cmp.predicted_step_time)}</td>"
+        f"<td>{format_time(cmp.measured_step_time)} (IQR {format_time(cmp.step_time_spread)})</td>{ratio(cmp.step_ratio)}</tr>"
+    ]
+    for r, (p, m, x) in enumerate(zip(cmp.predicted_memory, cmp.measured_memory, cmp.memory_ratios)):
+        rows.append(f"<tr><td class=\"l\">rank {r} peak memory</td><td>{format_bytes(p)}</td>"
+                    f"<td>{format_bytes(m) if m else '—'}</td>{ratio(x) if m else '<td>—</td>'}</tr>")
+    head = "<tr><th class=\"l\"></th><th>predicted</th><th>measured</th><th>measured / predicted</th></tr>"
+    return f"<table class=\"measured\">{head}{''.join(rows)}</table>"
 
 
 # ---- charts --------------------------------------------------------------------------------------

@@ -208,3 +208,36 @@ def test_report_command_refuses_to_overwrite_out_without_force(tmp_path: Path):
     for _ in range(2):  # the plan's own report.html is what `report` rebuilds: no --force needed
         result = runner.invoke(app, ["report", str(tmp_path / "plan.json")])
         assert result.exit_code == 0, result.output
+
+
+def test_report_command_sets_a_step_log_beside_the_predictions(tmp_path: Path):
+    """`autopipe report plan.json --log log.json`: median step time (after the first step) and each rank's
+    largest peak, beside the plan's, with their ratios; a ratio off by more than 10% is marked."""
+    import json
+
+    prof = _profile()
+    plan = partition(prof, 2)
+    plan.save(tmp_path / "plan.json")
+    prof.save(tmp_path / "profile.json")
+    mem = plan.rank_memory
+    steps = [  # step 1 is warm-up; then step times 1.0, 1.1, 1.2 x the plan's
+        {"step": 1, "step_time": 50 * plan.step_time, "peak_memory": [10 * mem[0], 10 * mem[1]]},
+        {"step": 2, "step_time": 1.0 * plan.step_time, "peak_memory": [mem[0], int(1.5 * mem[1])]},
+        {"step": 3, "step_time": 1.1 * plan.step_time, "peak_memory": [mem[0], mem[1]]},
+        {"step": 4, "step_time": 1.2 * plan.step_time, "peak_memory": [mem[0], mem[1]]},
+    ]
+    (tmp_path / "log.json").write_text("\n".join(json.dumps(s) for s in steps) + "\n")
+    result = runner.invoke(app, ["report", str(tmp_path / "plan.json"), "--log", str(tmp_path / "log.json")])
+    assert result.exit_code == 0, result.output
+    assert "measured / predicted: step 1.10, peak memory per rank 1.00 1.50" in result.output
+    page = (tmp_path / "report.html").read_text()
+    assert "Measured against predicted" in page and "<td class=over>1.50</td>" in page and "<td>1.10</td>" in page
+
+
+def test_report_command_refuses_a_file_that_is_not_a_step_log(tmp_path: Path):
+    """--log with another JSON file: one line saying what it wants."""
+    partition(_profile(), 2).save(tmp_path / "plan.json")
+    (tmp_path / "log.json").write_text('{"boundaries": [0, 4, 8]}\n')
+    result = runner.invoke(app, ["report", str(tmp_path / "plan.json"), "--log", str(tmp_path / "log.json")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "is not a step record" in result.output
