@@ -1,63 +1,17 @@
 """The command line: a thin typer layer over the library.
 
-Each command parses, calls the library, renders with rich. Library errors (AutopipeError) and file
-errors (OSError: a folder given as --out, no permission) become one red line and exit code 1;
-AUTOPIPE_DEBUG=1 shows the traceback instead.
+Each command parses, calls the library, renders with rich; errors become one red line and exit 1
+(see ``cli_base``). The commands live in ``cli_commands`` (inspect, profile, plan) and
+``cli_convert`` (convert, report); importing them registers them on ``app``.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from typing import Any, Callable, TypeVar
-
-import typer
-from rich.console import Console
-
-from .errors import AutopipeError
+from . import cli_commands, cli_convert  # noqa: F401  (register the commands)
+from .cli_base import app
 
 __all__ = ["app", "main"]
-
-app = typer.Typer(
-    name="autopipe",
-    help="Trace, profile and auto-partition PyTorch models for pipeline-parallel training.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-console = Console()
-err_console = Console(stderr=True)
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def handle_errors(fn: F) -> F:
-    """Turn library and file errors into one red line and exit 1 (AUTOPIPE_DEBUG=1: full traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (AutopipeError, OSError) as e:
-            if os.environ.get("AUTOPIPE_DEBUG"):
-                raise
-            err_console.print(f"[bold red]error:[/] {_message(e)}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _message(e: Exception) -> str:
-    """One line for the user: ours as written; an OS error as "cannot access PATH: Is a directory"."""
-    if isinstance(e, OSError) and e.strerror:
-        # The atomic writers already say "cannot write PATH: ..."; other OS errors name their file.
-        return f"cannot access {e.filename}: {e.strerror}" if e.filename else e.strerror
-    return str(e)
 
 
 def main() -> None:
     app()
-
-
-# Commands are defined in the modules below and register themselves on `app`.
-from . import cli_commands  # noqa: E402,F401

@@ -1,15 +1,15 @@
-"""CLI commands. Each one: parse, call the library, render. Keep them thin."""
+"""CLI commands inspect, profile and plan. Each one: parse, call the library, render. Keep them thin."""
 
 from __future__ import annotations
 
-from .cli import app, console, handle_errors  # noqa: F401
+from pathlib import Path
+from typing import Annotated, Optional
 
+import typer
+
+from .cli_base import app, console, handle_errors
 
 # ---- inspect (issue 2) -------------------------------------------------------------------------
-from pathlib import Path  # noqa: E402
-from typing import Annotated, Optional  # noqa: E402
-
-import typer  # noqa: E402
 
 ModelArg = Annotated[
     str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, or module:function / file.py:function.")
@@ -177,7 +177,3 @@ def plan_command(
         console.print(compare_table(others))
     if out is not None:
         console.print(f"saved {out}", highlight=False)
-
-
-# ---- convert, report (issue 6): bodies in cli_convert.py ------------------------------------------
-from . import cli_convert  # noqa: E402,F401

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from .cli import app, console, err_console, handle_errors
+from .cli_base import app, console, err_console, handle_errors
 
 __all__ = ["convert_command", "report_command", "stage_table"]
 
@@ -104,8 +104,7 @@ def report_command(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
     log: Annotated[Optional[Path], typer.Option("--log", help="A train.py --log-json file: show what the run measured beside the predictions.")] = None,
 ) -> None:
-    """Rebuild report.html from a plan (and its profile): per-layer costs, cuts, baselines, timeline;
-    with --log, the training run's measured step time and peak memory beside the plan's."""
+    """Rebuild report.html from a plan (and its profile); --log adds a run's measurements beside it."""
     from .plan import Plan
     from .records import Profile
     from .report import write_report

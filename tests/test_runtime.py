@@ -176,7 +176,10 @@ def test_one_process_runs_all_stages_with_the_same_losses(job: Path, num_layers:
 def test_killed_rank_resumes_exactly(job: Path, num_layers: int) -> None:
     """SIGKILL rank 1 after step 2's checkpoint; --resume gives steps 3-4 of an uninterrupted run."""
     plan = even_boundaries(num_layers, 2)
-    run, proc = launch(job, "killed", 2, "--ckpt-every", "1", env={"AUTOPIPE_KILL_AT": "2:1"}, plan=plan, check=False)
+    # tests/faults/sitecustomize.py makes rank 1 SIGKILL itself once checkpoint 2 is complete
+    faults = {"AUTOPIPE_TEST_KILL_AT": "2:1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"),
+                                                                              os.environ.get("PYTHONPATH", "")])}
+    run, proc = launch(job, "killed", 2, "--ckpt-every", "1", env=faults, plan=plan, check=False)
     assert proc.returncode != 0
     assert sorted(p.name for p in (run / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_00000001", "step_00000002"]
     assert max(logged_losses(run)) == 2

@@ -94,18 +94,7 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
             for stale in _step_dirs(root)[:-keep]:
                 shutil.rmtree(stale, ignore_errors=True)
     env.barrier()
-    _fault_hook(step, env.rank)
     return final
-
-
-def _fault_hook(step: int, rank: int) -> None:
-    """Test hook: AUTOPIPE_KILL_AT=STEP:RANK kills that rank with SIGKILL once checkpoint STEP is
-    complete, a real crash for the resume tests."""
-    spec = os.environ.get("AUTOPIPE_KILL_AT", "")
-    if spec and spec == f"{step}:{rank}":
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _step_dirs(root: Path) -> list[Path]:

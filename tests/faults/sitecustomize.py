@@ -1,0 +1,26 @@
+"""Fault injection for the runtime tests, kept out of autopipe itself.
+
+A test puts this folder on PYTHONPATH; Python imports ``sitecustomize`` in every process at start,
+so each torchrun worker reads ``AUTOPIPE_TEST_KILL_AT=STEP:RANK`` here. The worker of that global
+rank wraps ``save_checkpoint`` so that, right after checkpoint STEP is complete, it kills itself
+with SIGKILL: a real crash at the worst moment for the resume test, from outside the code under test.
+"""
+
+import os
+
+_spec = os.environ.get("AUTOPIPE_TEST_KILL_AT", "")
+if _spec and os.environ.get("RANK", "0") == _spec.split(":")[1]:
+    import signal
+
+    import autopipe.runtime.checkpoint as _checkpoint
+
+    _step = int(_spec.split(":")[0])
+    _save = _checkpoint.save_checkpoint
+
+    def _save_then_die(trainer, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        path = _save(trainer, *args, **kwargs)
+        if trainer.step_count == _step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    _checkpoint.save_checkpoint = _save_then_die
