@@ -7,6 +7,7 @@ from plain numbers with :meth:`Profile.from_costs`.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -127,6 +128,13 @@ class Profile:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        _check_layers(self.layers)
+        for label, value in (("input_bytes", self.input_bytes), ("reserve_bytes", self.reserve_bytes)):
+            _check_number(value, f"profile {label}", integer=True)
+        for name, size in self.tied_static_bytes.items():
+            _check_number(size, f"tied_static_bytes[{name!r}]", integer=True)
+        for name, seconds in self.tied_grad_time.items():
+            _check_number(seconds, f"tied_grad_time[{name!r}]")
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -223,6 +231,38 @@ class Profile:
 
     def with_layers(self, layers: Sequence[LayerCost]) -> "Profile":
         return replace(self, layers=tuple(layers))
+
+
+_TIMES = ("forward_time", "backward_time", "forward_spread", "backward_spread", "flops")
+_BYTES = ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_forward_bytes",
+          "peak_backward_bytes", "output_bytes")
+
+
+def _check_number(value: Any, what: str, *, integer: bool = False) -> None:
+    """A cost is a finite number >= 0 (bytes: a whole one); anything else is a broken or edited record."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if ok and integer and value != int(value):
+        ok = False
+    if not ok:
+        kind = "a whole number of bytes >= 0" if integer else "a finite number >= 0"
+        raise RecordError(f"{what} is {value!r}, but must be {kind}; profile the model again rather than edit it.")
+
+
+def _check_layers(layers: Sequence[LayerCost]) -> None:
+    """Refuse impossible per-layer figures (a negative time, a NaN, fractional bytes) and a broken index."""
+    for i, layer in enumerate(layers):
+        where = f"layer {i} ({layer.name or 'unnamed'})"
+        if layer.index != i:
+            raise RecordError(f"{where} has index {layer.index}; layers must be numbered 0, 1, 2, ... in order.")
+        for f in _TIMES:
+            _check_number(getattr(layer, f), f"{where} {f}")
+        for f in _BYTES:
+            _check_number(getattr(layer, f), f"{where} {f}", integer=True)
+        for mode, rc in layer.recompute.items():
+            if mode not in RECOMPUTE_MODES or mode == "none":
+                raise RecordError(f"{where} has recompute mode {mode!r}; use one of selective, full.")
+            _check_number(rc.activation_bytes, f"{where} recompute[{mode!r}].activation_bytes", integer=True)
+            _check_number(rc.extra_backward_time, f"{where} recompute[{mode!r}].extra_backward_time")
 
 
 def optimizer_state_factor(optimizer: str) -> float:

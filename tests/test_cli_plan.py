@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -131,3 +132,23 @@ def test_bad_stage_names_are_one_line(profile_path, text, message) -> None:
     result, out = _run("plan", str(profile_path), "-s", "4", "--stage-names", text)
     assert result.exit_code == 1, out
     assert "Traceback" not in out and out.count("error:") == 1 and message in out
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("forward_time", -1, r"layer 3 \(h.2\) forward_time is -1, but must be a finite number >= 0"),
+        ("activation_bytes", 1.5, r"layer 3 \(h.2\) activation_bytes is 1.5, but must be a whole number of bytes"),
+        ("index", 7, r"layer 3 \(h.2\) has index 7"),
+    ],
+)
+def test_a_hand_edited_profile_with_impossible_values_is_refused(profile_path, field, value, message) -> None:
+    """A profile whose figures cannot be (a negative time, fractional bytes, a broken index) is refused on
+    load with the layer and field named, exit 1 (it once printed a bubble of 270781% and exit 0)."""
+    data = json.loads(profile_path.read_text())
+    data["layers"][3][field] = value
+    profile_path.write_text(json.dumps(data))
+    result, out = _run("plan", str(profile_path), "--stages", "2")
+    assert result.exit_code == 1 and "Traceback" not in out
+    assert re.search(message, out), out
+    assert len([line for line in out.splitlines() if line.strip()]) == 1
