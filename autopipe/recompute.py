@@ -156,6 +156,12 @@ class _Replayable:
 
 def _selective_contexts(on_keep: KeepHook | None) -> tuple[Any, Any]:
     forward_side, recompute_side = create_selective_checkpoint_contexts(functools.partial(keep_output, on_keep))
+    if not isinstance(getattr(recompute_side, "storage", None), dict):
+        # _Replayable reads torch's cache; a torch that keeps it elsewhere would fail mid-backward
+        raise RecomputeError(
+            f"selective recompute does not know torch {torch.__version__}'s selective-checkpoint cache; "
+            "use recompute 'full' (or 'none')."
+        )
     return forward_side, _Replayable(recompute_side)
 
 
