@@ -226,24 +226,21 @@ def check_signature(profile: Profile, seq: Any) -> None:
 def profile_table(prof: Profile) -> Table:
     """A rich table of a profile, one row per layer: time share, memory, bytes out.
 
-    ``act`` is what a layer keeps for backward; ``sel``/``full`` what it keeps under selective and
-    full recompute, and the caption what each mode saves and adds to the backward in all.
+    ``act`` is what a layer keeps for backward; the caption adds what the whole model keeps under
+    each recompute mode and the backward time it adds (per layer: ``LayerCost.recompute``, in the JSON).
     """
     total = sum(prof.times) or 1.0
     table = Table(title=f"{prof.model or 'model'}: {prof.mode} on {prof.device.name} ({prof.dtype})",
                   title_justify="left")
     modes = [m for m in RECOMPUTE_MODES[1:] if any(m in c.recompute for c in prof.layers)]
-    labels = {"selective": "sel", "full": "full"}
     # static = parameters + gradients + optimizer state; act = saved for backward per micro-batch
-    for col in ("#", "layer", "fwd ms", "bwd ms", "share", "static", "act", *(labels[m] for m in modes),
-                "peak", "out", ""):
+    for col in ("#", "layer", "fwd ms", "bwd ms", "share", "static", "act", "peak", "out", ""):
         table.add_column(col, justify="left" if col in ("layer", "") else "right", no_wrap=col != "layer",
                          min_width=12 if col == "layer" else None)
     for c in prof.layers:
         table.add_row(
             str(c.index), c.name, f"{c.forward_time * 1e3:.3f}", f"{c.backward_time * 1e3:.3f}",
             f"{100 * c.time / total:.1f}%", format_bytes(c.static_bytes), format_bytes(c.activation_bytes),
-            *(format_bytes(c.recompute[m].activation_bytes) if m in c.recompute else "-" for m in modes),
             format_bytes(max(c.peak_forward_bytes, c.peak_backward_bytes)), format_bytes(c.output_bytes),
             ("tied " if c.tied else "") + ("=" if c.source == "reused" else ""),
         )

@@ -7,18 +7,22 @@ Three modes (``records.RECOMPUTE_MODES``), chosen per pipeline chunk and applied
   (``torch.utils.checkpoint``, non-reentrant). What DeepSpeed's ``activation_checkpoint_interval=1``
   and Megatron's ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`` do.
 - ``selective``: the layer keeps its inputs and the outputs of the expensive operators
-  (:data:`SAVED_OPS`: matmuls, convolutions, fused attention kernels); backward recomputes the cheap
-  rest (pointwise, norms, softmax, dropout) from them. torch's selective activation checkpointing
-  (``create_selective_checkpoint_contexts``) with the policy :func:`keep_output`.
+  (:data:`SAVED_OPS`: matmuls by a weight, convolutions, fused attention kernels); backward
+  recomputes the cheap rest (pointwise, norms, softmax, dropout, unfused attention) from them.
+  torch's selective activation checkpointing (``create_selective_checkpoint_contexts``) with the
+  policy :func:`keep_output`.
 
-Why that split: a matmul or convolution does O(n) FLOPs per byte it writes, so recomputing it costs
-about as much time as its forward did; a pointwise op, a norm or a softmax does O(1) per byte and is
-limited by memory bandwidth, so recomputing it costs one more pass over data that is already there,
-while keeping its output costs as many bytes as keeping its input. Attention kernels (flash,
-memory-efficient, cuDNN, the CPU flash kernel) are kept whole: they are the most expensive operators
-of a transformer and never materialise the (T, T) scores, so there is nothing cheap inside them to
-drop. Where attention runs unfused (the math path), its two matmuls are kept and the softmax and
-dropout over the scores are recomputed: Megatron's selective recompute keeps the matmuls the same way.
+Why that split: a matmul by a weight (a linear layer: ``mm``/``addmm`` once its batch is folded into
+rows) or a convolution does O(d) FLOPs per byte it writes, so recomputing it costs about as much time
+as its forward did; a pointwise op, a norm or a softmax does O(1) per byte and is bound by memory
+bandwidth, so recomputing it costs one more pass over data already there, while keeping its output
+costs as many bytes as keeping its input. Fused attention kernels (flash, memory-efficient, cuDNN,
+the CPU flash kernel) are kept: they are the most expensive operators of a transformer and their
+output is small (they never materialise the (T, T) scores). Unfused attention multiplies activations
+by activations with batched matmuls (``bmm``): QKᵀ writes b·h·T² scores, often the largest tensor
+of the layer, at only O(head_dim) FLOPs per byte; those are recomputed with the softmax and dropout
+over them — Megatron's selective recompute (recompute the core attention, keep the linear layers)
+makes the same choice for the same reason.
 
 Dropout replays the same masks: checkpoint saves the RNG state (CPU, and the inputs' device) before
 the forward and restores it for the recomputation (``preserve_rng_state=True``), which leaves the
@@ -58,11 +62,12 @@ _aten = torch.ops.aten
 
 # Operators whose outputs ``selective`` keeps: the FLOP-heavy ones (see the module docstring). Packets,
 # so every overload (mm.default, mm.out, ...) counts. Composite operators (linear, matmul, conv2d,
-# scaled_dot_product_attention) never reach the policy: it sees what they dispatch to.
+# scaled_dot_product_attention) never reach the policy: it sees what they dispatch to. bmm/baddbmm
+# (batched activation x activation products: unfused attention) are left out on purpose.
 SAVED_OPS: frozenset[Any] = frozenset(
     getattr(_aten, name)
     for name in (
-        "mm", "addmm", "bmm", "baddbmm", "_int_mm", "_scaled_mm",  # matmuls (linear, matmul, einsum)
+        "mm", "addmm", "_int_mm", "_scaled_mm",  # 2-D matmuls: linear layers, a matmul by a weight
         "convolution", "_convolution", "convolution_overrideable",  # conv1d/2d/3d and transposed
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_flash_attention_for_cpu",

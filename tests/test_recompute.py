@@ -25,6 +25,7 @@ from autopipe.measure import LiveBytes, as_tuple
 from autopipe.profile import profile_table
 from autopipe.recompute import RecomputeError, chunk_modes, run_layer
 from autopipe.records import Profile
+from autopipe.units import format_bytes
 from autopipe.runtime import build_stage
 from autopipe.runtime.build import PipeChunk
 from autopipe.runtime.layout import even_boundaries
@@ -371,15 +372,16 @@ def test_estimate_mode_fills_recompute_from_meta_tensors(mlp3: SimpleNamespace) 
 
 
 def test_profile_table_shows_recompute(mlp3: SimpleNamespace) -> None:
-    """The table has sel/full columns and one caption line per mode with its total and extra time."""
+    """The table's caption has one line per mode: what the model keeps under it and the time it adds."""
     from rich.console import Console
 
     prof = autopipe.profile(mlp3.seq, (mlp3.x,), estimate=True, device="h100", progress=False)
     console = Console(width=200, record=True)
     console.print(profile_table(prof))
     text = console.export_text()
-    assert " sel " in text and " full " in text
-    assert "selective recompute: activations" in text and "full recompute: activations" in text
+    # none keeps (10 + 9 + 8)·bd, selective (6 + 5 + 5)·bd, full (2 + 1)·bd
+    assert f"selective recompute: activations {format_bytes(16 * UNIT)} (59%)" in text
+    assert f"full recompute: activations {format_bytes(3 * UNIT)} (11%)" in text
 
 
 # ---- choosing modes ---------------------------------------------------------------------------------
