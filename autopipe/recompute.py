@@ -34,8 +34,8 @@ Non-reentrant checkpoint recomputes once per autograd call, so the forward is re
 passes (about twice the extra time; memory between them is as without the split). torch's selective
 checkpoint marks each kept output consumed after the first recomputation and fails the second with
 "Trying to backward an extra time" (pytorch#136766 is the memory side of the same interaction):
-:func:`run_layer` keeps the outputs available until the layer's graph is freed, so both passes find
-them. ``torch.utils.checkpoint.GraphExecGroup`` (recompute once per group) does not apply: the nodes
+:func:`run_layer` keeps the outputs available until the layer's graph is freed (at the end of its
+backward, not as the first recomputation reads them), so both passes find them. ``torch.utils.checkpoint.GraphExecGroup`` (recompute once per group) does not apply: the nodes
 where input and weight paths meet run in both passes and unpack the same saved tensors twice.
 
 The profiler and the runtime run layers through the same :func:`run_layer`; the profiler passes
@@ -106,15 +106,17 @@ def chunk_modes(recompute: str | Sequence[str] | None, num_chunks: int, plan: An
         >>> chunk_modes(None, 2)
         ['none', 'none']
     """
+    source = "recompute"
     if recompute is None or recompute == "plan":
         recompute = getattr(plan, "stage_recompute", None) or "none"
+        source = "the plan's stage_recompute"
     if isinstance(recompute, str):
         return [check_mode(recompute)] * num_chunks
     modes = [check_mode(m) for m in recompute]
     if len(modes) != num_chunks:
         raise RecomputeError(
-            f"recompute gives {len(modes)} modes but the plan has {num_chunks} chunks; give one mode "
-            "for all chunks or one per chunk."
+            f"{source} gives {len(modes)} modes but the plan has {num_chunks} chunks; give one mode for all "
+            "chunks or one per chunk."
         )
     return modes
 

@@ -396,6 +396,8 @@ def test_modes_per_chunk_come_from_the_flag_or_the_plan() -> None:
     assert chunk_modes(None, 3, SimpleNamespace(boundaries=(0, 1, 2, 3))) == ["none"] * 3
     with pytest.raises(RecomputeError, match="2 modes but the plan has 3 chunks"):
         chunk_modes(["full", "none"], 3)
+    with pytest.raises(RecomputeError, match="the plan's stage_recompute gives 2 modes"):
+        chunk_modes(None, 3, plan)
     with pytest.raises(RecomputeError, match="unknown recompute mode 'partial'"):
         chunk_modes("partial", 2)
 
