@@ -29,14 +29,17 @@ the forward and restores it for the recomputation (``preserve_rng_state=True``),
 global RNG stream as it would be without recompute.
 
 Zero-bubble schedules split a backward into an input-gradient pass (``stage_backward_input``) and a
-later weight-gradient pass (``stage_backward_weight``), two separate autograd calls over one graph.
-Non-reentrant checkpoint recomputes once per autograd call, so the forward is recomputed in both
-passes (about twice the extra time; memory between them is as without the split). torch's selective
-checkpoint marks each kept output consumed after the first recomputation and fails the second with
-"Trying to backward an extra time" (pytorch#136766 is the memory side of the same interaction):
-:func:`run_layer` keeps the outputs available until the layer's graph is freed (at the end of its
-backward, not as the first recomputation reads them), so both passes find them. ``torch.utils.checkpoint.GraphExecGroup`` (recompute once per group) does not apply: the nodes
-where input and weight paths meet run in both passes and unpack the same saved tensors twice.
+later weight-gradient pass (``stage_backward_weight``), which makes one ``autograd.grad`` call per
+group of weights (a transformer block has about six: each linear layer and norm). Non-reentrant
+checkpoint recomputes once per autograd call, so the layer's forward runs 1 + (number of weight
+groups) times instead of once: correct, memory as without the split, but slow (pytorch#136766 saw
+the same interaction). torch's selective checkpoint also marks each kept output consumed at the first
+recomputation and fails the second with "Trying to backward an extra time": :func:`run_layer` keeps
+the outputs available until the layer's graph is freed (at the end of its backward rather than as
+the first recomputation reads them), so every pass finds them. :func:`shared_recompute` around one
+micro-batch's weight pass brings the count down to two (one for the input pass, one for all weight
+groups); it cannot span both passes, because the nodes where input and weight paths meet run in
+each and would unpack the same saved tensors twice, which ``GraphExecGroup`` refuses.
 
 The profiler and the runtime run layers through the same :func:`run_layer`; the profiler passes
 ``on_keep`` to see what the selective policy keeps.
@@ -44,6 +47,7 @@ The profiler and the runtime run layers through the same :func:`run_layer`; the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,7 +60,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .errors import AutopipeError
 from .records import RECOMPUTE_MODES
 
-__all__ = ["RECOMPUTE_MODES", "SAVED_OPS", "RecomputeError", "check_mode", "chunk_modes", "keep_output", "run_layer"]
+__all__ = [
+    "RECOMPUTE_MODES", "SAVED_OPS", "RecomputeError", "check_mode", "chunk_modes", "keep_output", "run_layer",
+    "shared_recompute",
+]
 
 _aten = torch.ops.aten
 
@@ -197,3 +204,19 @@ def run_layer(layer: nn.Module, x: Any, mode: str, *, on_keep: KeepHook | None =
         forward, *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=functools.partial(_selective_contexts, on_keep),
     )
+
+
+def shared_recompute() -> contextlib.AbstractContextManager[Any]:
+    """Backward calls made inside recompute each checkpointed layer at most once between them.
+
+    For a zero-bubble schedule's weight pass of one micro-batch (``stage_backward_weight`` makes one
+    autograd call per weight group, each of which would recompute the layer again). The calls inside
+    must not need the same saved tensors: a weight pass's groups never do; an input pass and its
+    weight pass do, so they are wrapped separately. A no-op where torch has no ``GraphExecGroup``.
+
+    Example:
+        >>> with shared_recompute():
+        ...     stage_backward_weight(chunk.parameters(), param_groups)
+    """
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    return group() if group is not None else contextlib.nullcontext()

@@ -6,6 +6,7 @@ gradients. The pipelined runs use torch's schedules in real processes (gloo, CPU
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -382,6 +383,56 @@ def test_profile_table_shows_recompute(mlp3: SimpleNamespace) -> None:
     # none keeps (10 + 9 + 8)·bd, selective (6 + 5 + 5)·bd, full (2 + 1)·bd
     assert f"selective recompute: activations {format_bytes(16 * UNIT)} (59%)" in text
     assert f"full recompute: activations {format_bytes(3 * UNIT)} (11%)" in text
+
+
+# ---- zero-bubble split backward, one layer -------------------------------------------------------
+
+
+class NormMLP(nn.Module):
+    """LayerNorm -> Linear -> GELU -> Linear plus residual: three weight groups for a split backward."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(d), MLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.dropout(self.mlp(self.norm(x)), 0.2)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_split_backward_recomputes_per_weight_group_unless_shared(mode: str) -> None:
+    """torch's zero-bubble backward (input pass, then one autograd call per weight group) gives the
+    plain gradients under recompute; the layer's forward runs 1 + 3 times, or 2 with shared_recompute
+    around the weight pass."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from autopipe.recompute import shared_recompute
+
+    torch.manual_seed(0)
+    layer, x = NormMLP(D), torch.randn(ROWS, D, requires_grad=True)
+    calls = []
+    layer.register_forward_pre_hook(lambda *_: calls.append(1))
+
+    def grads(mode: str, split: bool, shared: bool = False) -> list[torch.Tensor]:
+        layer.zero_grad(set_to_none=True)
+        calls.clear()
+        torch.manual_seed(1)
+        out = run_layer(layer, x, mode)
+        if split:
+            dx, groups = stage_backward_input([out], [torch.ones_like(out)], [x], layer.parameters())
+            with shared_recompute() if shared else contextlib.nullcontext():
+                stage_backward_weight(layer.parameters(), groups)
+        else:
+            (dx,) = torch.autograd.grad(out, x, torch.ones_like(out), retain_graph=True)
+            out.backward(torch.ones_like(out))
+        return [dx[0] if isinstance(dx, tuple) else dx, *(p.grad for p in layer.parameters())]
+
+    expected = grads("none", split=False)
+    for shared, forwards in ((False, 1 + 1 + 3), (True, 1 + 1 + 1)):
+        got = grads(mode, split=True, shared=shared)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, atol=TOL, rtol=0)
+        assert len(calls) == forwards
 
 
 # ---- choosing modes ---------------------------------------------------------------------------------
