@@ -2,10 +2,12 @@
 
 For every layer: forward and backward time (median and spread of repeated runs after warm-up),
 parameter, gradient and optimizer bytes, activation bytes saved for backward per micro-batch, the
-transient peak of forward and backward, and the bytes of the value leaving it. Each layer runs on its
-real input: the sequence is run once, layer after layer, and each output feeds the next layer.
-Identical layers (same structure key, same input shapes) are timed once. ``estimate=True`` runs
-nothing real and prices each layer by a roofline (see :mod:`autopipe.estimate`).
+transient peak of forward and backward, and the bytes of the value leaving it; and, per activation
+recompute mode (``selective``, ``full``), the bytes it keeps and the backward time the recomputation
+adds (``LayerCost.recompute``). Each layer runs on its real input: the sequence is run once, layer
+after layer, and each output feeds the next layer. Identical layers (same structure key, same input
+shapes) are timed once. ``estimate=True`` runs nothing real and prices each layer by a roofline (see
+:mod:`autopipe.estimate`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ def profile(
         warmup, repeats: untimed and timed runs per measured layer.
         threads: CPU threads to time with (default: torch's current setting), fixed for the run.
         progress: show a progress bar on stderr.
+
+    Every layer is also run under each recompute mode (:mod:`autopipe.recompute`) to fill
+    ``LayerCost.recompute``: bytes from the same ledger as ``activation_bytes``, extra backward time
+    measured (or, estimating, the roofline time of the recomputed operators).
 
     The model's weights, gradients, buffers (BatchNorm running statistics), training flags and RNG
     state are the same afterwards.
