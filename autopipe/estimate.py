@@ -6,6 +6,10 @@ dispatched operator by operator, and each operator costs
 FLOPs come from torch.utils.flop_counter's formulas (matmuls, convolutions, attention); an operator
 without a formula is memory-bound (elementwise, norms, softmax). This is how a 70B model is planned
 on a laptop.
+
+Recompute: ``full`` runs the whole forward again in backward, so its extra time is the forward's;
+``selective`` runs again only the operators its policy does not keep (:data:`recompute.SAVED_OPS`),
+so its extra time is the forward's minus those operators' roofline seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .devices import DeviceSpec
 from .measure import Value, _grad_outputs, backward_targets, storage_key, tensor_bytes
+from .recompute import SAVED_OPS
 
 __all__ = ["OpCost", "Estimate", "estimate_layer", "meta_copy", "data_free"]
 
@@ -39,6 +44,7 @@ class OpCost(TorchDispatchMode):
         self.flops = 0.0
         self.bytes = 0
         self.seconds = 0.0
+        self.kept_seconds = 0.0  # of operators whose outputs selective recompute keeps
         self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -55,7 +61,10 @@ class OpCost(TorchDispatchMode):
         moved = sum(tensor_bytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, Tensor))
         self.flops += flops
         self.bytes += moved
-        self.seconds += max(flops / self.peak, moved / self.bandwidth) + self.overhead
+        seconds = max(flops / self.peak, moved / self.bandwidth) + self.overhead
+        self.seconds += seconds
+        if packet in SAVED_OPS:
+            self.kept_seconds += seconds
         self.ops += 1
         return out
 
@@ -66,6 +75,7 @@ class Estimate:
     backward_time: float
     forward_flops: float
     backward_flops: float
+    recompute_time: dict[str, float]  # mode -> seconds the recomputation adds to the backward
 
 
 def estimate_layer(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str) -> Estimate:
@@ -78,7 +88,9 @@ def estimate_layer(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str) 
     if outs and targets:
         with bwd:
             torch.autograd.grad(outs, targets, grads, allow_unused=True)
-    return Estimate(fwd.seconds, bwd.seconds, fwd.flops, bwd.flops)
+    # a layer with nothing to differentiate has no backward, so nothing is recomputed
+    recompute = {"full": fwd.seconds, "selective": fwd.seconds - fwd.kept_seconds} if outs and targets else {}
+    return Estimate(fwd.seconds, bwd.seconds, fwd.flops, bwd.flops, recompute)
 
 
 def data_free(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:

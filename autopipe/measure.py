@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .recompute import run_layer
 from .sequence import as_tuple
 
 __all__ = [
@@ -114,10 +115,13 @@ def median_seconds(fn: Callable[[], Any], *, device: torch.device, repeats: int)
     return statistics.median(clock(fn)[0] for _ in range(repeats))
 
 
-def time_layer(layer: nn.Module, x: Value, *, device: torch.device, warmup: int, repeats: int) -> Timing:
+def time_layer(
+    layer: nn.Module, x: Value, *, device: torch.device, warmup: int, repeats: int, mode: str = "none"
+) -> Timing:
     """Median forward and backward seconds of ``layer`` on ``x`` after ``warmup`` untimed runs.
 
     Each repeat is a fresh forward then a backward over it, as a pipeline stage runs a micro-batch.
+    Under a recompute ``mode`` the backward includes the recomputation.
     """
     clock = _Clock(device)
     targets = backward_targets(layer, x)
@@ -125,7 +129,7 @@ def time_layer(layer: nn.Module, x: Value, *, device: torch.device, warmup: int,
     bwd: list[float] = []
     grads: list[Tensor] | None = None
     for i in range(warmup + repeats):
-        tf, out = clock(lambda: layer(x))
+        tf, out = clock(lambda: run_layer(layer, x, mode))
         outs, fresh = _grad_outputs(out)
         # Upstream gradients arrive ready-made in a pipeline: allocate them once, outside the timing.
         grads = grads if grads is not None and len(grads) == len(fresh) else fresh
@@ -191,24 +195,31 @@ class PassResult:
     peak_backward: int
 
 
-def saved_pass(layer: nn.Module, x: Value, *, device: torch.device, measure_peaks: bool) -> PassResult:
-    """One forward (and, when measuring peaks, one backward) recording what autograd saves.
+def saved_pass(
+    layer: nn.Module, x: Value, *, device: torch.device, measure_peaks: bool, mode: str = "none"
+) -> PassResult:
+    """One forward (and, when measuring peaks, one backward) recording what the layer keeps for backward.
 
-    Each saved storage is counted once however many tensors view it; static storages (the layer's
-    parameters, buffers, constants) are left out.
+    Each kept storage is counted once however many tensors view it; static storages (the layer's
+    parameters, buffers, constants) are left out. Under a recompute ``mode`` the layer keeps what
+    checkpoint saves (its inputs) plus, for ``selective``, the operator outputs its policy keeps;
+    the tensors it saves inside the checkpointed region are placeholders and hold nothing.
     """
     static = static_storage_keys(layer)
     saved: dict[int, int] = {}
 
-    def pack(t: Tensor) -> Tensor:
+    def keep(t: Tensor) -> None:
         key = storage_key(t)
         if key not in static:
             saved[key] = t.untyped_storage().nbytes()
+
+    def pack(t: Tensor) -> Tensor:
+        keep(t)
         return t
 
     def forward() -> Value:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            return layer(x)
+            return run_layer(layer, x, mode, on_keep=keep)
 
     if not measure_peaks:
         return PassResult(forward(), saved, 0, 0)

@@ -2,10 +2,12 @@
 
 For every layer: forward and backward time (median and spread of repeated runs after warm-up),
 parameter, gradient and optimizer bytes, activation bytes saved for backward per micro-batch, the
-transient peak of forward and backward, and the bytes of the value leaving it. Each layer runs on its
-real input: the sequence is run once, layer after layer, and each output feeds the next layer.
-Identical layers (same structure key, same input shapes) are timed once. ``estimate=True`` runs
-nothing real and prices each layer by a roofline (see :mod:`autopipe.estimate`).
+transient peak of forward and backward, and the bytes of the value leaving it; and, per activation
+recompute mode (``selective``, ``full``), the bytes it keeps and the backward time the recomputation
+adds (``LayerCost.recompute``). Each layer runs on its real input: the sequence is run once, layer
+after layer, and each output feeds the next layer. Identical layers (same structure key, same input
+shapes) are timed once. ``estimate=True`` runs nothing real and prices each layer by a roofline (see
+:mod:`autopipe.estimate`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .devices import describe_device, device_spec, dtype_name, keep_freed_memory
 from .errors import AutopipeError, StaleProfileError
 from .estimate import data_free, estimate_layer, meta_copy
 from .measure import StateGuard, Value, as_tuple, median_seconds, saved_pass, storage_key, tensor_bytes, time_layer
-from .records import LayerCost, Profile, optimizer_state_factor
+from .records import RECOMPUTE_MODES, LayerCost, Profile, RecomputeCost, optimizer_state_factor
 from .units import format_bytes
 
 __all__ = ["profile", "check_signature", "profile_table"]
@@ -65,6 +67,10 @@ def profile(
         warmup, repeats: untimed and timed runs per measured layer.
         threads: CPU threads to time with (default: torch's current setting), fixed for the run.
         progress: show a progress bar on stderr.
+
+    Every layer is also run under each recompute mode (:mod:`autopipe.recompute`) to fill
+    ``LayerCost.recompute``: bytes from the same ledger as ``activation_bytes``, extra backward time
+    measured (or, estimating, the roofline time of the recomputed operators).
 
     The model's weights, gradients, buffers (BatchNorm running statistics), training flags and RNG
     state are the same afterwards.
@@ -111,14 +117,13 @@ def profile(
     if run_device.type == "cpu" and threads:
         torch.set_num_threads(threads)
     costs: list[dict[str, Any]] = []
-    activation = [0] * len(layers)
-    # storage key of each tensor of the current input -> layer to charge if a later layer saves it
-    owner: dict[int, int] = {}
+    # one ledger per recompute mode: what the layers keep for backward, each storage charged once
+    ledgers: dict[str, _Ledger] = {}
     measured: dict[tuple[Any, ...], dict[str, Any]] = {}
     try:
         with StateGuard(layers), _progress_bar(progress, len(layers)) as bar, no_data:
             x = _to(x, run_device, estimate=estimate)
-            owner = {storage_key(t): 0 for t in as_tuple(x)}
+            ledgers = {mode: _Ledger(len(layers), as_tuple(x)) for mode in RECOMPUTE_MODES}
             task = bar.add_task("profile", total=len(layers))
             for i, layer in enumerate(layers):
                 info = infos[i]
@@ -137,19 +142,17 @@ def profile(
                                          warmup=warmup, repeats=repeats)
                     if key is not None:
                         measured[key] = timing
+                inputs = {storage_key(t) for t in as_tuple(x)}
                 result = saved_pass(work, x, device=run_device, measure_peaks=source != "reused")
                 if source != "reused":
                     timing.update(peak_forward_bytes=result.peak_forward, peak_backward_bytes=result.peak_backward)
-                inputs = {storage_key(t) for t in as_tuple(x)}
-                for skey, nbytes in result.saved.items():
-                    if skey in inputs:
-                        if owner.get(skey, _COUNTED) != _COUNTED:
-                            activation[owner[skey]] += nbytes
-                            owner[skey] = _COUNTED
-                    else:
-                        activation[i] += nbytes
+                ledgers["none"].charge(i, result.saved, inputs, result.out, result.out)
+                for mode in RECOMPUTE_MODES[1:]:
+                    # the same input under each mode; the next layer runs on the plain pass's output
+                    kept = saved_pass(work, x, device=run_device, measure_peaks=False, mode=mode)
+                    ledgers[mode].charge(i, kept.saved, inputs, result.out, kept.out)
+                    del kept
                 x = _detached(result.out)
-                owner = {key: _next_owner(key, i, inputs, owner, result.saved) for key in map(storage_key, as_tuple(x))}
                 StateGuard.restore_buffers(snapshot)
                 params = list(layer.parameters())  # each tensor once, tied or not
                 pb, gb, ob = (sum(v) for v in zip(*(sizes(p) for p in params))) if params else (0, 0, 0)
@@ -165,7 +168,7 @@ def profile(
     finally:
         torch.set_num_threads(old_threads)
 
-    layer_costs = tuple(LayerCost(activation_bytes=activation[c["index"]], **c) for c in costs)
+    layer_costs = tuple(_layer_cost(c, ledgers) for c in costs)
     return Profile(
         layers=layer_costs,
         device=spec.info(dtype_name(tdtype)) if estimate else describe_device(run_device),
@@ -227,10 +230,15 @@ def check_signature(profile: Profile, seq: Any) -> None:
 
 
 def profile_table(prof: Profile) -> Table:
-    """A rich table of a profile, one row per layer: time share, memory, bytes out."""
+    """A rich table of a profile, one row per layer: time share, memory, bytes out.
+
+    ``act`` is what a layer keeps for backward; the caption adds what the whole model keeps under
+    each recompute mode and the backward time it adds (per layer: ``LayerCost.recompute``, in the JSON).
+    """
     total = sum(prof.times) or 1.0
     table = Table(title=f"{prof.model or 'model'}: {prof.mode} on {prof.device.name} ({prof.dtype})",
                   title_justify="left")
+    modes = [m for m in RECOMPUTE_MODES[1:] if any(m in c.recompute for c in prof.layers)]
     # static = parameters + gradients + optimizer state; act = saved for backward per micro-batch
     for col in ("#", "layer", "fwd ms", "bwd ms", "share", "static", "act", "peak", "out", ""):
         table.add_column(col, justify="left" if col in ("layer", "") else "right", no_wrap=col != "layer",
@@ -242,33 +250,80 @@ def profile_table(prof: Profile) -> Table:
             format_bytes(max(c.peak_forward_bytes, c.peak_backward_bytes)), format_bytes(c.output_bytes),
             ("tied " if c.tied else "") + ("=" if c.source == "reused" else ""),
         )
-    table.caption = (f"total {total * 1e3:.2f} ms per micro-batch {prof.microbatch}; activations "
-                     f"{format_bytes(sum(c.activation_bytes for c in prof.layers))}; '=' reuses an identical layer")
+    activations = sum(c.activation_bytes for c in prof.layers)
+    lines = [f"total {total * 1e3:.2f} ms per micro-batch {prof.microbatch}; activations "
+             f"{format_bytes(activations)}; '=' reuses an identical layer"]
+    for m in modes:
+        kept = sum(c.recompute[m].activation_bytes if m in c.recompute else c.activation_bytes for c in prof.layers)
+        extra = sum(c.recompute[m].extra_backward_time for c in prof.layers if m in c.recompute)
+        lines.append(f"{m} recompute: activations {format_bytes(kept)} ({100 * kept / (activations or 1):.0f}%), "
+                     f"backward +{extra * 1e3:.2f} ms ({100 * extra / total:.0f}% of the step)")
+    table.caption = "\n".join(lines)
     return table
 
 
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def _next_owner(key: int, i: int, inputs: set[int], owner: dict[int, int], saved: dict[int, int]) -> int:
-    """Who pays for a storage of layer i's output if a later layer saves it for backward.
+class _Ledger:
+    """Activation bytes per layer under one recompute mode: each kept storage is charged once, to the
+    layer that produced it (the model's inputs to layer 0).
 
-    Activation bytes are charged to the layer that produced the storage, once: a storage passed
-    through unchanged keeps its producer; one layer i already saved is paid for; a new one is i's.
+    So a run of layers sums to what they keep, each storage once, however many layers keep it: under
+    ``full`` a layer keeps its input, which its producer pays for, and a chunk's sum is what its stage
+    keeps for backward besides its input tuple (its output tuple included: the stage holds it anyway).
     """
-    if key in inputs:
-        return owner.get(key, _COUNTED)
-    return _COUNTED if key in saved else i
+
+    def __init__(self, num_layers: int, first_input: Sequence[Tensor]) -> None:
+        self.bytes = [0] * num_layers
+        # storage key of each tensor of the current input -> layer to charge if a layer keeps it
+        self.owner = {storage_key(t): 0 for t in first_input}
+
+    def charge(self, i: int, saved: Mapping[int, int], inputs: set[int], out: Value, own_out: Value) -> None:
+        """Charge what layer ``i`` kept (``saved``); ``out`` feeds the next layer, ``own_out`` is the
+        same output from the pass that kept ``saved`` (the same storages, or a recompute mode's run)."""
+        for key, nbytes in saved.items():
+            if key in inputs:
+                if self.owner.get(key, _COUNTED) != _COUNTED:
+                    self.bytes[self.owner[key]] += nbytes
+                    self.owner[key] = _COUNTED
+            else:
+                self.bytes[i] += nbytes
+        # Who pays for each storage of the output if a later layer keeps it: a storage passed through
+        # unchanged keeps its producer; one layer i kept itself is paid for; a new one is i's.
+        self.owner = {
+            storage_key(t): (self.owner.get(storage_key(t), _COUNTED) if storage_key(t) in inputs
+                             else _COUNTED if storage_key(own) in saved else i)
+            for t, own in zip(as_tuple(out), as_tuple(own_out))
+        }
+
+
+def _layer_cost(c: dict[str, Any], ledgers: Mapping[str, _Ledger]) -> LayerCost:
+    i = c["index"]
+    extra = c.pop("recompute_time", {})
+    recompute = {
+        mode: RecomputeCost(activation_bytes=ledgers[mode].bytes[i], extra_backward_time=extra.get(mode, 0.0))
+        for mode in RECOMPUTE_MODES[1:]
+    }
+    return LayerCost(activation_bytes=ledgers["none"].bytes[i], recompute=recompute, **c)
 
 
 def _cost_layer(work: nn.Module, x: Value, *, estimate: bool, spec: Any, dtype: str, device: torch.device,
                 warmup: int, repeats: int) -> dict[str, Any]:
     if estimate:
         est = estimate_layer(work, x, spec=spec, dtype=dtype)
-        return dict(forward_time=est.forward_time, backward_time=est.backward_time, flops=est.forward_flops)
+        return dict(forward_time=est.forward_time, backward_time=est.backward_time, flops=est.forward_flops,
+                    recompute_time=est.recompute_time)
     t = time_layer(work, x, device=device, warmup=warmup, repeats=repeats)
+    # what recomputation adds to the backward: its median under the mode minus the plain median;
+    # noise can make it negative on a cheap layer, where it is nothing
+    extra = {
+        mode: max(0.0, time_layer(work, x, device=device, warmup=warmup, repeats=repeats, mode=mode).backward
+                  - t.backward)
+        for mode in RECOMPUTE_MODES[1:]
+    }
     return dict(forward_time=t.forward, backward_time=t.backward,
-                forward_spread=t.forward_spread, backward_spread=t.backward_spread)
+                forward_spread=t.forward_spread, backward_spread=t.backward_spread, recompute_time=extra)
 
 
 class _ParamSizer:

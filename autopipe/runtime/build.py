@@ -9,6 +9,7 @@ whole model the same way, so the unpipelined reference starts from identical wei
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
+from ..recompute import RecomputeError, check_mode, chunk_modes, run_layer
 from ..sequence import retarget_device_
 from .layout import Layout, even_boundaries
 from .weights import (
@@ -43,6 +45,11 @@ class TiedSpec:
     holders: tuple[int, ...]  # pipeline ranks, sorted
 
 
+# The mode each layer was last given by a chunk, so a chunk rebuilt from the same layers without one
+# (the one-process engine joins all chunks into one) still runs every layer as the plan said.
+_LAYER_MODE: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
 class PipeChunk(nn.Module):
     """Consecutive layers run as one pipeline stage, in the layer format both engines use.
 
@@ -50,9 +57,19 @@ class PipeChunk(nn.Module):
     inputs as ``LayerSequence.pack_inputs`` orders them) and returns the tuple crossing the cut after
     it (for the last chunk, the model's flat outputs; ``LayerSequence.unpack_outputs`` rebuilds them).
     Under mixed precision the layers run in autocast; parameters stay fp32.
+
+    ``recompute`` is the chunk's activation recompute mode (``none``, ``selective``, ``full``; see
+    :mod:`autopipe.recompute`), or one mode per layer; each layer is checkpointed on its own. None
+    keeps the modes an earlier chunk gave these layers (none for fresh ones).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], index: int, layer_range: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        index: int,
+        layer_range: tuple[int, int],
+        recompute: str | Sequence[str] | None = None,
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.index = index
@@ -60,6 +77,19 @@ class PipeChunk(nn.Module):
         self.autocast_dtype: torch.dtype | None = None
         # zero-bubble schedules detach stage outputs in place, which torch refuses for views
         self.unview_outputs = False
+        if recompute is None:
+            modes = [_LAYER_MODE.get(layer, "none") for layer in self.layers]
+        elif isinstance(recompute, str):
+            modes = [check_mode(recompute)] * len(self.layers)
+        else:
+            modes = [check_mode(m) for m in recompute]
+            if len(modes) != len(self.layers):
+                raise RecomputeError(
+                    f"recompute gives {len(modes)} modes for a chunk of {len(self.layers)} layers; give one per layer."
+                )
+        self.recompute: tuple[str, ...] = tuple(modes)
+        for layer, mode in zip(self.layers, modes):
+            _LAYER_MODE[layer] = mode
 
     def forward(self, *xs: torch.Tensor) -> Any:
         x: Any = xs[0] if len(xs) == 1 else tuple(xs)
@@ -67,8 +97,8 @@ class PipeChunk(nn.Module):
         with torch.autocast(
             device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None
         ):
-            for layer in self.layers:
-                x = layer(x)
+            for layer, mode in zip(self.layers, self.recompute):
+                x = run_layer(layer, x, mode)
         if self.unview_outputs:
             x = tuple(t.clone() if t._is_view() else t for t in x) if isinstance(x, tuple) else (
                 x.clone() if x._is_view() else x
@@ -90,6 +120,7 @@ class StageBuild:
     tied: list[TiedSpec]  # every tied tensor of the model (ranks that hold none included)
     # tied tensor name -> extra leaves sharing its storage, one per further local chunk using it
     aliases: dict[str, list[nn.Parameter]] = field(default_factory=dict)
+    recompute: list[str] = field(default_factory=list)  # the recompute mode of every chunk of the plan
 
     def fold_alias_grads_(self) -> None:
         """Add the gradients of local alias leaves into the parameter they alias."""
@@ -129,6 +160,7 @@ def build_stage(
     weights: str | None = None,
     device: torch.device | str = "cpu",
     granularity: str = "block",
+    recompute: str | Sequence[str] | None = None,
 ) -> StageBuild:
     """Build pipeline rank ``pp_rank``'s chunks of the model ``model_fn`` makes.
 
@@ -138,6 +170,9 @@ def build_stage(
         boundaries: the plan (``plan.boundaries``), its list of S·v + 1 layer indices, or a number
             of chunks to cut evenly.
         weights: a safetensors file or HF folder to load from; None initialises from ``seed``.
+        recompute: activation recompute, one mode for every chunk (``none``, ``selective``,
+            ``full``) or one per chunk of the plan; None (or ``"plan"``) takes the plan's
+            ``stage_recompute`` when it has one, else none. Works with every schedule.
 
     Example:
         >>> b = build_stage(make_gpt2, (ids,), {"labels": ids}, [0, 3, 6], pp_rank=1, pp_size=2)
@@ -156,6 +191,7 @@ def build_stage(
             f"the plan cuts {layout.num_layers} layers but this model flattens into {len(seq.layers)}; "
             "the plan was made for another model or flatten options: partition again."
         )
+    modes = chunk_modes(recompute, layout.num_chunks, boundaries)
     chunk_ids = layout.chunks_of(pp_rank)
     needed: list[str] = []
     for c in chunk_ids:
@@ -174,6 +210,7 @@ def build_stage(
             [seq.layers[i] for i in layout.layers_of(c)],
             c,
             (layout.boundaries[c], layout.boundaries[c + 1]),
+            recompute=modes[c],
         )
         for c in chunk_ids
     ]
@@ -208,6 +245,7 @@ def build_stage(
         params=dict(sorted(params.items())),
         tied=tied,
         aliases=aliases,
+        recompute=modes,
     )
 
 

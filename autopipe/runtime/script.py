@@ -54,6 +54,8 @@ parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
 parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="rows per micro-batch")
 parser.add_argument("--schedule", default=SCHEDULE, help="gpipe | 1f1b | interleaved1f1b | zbv | interleavedzb")
 parser.add_argument("--dtype", default=DTYPE, choices=["fp32", "bf16", "fp16"])
+parser.add_argument("--recompute", default="plan", choices=["plan", "none", "selective", "full"],
+                    help="activation recompute per chunk: the plan's choice, or one mode for every chunk")
 parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp x stages)")
 parser.add_argument("--plan", default=str(PLAN), help="plan.json; 'even' cuts the layers evenly")
 parser.add_argument("--data", default=None, help="token file (.bin/.npy/.pt) or text file; default: synthetic tokens")
@@ -79,6 +81,8 @@ config = rt.TrainConfig(
     grad_clip=args.grad_clip, dtype=args.dtype, seed=args.seed,
 )
 if args.engine == "deepspeed":
+    if args.recompute not in ("plan", "none"):
+        parser.error("--recompute runs on the torch engine; DeepSpeed's own is activation_checkpoint_interval")
     rt.train_deepspeed(source, args.plan, config, args, seq_len=SEQ_LEN)
     raise SystemExit(0)
 
@@ -87,7 +91,7 @@ env = rt.init_dist(dp=args.dp, check=args.check or None)
 plan = env.pp_size if args.plan == "even" else rt.load_plan(args.plan)
 build = rt.build_stage(
     source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size,
-    schedule=args.schedule, seed=args.seed, weights=weights, device=env.device,
+    schedule=args.schedule, seed=args.seed, weights=weights, device=env.device, recompute=args.recompute,
 )
 trainer = rt.Trainer(build, env, config)
 # the plan's predictions hold for the run it was made for: same schedule, micro-batches, batch, dtype
@@ -95,7 +99,8 @@ planned = rt.predictions(plan, schedule=args.schedule, microbatches=args.microba
 same_batch = args.batch_size == BATCH_SIZE and args.dtype == DTYPE
 log = rt.StepLogger(env.rank, json_path=args.log_json, predicted=planned if same_batch else None)
 log.info(f"{{MODEL}}: {{len(build.seq.layers)}} layers, chunks {{build.layout.boundaries}} on {{env.pp_size}} "
-         f"stage(s) x {{env.dp_size}} replica(s), {{build.layout.schedule}}, {{args.microbatches}} micro-batches")
+         f"stage(s) x {{env.dp_size}} replica(s), {{build.layout.schedule}}, {{args.microbatches}} micro-batches, "
+         f"recompute {{' '.join(build.recompute)}}")
 
 # ---- data: the same global batch on every rank for a step; each replica takes its rows -----------
 data = rt.TokenData(args.data, vocab_size=source.vocab_size, seq_len=SEQ_LEN, seed=args.seed) if source.vocab_size else None
