@@ -26,10 +26,10 @@ from autopipe.measure import LiveBytes, as_tuple
 from autopipe.profile import profile_table
 from autopipe.recompute import RecomputeError, chunk_modes, run_layer
 from autopipe.records import Profile
-from autopipe.units import format_bytes
 from autopipe.runtime import build_stage
 from autopipe.runtime.build import PipeChunk
 from autopipe.runtime.layout import even_boundaries
+from autopipe.units import format_bytes
 
 B, T, V = 2, 8, 96
 TOL = 1e-5
@@ -173,7 +173,7 @@ SCHEDULES = {"gpipe": 2, "1f1b": 2, "interleaved1f1b": 4, "zbv": 4, "interleaved
 # and the bytes autograd held in step 1. One job, not 15: starting torch and transformers in two
 # processes costs more than all the steps.
 PIPE_WORKER = textwrap.dedent('''
-    import contextlib, json, sys
+    import contextlib, functools, json, sys
     import torch
     import autopipe.runtime as rt
 
@@ -203,13 +203,27 @@ PIPE_WORKER = textwrap.dedent('''
                 return t
 
             losses = []
+            # per chunk: forwards of its last layer in the second step (the first also infers shapes),
+            # recomputations included; a pre-hook, since checkpoint stops a recomputation early
+            calls = {c.index: 0 for c in trainer.engine.chunks}
+
+            def count(module, _args, index):
+                calls[index] += 1
+
+            counters = [c.layers[-1].register_forward_pre_hook(functools.partial(count, index=c.index))
+                        for c in trainer.engine.chunks]
             for step in range(steps):
                 args, kwargs = source.batch(data.batch(step, rows * micro), rows * micro, step=step)
                 hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if step == 0 else contextlib.nullcontext()
+                if step == 1:
+                    calls = dict.fromkeys(calls, 0)
                 with hooks:
                     losses.append(trainer.step(args, kwargs).loss)
+                if step == 1:
+                    for counter in counters:
+                        counter.remove()
             results[f"{schedule}/{mode}"] = dict(losses=losses, grads=grads, modes=[c.recompute for c in trainer.engine.chunks],
-                                                 held=sum(st.nbytes() for st in held.values()))
+                                                 held=sum(st.nbytes() for st in held.values()), calls=calls)
     torch.save(results, f"{out}/rank{env.rank}.pt")
     env.close()
 ''')
@@ -241,6 +255,21 @@ def pipelined(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, A
     _torchrun(2, str(root / "worker.py"), str(folder), str(root), *map(str, (STEPS, MICRO, PP_ROWS, PP_SEQ)),
               json.dumps(SCHEDULES), cwd=root)
     return {rank: torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_recomputation_runs_a_layer_once_more_per_backward_pass(pipelined: dict[int, dict[str, Any]], schedule: str,
+                                                                mode: str) -> None:
+    """Per micro-batch a recomputed layer runs forward once, then once per backward pass: once more for
+    1F1B-like schedules, twice more on zero-bubble ones (input pass, then one shared recomputation for
+    all weight groups, not one per group: the engine wraps the weight pass in shared_recompute) except
+    in chunk 0, whose backward torch does not split (no input gradient to hurry)."""
+    for results in pipelined.values():
+        for chunk, calls in results[f"{schedule}/{mode}"]["calls"].items():
+            passes = 2 if schedule in ("zbv", "interleavedzb") and chunk > 0 else 1
+            assert results[f"{schedule}/none"]["calls"][chunk] == MICRO
+            assert calls == MICRO * (1 + passes), (chunk, calls)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
