@@ -67,6 +67,7 @@ def profile_command(
     seq_len: Annotated[int, typer.Option(help="Sequence length of the example input.")] = 128,
     dtype: Annotated[Optional[str], typer.Option(help="Profile in this dtype (default: the model's).")] = None,
     mixed_precision: Annotated[bool, typer.Option("--mixed-precision", help="16-bit params/grads, fp32 master weights and optimizer state.")] = False,
+    autocast: Annotated[Optional[str], typer.Option(help="bfloat16 or float16: profile as train.py --dtype bf16|fp16 trains (fp32 weights under autocast).")] = None,
     optimizer: Annotated[str, typer.Option(help="adamw, adam, sgd-momentum, sgd or none: sizes optimizer state.")] = "adamw",
     repeats: Annotated[int, typer.Option(help="Timed runs per measured layer.")] = 10,
     warmup: Annotated[int, typer.Option(help="Untimed runs before timing.")] = 3,
@@ -89,9 +90,11 @@ def profile_command(
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists; pass --force to overwrite it, or choose another --out.")
     m, args, kwargs = load_model(model, device="meta" if estimate else "cpu", batch_size=batch_size, seq_len=seq_len)
-    if dtype is not None or mixed_precision:
-        # Convert before flatten: a traced graph keeps the dtypes it was traced in.
-        target = getattr(torch, dtype or "bfloat16", None)
+    autocast = {"bf16": "bfloat16", "fp16": "float16"}.get(autocast or "", autocast)
+    if dtype is not None or mixed_precision or (autocast is not None and estimate):
+        # Convert before flatten: a traced graph keeps the dtypes it was traced in. Estimating with
+        # autocast (none on meta), the 16-bit model stands in for autocast's activations.
+        target = getattr(torch, dtype or autocast or "bfloat16", None)
         if not isinstance(target, torch.dtype):
             raise AutopipeError(f"unknown --dtype {dtype!r}; use float32, bfloat16 or float16.")
         m = m.to(target)
@@ -103,7 +106,7 @@ def profile_command(
         args, kwargs = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
     seq = flatten(m, args, kwargs)
     prof = profile(seq, args, kwargs, device=device, estimate=estimate, dtype=dtype,
-                   mixed_precision=mixed_precision, optimizer=optimizer, repeats=repeats, warmup=warmup,
+                   mixed_precision=mixed_precision, autocast=autocast, optimizer=optimizer, repeats=repeats, warmup=warmup,
                    progress=not json_output)
     prof = dataclasses.replace(prof, model=model)
     prof.save(out)

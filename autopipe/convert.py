@@ -97,7 +97,8 @@ def convert(
         schedule: gpipe, 1f1b, interleaved1f1b or zbv.
         batch_size, seq_len: the micro-batch the job trains on (and is profiled with).
         device: profile on cpu or cuda; with ``estimate``, the device to estimate for.
-        dtype: training precision fp32, bf16 or fp16 (fp32 master weights and optimizer state).
+        dtype: training precision fp32, bf16 or fp16 (autocast: fp32 weights and optimizer state,
+            16-bit matmuls; the profile measures the same).
         memory_limit: per device, e.g. "80GiB"; None: no limit.
         estimate: run nothing; cost layers from FLOPs and bytes on the meta device (no weights).
         engine: torch (torch.distributed.pipelining) or deepspeed (PipelineModule).
@@ -148,8 +149,9 @@ def convert(
     spec = load_model(model, device="meta" if estimate else "cpu", batch_size=batch_size, seq_len=seq_len, seed=seed)
     m, args, kwargs = spec.model, spec.args, spec.kwargs
     torch_dtype = getattr(torch, DTYPES[train_dtype])
-    if train_dtype != "fp32":
-        # The traced graph keeps its dtypes, so the model is converted before flatten (see profile()).
+    if train_dtype != "fp32" and estimate:
+        # Measured, the fp32 model runs under autocast as train.py trains it. Estimated on meta there
+        # is no autocast: the 16-bit model stands in for its activations (see profile(autocast=...)).
         m = m.to(torch_dtype)
         args, kwargs = _cast_floats((args, kwargs), torch_dtype)
     if not estimate and device == "cuda":
@@ -172,8 +174,8 @@ def convert(
             f"use --stages {most} or fewer."
         )
     say("profile")
-    prof = run_profile(seq, args, kwargs, device=device, estimate=estimate, mixed_precision=train_dtype != "fp32",
-                       repeats=repeats, warmup=warmup, progress=progress)  # fmt: skip
+    prof = run_profile(seq, args, kwargs, device=device, estimate=estimate, repeats=repeats, warmup=warmup,
+                       autocast=DTYPES[train_dtype] if train_dtype != "fp32" else None, progress=progress)  # fmt: skip
     prof = _named(prof, model)
     lap("profile")
 

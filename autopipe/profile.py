@@ -18,8 +18,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import keystr, tree_flatten_with_path
@@ -45,6 +45,7 @@ def profile(
     dtype: str | torch.dtype | None = None,
     optimizer: str = "adamw",
     mixed_precision: bool = False,
+    autocast: str | torch.dtype | None = None,
     warmup: int = 3,
     repeats: int = 10,
     estimate: bool = False,
@@ -64,6 +65,12 @@ def profile(
         optimizer: ``adamw``, ``adam``, ``sgd-momentum``, ``sgd`` or ``none``: sizes optimizer state.
         mixed_precision: the (16-bit) parameters and gradients come with fp32 master weights and
             fp32 optimizer state.
+        autocast: ``bfloat16`` or ``float16``: profile as ``train.py --dtype bf16|fp16`` trains, fp32
+            layers run under ``torch.autocast``. Times are autocast's; activations include the
+            16-bit copy of each weight autocast keeps per micro-batch; parameters, gradients and
+            optimizer state are fp32. Estimating (no autocast on meta tensors), the layers run in
+            their own dtype (convert the model to 16 bits first for 16-bit activations) and the
+            weight copies are added from the parameters each matmul-like operator reads.
         warmup, repeats: untimed and timed runs per measured layer.
         threads: CPU threads to time with (default: torch's current setting), fixed for the run.
         progress: show a progress bar on stderr.
@@ -84,6 +91,7 @@ def profile(
     if warmup < 0 or repeats < 1:
         raise AutopipeError(f"profile: warmup={warmup}, repeats={repeats}; need warmup >= 0 and repeats >= 1.")
     layers = list(seq.layers)
+    amp = _autocast_dtype(autocast, mixed_precision, _model_dtype(layers), estimate)
     tdtype = _resolve_dtype(dtype, mixed_precision, _model_dtype(layers))
     home = _home_device(layers)
     spec = None
@@ -105,7 +113,11 @@ def profile(
                 f"profile: the layers were traced on {home.type} but device={device!r}; move the model and "
                 f"its example inputs to {run_device.type} and flatten again, then profile."
             )
-    sizes = _ParamSizer(tdtype, mixed_precision, state_factor)
+    # under autocast the parameters, gradients and optimizer state are fp32, whatever the layers hold
+    sizes = _ParamSizer(torch.float32 if amp is not None else tdtype, mixed_precision, state_factor)
+    in_autocast = (
+        (lambda: torch.autocast(run_device.type, dtype=amp)) if amp is not None and not estimate else contextlib.nullcontext
+    )
 
     x: Value = seq.pack_inputs(tuple(example_args), dict(example_kwargs or {}))
     input_bytes = sum(tensor_bytes(t) for t in as_tuple(x))
@@ -136,22 +148,26 @@ def profile(
                 key = (structure, _signature(x)) if structure else None
                 timing = measured.get(key) if key is not None else None
                 source = "reused" if timing is not None else ("estimated" if estimate else "measured")
-                if timing is None:
-                    timing = _cost_layer(work, x, estimate=estimate, spec=spec,
-                                         dtype=dtype_name(tdtype), device=run_device,
-                                         warmup=warmup, repeats=repeats)
-                    if key is not None:
-                        measured[key] = timing
-                inputs = {storage_key(t) for t in as_tuple(x)}
-                result = saved_pass(work, x, device=run_device, measure_peaks=source != "reused")
-                if source != "reused":
-                    timing.update(peak_forward_bytes=result.peak_forward, peak_backward_bytes=result.peak_backward)
-                ledgers["none"].charge(i, result.saved, inputs, result.out, result.out)
-                for mode in RECOMPUTE_MODES[1:]:
-                    # the same input under each mode; the next layer runs on the plain pass's output
-                    kept = saved_pass(work, x, device=run_device, measure_peaks=False, mode=mode)
-                    ledgers[mode].charge(i, kept.saved, inputs, result.out, kept.out)
-                    del kept
+                with in_autocast():
+                    if timing is None:
+                        timing = _cost_layer(work, x, estimate=estimate, spec=spec,
+                                             dtype=dtype_name(amp or tdtype), device=run_device,
+                                             warmup=warmup, repeats=repeats)
+                        if key is not None:
+                            measured[key] = timing
+                    inputs = {storage_key(t) for t in as_tuple(x)}
+                    result = saved_pass(work, x, device=run_device, measure_peaks=source != "reused")
+                    if source != "reused":
+                        timing.update(peak_forward_bytes=result.peak_forward, peak_backward_bytes=result.peak_backward)
+                    ledgers["none"].charge(i, result.saved, inputs, result.out, result.out)
+                    for mode in RECOMPUTE_MODES[1:]:
+                        # the same input under each mode; the next layer runs on the plain pass's output
+                        kept = saved_pass(work, x, device=run_device, measure_peaks=False, mode=mode)
+                        ledgers[mode].charge(i, kept.saved, inputs, result.out, kept.out)
+                        del kept
+                if amp is not None and estimate:
+                    # no autocast on meta: add the 16-bit weight copies a real run would keep
+                    ledgers["none"].bytes[i] += _autocast_weight_bytes(work, x, amp)
                 x = _detached(result.out)
                 StateGuard.restore_buffers(snapshot)
                 params = list(layer.parameters())  # each tensor once, tied or not
@@ -172,7 +188,8 @@ def profile(
     return Profile(
         layers=layer_costs,
         device=spec.info(dtype_name(tdtype)) if estimate else describe_device(run_device),
-        dtype=dtype_name(tdtype),
+        dtype="float32" if amp is not None else dtype_name(tdtype),
+        autocast=dtype_name(amp) if amp is not None else "",
         mode="estimated" if estimate else "measured",
         microbatch=_microbatch(example_args, example_kwargs),
         input_bytes=input_bytes,
@@ -345,6 +362,56 @@ class _ParamSizer:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _autocast_dtype(
+    autocast: str | torch.dtype | None, mixed: bool, model_dtype: torch.dtype, estimate: bool
+) -> torch.dtype | None:
+    """The 16-bit dtype autocast runs in, or None; checks it fits the layers."""
+    if autocast is None or autocast == "":
+        return None
+    if isinstance(autocast, str):
+        name = {"bf16": "bfloat16", "fp16": "float16"}.get(autocast, autocast.removeprefix("torch."))
+        amp = getattr(torch, name, None)
+    else:
+        amp = autocast
+    if amp not in (torch.bfloat16, torch.float16):
+        raise AutopipeError(f"autocast={autocast!r}; use bfloat16 or float16 (or None for no autocast).")
+    if mixed:
+        raise AutopipeError("give autocast (fp32 layers, 16-bit matmuls) or mixed_precision (16-bit layers), not both.")
+    if not estimate and model_dtype != torch.float32:
+        raise AutopipeError(
+            f"autocast trains fp32 parameters but the layers are {dtype_name(model_dtype)}; flatten the fp32 model "
+            "(train.py keeps fp32 master weights and runs autocast), or profile without autocast."
+        )
+    return amp
+
+
+# matmul-like operators autocast runs in 16 bits, casting their weight arguments (and keeping the copy)
+_LOW_PRECISION_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution", "addbmm",
+                      "conv1d", "conv2d", "conv3d"}  # fmt: skip
+
+
+def _autocast_weight_bytes(layer: nn.Module, x: Value, amp: torch.dtype) -> int:
+    """Bytes of the 16-bit weight copies autocast would keep for one micro-batch of ``layer``: each
+    weight matrix (or kernel) a matmul-like operator reads, once. Biases are cast too, but backward
+    does not need them, so nothing keeps their copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    params = {storage_key(p): p.numel() for p in layer.parameters() if p.is_floating_point() and p.dim() >= 2}
+    used: set[int] = set()
+
+    class _Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            if func.overloadpacket.__name__ in _LOW_PRECISION_OPS:
+                used.update(k for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)
+                            and (k := storage_key(t)) in params)  # fmt: skip
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), _Reads():
+        layer(x)
+    return sum(params[k] for k in used) * torch.empty((), dtype=amp).element_size()
 
 
 def _resolve_dtype(dtype: str | torch.dtype | None, mixed: bool, model_dtype: torch.dtype) -> torch.dtype:

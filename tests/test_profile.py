@@ -209,3 +209,51 @@ def test_bad_options_are_clear_errors() -> None:
                    {"device": "meta"}):
         with pytest.raises(AutopipeError):
             autopipe.profile(seq, (x,), progress=False, **kwargs)
+
+
+class _Block(nn.Module):
+    """Linear(d, 4d) -> GELU -> Linear(4d, d), two of them: the second sees a 16-bit input under autocast."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_autocast_profile_is_what_train_py_holds() -> None:
+    """autocast=bfloat16 on fp32 layers: parameters, gradients and AdamW state are fp32 (4+4+8 bytes a
+    parameter) and each layer keeps, besides what a bf16 model keeps, a bf16 copy of each weight; the
+    estimate (no autocast on meta) adds the same copies from the parameters its matmuls read."""
+    d, rows = 32, 8
+    torch.manual_seed(0)
+    model = _Block(d)
+    x = torch.randn(rows, d)
+    seq = autopipe.flatten(model, (x,))
+    amp = autopipe.profile(seq, (x,), autocast="bfloat16", repeats=1, warmup=0, progress=False)
+    assert (amp.dtype, amp.autocast) == ("float32", "bfloat16")
+    per_block = 2 * 4 * d * d + 4 * d + d
+    assert [c.params for c in amp.layers] == [per_block, per_block]
+    assert [c.static_bytes for c in amp.layers] == [16 * per_block] * 2
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    xh = x.to(torch.bfloat16)
+    seq_h = autopipe.flatten(half, (xh,))
+    pure = autopipe.profile(seq_h, (xh,), repeats=1, warmup=0, progress=False)
+    weights = 2 * (2 * 4 * d * d)  # bf16 copies of both weight matrices; biases are not kept
+    # the second block gets a bf16 input in both runs, so they differ by exactly its weight copies
+    assert amp.layers[1].activation_bytes == pure.layers[1].activation_bytes + weights
+    est = autopipe.profile(autopipe.flatten(half.to("meta"), (xh.to("meta"),)), (xh.to("meta"),), estimate=True,
+                           autocast="bfloat16", progress=False)
+    assert est.layers[1].activation_bytes == amp.layers[1].activation_bytes
+    assert [c.static_bytes for c in est.layers] == [16 * per_block] * 2
+
+
+def test_autocast_needs_fp32_layers_when_measuring() -> None:
+    """Measuring under autocast a model already in bf16 would not be what train.py runs: refused."""
+    half = _Block(8).to(torch.bfloat16)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(AutopipeError, match="autocast trains fp32 parameters but the layers are bfloat16"):
+        autopipe.profile(autopipe.flatten(half, (x,)), (x,), autocast="bf16", repeats=1, progress=False)
