@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli_base import app, console, handle_errors
+from .cli_base import app, console, err_console, handle_errors
 
 # ---- inspect (issue 2) -------------------------------------------------------------------------
 
@@ -114,6 +114,8 @@ def profile_command(
         typer.echo(json.dumps(prof.to_dict(), indent=1))
     else:
         console.print(profile_table(prof))
+        for warning in prof.warnings:
+            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
         console.print(f"saved {out}")
 
 

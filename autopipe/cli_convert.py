@@ -76,6 +76,8 @@ def convert_command(
         force=force, repeats=repeats, on_pass=say,
     )  # fmt: skip
     plan, prof = result.plan, result.profile
+    for warning in prof.warnings:
+        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     console.print(stage_table(plan, prof, title=f"{model}: {plan.stages} stages, {plan.schedule}, "
                                                 f"{plan.microbatches} micro-batches"))
     best = min(result.baselines.items(), key=lambda kv: kv[1].step_time, default=None)

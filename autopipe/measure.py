@@ -99,6 +99,7 @@ class Timing:
     backward: float
     forward_spread: float
     backward_spread: float
+    samples: int = 0  # timed runs taken (more than asked for when the spread stayed wide)
 
 
 def _median_iqr(samples: list[float]) -> tuple[float, float]:
@@ -115,20 +116,38 @@ def median_seconds(fn: Callable[[], Any], *, device: torch.device, repeats: int)
     return statistics.median(clock(fn)[0] for _ in range(repeats))
 
 
+# Adaptive timing: after the asked-for repeats, keep going (up to this many times as many) while the
+# interquartile range is above this share of the median: a busy machine gets more samples, not a
+# worse median.
+MAX_REPEAT_FACTOR = 4
+TARGET_SPREAD = 0.10
+
+
+def _settled(samples: list[float], target: float) -> bool:
+    median, spread = _median_iqr(samples)
+    return median <= 0 or spread <= target * median
+
+
 def time_layer(
-    layer: nn.Module, x: Value, *, device: torch.device, warmup: int, repeats: int, mode: str = "none"
+    layer: nn.Module, x: Value, *, device: torch.device, warmup: int, repeats: int, mode: str = "none",
+    target_spread: float | None = TARGET_SPREAD,
 ) -> Timing:
     """Median forward and backward seconds of ``layer`` on ``x`` after ``warmup`` untimed runs.
 
     Each repeat is a fresh forward then a backward over it, as a pipeline stage runs a micro-batch.
-    Under a recompute ``mode`` the backward includes the recomputation.
+    Under a recompute ``mode`` the backward includes the recomputation. With ``target_spread``, runs
+    beyond ``repeats`` (up to ``MAX_REPEAT_FACTOR`` × repeats) until the interquartile range of both
+    the forward and the backward samples is at most that share of their median.
     """
     clock = _Clock(device)
     targets = backward_targets(layer, x)
     fwd: list[float] = []
     bwd: list[float] = []
     grads: list[Tensor] | None = None
-    for i in range(warmup + repeats):
+    limit = warmup + repeats * (MAX_REPEAT_FACTOR if target_spread else 1)
+    for i in range(limit):
+        if i >= warmup + repeats and _settled(fwd, target_spread) and _settled(bwd, target_spread):  # type: ignore[arg-type]
+            break
         tf, out = clock(lambda: run_layer(layer, x, mode))
         outs, fresh = _grad_outputs(out)
         # Upstream gradients arrive ready-made in a pipeline: allocate them once, outside the timing.
@@ -141,7 +160,7 @@ def time_layer(
             fwd.append(tf)
             bwd.append(tb)
     (f, fs), (b, bs) = _median_iqr(fwd), _median_iqr(bwd)
-    return Timing(forward=f, backward=b, forward_spread=fs, backward_spread=bs)
+    return Timing(forward=f, backward=b, forward_spread=fs, backward_spread=bs, samples=len(fwd))
 
 
 class LiveBytes(TorchDispatchMode):

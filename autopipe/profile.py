@@ -27,7 +27,18 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from .devices import describe_device, device_spec, dtype_name, keep_freed_memory
 from .errors import AutopipeError, StaleProfileError
 from .estimate import data_free, estimate_layer, meta_copy
-from .measure import StateGuard, Value, as_tuple, median_seconds, saved_pass, storage_key, tensor_bytes, time_layer
+from .measure import (
+    MAX_REPEAT_FACTOR,
+    TARGET_SPREAD,
+    StateGuard,
+    Value,
+    as_tuple,
+    median_seconds,
+    saved_pass,
+    storage_key,
+    tensor_bytes,
+    time_layer,
+)
 from .records import RECOMPUTE_MODES, LayerCost, Profile, RecomputeCost, optimizer_state_factor
 from .units import format_bytes
 
@@ -132,6 +143,10 @@ def profile(
     # one ledger per recompute mode: what the layers keep for backward, each storage charged once
     ledgers: dict[str, _Ledger] = {}
     measured: dict[tuple[Any, ...], dict[str, Any]] = {}
+    first_named: dict[tuple[Any, ...], str] = {}
+    # identical layers are timed once; the last of each kind is timed again to check that figure
+    last_of = {info.structure: info.index for info in infos if info is not None and info.structure}
+    warnings: list[str] = []
     try:
         with StateGuard(layers), _progress_bar(progress, len(layers)) as bar, no_data:
             x = _to(x, run_device, estimate=estimate)
@@ -168,6 +183,22 @@ def profile(
                 if amp is not None and estimate:
                     # no autocast on meta: add the 16-bit weight copies a real run would keep
                     ledgers["none"].bytes[i] += _autocast_weight_bytes(work, x, amp)
+                if key is not None:
+                    first_named.setdefault(key, name)
+                if source == "reused" and not estimate and last_of.get(structure) == i:
+                    with in_autocast():
+                        check = time_layer(work, x, device=run_device, warmup=warmup, repeats=repeats)
+                    note = _disagreement(first_named[key], timing, name, check)
+                    if note:
+                        warnings.append(note)
+                        # the faster is the less disturbed: let every layer of this kind have it
+                        if check.forward + check.backward < timing["forward_time"] + timing["backward_time"]:
+                            timing.update(forward_time=check.forward, backward_time=check.backward,
+                                          forward_spread=check.forward_spread, backward_spread=check.backward_spread)
+                            for c in costs:
+                                if c["structure"] == structure and c["source"] in ("measured", "reused"):
+                                    c.update(forward_time=check.forward, backward_time=check.backward,
+                                             forward_spread=check.forward_spread, backward_spread=check.backward_spread)
                 x = _detached(result.out)
                 StateGuard.restore_buffers(snapshot)
                 params = list(layer.parameters())  # each tensor once, tied or not
@@ -185,6 +216,8 @@ def profile(
         torch.set_num_threads(old_threads)
 
     layer_costs = tuple(_layer_cost(c, ledgers) for c in costs)
+    if not estimate:
+        warnings += _noisy(layer_costs)
     return Profile(
         layers=layer_costs,
         device=spec.info(dtype_name(tdtype)) if estimate else describe_device(run_device),
@@ -198,6 +231,7 @@ def profile(
         torch_version=torch.__version__,
         signature=str(getattr(seq, "signature", "")),
         tied_static_bytes=_tied_bytes(seq, layers, sizes),
+        warnings=tuple(warnings),
         tied_grad_time=_tied_grad_time(seq, layers, run_device, spec, repeats, estimate),
     )
 
@@ -362,6 +396,41 @@ class _ParamSizer:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+# Identical layers whose timings differ by more than this factor (and more than their spreads)
+# disagree: the machine was busy during one of them.
+DISAGREE = 1.25
+
+
+def _disagreement(first: str, timing: Mapping[str, Any], name: str, check: Any) -> str:
+    """A warning when a re-timed layer disagrees with its identical twin's timing, else ""."""
+    a = timing["forward_time"] + timing["backward_time"]
+    b = check.forward + check.backward
+    spread = timing.get("forward_spread", 0.0) + timing.get("backward_spread", 0.0) + check.forward_spread + check.backward_spread
+    lo, hi = min(a, b), max(a, b)
+    if lo <= 0 or hi <= DISAGREE * lo or hi - lo <= spread:
+        return ""
+    return (f"identical layers {first} and {name} measured {lo * 1e3:.3g} and {hi * 1e3:.3g} ms per micro-batch "
+            f"({hi / lo:.1f}x apart): the machine was busy while profiling; both now use the faster figure. "
+            "Profile again on a quiet machine for firmer times.")
+
+
+def _noisy(layers: Sequence[LayerCost]) -> list[str]:
+    """One warning naming the layers whose timings stayed noisy after the extra repeats."""
+    bad = []
+    for c in layers:
+        if c.source != "measured" or c.time <= 0:
+            continue
+        rel = (c.forward_spread + c.backward_spread) / c.time
+        if rel > 2 * TARGET_SPREAD:
+            bad.append((rel, c.name))
+    if not bad:
+        return []
+    worst = max(bad)
+    return [f"timings of {len(bad)} layer(s) stayed noisy after {MAX_REPEAT_FACTOR}x the repeats (interquartile "
+            f"range up to {worst[0]:.0%} of the median, at {worst[1]}): other work was running; profile again on "
+            "a quiet machine, or with more --repeats."]
 
 
 def _autocast_dtype(

@@ -124,10 +124,14 @@ class Profile:
     # Bytes the training runtime holds on this device beyond the model's tensors (allocator, process
     # group, traced graph), measured once per device; part of every rank's predicted peak.
     reserve_bytes: int = 0
+    # What the profiler noticed that makes its figures doubtful (identical layers that disagreed,
+    # timings that stayed noisy): said wherever the profile is shown.
+    warnings: tuple[str, ...] = ()
     schema: int = PROFILE_SCHEMA
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "warnings", tuple(self.warnings))
         _check_layers(self.layers)
         for label, value in (("input_bytes", self.input_bytes), ("reserve_bytes", self.reserve_bytes)):
             _check_number(value, f"profile {label}", integer=True)

@@ -193,8 +193,9 @@ def _header(name: str, plan: Plan, profile: Profile | None) -> str:
     ]
     cells = "".join(f"<div class=\"fact\"><span>{_e(k)}</span><b>{_e(v)}</b></div>" for k, v in facts)
     cuts = ", ".join(str(b) for b in plan.boundaries[1:-1])
+    warned = "".join(f"<p class=\"note over\">warning: {_e(w)}</p>" for w in (profile.warnings if profile else ()))
     return (f"<header><h1>autopipe plan: {_e(name)}</h1><p class=\"note\">{_e(where)} — "
-            f"cut by <b>{_e(plan.method)}</b> before layers {_e(cuts)}.</p>"
+            f"cut by <b>{_e(plan.method)}</b> before layers {_e(cuts)}.</p>{warned}"
             f"<div class=\"facts\">{cells}</div></header>")
 
 

@@ -257,3 +257,57 @@ def test_autocast_needs_fp32_layers_when_measuring() -> None:
     x = torch.randn(2, 8, dtype=torch.bfloat16)
     with pytest.raises(AutopipeError, match="autocast trains fp32 parameters but the layers are bfloat16"):
         autopipe.profile(autopipe.flatten(half, (x,)), (x,), autocast="bf16", repeats=1, progress=False)
+
+
+def test_timing_repeats_until_the_spread_is_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A noisy start (every other run 10x slower) makes time_layer take more samples until the
+    interquartile range is within 10% of the median; the median is the quiet figure."""
+    from autopipe import measure
+
+    # (forward, backward) per run: the forwards read 10, 1, 10, then 1 from there on
+    readings = iter([10.0, 1.0, 1.0, 1.0, 10.0, 1.0] + [1.0] * 1000)
+
+    def fake_clock(self, fn):  # noqa: ANN001, ANN202
+        return next(readings), fn()
+
+    monkeypatch.setattr(measure._Clock, "__call__", fake_clock)
+    layer = nn.Linear(4, 4)
+    t = measure.time_layer(layer, torch.randn(2, 4), device=torch.device("cpu"), warmup=0, repeats=3)
+    assert t.samples > 3 and t.forward == 1.0 and t.forward_spread <= 0.1
+    quiet = measure.time_layer(layer, torch.randn(2, 4), device=torch.device("cpu"), warmup=0, repeats=3)
+    assert quiet.samples == 3  # settled at once: no extra runs
+
+
+def test_identical_layers_that_disagree_are_named_and_take_the_faster_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last of a kind of identical layers is timed again; 10x apart, the profile warns, naming both,
+    and every layer of that kind takes the faster (less disturbed) figure."""
+    import importlib
+
+    from autopipe.measure import Timing
+
+    prof_mod = importlib.import_module("autopipe.profile")  # the module, not autopipe.profile the function
+
+    x = torch.randn(B, 32)
+    seq = _flatten(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), x)
+    last = seq.layers[-1]
+
+    def fake_time(layer, x, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        fast = layer is last and kwargs.get("mode", "none") == "none"
+        return Timing(0.001, 0.002, 0.0, 0.0, 3) if fast else Timing(0.010, 0.020, 0.0, 0.0, 3)
+
+    monkeypatch.setattr(prof_mod, "time_layer", fake_time)
+    prof = autopipe.profile(seq, (x,), warmup=0, repeats=3, progress=False)
+    assert len(prof.warnings) == 1
+    assert "identical layers 1 and 3 measured 3 and 30 ms per micro-batch (10.0x apart)" in prof.warnings[0]
+    assert [round(c.time, 6) for c in prof.layers[1:]] == [0.003] * 3
+
+
+def test_timings_that_stay_noisy_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the spread never settles, the profile says which layers and how noisy, instead of staying silent."""
+    from autopipe import measure
+
+    readings = iter([10.0, 1.0, 1.0] * 10_000)  # a cycle of 3: forwards and backwards both jump
+    monkeypatch.setattr(measure._Clock, "__call__", lambda self, fn: (next(readings), fn()))
+    x = torch.randn(B, 8)
+    prof = autopipe.profile(_flatten(nn.Sequential(nn.Linear(8, 8)), x), (x,), warmup=0, repeats=3, progress=False)
+    assert any("stayed noisy" in w for w in prof.warnings)

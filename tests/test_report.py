@@ -241,3 +241,12 @@ def test_report_command_refuses_a_file_that_is_not_a_step_log(tmp_path: Path):
     result = runner.invoke(app, ["report", str(tmp_path / "plan.json"), "--log", str(tmp_path / "log.json")])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "is not a step record" in result.output
+
+
+def test_report_repeats_the_profile_s_warnings():
+    """What the profiler doubted (identical layers that disagreed) is at the top of the report."""
+    import dataclasses
+
+    prof = dataclasses.replace(_profile(), warnings=("identical layers h.0 and h.7 measured 3 and 30 ms",))
+    page = render_report(partition(prof, 2), prof)
+    assert "warning: identical layers h.0 and h.7 measured 3 and 30 ms" in page
