@@ -261,3 +261,34 @@ def test_step_log_carries_the_plan_s_predictions_only_for_the_planned_run(tmp_pa
     record = _json.loads((tmp_path / "log.json").read_text())
     assert record["peak_memory"] == [110, 190] and record["predicted_peak_memory"] == [100, 200]
     assert record["predicted_step_time"] == 1.5 and record["step_time"] == 1.4
+
+
+def test_preallocated_adamw_state_is_what_adamw_makes_itself() -> None:
+    """preallocate_ gives each parameter zero gradients and the exact state AdamW would create (same keys,
+    shapes, dtypes, devices), so updates from it are bit-identical to lazily initialised AdamW."""
+    from autopipe.runtime.optim import TrainConfig, make_optimizer, preallocate_
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 4), nn.Linear(8, 4)
+    b.load_state_dict(a.state_dict())
+    cfg = TrainConfig(lr=0.1)
+    lazy = make_optimizer(dict(a.named_parameters()), cfg)
+    eager = make_optimizer(dict(b.named_parameters()), cfg)
+    preallocate_(eager)
+    assert all(p.grad is not None and not p.grad.any() for p in b.parameters())
+    grads = []
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        for model, opt, zero_to_none in ((a, lazy, True), (b, eager, False)):
+            model(x).square().sum().backward()
+            grads.append(model.weight.grad.clone())
+            opt.step()
+            opt.zero_grad(set_to_none=zero_to_none)
+        assert torch.equal(grads[-1], grads[-2])
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+        sa, sb = lazy.state[pa], eager.state[pb]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert (sa[k].shape, sa[k].dtype, sa[k].device) == (sb[k].shape, sb[k].dtype, sb[k].device)
+            assert torch.equal(sa[k], sb[k]), k

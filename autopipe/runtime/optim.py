@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import AutopipeError
 
-__all__ = ["DTYPES", "LossScaler", "TrainConfig", "make_lr_scheduler", "make_optimizer"]
+__all__ = ["DTYPES", "LossScaler", "TrainConfig", "make_lr_scheduler", "make_optimizer", "preallocate_"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -69,6 +69,46 @@ def make_optimizer(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return cls(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
+
+
+def preallocate_(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its gradient and its Adam(W) state now, as zeros, once for the whole run.
+
+    Why: on a CPU rank the heap never shrinks (``keep_freed_memory``), and gradients made at each
+    step's first backward and optimizer state made at the first update land in the holes the
+    activations left, so the heap grew step after step: 60 MiB more than the tensors on a 280 MiB
+    GPT-2 rank, measured. Allocated first and kept, they sit together and the activations reuse
+    one region (the same holds for CUDA's caching allocator). Zero state is exactly what the
+    optimizer would create itself; gradients start at zero and accumulate, as from None.
+
+    The state's layout is taken from the optimizer itself: a one-element twin with the same
+    settings takes one step, and each of its state tensors is created as zeros shaped like the
+    real parameter (or like the twin's, for scalars such as ``step``). Only Adam and AdamW, whose
+    fresh state is all zeros; other optimizers keep their lazy state.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) and not isinstance(optimizer, torch.optim.AdamW):
+        return
+    layouts: dict[tuple[int, torch.dtype, torch.device], dict[str, Any]] = {}
+    for index, group in enumerate(optimizer.param_groups):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            if not p.requires_grad or optimizer.state.get(p):
+                continue
+            key = (index, p.dtype, p.device)
+            if key not in layouts:
+                twin = nn.Parameter(torch.zeros(1, dtype=p.dtype, device=p.device))
+                twin.grad = torch.zeros_like(twin)
+                probe = type(optimizer)([{"params": [twin], **settings}])
+                probe.step()
+                layouts[key] = dict(probe.state[twin])
+            optimizer.state[p] = {
+                k: (torch.zeros_like(p) if v.dim() > 0 else torch.zeros_like(v)) if isinstance(v, torch.Tensor) else v
+                for k, v in layouts[key].items()
+            }
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:

@@ -25,7 +25,7 @@ from .build import StageBuild
 from .distenv import DistEnv
 from .engine import PipelineEngine, Stopwatch, pack_batch
 from .grads import average_dp_grads, clip_grads_, global_grad_norm, sync_tied_grads
-from .optim import LossScaler, TrainConfig, make_lr_scheduler, make_optimizer
+from .optim import LossScaler, TrainConfig, make_lr_scheduler, make_optimizer, preallocate_
 
 __all__ = ["StepStats", "Trainer"]
 
@@ -97,10 +97,11 @@ class Trainer:
             t.name for t in build.tied_here() if t.holders[0] != env.pp_rank and t.name in self.params
         }
         self.optimizer = make_optimizer(self.params, config)
+        preallocate_(self.optimizer)  # gradients and state once, before any activation (see there)
         self.scheduler = make_lr_scheduler(self.optimizer, config)
         self.step_count = 0
         self._run_clock = Stopwatch(env.device)
-        env.peak.rebase(_held_bytes(build))
+        env.peak.rebase(_held_bytes(build, self.optimizer))
 
     def step(
         self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: torch.Tensor | None = None
@@ -140,7 +141,7 @@ class Trainer:
             self.optimizer.step()
         self.scaler.update(finite)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
         self.step_count += 1
         total = time.perf_counter() - t0
         tokens = _tokens(args, kwargs) * env.dp_size
@@ -231,13 +232,13 @@ class Trainer:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
-def _held_bytes(build: StageBuild) -> int:
-    """Bytes of the tensors this rank's chunks hold once built: parameters and buffers, each once."""
-    seen: dict[int, int] = {}
-    for chunk in build.chunks:
-        for t in (*chunk.parameters(), *chunk.buffers()):
-            if t.device.type != "meta":
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+def _held_bytes(build: StageBuild, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors this rank holds once built: parameters, buffers, gradients and optimizer
+    state, each storage once."""
+    tensors = [t for chunk in build.chunks for t in (*chunk.parameters(), *chunk.buffers())]
+    tensors += [p.grad for p in build.params.values() if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
     return sum(seen.values())
 
 

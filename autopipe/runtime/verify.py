@@ -105,7 +105,7 @@ def verify_step(
     verdict = torch.tensor(values, dtype=torch.float64, device=env.device)
     env.comm.all_reduce(verdict, op="max", where="verify verdict")
     loss = float(verdict[2])
-    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.optimizer.zero_grad(set_to_none=False)  # the trainer keeps its gradients allocated
     report = VerifyReport(loss, ref_loss, float(verdict[1]), worst_name, not bool(verdict[0]))
     if not report.ok and raise_on_mismatch:
         raise VerifyError(
