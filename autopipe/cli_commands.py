@@ -71,6 +71,7 @@ def profile_command(
     optimizer: Annotated[str, typer.Option(help="adamw, adam, sgd-momentum, sgd or none: sizes optimizer state.")] = "adamw",
     repeats: Annotated[int, typer.Option(help="Timed runs per measured layer.")] = 10,
     warmup: Annotated[int, typer.Option(help="Untimed runs before timing.")] = 3,
+    reserve: Annotated[Optional[str], typer.Option(help="Memory the runtime holds per rank beyond the tensors, like 80MiB (default: measured once per device).")] = None,
     out: Annotated[Path, typer.Option(help="Where to save the profile JSON.")] = Path("profile.json"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the profile as JSON instead of a table.")] = False,
@@ -104,10 +105,12 @@ def profile_command(
         # Trace where it will be measured: traced graphs keep their device.
         m = m.to(device)
         args, kwargs = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    from .reserve import reserve_for
+
     seq = flatten(m, args, kwargs)
     prof = profile(seq, args, kwargs, device=device, estimate=estimate, dtype=dtype,
                    mixed_precision=mixed_precision, autocast=autocast, optimizer=optimizer, repeats=repeats, warmup=warmup,
-                   progress=not json_output)
+                   progress=not json_output, reserve=reserve_for(device, estimate=estimate, given=reserve))
     prof = dataclasses.replace(prof, model=model)
     prof.save(out)
     if json_output:

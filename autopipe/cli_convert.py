@@ -61,6 +61,7 @@ def convert_command(
     out: Annotated[Optional[Path], typer.Option(help="Job folder (default jobs/<model name>).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the job files of an existing folder.")] = False,
     repeats: Annotated[int, typer.Option(help="Timed runs per measured layer.")] = 5,
+    reserve: Annotated[Optional[str], typer.Option(help="Memory the runtime holds per rank beyond the tensors, like 80MiB (default: measured once per device).")] = None,
 ) -> None:
     """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
     from .convert import convert
@@ -73,7 +74,7 @@ def convert_command(
     result = convert(
         model, stages=stages, microbatches=microbatches, schedule=schedule, batch_size=batch_size, seq_len=seq_len,
         device=device, dtype=dtype, memory_limit=memory_limit, estimate=estimate, engine=engine, out=out,
-        force=force, repeats=repeats, on_pass=say,
+        force=force, repeats=repeats, reserve=reserve, on_pass=say,
     )  # fmt: skip
     plan, prof = result.plan, result.profile
     for warning in prof.warnings:

@@ -84,6 +84,7 @@ def convert(
     seed: int = 0,
     repeats: int = 5,
     warmup: int = 2,
+    reserve: str | int | None = None,
     progress: bool = True,
     on_pass: Callable[[str], None] | None = None,
 ) -> ConvertResult:
@@ -104,6 +105,8 @@ def convert(
         engine: torch (torch.distributed.pipelining) or deepspeed (PipelineModule).
         out: the job folder (default ``jobs/<model name>``); refused if it holds files, unless ``force``.
         repeats, warmup: timed and untimed runs per layer when measuring.
+        reserve: memory the training runtime holds per rank beyond the tensors (e.g. "80MiB", 0);
+            default: measured once per device (``autopipe.reserve``), assumed for GPUs estimated.
         on_pass: called with each pass's name as it starts (the CLI prints it).
 
     Raises:
@@ -174,8 +177,11 @@ def convert(
             f"use --stages {most} or fewer."
         )
     say("profile")
+    from .reserve import reserve_for
+
     prof = run_profile(seq, args, kwargs, device=device, estimate=estimate, repeats=repeats, warmup=warmup,
-                       autocast=DTYPES[train_dtype] if train_dtype != "fp32" else None, progress=progress)  # fmt: skip
+                       autocast=DTYPES[train_dtype] if train_dtype != "fp32" else None, progress=progress,
+                       reserve=reserve_for(device, estimate=estimate, given=reserve))  # fmt: skip
     prof = _named(prof, model)
     lap("profile")
 

@@ -57,6 +57,7 @@ def profile(
     optimizer: str = "adamw",
     mixed_precision: bool = False,
     autocast: str | torch.dtype | None = None,
+    reserve: int = 0,
     warmup: int = 3,
     repeats: int = 10,
     estimate: bool = False,
@@ -85,6 +86,10 @@ def profile(
         warmup, repeats: untimed and timed runs per measured layer.
         threads: CPU threads to time with (default: torch's current setting), fixed for the run.
         progress: show a progress bar on stderr.
+
+        reserve: bytes the training runtime holds per rank on this device beyond the model's tensors,
+            kept in the profile for the memory model (``autopipe.reserve.runtime_reserve`` measures
+            it once per device; the CLI passes it).
 
     Every layer is also run under each recompute mode (:mod:`autopipe.recompute`) to fill
     ``LayerCost.recompute``: bytes from the same ledger as ``activation_bytes``, extra backward time
@@ -232,6 +237,7 @@ def profile(
         signature=str(getattr(seq, "signature", "")),
         tied_static_bytes=_tied_bytes(seq, layers, sizes),
         warnings=tuple(warnings),
+        reserve_bytes=int(reserve),
         tied_grad_time=_tied_grad_time(seq, layers, run_device, spec, repeats, estimate),
     )
 
