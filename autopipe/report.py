@@ -68,7 +68,7 @@ def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
             out[method] = partition(
                 profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
                 memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
-                method=method, weight_share=plan.weight_share, optimizer=plan.optimizer,
+                method=method, weight_share=plan.weight_share, optimizer=plan.optimizer, recompute=plan.recompute,
             )  # fmt: skip
         except AutopipeError:
             continue

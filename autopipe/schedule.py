@@ -226,8 +226,15 @@ def step_times(
             out[i] = _zbv_run(ranks, microbatches, *durations, timeline=False)
         return out
     prog = _program(schedule, ranks, virtual, microbatches)
-    _, end = _run(prog, (fwd + com).T, (bwd + com).T)
-    return end[prog.last].max(axis=0)
+    rows = max(1, _BATCH // len(prog.ops))  # rows per pass: ops x rows floats stay in cache-sized blocks
+    out = np.empty(n)
+    for i in range(0, n, rows):
+        end = _run(prog, (fwd[i : i + rows] + com[i : i + rows]).T, (bwd[i : i + rows] + com[i : i + rows]).T, starts=False)[1]
+        out[i : i + rows] = end[prog.last].max(axis=0)
+    return out
+
+
+_BATCH = 1 << 18  # op evaluations per numpy pass in step_times
 
 
 def _check_costs(schedule: str, forward: Sequence[float], backward: Sequence[float], comm: Sequence[float],
@@ -321,16 +328,17 @@ def _fixed_durations(forward: Sequence[float], backward: Sequence[float], comm: 
     return [float(forward[c] + comm[c]) for c in range(k)], [float(backward[c] + comm[c]) for c in range(k)]
 
 
-def _run(prog: _Program, fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end of every op (plus the zero slot); ``fwd``/``bwd`` are (chunks,) or (chunks, rows)."""
+def _run(prog: _Program, fwd: np.ndarray, bwd: np.ndarray, *, starts: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+    """Start (when asked) and end of every op, plus the zero slot; ``fwd``/``bwd`` are (chunks,) or (chunks, rows)."""
     dur = np.where((prog.kind == 0).reshape((-1,) + (1,) * (fwd.ndim - 1)), fwd[prog.chunk], bwd[prog.chunk])
     n = len(prog.ops)
-    start = np.zeros((n + 1,) + fwd.shape[1:])
-    end = np.zeros_like(start)
+    end = np.zeros((n + 1,) + fwd.shape[1:])
+    start = np.zeros_like(end) if starts else None
     prev, dep = prog.prev, prog.dep
     for idx in prog.levels:
         s = np.maximum(end[prev[idx]], end[dep[idx]])
-        start[idx] = s
+        if starts:
+            start[idx] = s
         end[idx] = s + dur[idx]
     return start, end
 

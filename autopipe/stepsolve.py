@@ -1,0 +1,551 @@
+"""The step-time partitioner: cut the layers so the simulated step of the schedule is as short as possible.
+
+Problem. Cut layers ``0..L-1`` into ``K = S·v`` non-empty chunks ``[b_c, b_{c+1})`` and give each chunk
+a recompute mode, so that ``schedule.simulate`` of the chunks' forward/backward/send-recv seconds
+takes the least time, with every chunk within ``limit`` bytes under its mode and its in-flight count.
+
+Reduction to cuts. The simulated step is the longest path of the op graph, whose weights are the
+ops' durations, so it never shrinks when an op grows. Recompute only adds backward time; so for a
+fixed cut the fastest mode that fits each chunk is optimal, and the search is over cuts alone.
+
+Lower bound (why the answer can be trusted at scale). Every path of the op graph is a lower bound on
+the step of every cut. For one chunk per rank (gpipe, 1f1b) take the paths that dwell on one rank s:
+
+- enter at rank s's first op along micro-batch 0's forwards through stages < s, or at its first B
+  along the round trip of that B's micro-batch (all forwards, the backwards of stages > s);
+- run rank s's own order from there to its last op (leave along the backwards of stages < s), or to
+  its last F (leave along that micro-batch's round trip: forwards of stages > s, every backward).
+
+Each such path weighs ``pF·ΣF_{<s} + pB·ΣB_{<s} + cF·F_s + cB·B_s + qF·ΣF_{>s} + qB·ΣB_{>s}`` with
+counts read off the order (1f1b's "enter by round trip, leave by round trip" gives
+``Σ_{<s} t + (M - w_s)·t_s + 2·Σ_{>s} t``, w_s its warm-up forwards), and rank s's own order alone
+weighs ``M·t_s``. GPipe also has the path through all forwards of one stage and all backwards of
+another: ``Σt + (M-1)(F_s + F-or-B of the other)``, bounded with ``max B ≥ ΣB/S`` and the like. Drop
+the send/recv and recompute seconds of the other stages (they are >= 0) and each bound of stage s
+depends on its own chunk [a, b) only: it is ``H(b) - G(a) + const``. Replacing G by its running
+maximum keeps it a lower bound and makes "bound <= V" read ``a >= lo_s(b; V)``, as does "fits in
+memory under some mode". So "some cut has every bound <= V" is a reachability over positions,
+
+    R_0 = {0},   R_{s+1} = { b : some a in R_s with lo_s(b; V) <= a < b },   feasible(V) <=> L in R_K,
+
+O(K·L) with prefix counts. Bisection on V gives ``LB``: no cut's step is below it. With virtual stages a
+rank runs M times its chunks' work, so ``step >= M·ΣF+B / S`` and ``M·(f_i + b_i)`` for each layer i.
+
+Method. (1) When all ``C(L-1, K-1)`` cuts cost at most ``enumerate_work`` op evaluations, simulate
+them all (numpy, many cuts per call): exact. (2) Otherwise simulate candidates: the cuts the
+reachability recovers at the smallest feasible V, walking back from L with the latest or the earliest
+admissible start, then moves of single boundaries while they shorten the step. (3) One chunk per
+rank: every cut whose step beats the best found has all bounds below it, so when the cuts admissible
+at V = best number few enough (counted by the same recurrence), simulate them all: exact again.
+Otherwise the answer is the best found with ``LB`` beside it. Cost: (1) C(L-1, K-1)·ops; (2) O(K·L)
+per reachability test, O(log(U/LB / tol)) tests, and a few vectorised simulations of O(ops) each.
+
+Example:
+    >>> from autopipe.chunkcost import ChunkCosts
+    >>> costs = ChunkCosts(forward=[2/3, 5/3, 1/3, 2/3, 8/3, 1], backward=[4/3, 10/3, 2/3, 4/3, 16/3, 2])
+    >>> sol = solve_step(costs, "interleaved1f1b", ranks=2, virtual=2, microbatches=4)
+    >>> sol.boundaries, round(sol.step, 2), sol.exact
+    ((0, 1, 4, 5, 6), 48.33, True)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .chunkcost import ChunkCosts
+from .schedule import _fixed_orders, check_schedule, inflight_counts, step_times
+
+__all__ = ["StepSolution", "solve_step", "Infeasible", "fits", "least_memory"]
+
+# Simulating all cuts costs (cuts x ops) op evaluations; up to this many it is done outright.
+ENUMERATE_WORK = 30_000_000
+# zbv simulates one cut at a time in Python (its order depends on the costs): an op costs about this
+# many vectorised ones.
+ZBV_OP_COST = 60
+LOCAL_ROUNDS = 40  # boundary-move rounds after the candidates, each one vectorised simulation
+BISECTION_TOL = 1e-4  # relative width at which the bound's bisection stops
+TIE = 1e-9  # relative difference under which two simulated steps are the same step
+
+
+class Infeasible(Exception):
+    """No cut into the asked number of chunks fits the memory limit under any allowed mode."""
+
+
+@dataclass(frozen=True)
+class StepSolution:
+    """The best cut found, its modes and simulated step, and a proven lower bound on every cut's step."""
+
+    boundaries: tuple[int, ...]
+    modes: tuple[int, ...]  # index into ChunkCosts.modes, per chunk
+    step: float
+    lower_bound: float  # no cut has a shorter step; equal to ``step`` when proven optimal
+    exact: bool  # every cut that could beat it was simulated (so ``lower_bound == step``)
+    simulated: int  # cuts simulated, for the benchmark
+    probes: int  # reachability tests, for the benchmark
+
+
+def solve_step(
+    costs: ChunkCosts,
+    schedule: str,
+    *,
+    ranks: int,
+    virtual: int = 1,
+    microbatches: int,
+    inflight: Sequence[int] | None = None,
+    limit: int | None = None,
+    modes: Sequence[int] = (0,),
+    weight_share: float = 0.5,
+    enumerate_work: int = ENUMERATE_WORK,
+) -> StepSolution:
+    """The cut of ``costs`` into ``ranks * virtual`` chunks with the shortest simulated step.
+
+    ``inflight`` per chunk defaults to what the schedule holds; ``limit`` caps each chunk's bytes;
+    ``modes`` are the recompute modes (indices into ``costs.modes``) a chunk may use.
+    ``enumerate_work`` bounds the brute force (0: bounds and candidates only).
+    Raises :class:`Infeasible` when no cut fits and ValueError when there are too few layers.
+    """
+    schedule = check_schedule(schedule, ranks, virtual, microbatches)
+    k = ranks * virtual
+    if not 1 <= k <= costs.n:
+        raise ValueError(f"cannot cut {costs.n} layers into {k} non-empty chunks")
+    infl = list(inflight) if inflight is not None else inflight_counts(schedule, ranks, virtual, microbatches)
+    return _Search(costs, schedule, ranks, virtual, microbatches, infl, limit, tuple(modes), weight_share).run(enumerate_work)
+
+
+def fits(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], limit: int | None, modes: Sequence[int] = (0,)) -> bool:
+    """Whether some cut into ``chunks`` non-empty chunks fits ``limit`` with some allowed mode each."""
+    if not 1 <= chunks <= costs.n:
+        return False
+    return _reach(costs.n, chunks, lambda s, b, first: _memory_start(costs, inflight[s], limit, modes, b)) is not None
+
+
+def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], modes: Sequence[int] = (0,)) -> int:
+    """The smallest per-chunk limit some cut into ``chunks`` chunks meets (bisection over bytes)."""
+    idx = np.arange(costs.n)
+    alone = np.min([costs.memory(idx, idx + 1, min(inflight), m) for m in modes], axis=0)
+    lo = int(alone.max()) - 1  # some chunk holds the layer that needs the most alone: never fits
+    hi = int(min(costs.memory(0, costs.n, max(inflight), m) for m in modes))  # any chunk fits under it
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(costs, chunks, inflight=inflight, limit=mid, modes=modes):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+# ---- reachability over cut positions ----------------------------------------------------------------
+
+
+def _memory_start(costs: ChunkCosts, inflight: int, limit: int | None, modes: Sequence[int], b: np.ndarray) -> np.ndarray:
+    if limit is None:
+        return np.zeros_like(b)
+    return np.min([costs.window_start(m, inflight, limit)[b] for m in modes], axis=0)
+
+
+def _reach(n: int, k: int, lo_of, span=None, finish=None) -> list[np.ndarray] | None:
+    """R_0..R_K (boolean over positions 0..L) for admissible starts ``a >= lo_of(s, b, first)``; None if L not in R_K.
+
+    Speed-ups that keep the answer: ``span(last)`` bounds how far a stage reaches from the last member
+    of R_s, ``finish(stages)`` the least position from which that many stages can still reach L.
+    """
+    reach = np.zeros(n + 1, dtype=bool)
+    reach[0] = True
+    out = [reach]
+    for s in range(k):
+        members = np.flatnonzero(reach)
+        if members.size == 0:
+            return None
+        first = int(members[0])
+        end = n - (k - s - 1)
+        if span is not None:
+            end = min(end, span(int(members[-1])))
+        if end <= first:
+            return None
+        start = first + 1 if finish is None else max(first + 1, finish(k - s - 1))
+        if end < start:
+            return None
+        b = np.arange(start, end + 1)
+        lo = np.maximum(lo_of(s, b, first), first)
+        count = np.concatenate([[0], np.cumsum(reach)])  # count[x]: members below x
+        ok = (lo <= b - 1) & (count[b] - count[np.minimum(lo, b)] > 0)
+        reach = np.zeros(n + 1, dtype=bool)
+        reach[b[ok]] = True
+        out.append(reach)
+    return out if out[-1][n] else None
+
+
+def _walk(reach: list[np.ndarray], lo_of, n: int, late: bool) -> tuple[int, ...]:
+    """A cut through R_K..R_0: from L back, the latest (or earliest) admissible start each time."""
+    bounds = [n]
+    b = n
+    for s in range(len(reach) - 2, -1, -1):
+        lo = int(lo_of(s, np.array([b]), 0)[0])
+        cand = np.flatnonzero(reach[s][lo:b]) + lo
+        b = int(cand[-1] if late else cand[0])
+        bounds.append(b)
+    return tuple(reversed(bounds))
+
+
+def _count(n: int, k: int, lo_arrays: list[np.ndarray], cap: int) -> int:
+    """How many cuts have every stage admissible (``lo[s][b] <= a < b``), or ``cap`` if at least that many.
+
+    Counts saturate at ``cap``, so every partial sum is an exact integer in float64 (the true counts
+    can be astronomically large, and differences of such sums would lose them)."""
+    ways = np.zeros(n + 1)
+    ways[0] = 1.0
+    b = np.arange(n + 1)
+    for s in range(k):
+        acc = np.concatenate([[0.0], np.cumsum(ways)])
+        ways = np.minimum(np.where(lo_arrays[s] < b, acc[b] - acc[lo_arrays[s]], 0.0), cap)
+    return int(ways[n])
+
+
+def _enumerate(n: int, k: int, lo_arrays: list[np.ndarray]) -> np.ndarray:
+    """Every cut with every stage admissible, as rows of k + 1 boundaries."""
+    b = np.arange(n + 1)
+    alive = [np.zeros(n + 1, dtype=bool)]
+    alive[0][0] = True
+    for s in range(k):  # positions reachable after s + 1 stages
+        acc = np.concatenate([[0], np.cumsum(alive[s])])
+        alive.append((lo_arrays[s] < b) & (acc[b] - acc[lo_arrays[s]] > 0))
+    rows: list[tuple[int, ...]] = []
+
+    def back(s: int, end: int, tail: tuple[int, ...]) -> None:  # tail: the boundaries from `end` on
+        if s == 0:
+            rows.append(tail)
+            return
+        lo = int(lo_arrays[s - 1][end])
+        for a in (np.flatnonzero(alive[s - 1][lo:end]) + lo).tolist():
+            back(s - 1, a, (a,) + tail)
+
+    if alive[k][n]:
+        back(k, n, (n,))
+    return np.array(rows, dtype=np.int64).reshape(-1, k + 1)
+
+
+# ---- the search ----------------------------------------------------------------------------------------
+
+# Local search: boundary moves of these sizes, while the simulated work stays under LOCAL_WORK ops.
+MOVES = (1, 2, 4, 8, 16, 64)
+LOCAL_WORK = 5_000_000
+FORM_CACHE = 8_000_000  # floats of cached per-form arrays (positions x forms) before computing bands only
+THRESHOLD_SIZE = 200_000
+CANDIDATE_WORK = 10_000_000  # op evaluations spent on the bisection's candidate cuts
+REACH_WORK = 80_000_000  # position x chunk x form steps spent on bisection tests  # positions x chunks up to which the admissible cuts are counted
+
+
+class _Search:
+    def __init__(self, costs: ChunkCosts, schedule: str, ranks: int, virtual: int, m: int, inflight: list[int],
+                 limit: int | None, modes: tuple[int, ...], weight_share: float) -> None:  # fmt: skip
+        self.c = costs
+        self.schedule = schedule
+        self.ranks, self.virtual, self.m = ranks, virtual, m
+        self.k = ranks * virtual
+        self.inflight = inflight
+        self.limit = limit
+        self.modes = modes
+        self.weight_share = weight_share
+        self.ops = (3 if schedule == "zbv" else 2) * m * self.k
+        self.simulated = 0
+        self.probes = 0
+        # (least step seen, peak memory, bottleneck, step, cut, modes) of the cut kept
+        self.best: tuple[float, int, float, float, tuple[int, ...], tuple[int, ...]] | None = None
+        # A rank runs M times the sum of its chunks; with v chunks per rank the chunk-time test aims
+        # at M·v·t (balanced chunks) and proves nothing, with one it is the chain bound M·t.
+        self.scale = m * virtual
+        base = costs.pf + costs.pb
+        x = [costs.extra[md] for md in modes]
+        self.h = [base + xm + 2 * costs.comm_out for xm in x]  # t_m(a, b) >= h[b] - g[a]
+        self.g = [np.maximum.accumulate(base + xm - 2 * costs.comm_in) for xm in x]
+        n = costs.n
+        self._f_min = max(costs.pf[n] / ranks, float(np.diff(costs.pf).max(initial=0.0)))  # max F_s >= both
+        self._b_min = max(costs.pb[n] / ranks, float(np.diff(costs.pb).max(initial=0.0)))
+        self.forms = _dwell_forms(schedule, ranks, m, self._f_min, self._b_min) if virtual == 1 else [[] for _ in range(self.k)]
+        self.lb = max(self._simple_bound(), self._flat_bound() if virtual == 1 else 0.0)
+        self._forms_cache: dict[tuple[_Form, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    # -- evaluation --
+    def evaluate(self, cuts: np.ndarray) -> np.ndarray:
+        """Simulated step of each row of boundaries (inf where a chunk fits no mode); keeps the best."""
+        cuts = np.asarray(cuts, dtype=np.int64).reshape(-1, self.k + 1)
+        steps = np.full(cuts.shape[0], np.inf)
+        if cuts.shape[0] == 0:
+            return steps
+        c = self.c
+        a, b = cuts[:, :-1], cuts[:, 1:]
+        infl = np.asarray(self.inflight)[None, :]
+        mode = c.fastest_modes(a, b, infl, self.limit, self.modes)
+        ok = np.all(mode >= 0, axis=1)
+        if ok.any():
+            a, b, md = a[ok], b[ok], mode[ok]
+            steps[ok] = step_times(self.schedule, forward=c.forward(a, b), backward=c.backward(a, b, md),
+                                   comm=c.comm(a, b), ranks=self.ranks, microbatches=self.m,
+                                   weight_share=self.weight_share)  # fmt: skip
+            self.simulated += int(ok.sum())
+            self._offer(steps, cuts, mode, infl)
+        return steps
+
+    def _offer(self, steps: np.ndarray, cuts: np.ndarray, mode: np.ndarray, infl: np.ndarray) -> None:
+        """Keep the shortest step. Steps within TIE of it are equal (sums in another order differ in the
+        last bits): among those the lowest peak chunk memory, then the lowest bottleneck, then the first."""
+        low = float(steps.min())
+        if self.best is not None:
+            low = min(low, self.best[0])
+        rows = np.flatnonzero(steps <= low * (1 + TIE))
+        if rows.size == 0:
+            return
+        a, b, md = cuts[rows, :-1], cuts[rows, 1:], mode[rows]
+        peak = np.max(self.c.memory(a, b, infl, md), axis=1)
+        slow = np.max(self.c.time(a, b, md), axis=1)
+        keys = sorted(zip(peak.tolist(), slow.tolist(), range(rows.size)))
+        j = keys[0][2]
+        cand = (low, keys[0][0], keys[0][1], float(steps[rows[j]]), tuple(int(x) for x in cuts[rows[j]]),
+                tuple(int(x) for x in md[j]))  # fmt: skip
+        if self.best is None or self.best[3] > low * (1 + TIE) or cand[1:3] < self.best[1:3]:
+            self.best = cand
+        else:
+            self.best = (low, *self.best[1:])
+
+    # -- bounds --
+    def _simple_bound(self) -> float:
+        """Every rank runs M times its chunks' work, and some chunk holds each layer."""
+        c = self.c
+        layer = np.diff(c.pf) + np.diff(c.pb)
+        return max(self.m * float(c.pf[-1] + c.pb[-1]) / self.ranks, self.m * float(layer.max(initial=0.0)))
+
+    def _flat_bound(self) -> float:
+        """A weighted average of the stages' dwell bounds that weighs every stage alike: c·(ΣF + ΣB).
+
+        Take per stage the form that counts F and B alike (1f1b's round trip in and out; none for
+        gpipe, whose two-stage path gives sum(t) + (M-1)(max F + max B) directly). If weights
+        lambda >= 0 make sum_s lambda_s·form_s = c·sum(t) for every cut, the step is >= c·(PF + PB).
+        """
+        c, n = self.c, self.c.n
+        total = float(c.pf[n] + c.pb[n])
+        if self.schedule == "gpipe":
+            return total + (self.m - 1) * (self._f_min + self._b_min)
+        rows = []
+        for s, forms in enumerate(self.forms):
+            trip = [f for f in forms if f.round_trip and f.pf == f.pb and f.cf == f.cb and f.qf == f.qb]
+            if not trip:
+                return 0.0
+            f = trip[0]
+            rows.append([f.pf] * s + [f.cf] + [f.qf] * (self.k - s - 1))
+        try:
+            mu = np.linalg.solve(np.array(rows, dtype=np.float64).T, np.ones(self.k))
+        except np.linalg.LinAlgError:
+            return 0.0
+        if not np.all(mu >= 0) or mu.sum() <= 0:
+            return 0.0
+        # sum_s mu_s·form_s(cut) = sum(t) for every cut; with lambda = mu / sum(mu) the average is sum(t)/sum(mu)
+        return total / float(mu.sum()) * (1 - 1e-12)  # a hair under: the solve rounds
+
+    def lo(self, s: int, b: np.ndarray, v: float | None, first: int = 0) -> np.ndarray:
+        """First admissible start of stage s for each end b (all >= first): memory, and every bound <= v."""
+        c = self.c
+        out = None
+        top = int(b.max()) if b.size else first
+        for i, md in enumerate(self.modes):
+            lo = np.zeros_like(b) if self.limit is None else c.window_start(md, self.inflight[s], self.limit)[b]
+            if v is not None:
+                lo = np.maximum(lo, np.searchsorted(self.g[i], self.h[i][b] - v / self.scale, side="left"))
+                for form in self.forms[s]:
+                    g, h, base = self._form_arrays(form, md, first, top)
+                    lo = np.maximum(lo, base + np.searchsorted(g, h[b - base] - v, side="left"))
+            out = lo if out is None else np.minimum(out, lo)
+        return out
+
+    def _form_arrays(self, form: "_Form", mode: int, first: int, top: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """A form's (G, H) from position ``base``: whole and cached when small enough, else the band only.
+
+        Only starts in [first, top] matter, and a running maximum taken from any earlier position
+        is still >= G there, so the cached whole-range arrays give the same kind of bound."""
+        key = (form, mode)
+        if key in self._forms_cache:
+            g, h = self._forms_cache[key]
+            return g, h, 0
+        if self.c.n * sum(len(f) for f in self.forms) <= FORM_CACHE:
+            g, h = form.arrays(self.c, self.c.extra[mode], 0, self.c.n)
+            self._forms_cache[key] = (g, h)
+            return g, h, 0
+        g, h = form.arrays(self.c, self.c.extra[mode], first, top)
+        return g, h, first
+
+    def reach(self, v: float | None) -> list[np.ndarray] | None:
+        self.probes += 1
+        span = None
+        if v is not None:  # the compute alone bounds how far a stage reaches: scale·(P[b] - P[a]) <= v
+            p = self.c.pf + self.c.pb
+            reach_t = v / self.scale * (1 + 1e-12)
+            span = lambda last: int(np.searchsorted(p, p[last] + reach_t, side="right")) - 1  # noqa: E731
+        return _reach(self.c.n, self.k, lambda s, b, first: self.lo(s, b, v, first), span, self._finish(v))
+
+    def _finish(self, v: float | None):
+        """The least position from which s stages can still reach L (each covers compute <= v/scale)."""
+        if v is None:
+            return None
+        p = self.c.pf + self.c.pb
+        step = v / self.scale * (1 + 1e-12)
+        return lambda left: int(np.searchsorted(p, p[-1] - left * step, side="left"))
+
+    # -- driver --
+    def run(self, enumerate_work: int) -> StepSolution:
+        n, k = self.c.n, self.k
+        if self.reach(None) is None:
+            raise Infeasible
+        total = math.comb(n - 1, k - 1)
+        if total * self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1) <= enumerate_work:
+            for block in _all_cuts(n, k, max(1, 4_000_000 // self.ops)):
+                self.evaluate(block)
+            return self._solution(exact=True)
+        # Bisection on the bound: lo fails (or is the simple bound), hi passes and yields candidate cuts.
+        found: list[tuple[int, ...]] = []
+        lo = self.lb
+        v, grow = lo, 0.001
+        while (r := self.reach(v)) is None:  # grow until some cut passes (usually within a few percent)
+            lo, v, grow = v, v * (1 + grow), grow * 4
+        hi = v
+        found += self._walks(r, v)
+        # Each test costs about K·L·(forms + 1) steps; at scale a few tests pin the bound well enough.
+        tests = max(4, REACH_WORK // (self.k * n * (1 + max(len(f) for f in self.forms))))
+        while hi - lo > BISECTION_TOL * hi and self.probes < tests:
+            v = 0.5 * (lo + hi)
+            r = self.reach(v)
+            if r is None:
+                lo = v
+            else:
+                hi = v
+                found += self._walks(r, v)
+        # The tightest passes first; zbv simulates one cut at a time, so it stops at a budget.
+        unit = self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1)
+        order = list(dict.fromkeys(reversed(found)))
+        self.evaluate(np.array(order[: max(2, CANDIDATE_WORK // unit)]))
+        # With one chunk per rank every failed v is a lower bound on every cut's step.
+        bound = max(self.lb, lo) if self.virtual == 1 else self.lb
+        self._local_search()
+        if self.virtual == 1 and self._threshold(self.best[0], enumerate_work):
+            return self._solution(exact=True)
+        return self._solution(exact=False, bound=bound)
+
+    def _walks(self, r: list[np.ndarray], v: float) -> list[tuple[int, ...]]:
+        lo_of = lambda s, b, first: self.lo(s, b, v, first)  # noqa: E731
+        return [_walk(r, lo_of, self.c.n, late=True), _walk(r, lo_of, self.c.n, late=False)]
+
+    def _local_search(self) -> None:
+        """Move single boundaries while that shortens the step (each round one batch of simulations)."""
+        if self.best is None or self.k == 1:
+            return
+        per_round = 2 * (self.k - 1) * len(MOVES) * self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1)
+        for _ in range(min(LOCAL_ROUNDS, LOCAL_WORK // max(per_round, 1))):
+            step0, cut = self.best[0], np.array(self.best[4])
+            moves = []
+            for j in range(1, self.k):
+                for d in MOVES:
+                    for x in (cut[j] - d, cut[j] + d):
+                        if cut[j - 1] < x < cut[j + 1]:
+                            moved = cut.copy()
+                            moved[j] = x
+                            moves.append(moved)
+            if not moves:
+                return
+            self.evaluate(np.array(moves))
+            if not self.best[0] < step0:
+                return
+
+    def _threshold(self, u: float, enumerate_work: int) -> bool:
+        """Simulate every cut whose bounds are all <= u, if few: then the best is proven optimal."""
+        n = self.c.n
+        if n * self.k > THRESHOLD_SIZE:  # at this size the cuts under the best step are countless anyway
+            return False
+        b = np.arange(n + 1)
+        lo_arrays = [np.minimum(self.lo(s, b, u), b) for s in range(self.k)]
+        most = enumerate_work // (self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1))
+        if _count(n, self.k, lo_arrays, most + 1) > most:
+            return False
+        self.evaluate(_enumerate(n, self.k, lo_arrays))
+        return True
+
+    def _solution(self, *, exact: bool, bound: float = 0.0) -> StepSolution:
+        if self.best is None:
+            raise Infeasible
+        low, _, _, step, cut, modes = self.best
+        lower = low if exact else min(bound, low)
+        return StepSolution(cut, modes, step, lower, exact or lower >= low, self.simulated, self.probes)
+
+
+def _all_cuts(n: int, k: int, block: int):
+    """Every cut into k non-empty chunks, as blocks of rows of k + 1 boundaries."""
+    it = itertools.combinations(range(1, n), k - 1)
+    while True:
+        rows = list(itertools.islice(it, block))
+        if not rows:
+            return
+        inner = np.array(rows, dtype=np.int64).reshape(len(rows), k - 1)
+        yield np.hstack([np.zeros((len(rows), 1), dtype=np.int64), inner, np.full((len(rows), 1), n, dtype=np.int64)])
+
+
+# ---- the dwell paths of one-chunk-per-rank orders -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Form:
+    """A path's weight for stage s: pF·PF[a] + pB·PB[a] + cF·F(a,b) + cB·B(a,b) + qF·(PF[L]-PF[b]) + qB·(PB[L]-PB[b]) + const."""
+
+    pf: int
+    pb: int
+    cf: int
+    cb: int
+    qf: int
+    qb: int
+    const: float = 0.0
+    round_trip: bool = False  # entered and left by round trips (the form the flat bound averages)
+
+    def arrays(self, c: ChunkCosts, xm: np.ndarray, first: int, top: int) -> tuple[np.ndarray, np.ndarray]:
+        """(G over starts first..top, H over ends first..top) with weight = H[b] - G[a] (indices from first).
+
+        G is monotonised by a running maximum from ``first``: larger G only lowers the weight, so the
+        result is still a lower bound, and "weight <= v" becomes "a >= the first G >= H[b] - v"."""
+        n = c.n
+        pf, pb, x = c.pf[first : top + 1], c.pb[first : top + 1], xm[first : top + 1]
+        g = (self.cf - self.pf) * pf + (self.cb - self.pb) * pb + self.cb * x
+        h = (self.cf - self.qf) * pf + (self.cb - self.qb) * pb + self.cb * x
+        h = h + (self.qf * c.pf[n] + self.qb * c.pb[n] + self.const)
+        return np.maximum.accumulate(g), h
+
+
+def _dwell_forms(schedule: str, ranks: int, m: int, f_min: float, b_min: float) -> list[list[_Form]]:
+    """Per stage, the dwell paths of the module docstring (one chunk per rank)."""
+    orders = _fixed_orders(schedule, ranks, 1, m)
+    out = []
+    for s, order in enumerate(orders):
+        kinds = [kind for kind, _, _ in order]
+        nf = np.concatenate([[0], np.cumsum([kd == "F" for kd in kinds])])  # F ops before position x
+        nb = np.concatenate([[0], np.cumsum([kd == "B" for kd in kinds])])
+        first_b = kinds.index("B")
+        last_f = len(kinds) - 1 - kinds[::-1].index("F")
+        # (position, pF, pB, cF, cB, qF, qB) added by each way in and out
+        entries = [(0, 1, 0, 0, 0, 0, 0), (first_b, 1, 0, 1, 0, 1, 1)]
+        exits = [(len(kinds) - 1, 0, 1, 0, 0, 0, 0), (last_f, 0, 1, 0, 1, 1, 1)]
+        forms = {}
+        for i, (pe, *e) in enumerate(entries):
+            for j, (px, *x) in enumerate(exits):
+                if px < pe:
+                    continue
+                f = [u + w for u, w in zip(e, x)]
+                f[2] += int(nf[px + 1] - nf[pe])
+                f[3] += int(nb[px + 1] - nb[pe])
+                forms[tuple(f)] = forms.get(tuple(f), False) or (i == j == 1)
+        out.append([_Form(*f, const=0.0, round_trip=trip) for f, trip in sorted(forms.items())])
+    if schedule == "gpipe":
+        # All forwards of stage s, then all backwards of whichever stage has the most backward (and
+        # the mirror): sum(t) + (M-1)(F_s + max B) with max B >= mean and >= any single layer's B.
+        for s in range(ranks):
+            out[s].append(_Form(1, 1, m, 1, 1, 1, (m - 1) * b_min))
+            out[s].append(_Form(1, 1, 1, m, 1, 1, (m - 1) * f_min))
+    return out
