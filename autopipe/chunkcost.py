@@ -147,11 +147,13 @@ class ChunkCosts:
         lo = np.minimum(np.searchsorted(q, q[b] - (limit + self.tied_most), side="left"), b)
         if not self.tied and not mode:
             return hi
-        while np.any(lo < hi):  # memory(a, b) only shrinks as a grows
-            mid = (lo + hi) // 2
-            ok = (self.memory(mid, b, inflight, mode) <= limit) | (lo == hi)
-            hi = np.where(ok, mid, hi)
-            lo = np.where(ok, lo, mid + 1)
+        open_ = np.flatnonzero(lo < hi)
+        while open_.size:  # bisect only where the bracket is open; memory(a, b) only shrinks as a grows
+            mid = (lo[open_] + hi[open_]) // 2
+            ok = self.memory(mid, b[open_], inflight, mode) <= limit
+            hi[open_] = np.where(ok, mid, hi[open_])
+            lo[open_] = np.where(ok, lo[open_], mid + 1)
+            open_ = open_[lo[open_] < hi[open_]]
         return lo
 
     def fastest_modes(self, a, b, inflight, limit: int | None, allowed: Sequence[int]) -> np.ndarray:

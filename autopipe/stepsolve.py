@@ -180,13 +180,17 @@ def _reach(n: int, k: int, lo_of, span=None, finish=None) -> list[np.ndarray] | 
     return out if out[-1][n] else None
 
 
-def _walk(reach: list[np.ndarray], lo_of, n: int, late: bool) -> tuple[int, ...]:
-    """A cut through R_K..R_0: from L back, the latest (or earliest) admissible start each time."""
+def _walk(reach: list[np.ndarray], lo_of, n: int, late: bool, prefer=None) -> tuple[int, ...]:
+    """A cut through R_K..R_0: from L back, the latest (or earliest) admissible start each time;
+    among those admissible under ``prefer`` (another lo_of, e.g. without recompute) when there are any."""
     bounds = [n]
     b = n
     for s in range(len(reach) - 2, -1, -1):
         lo = int(lo_of(s, np.array([b]), 0)[0])
         cand = np.flatnonzero(reach[s][lo:b]) + lo
+        if prefer is not None:
+            better = cand[cand >= int(prefer(s, np.array([b]), 0)[0])]
+            cand = better if better.size else cand
         b = int(cand[-1] if late else cand[0])
         bounds.append(b)
     return tuple(reversed(bounds))
@@ -233,6 +237,7 @@ def _enumerate(n: int, k: int, lo_arrays: list[np.ndarray]) -> np.ndarray:
 
 # Local search: boundary moves of these sizes, while the simulated work stays under LOCAL_WORK ops.
 MOVES = (1, 2, 4, 8, 16, 64)
+PAIR_MOVES = 16  # up to this many chunks the local search also moves two boundaries at once
 LOCAL_WORK = 5_000_000
 FORM_CACHE = 8_000_000  # floats of cached per-form arrays (positions x forms) before computing bands only
 THRESHOLD_SIZE = 200_000
@@ -262,13 +267,30 @@ class _Search:
         base = costs.pf + costs.pb
         x = [costs.extra[md] for md in modes]
         self.h = [base + xm + 2 * costs.comm_out for xm in x]  # t_m(a, b) >= h[b] - g[a]
+        self.h_right = [np.minimum.accumulate(h[::-1])[::-1] for h in self.h]  # least h of any end >= b
         self.g = [np.maximum.accumulate(base + xm - 2 * costs.comm_in) for xm in x]
         n = costs.n
         self._f_min = max(costs.pf[n] / ranks, float(np.diff(costs.pf).max(initial=0.0)))  # max F_s >= both
         self._b_min = max(costs.pb[n] / ranks, float(np.diff(costs.pb).max(initial=0.0)))
         self.forms = _dwell_forms(schedule, ranks, m, self._f_min, self._b_min) if virtual == 1 else [[] for _ in range(self.k)]
         self.lb = max(self._simple_bound(), self._flat_bound() if virtual == 1 else 0.0)
-        self._forms_cache: dict[tuple[_Form, int], tuple[np.ndarray, np.ndarray]] = {}
+        # Per stage and mode, each form's (G, H, H's running minimum from the right) over all positions,
+        # when that fits FORM_CACHE; else None and lo() computes the band it needs each time.
+        self._arrays: list[list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]] | None = None
+        if n * sum(len(f) for f in self.forms) * len(modes) <= FORM_CACHE:
+            made: dict[tuple[_Form, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+            self._arrays = []
+            for forms in self.forms:
+                per_mode = []
+                for md in modes:
+                    row = []
+                    for form in forms:
+                        if (form, md) not in made:
+                            g, h = form.arrays(costs, costs.extra[md], 0, n)
+                            made[(form, md)] = (g, h, np.minimum.accumulate(h[::-1])[::-1])
+                        row.append(made[(form, md)])
+                    per_mode.append(row)
+                self._arrays.append(per_mode)
 
     # -- evaluation --
     def evaluate(self, cuts: np.ndarray) -> np.ndarray:
@@ -346,53 +368,64 @@ class _Search:
         # sum_s mu_s·form_s(cut) = sum(t) for every cut; with lambda = mu / sum(mu) the average is sum(t)/sum(mu)
         return total / float(mu.sum()) * (1 - 1e-12)  # a hair under: the solve rounds
 
-    def lo(self, s: int, b: np.ndarray, v: float | None, first: int = 0) -> np.ndarray:
-        """First admissible start of stage s for each end b (all >= first): memory, and every bound <= v."""
+    def lo(self, s: int, b: np.ndarray, v: float | None, first: int = 0, only: int | None = None) -> np.ndarray:
+        """First admissible start of stage s for each end b (all >= first): memory, and every bound <= v,
+        under some mode (some of the first ``only`` modes)."""
         c = self.c
         out = None
         top = int(b.max()) if b.size else first
-        for i, md in enumerate(self.modes):
+        for i, md in enumerate(self.modes[:only]):
             lo = np.zeros_like(b) if self.limit is None else c.window_start(md, self.inflight[s], self.limit)[b]
             if v is not None:
                 lo = np.maximum(lo, np.searchsorted(self.g[i], self.h[i][b] - v / self.scale, side="left"))
-                for form in self.forms[s]:
-                    g, h, base = self._form_arrays(form, md, first, top)
-                    lo = np.maximum(lo, base + np.searchsorted(g, h[b - base] - v, side="left"))
+                if self._arrays is not None:
+                    for g, h, _ in self._arrays[s][i]:
+                        lo = np.maximum(lo, np.searchsorted(g, h[b] - v, side="left"))
+                else:  # only starts in [first, top] matter: the band's arrays, monotonised from first
+                    for form in self.forms[s]:
+                        g, h = form.arrays(c, c.extra[md], first, top)
+                        lo = np.maximum(lo, first + np.searchsorted(g, h[b - first] - v, side="left"))
             out = lo if out is None else np.minimum(out, lo)
         return out
 
-    def _form_arrays(self, form: "_Form", mode: int, first: int, top: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """A form's (G, H) from position ``base``: whole and cached when small enough, else the band only.
-
-        Only starts in [first, top] matter, and a running maximum taken from any earlier position
-        is still >= G there, so the cached whole-range arrays give the same kind of bound."""
-        key = (form, mode)
-        if key in self._forms_cache:
-            g, h = self._forms_cache[key]
-            return g, h, 0
-        if self.c.n * sum(len(f) for f in self.forms) <= FORM_CACHE:
-            g, h = form.arrays(self.c, self.c.extra[mode], 0, self.c.n)
-            self._forms_cache[key] = (g, h)
-            return g, h, 0
-        g, h = form.arrays(self.c, self.c.extra[mode], first, top)
-        return g, h, first
-
-    def reach(self, v: float | None) -> list[np.ndarray] | None:
+    def reach(self, v: float | None, only: int | None = None) -> list[np.ndarray] | None:
+        """R_0..R_K at bound v (None: memory only) with the first ``only`` modes (None: all)."""
         self.probes += 1
         span = None
         if v is not None:  # the compute alone bounds how far a stage reaches: scale·(P[b] - P[a]) <= v
             p = self.c.pf + self.c.pb
             reach_t = v / self.scale * (1 + 1e-12)
             span = lambda last: int(np.searchsorted(p, p[last] + reach_t, side="right")) - 1  # noqa: E731
-        return _reach(self.c.n, self.k, lambda s, b, first: self.lo(s, b, v, first), span, self._finish(v))
+        return _reach(self.c.n, self.k, lambda s, b, first: self.lo(s, b, v, first, only), span, self._finish(v, only))
 
-    def _finish(self, v: float | None):
-        """The least position from which s stages can still reach L (each covers compute <= v/scale)."""
-        if v is None:
-            return None
-        p = self.c.pf + self.c.pb
-        step = v / self.scale * (1 + 1e-12)
-        return lambda left: int(np.searchsorted(p, p[-1] - left * step, side="left"))
+    def _finish(self, v: float | None, only: int | None):
+        """need[left]: the least position from which the last ``left`` stages can still reach L.
+
+        Walking back from L, each stage starts as early as its bounds allow at the end it has. That
+        is the farthest back any cut gets when the first admissible start never decreases as the end
+        grows, which holds for memory; the bound terms get it by taking, per end b, the least
+        threshold of any end >= b (a running minimum from the right, so weaker and monotone)."""
+        need = [0] * (self.k + 1)
+        if v is None and self.limit is None:
+            return lambda left: 0
+        pos = self.c.n
+        for left in range(1, self.k + 1):
+            pos = int(self._lo_monotone(self.k - left, pos, v, only))
+            need[left] = pos
+        return lambda left: need[left]
+
+    def _lo_monotone(self, s: int, b: int, v: float | None, only: int | None) -> int:
+        """lo(s, b, v) with every bound term replaced by its running minimum from the right."""
+        c = self.c
+        out = b
+        for i, md in enumerate(self.modes[:only]):
+            lo = 0 if self.limit is None else int(c.window_start(md, self.inflight[s], self.limit)[b])
+            if v is not None:
+                lo = max(lo, int(np.searchsorted(self.g[i], self.h_right[i][b] - v / self.scale, side="left")))
+                for g, _, right in self._arrays[s][i] if self._arrays is not None else ():
+                    lo = max(lo, int(np.searchsorted(g, right[b] - v, side="left")))
+            out = min(out, lo)
+        return out
 
     # -- driver --
     def run(self, enumerate_work: int) -> StepSolution:
@@ -404,28 +437,15 @@ class _Search:
             for block in _all_cuts(n, k, max(1, 4_000_000 // self.ops)):
                 self.evaluate(block)
             return self._solution(exact=True)
-        # Bisection on the bound: lo fails (or is the simple bound), hi passes and yields candidate cuts.
-        found: list[tuple[int, ...]] = []
-        lo = self.lb
-        v, grow = lo, 0.001
-        while (r := self.reach(v)) is None:  # grow until some cut passes (usually within a few percent)
-            lo, v, grow = v, v * (1 + grow), grow * 4
-        hi = v
-        found += self._walks(r, v)
-        # Each test costs about K·L·(forms + 1) steps; at scale a few tests pin the bound well enough.
-        tests = max(4, REACH_WORK // (self.k * n * (1 + max(len(f) for f in self.forms))))
-        while hi - lo > BISECTION_TOL * hi and self.probes < tests:
-            v = 0.5 * (lo + hi)
-            r = self.reach(v)
-            if r is None:
-                lo = v
-            else:
-                hi = v
-                found += self._walks(r, v)
+        lo, found = self._bisect(None)
+        if len(self.modes) > 1 and self.reach(None, only=1) is not None:
+            # Recompute costs time: the cuts that need none are searched too (their bound is not one
+            # for the whole problem, so it is not kept).
+            found += self._bisect(1)[1]
         # The tightest passes first; zbv simulates one cut at a time, so it stops at a budget.
         unit = self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1)
-        order = list(dict.fromkeys(reversed(found)))
-        self.evaluate(np.array(order[: max(2, CANDIDATE_WORK // unit)]))
+        order = list(dict.fromkeys(found))
+        self.evaluate(np.array(order[: max(1, CANDIDATE_WORK // unit)]))
         # With one chunk per rank every failed v is a lower bound on every cut's step.
         bound = max(self.lb, lo) if self.virtual == 1 else self.lb
         self._local_search()
@@ -433,15 +453,41 @@ class _Search:
             return self._solution(exact=True)
         return self._solution(exact=False, bound=bound)
 
-    def _walks(self, r: list[np.ndarray], v: float) -> list[tuple[int, ...]]:
-        lo_of = lambda s, b, first: self.lo(s, b, v, first)  # noqa: E731
-        return [_walk(r, lo_of, self.c.n, late=True), _walk(r, lo_of, self.c.n, late=False)]
+    def _bisect(self, only: int | None) -> tuple[float, list[tuple[int, ...]]]:
+        """Bisection on the bound: ``lo`` fails (or is the simple bound), ``hi`` passes. Returns lo and
+        the cuts walked at the tightest and the first passing v, tightest first."""
+        n = self.c.n
+        lo = self.lb
+        v, grow = lo, 0.001
+        while (r := self.reach(v, only)) is None:  # grow until some cut passes (usually within a few percent)
+            lo, v, grow = v, v * (1 + grow), grow * 4
+        first = self._walks(r, v, only)
+        hi, last = v, r
+        # Each test costs about K·L·(forms + 1) steps; at scale a few tests pin the bound well enough.
+        tests = self.probes + max(4, REACH_WORK // (self.k * n * (1 + max(len(f) for f in self.forms))))
+        while hi - lo > BISECTION_TOL * hi and self.probes < tests:
+            v = 0.5 * (lo + hi)
+            r = self.reach(v, only)
+            if r is None:
+                lo = v
+            else:
+                hi, last = v, r
+        return lo, self._walks(last, hi, only) + first
+
+    def _walks(self, r: list[np.ndarray], v: float, only: int | None) -> list[tuple[int, ...]]:
+        lo_of = lambda s, b, first: self.lo(s, b, v, first, only)  # noqa: E731
+        walks = [_walk(r, lo_of, self.c.n, late=True), _walk(r, lo_of, self.c.n, late=False)]
+        if len(self.modes[:only]) > 1:  # recompute costs time: also the cuts that use the first mode where they can
+            plain = lambda s, b, first: self.lo(s, b, v, first, only=1)  # noqa: E731
+            walks += [_walk(r, lo_of, self.c.n, late=True, prefer=plain), _walk(r, lo_of, self.c.n, late=False, prefer=plain)]
+        return walks
 
     def _local_search(self) -> None:
         """Move single boundaries while that shortens the step (each round one batch of simulations)."""
         if self.best is None or self.k == 1:
             return
-        per_round = 2 * (self.k - 1) * len(MOVES) * self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1)
+        moves = 2 * (self.k - 1) * len(MOVES) + (2 * self.k * self.k if self.k <= PAIR_MOVES else 0)
+        per_round = moves * self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1)
         for _ in range(min(LOCAL_ROUNDS, LOCAL_WORK // max(per_round, 1))):
             step0, cut = self.best[0], np.array(self.best[4])
             moves = []
@@ -451,6 +497,14 @@ class _Search:
                         if cut[j - 1] < x < cut[j + 1]:
                             moved = cut.copy()
                             moved[j] = x
+                            moves.append(moved)
+            if self.k <= PAIR_MOVES:  # two boundaries at once: moves work between chunks that are not neighbours
+                for i, j in itertools.combinations(range(1, self.k), 2):
+                    for di, dj in itertools.product((-1, 1), repeat=2):
+                        moved = cut.copy()
+                        moved[i] += di
+                        moved[j] += dj
+                        if np.all(np.diff(moved) > 0):
                             moves.append(moved)
             if not moves:
                 return
