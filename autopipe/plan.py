@@ -90,8 +90,10 @@ class Plan:
     @property
     def step_gap(self) -> float | None:
         """How far step_time may be above the best possible step: step / lower bound - 1 (0: optimal)."""
-        if self.step_lower_bound is None or self.step_lower_bound <= 0:
+        if self.step_lower_bound is None:
             return None
+        if self.step_lower_bound <= 0:  # a bound of nothing: the gap is 0 only when the step is nothing too
+            return 0.0 if self.step_time <= 0 else None
         gap = self.step_time / self.step_lower_bound - 1.0
         return gap if gap > 1e-9 else 0.0  # sums of the same seconds in another order differ in the last bits
 
