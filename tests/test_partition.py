@@ -295,7 +295,7 @@ def test_never_worse_than_any_baseline(times, params, out, stages, schedule) -> 
             continue
         other = partition(prof, stages, bandwidth=1.0, schedule=schedule, method=method)
         assert all(x < y for x, y in zip(other.boundaries, other.boundaries[1:]))
-        assert best.step_time <= other.step_time
+        assert best.step_time <= other.step_time * (1 + 1e-9)  # equal steps summed in another order differ in the last bits
 
 
 @settings(max_examples=60, deadline=None)
