@@ -354,8 +354,8 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight
     if alone[worst] > chunk_limit:
         return InfeasibleMemoryError(
             f"{head}: layer {worst} ({model.names[worst]}) alone needs {format_bytes(int(alone[worst]))} "
-            f"(parameters, gradients, optimizer state and {min(inflight)} micro-batch of activations, with "
-            f"the lightest recompute), so no number of stages fits; raise the memory limit to at least "
+            f"(parameters, gradients, optimizer state and {min(inflight)} micro-batch of activations, recomputed "
+            f"or not), so no number of stages fits; raise the memory limit to at least "
             f"{format_bytes(int(alone[worst]) * v)} or use a lighter optimizer."
         )
     hints = []
