@@ -85,6 +85,8 @@ class ChunkCosts:
         self.modes = tuple(names)
         self.extra = extra  # prefix sums per mode
         self.kept = kept
+        # Every per-layer second >= 0: prefix sums (and their non-negative combinations) never decrease.
+        self.nonnegative = bool(fw.min(initial=0.0) >= 0 and bw.min(initial=0.0) >= 0 and all(np.all(np.diff(x) >= 0) for x in extra))
         self._table = _SparseMax(self.act)
         self._windows: dict[tuple[int, int, int], np.ndarray] = {}
 

@@ -36,7 +36,8 @@ from .errors import InfeasibleMemoryError, PartitionError
 from .plan import Plan
 from .records import Profile, optimizer_state_factor
 from .schedule import check_schedule, check_weight_share, chunk_ranks, inflight_counts, normalize_schedule, simulate
-from .stepsolve import Infeasible, StepSolution, fits, least_memory, solve_step
+from .stepbound import fits, least_memory
+from .stepsolve import Infeasible, StepSolution, solve_step
 from .units import format_bytes, parse_size
 
 __all__ = ["partition", "DEFAULT_BANDWIDTH", "RECOMPUTE_POLICIES"]

@@ -8,37 +8,28 @@ Reduction to cuts. The simulated step is the longest path of the op graph, whose
 ops' durations, so it never shrinks when an op grows. Recompute only adds backward time; so for a
 fixed cut the fastest mode that fits each chunk is optimal, and the search is over cuts alone.
 
-Lower bound (why the answer can be trusted at scale). Every path of the op graph is a lower bound on
-the step of every cut. For one chunk per rank (gpipe, 1f1b) take the paths that dwell on one rank s:
-
-- enter at rank s's first op along micro-batch 0's forwards through stages < s, or at its first B
-  along the round trip of that B's micro-batch (all forwards, the backwards of stages > s);
-- run rank s's own order from there to its last op (leave along the backwards of stages < s), or to
-  its last F (leave along that micro-batch's round trip: forwards of stages > s, every backward).
-
-Each such path weighs ``pF·ΣF_{<s} + pB·ΣB_{<s} + cF·F_s + cB·B_s + qF·ΣF_{>s} + qB·ΣB_{>s}`` with
-counts read off the order (1f1b's "enter by round trip, leave by round trip" gives
-``Σ_{<s} t + (M - w_s)·t_s + 2·Σ_{>s} t``, w_s its warm-up forwards), and rank s's own order alone
-weighs ``M·t_s``. GPipe also has the path through all forwards of one stage and all backwards of
-another: ``Σt + (M-1)(F_s + F-or-B of the other)``, bounded with ``max B ≥ ΣB/S`` and the like. Drop
-the send/recv and recompute seconds of the other stages (they are >= 0) and each bound of stage s
-depends on its own chunk [a, b) only: it is ``H(b) - G(a) + const``. Replacing G by its running
-maximum keeps it a lower bound and makes "bound <= V" read ``a >= lo_s(b; V)``, as does "fits in
-memory under some mode". So "some cut has every bound <= V" is a reachability over positions,
-
-    R_0 = {0},   R_{s+1} = { b : some a in R_s with lo_s(b; V) <= a < b },   feasible(V) <=> L in R_K,
-
-O(K·L) with prefix counts. Bisection on V gives ``LB``: no cut's step is below it. With virtual stages a
-rank runs M times its chunks' work, so ``step >= M·ΣF+B / S`` and ``M·(f_i + b_i)`` for each layer i.
+Lower bound. Every path of the op graph weighs at most the step of the cut it is taken in; the paths
+that dwell on one rank give, per stage, a bound that depends on that stage's own chunk only, so "some
+cut keeps every bound <= V" is a reachability over cut positions and a bisection on V proves that no
+cut steps faster than ``LB`` (autopipe/stepbound.py: the paths, the proof, the recurrence). With
+virtual stages a rank runs M times its chunks' work, so ``step >= M·(ΣF + ΣB) / S`` and
+``M·(f_i + b_i)`` for each layer i.
 
 Method. (1) When all ``C(L-1, K-1)`` cuts cost at most ``enumerate_work`` op evaluations, simulate
-them all (numpy, many cuts per call): exact. (2) Otherwise simulate candidates: the cuts the
-reachability recovers at the smallest feasible V, walking back from L with the latest or the earliest
-admissible start, then moves of single boundaries while they shorten the step. (3) One chunk per
-rank: every cut whose step beats the best found has all bounds below it, so when the cuts admissible
-at V = best number few enough (counted by the same recurrence), simulate them all: exact again.
-Otherwise the answer is the best found with ``LB`` beside it. Cost: (1) C(L-1, K-1)·ops; (2) O(K·L)
-per reachability test, O(log(U/LB / tol)) tests, and a few vectorised simulations of O(ops) each.
+them all (numpy, many cuts per call): exact. (2) Otherwise bisect on the bound and simulate the
+candidates the reachability recovers at the first and the smallest passing V (walking back from L
+with the latest or the earliest admissible start; with several modes also preferring no recompute,
+and the bisection repeated without recompute, whose cuts the others contain), then move one or two
+boundaries while that shortens the step. (3) One chunk per rank: a cut whose step beats the best
+found has all its bounds below that step, so when those cuts are few enough (counted by the same
+recurrence), simulate them all: exact again. Otherwise the answer is the best found with ``LB``
+beside it.
+
+Exactness: exact whenever (1) or (3) runs, which the property tests check against brute force over
+every cut and mode; otherwise within the recorded gap of ``LB``. Complexity: (1) C(L-1, K-1) x ops;
+(2) O(K·L·forms) per reachability test (the tests only visit positions that can still reach L, a few
+per stage near the bound), O(log(width / tol)) tests, and a few vectorised simulations of O(ops)
+each; (3) O(K·L) to count, plus the simulations.
 
 Example:
     >>> from autopipe.chunkcost import ChunkCosts
@@ -58,9 +49,10 @@ from typing import Sequence
 import numpy as np
 
 from .chunkcost import ChunkCosts
-from .schedule import _fixed_orders, check_schedule, inflight_counts, step_times
+from .schedule import check_schedule, inflight_counts, step_times
+from .stepbound import Form, Infeasible, count_cuts, dwell_forms, enumerate_cuts, reach, walk
 
-__all__ = ["StepSolution", "solve_step", "Infeasible", "fits", "least_memory"]
+__all__ = ["StepSolution", "solve_step", "Infeasible"]
 
 # Simulating all cuts costs (cuts x ops) op evaluations; up to this many it is done outright.
 ENUMERATE_WORK = 30_000_000
@@ -70,10 +62,6 @@ ZBV_OP_COST = 60
 LOCAL_ROUNDS = 40  # boundary-move rounds after the candidates, each one vectorised simulation
 BISECTION_TOL = 1e-4  # relative width at which the bound's bisection stops
 TIE = 1e-9  # relative difference under which two simulated steps are the same step
-
-
-class Infeasible(Exception):
-    """No cut into the asked number of chunks fits the memory limit under any allowed mode."""
 
 
 @dataclass(frozen=True)
@@ -117,122 +105,6 @@ def solve_step(
     return _Search(costs, schedule, ranks, virtual, microbatches, infl, limit, tuple(modes), weight_share).run(enumerate_work)
 
 
-def fits(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], limit: int | None, modes: Sequence[int] = (0,)) -> bool:
-    """Whether some cut into ``chunks`` non-empty chunks fits ``limit`` with some allowed mode each."""
-    if not 1 <= chunks <= costs.n:
-        return False
-    return _reach(costs.n, chunks, lambda s, b, first: _memory_start(costs, inflight[s], limit, modes, b)) is not None
-
-
-def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], modes: Sequence[int] = (0,)) -> int:
-    """The smallest per-chunk limit some cut into ``chunks`` chunks meets (bisection over bytes)."""
-    idx = np.arange(costs.n)
-    alone = np.min([costs.memory(idx, idx + 1, min(inflight), m) for m in modes], axis=0)
-    lo = int(alone.max()) - 1  # some chunk holds the layer that needs the most alone: never fits
-    hi = int(min(costs.memory(0, costs.n, max(inflight), m) for m in modes))  # any chunk fits under it
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(costs, chunks, inflight=inflight, limit=mid, modes=modes):
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-# ---- reachability over cut positions ----------------------------------------------------------------
-
-
-def _memory_start(costs: ChunkCosts, inflight: int, limit: int | None, modes: Sequence[int], b: np.ndarray) -> np.ndarray:
-    if limit is None:
-        return np.zeros_like(b)
-    return np.min([costs.window_start(m, inflight, limit)[b] for m in modes], axis=0)
-
-
-def _reach(n: int, k: int, lo_of, span=None, finish=None) -> list[np.ndarray] | None:
-    """R_0..R_K (boolean over positions 0..L) for admissible starts ``a >= lo_of(s, b, first)``; None if L not in R_K.
-
-    Speed-ups that keep the answer: ``span(last)`` bounds how far a stage reaches from the last member
-    of R_s, ``finish(stages)`` the least position from which that many stages can still reach L.
-    """
-    reach = np.zeros(n + 1, dtype=bool)
-    reach[0] = True
-    out = [reach]
-    for s in range(k):
-        members = np.flatnonzero(reach)
-        if members.size == 0:
-            return None
-        first = int(members[0])
-        end = n - (k - s - 1)
-        if span is not None:
-            end = min(end, span(int(members[-1])))
-        if end <= first:
-            return None
-        start = first + 1 if finish is None else max(first + 1, finish(k - s - 1))
-        if end < start:
-            return None
-        b = np.arange(start, end + 1)
-        lo = np.maximum(lo_of(s, b, first), first)
-        count = np.concatenate([[0], np.cumsum(reach)])  # count[x]: members below x
-        ok = (lo <= b - 1) & (count[b] - count[np.minimum(lo, b)] > 0)
-        reach = np.zeros(n + 1, dtype=bool)
-        reach[b[ok]] = True
-        out.append(reach)
-    return out if out[-1][n] else None
-
-
-def _walk(reach: list[np.ndarray], lo_of, n: int, late: bool, prefer=None) -> tuple[int, ...]:
-    """A cut through R_K..R_0: from L back, the latest (or earliest) admissible start each time;
-    among those admissible under ``prefer`` (another lo_of, e.g. without recompute) when there are any."""
-    bounds = [n]
-    b = n
-    for s in range(len(reach) - 2, -1, -1):
-        lo = int(lo_of(s, np.array([b]), 0)[0])
-        cand = np.flatnonzero(reach[s][lo:b]) + lo
-        if prefer is not None:
-            better = cand[cand >= int(prefer(s, np.array([b]), 0)[0])]
-            cand = better if better.size else cand
-        b = int(cand[-1] if late else cand[0])
-        bounds.append(b)
-    return tuple(reversed(bounds))
-
-
-def _count(n: int, k: int, lo_arrays: list[np.ndarray], cap: int) -> int:
-    """How many cuts have every stage admissible (``lo[s][b] <= a < b``), or ``cap`` if at least that many.
-
-    Counts saturate at ``cap``, so every partial sum is an exact integer in float64 (the true counts
-    can be astronomically large, and differences of such sums would lose them)."""
-    ways = np.zeros(n + 1)
-    ways[0] = 1.0
-    b = np.arange(n + 1)
-    for s in range(k):
-        acc = np.concatenate([[0.0], np.cumsum(ways)])
-        ways = np.minimum(np.where(lo_arrays[s] < b, acc[b] - acc[lo_arrays[s]], 0.0), cap)
-    return int(ways[n])
-
-
-def _enumerate(n: int, k: int, lo_arrays: list[np.ndarray]) -> np.ndarray:
-    """Every cut with every stage admissible, as rows of k + 1 boundaries."""
-    b = np.arange(n + 1)
-    alive = [np.zeros(n + 1, dtype=bool)]
-    alive[0][0] = True
-    for s in range(k):  # positions reachable after s + 1 stages
-        acc = np.concatenate([[0], np.cumsum(alive[s])])
-        alive.append((lo_arrays[s] < b) & (acc[b] - acc[lo_arrays[s]] > 0))
-    rows: list[tuple[int, ...]] = []
-
-    def back(s: int, end: int, tail: tuple[int, ...]) -> None:  # tail: the boundaries from `end` on
-        if s == 0:
-            rows.append(tail)
-            return
-        lo = int(lo_arrays[s - 1][end])
-        for a in (np.flatnonzero(alive[s - 1][lo:end]) + lo).tolist():
-            back(s - 1, a, (a,) + tail)
-
-    if alive[k][n]:
-        back(k, n, (n,))
-    return np.array(rows, dtype=np.int64).reshape(-1, k + 1)
-
-
 # ---- the search ----------------------------------------------------------------------------------------
 
 # Local search: boundary moves of these sizes, while the simulated work stays under LOCAL_WORK ops.
@@ -272,13 +144,13 @@ class _Search:
         n = costs.n
         self._f_min = max(costs.pf[n] / ranks, float(np.diff(costs.pf).max(initial=0.0)))  # max F_s >= both
         self._b_min = max(costs.pb[n] / ranks, float(np.diff(costs.pb).max(initial=0.0)))
-        self.forms = _dwell_forms(schedule, ranks, m, self._f_min, self._b_min) if virtual == 1 else [[] for _ in range(self.k)]
+        self.forms = dwell_forms(schedule, ranks, m, self._f_min, self._b_min) if virtual == 1 else [[] for _ in range(self.k)]
         self.lb = max(self._simple_bound(), self._flat_bound() if virtual == 1 else 0.0)
         # Per stage and mode, each form's (G, H, H's running minimum from the right) over all positions,
         # when that fits FORM_CACHE; else None and lo() computes the band it needs each time.
         self._arrays: list[list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]] | None = None
         if n * sum(len(f) for f in self.forms) * len(modes) <= FORM_CACHE:
-            made: dict[tuple[_Form, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+            made: dict[tuple[Form, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
             self._arrays = []
             for forms in self.forms:
                 per_mode = []
@@ -388,7 +260,7 @@ class _Search:
             out = lo if out is None else np.minimum(out, lo)
         return out
 
-    def reach(self, v: float | None, only: int | None = None) -> list[np.ndarray] | None:
+    def reach_at(self, v: float | None, only: int | None = None) -> list[np.ndarray] | None:
         """R_0..R_K at bound v (None: memory only) with the first ``only`` modes (None: all)."""
         self.probes += 1
         span = None
@@ -396,7 +268,7 @@ class _Search:
             p = self.c.pf + self.c.pb
             reach_t = v / self.scale * (1 + 1e-12)
             span = lambda last: int(np.searchsorted(p, p[last] + reach_t, side="right")) - 1  # noqa: E731
-        return _reach(self.c.n, self.k, lambda s, b, first: self.lo(s, b, v, first, only), span, self._finish(v, only))
+        return reach(self.c.n, self.k, lambda s, b, first: self.lo(s, b, v, first, only), span, self._finish(v, only))
 
     def _finish(self, v: float | None, only: int | None):
         """need[left]: the least position from which the last ``left`` stages can still reach L.
@@ -430,7 +302,7 @@ class _Search:
     # -- driver --
     def run(self, enumerate_work: int) -> StepSolution:
         n, k = self.c.n, self.k
-        if self.reach(None) is None:
+        if self.reach_at(None) is None:
             raise Infeasible
         total = math.comb(n - 1, k - 1)
         if total * self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1) <= enumerate_work:
@@ -438,7 +310,7 @@ class _Search:
                 self.evaluate(block)
             return self._solution(exact=True)
         lo, found = self._bisect(None)
-        if len(self.modes) > 1 and self.reach(None, only=1) is not None:
+        if len(self.modes) > 1 and self.reach_at(None, only=1) is not None:
             # Recompute costs time: the cuts that need none are searched too (their bound is not one
             # for the whole problem, so it is not kept).
             found += self._bisect(1)[1]
@@ -459,7 +331,7 @@ class _Search:
         n = self.c.n
         lo = self.lb
         v, grow = lo, 0.001
-        while (r := self.reach(v, only)) is None:  # grow until some cut passes (usually within a few percent)
+        while (r := self.reach_at(v, only)) is None:  # grow until some cut passes (usually within a few percent)
             lo, v, grow = v, v * (1 + grow), grow * 4
         first = self._walks(r, v, only)
         hi, last = v, r
@@ -467,7 +339,7 @@ class _Search:
         tests = self.probes + max(4, REACH_WORK // (self.k * n * (1 + max(len(f) for f in self.forms))))
         while hi - lo > BISECTION_TOL * hi and self.probes < tests:
             v = 0.5 * (lo + hi)
-            r = self.reach(v, only)
+            r = self.reach_at(v, only)
             if r is None:
                 lo = v
             else:
@@ -476,10 +348,10 @@ class _Search:
 
     def _walks(self, r: list[np.ndarray], v: float, only: int | None) -> list[tuple[int, ...]]:
         lo_of = lambda s, b, first: self.lo(s, b, v, first, only)  # noqa: E731
-        walks = [_walk(r, lo_of, self.c.n, late=True), _walk(r, lo_of, self.c.n, late=False)]
+        walks = [walk(r, lo_of, self.c.n, late=True), walk(r, lo_of, self.c.n, late=False)]
         if len(self.modes[:only]) > 1:  # recompute costs time: also the cuts that use the first mode where they can
             plain = lambda s, b, first: self.lo(s, b, v, first, only=1)  # noqa: E731
-            walks += [_walk(r, lo_of, self.c.n, late=True, prefer=plain), _walk(r, lo_of, self.c.n, late=False, prefer=plain)]
+            walks += [walk(r, lo_of, self.c.n, late=True, prefer=plain), walk(r, lo_of, self.c.n, late=False, prefer=plain)]
         return walks
 
     def _local_search(self) -> None:
@@ -520,9 +392,9 @@ class _Search:
         b = np.arange(n + 1)
         lo_arrays = [np.minimum(self.lo(s, b, u), b) for s in range(self.k)]
         most = enumerate_work // (self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1))
-        if _count(n, self.k, lo_arrays, most + 1) > most:
+        if count_cuts(n, self.k, lo_arrays, most + 1) > most:
             return False
-        self.evaluate(_enumerate(n, self.k, lo_arrays))
+        self.evaluate(enumerate_cuts(n, self.k, lo_arrays))
         return True
 
     def _solution(self, *, exact: bool, bound: float = 0.0) -> StepSolution:
@@ -544,62 +416,3 @@ def _all_cuts(n: int, k: int, block: int):
         yield np.hstack([np.zeros((len(rows), 1), dtype=np.int64), inner, np.full((len(rows), 1), n, dtype=np.int64)])
 
 
-# ---- the dwell paths of one-chunk-per-rank orders -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Form:
-    """A path's weight for stage s: pF·PF[a] + pB·PB[a] + cF·F(a,b) + cB·B(a,b) + qF·(PF[L]-PF[b]) + qB·(PB[L]-PB[b]) + const."""
-
-    pf: int
-    pb: int
-    cf: int
-    cb: int
-    qf: int
-    qb: int
-    const: float = 0.0
-    round_trip: bool = False  # entered and left by round trips (the form the flat bound averages)
-
-    def arrays(self, c: ChunkCosts, xm: np.ndarray, first: int, top: int) -> tuple[np.ndarray, np.ndarray]:
-        """(G over starts first..top, H over ends first..top) with weight = H[b] - G[a] (indices from first).
-
-        G is monotonised by a running maximum from ``first``: larger G only lowers the weight, so the
-        result is still a lower bound, and "weight <= v" becomes "a >= the first G >= H[b] - v"."""
-        n = c.n
-        pf, pb, x = c.pf[first : top + 1], c.pb[first : top + 1], xm[first : top + 1]
-        g = (self.cf - self.pf) * pf + (self.cb - self.pb) * pb + self.cb * x
-        h = (self.cf - self.qf) * pf + (self.cb - self.qb) * pb + self.cb * x
-        h = h + (self.qf * c.pf[n] + self.qb * c.pb[n] + self.const)
-        return np.maximum.accumulate(g), h
-
-
-def _dwell_forms(schedule: str, ranks: int, m: int, f_min: float, b_min: float) -> list[list[_Form]]:
-    """Per stage, the dwell paths of the module docstring (one chunk per rank)."""
-    orders = _fixed_orders(schedule, ranks, 1, m)
-    out = []
-    for s, order in enumerate(orders):
-        kinds = [kind for kind, _, _ in order]
-        nf = np.concatenate([[0], np.cumsum([kd == "F" for kd in kinds])])  # F ops before position x
-        nb = np.concatenate([[0], np.cumsum([kd == "B" for kd in kinds])])
-        first_b = kinds.index("B")
-        last_f = len(kinds) - 1 - kinds[::-1].index("F")
-        # (position, pF, pB, cF, cB, qF, qB) added by each way in and out
-        entries = [(0, 1, 0, 0, 0, 0, 0), (first_b, 1, 0, 1, 0, 1, 1)]
-        exits = [(len(kinds) - 1, 0, 1, 0, 0, 0, 0), (last_f, 0, 1, 0, 1, 1, 1)]
-        forms = {}
-        for i, (pe, *e) in enumerate(entries):
-            for j, (px, *x) in enumerate(exits):
-                if px < pe:
-                    continue
-                f = [u + w for u, w in zip(e, x)]
-                f[2] += int(nf[px + 1] - nf[pe])
-                f[3] += int(nb[px + 1] - nb[pe])
-                forms[tuple(f)] = forms.get(tuple(f), False) or (i == j == 1)
-        out.append([_Form(*f, const=0.0, round_trip=trip) for f, trip in sorted(forms.items())])
-    if schedule == "gpipe":
-        # All forwards of stage s, then all backwards of whichever stage has the most backward (and
-        # the mirror): sum(t) + (M-1)(F_s + max B) with max B >= mean and >= any single layer's B.
-        for s in range(ranks):
-            out[s].append(_Form(1, 1, m, 1, 1, 1, (m - 1) * b_min))
-            out[s].append(_Form(1, 1, 1, m, 1, 1, (m - 1) * f_min))
-    return out

@@ -35,7 +35,7 @@ from autopipe.baselines import BASELINES  # noqa: E402
 from autopipe.partition import _Model, partition  # noqa: E402
 from autopipe.records import LayerCost, Profile  # noqa: E402
 from autopipe.schedule import _program, simulate, step_times  # noqa: E402
-from autopipe.stepsolve import least_memory  # noqa: E402
+from autopipe.stepbound import least_memory  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv")

@@ -122,7 +122,8 @@ from autopipe.partition import partition  # noqa: E402
 from autopipe.records import LayerCost  # noqa: E402
 from autopipe.schedule import inflight_counts  # noqa: E402
 from autopipe.stepsolve import Infeasible as StepInfeasible  # noqa: E402
-from autopipe.stepsolve import _dwell_forms, solve_step  # noqa: E402
+from autopipe.stepbound import dwell_forms  # noqa: E402
+from autopipe.stepsolve import solve_step  # noqa: E402
 
 from _event_sim import simulate_events  # noqa: E402
 
@@ -286,7 +287,7 @@ def test_dwell_paths_never_exceed_the_simulated_step(schedule, stages, m, data) 
     step = simulate_events(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m).step_time
     F = [f + c for f, c in zip(fwd, comm)]
     B = [b + c for b, c in zip(bwd, comm)]
-    for s, forms in enumerate(_dwell_forms(schedule, stages, m, max(F), max(B))):  # the cut's own max F, max B
+    for s, forms in enumerate(dwell_forms(schedule, stages, m, max(F), max(B))):  # the cut's own max F, max B
         for f in forms:
             w = (f.pf * sum(F[:s]) + f.pb * sum(B[:s]) + f.cf * F[s] + f.cb * B[s] + f.qf * sum(F[s + 1 :])
                  + f.qb * sum(B[s + 1 :]) + f.const)  # fmt: skip
