@@ -4,9 +4,12 @@ Problem. Cut layers ``0..L-1`` into ``K = S·v`` non-empty chunks ``[b_c, b_{c+1
 a recompute mode, so that ``schedule.simulate`` of the chunks' forward/backward/send-recv seconds
 takes the least time, with every chunk within ``limit`` bytes under its mode and its in-flight count.
 
-Reduction to cuts. The simulated step is the longest path of the op graph, whose weights are the
-ops' durations, so it never shrinks when an op grows. Recompute only adds backward time; so for a
-fixed cut the fastest mode that fits each chunk is optimal, and the search is over cuts alone.
+Reduction to cuts. With a fixed op order (gpipe, 1f1b, interleaved) the simulated step is the longest
+path of the op graph, whose weights are the ops' durations, so it never shrinks when an op grows.
+Recompute only adds backward time; so for a fixed cut the fastest mode that fits each chunk is
+optimal, and the search is over cuts alone. zbv's greedy order depends on the costs, so a longer op
+can reorder it and, rarely, shorten the modelled step; recompute is not chosen for that (the runtime's
+order is not this model's): zbv chunks also take their fastest fitting mode, and exactness is over cuts.
 
 Lower bound. Every path of the op graph weighs at most the step of the cut it is taken in; the paths
 that dwell on one rank give, per stage, a bound that depends on that stage's own chunk only, so "some
