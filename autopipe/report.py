@@ -177,6 +177,9 @@ def _header(name: str, plan: Plan, profile: Profile | None) -> str:
         ("layers", str(plan.num_layers)),
         ("schedule", f"{plan.schedule}, {plan.microbatches} mb"),
         ("step time (simulated)", format_time(plan.step_time)),
+        *([("step lower bound", format_time(plan.step_lower_bound)
+            + (" (optimal)" if plan.step_gap == 0 else f" (gap {plan.step_gap:.1%})" if plan.step_gap is not None else ""))]
+          if plan.step_lower_bound is not None else []),  # no cut steps faster; plans before the field have none
         ("bubble", f"{plan.bubble_fraction:.0%}"),
         ("balance (slowest / mean)", f"{plan.balance:.2f}"),
         ("peak memory / limit", f"{format_bytes(plan.peak_memory)} / {limit}"),
