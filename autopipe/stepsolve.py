@@ -243,6 +243,12 @@ class _Search:
         # sum_s mu_s·form_s(cut) = sum(t) for every cut; with lambda = mu / sum(mu) the average is sum(t)/sum(mu)
         return total / float(mu.sum()) * (1 - 1e-12)  # a hair under: the solve rounds
 
+    def _ceiling(self) -> float:
+        """A v every cut that fits passes: M times all the seconds of every op, every cut sent both ways."""
+        c = self.c
+        most = c.pf[-1] + c.pb[-1] + max(float(x[-1]) for x in c.extra) + 4 * float(c.comm_out.sum())
+        return self.m * self.virtual * most * 2 + 1.0
+
     def lo(self, s: int, b: np.ndarray, v: float | None, first: int = 0, only: int | None = None) -> np.ndarray:
         """First admissible start of stage s for each end b (all >= first): memory, and every bound <= v,
         under some mode (some of the first ``only`` modes)."""
@@ -335,7 +341,7 @@ class _Search:
         lo = self.lb
         v, grow = lo, 0.001
         while (r := self.reach_at(v, only)) is None:  # grow until some cut passes (usually within a few percent)
-            lo, v, grow = v, v * (1 + grow), grow * 4
+            lo, v, grow = v, (v * (1 + grow) if v > 0 else self._ceiling()), grow * 4
         first = self._walks(r, v, only)
         hi, last = v, r
         # Each test costs about K·L·(forms + 1) steps; at scale a few tests pin the bound well enough.

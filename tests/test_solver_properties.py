@@ -338,3 +338,12 @@ def test_bound_and_gap_at_scale() -> None:
     assert plan.step_gap < 0.01  # the round-trip bound is tight for 1F1B on fine-grained layers
     uniform = partition(prof, 8, microbatches=16, method="uniform")
     assert uniform.step_time >= plan.step_lower_bound
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2), ("zbv", 2)])
+def test_free_layers_with_costly_cuts(schedule, virtual) -> None:
+    """Layers that take no time but cuts that do: the bound search starts from 0 and still ends, within its bound."""
+    costs = ChunkCosts([0.0] * 12, [0.0] * 12, [0.5] * 11)
+    sol = solve_step(costs, schedule, ranks=2, virtual=virtual, microbatches=4, enumerate_work=0)
+    best = solve_step(costs, schedule, ranks=2, virtual=virtual, microbatches=4)  # all 165 or 11 cuts
+    assert best.exact and sol.lower_bound <= best.step <= sol.step
