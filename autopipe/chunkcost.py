@@ -89,6 +89,7 @@ class ChunkCosts:
         self.nonnegative = bool(fw.min(initial=0.0) >= 0 and bw.min(initial=0.0) >= 0 and all(np.all(np.diff(x) >= 0) for x in extra))
         self._table = _SparseMax(self.act)
         self._windows: dict[tuple[int, int, int], np.ndarray] = {}
+        self._window_limit: int | None = None
 
     # ---- time -----------------------------------------------------------------------------------
     def comm(self, a, b):
@@ -133,11 +134,13 @@ class ChunkCosts:
     def window_start(self, mode: int, inflight: int, limit: int) -> np.ndarray:
         """For every b in 0..L: the first a with memory(a, b) <= limit (b itself when none fits). Cached."""
         key = (mode, inflight, limit)
-        if key not in self._windows:
-            if len(self._windows) > 512:
+        window = self._windows.get(key)
+        if window is None:
+            if limit != self._window_limit:  # a search holds one limit at a time: keep only its windows
                 self._windows.clear()
-            self._windows[key] = self._window_start(mode, inflight, limit)
-        return self._windows[key]
+                self._window_limit = limit
+            window = self._windows[key] = self._window_start(mode, inflight, limit)
+        return window
 
     def _window_start(self, mode: int, inflight: int, limit: int) -> np.ndarray:
         b = np.arange(self.n + 1)
