@@ -2,33 +2,40 @@
 
 No torch. autopipe/stepsolve.py searches cuts; this module proves how good any cut can be.
 
-Why every cut's step is at least the bound. Every path of the op graph is a lower bound on
-the step of every cut. For one chunk per rank (gpipe, 1f1b) take the paths that dwell on one rank s:
+Why the bound holds. A cut's simulated step is the longest path of its op graph (fixed orders: gpipe,
+1f1b), so every path of that graph weighs at most the step. With one chunk per rank, take for each
+stage s the paths that dwell on rank s:
 
-- enter at rank s's first op along micro-batch 0's forwards through stages < s, or at its first B
-  along the round trip of that B's micro-batch (all forwards, the backwards of stages > s);
-- run rank s's own order from there to its last op (leave along the backwards of stages < s), or to
-  its last F (leave along that micro-batch's round trip: forwards of stages > s, every backward).
+- enter at rank s's first op along micro-batch 0's forwards through the stages before it, or at its
+  first B along the round trip of that B's micro-batch (every forward, the backwards of stages > s);
+- run rank s's own order from there to its last op (then the backwards of the stages before it), or
+  to its last F (then that micro-batch's round trip: forwards of stages > s, every backward).
 
-Each such path weighs ``pF·ΣF_{<s} + pB·ΣB_{<s} + cF·F_s + cB·B_s + qF·ΣF_{>s} + qB·ΣB_{>s}`` with
-counts read off the order (1f1b's "enter by round trip, leave by round trip" gives
-``Σ_{<s} t + (M - w_s)·t_s + 2·Σ_{>s} t``, w_s its warm-up forwards), and rank s's own order alone
-weighs ``M·t_s``. GPipe also has the path through all forwards of one stage and all backwards of
-another: ``Σt + (M-1)(F_s + F-or-B of the other)``, bounded with ``max B ≥ ΣB/S`` and the like. Drop
-the send/recv and recompute seconds of the other stages (they are >= 0) and each bound of stage s
-depends on its own chunk [a, b) only: it is ``H(b) - G(a) + const``. Replacing G by its running
-maximum keeps it a lower bound and makes "bound <= V" read ``a >= lo_s(b; V)``, as does "fits in
-memory under some mode". So "some cut has every bound <= V" is a reachability over positions,
+Each weighs ``pF·ΣF_{<s} + pB·ΣB_{<s} + cF·F_s + cB·B_s + qF·ΣF_{>s} + qB·ΣB_{>s}`` with the counts
+read off the order (1f1b's "in and out by round trips" is ``Σ_{<s} t + (M - w_s)·t_s + 2·Σ_{>s} t``,
+w_s the stage's warm-up forwards); rank s's order alone weighs ``M·t_s``. GPipe also has the path
+through all forwards of stage s and then all backwards of another stage s', ``Σt + (M-1)(F_s + B_s')``,
+which with ``max_s' B_s' >= max(ΣB/S, the largest layer's b)`` bounds every cut (and its mirror).
+Drop the other stages' send/recv and recompute seconds (>= 0, positive weights) and each bound of
+stage s depends on its own chunk [a, b) alone, as ``H(b) - G(a)``. Replacing G by its running maximum
+only lowers the bound and makes "bound <= V" read ``a >= lo_s(b; V)``, as does "fits in memory under
+some mode" (memory only grows with the chunk). So "some cut keeps every bound <= V" is a
+reachability over cut positions,
 
     R_0 = {0},   R_{s+1} = { b : some a in R_s with lo_s(b; V) <= a < b },   feasible(V) <=> L in R_K,
 
-O(K·L) with prefix counts. Bisection on V gives ``LB``: no cut's step is below it. With virtual stages a
-rank runs M times its chunks' work, so ``step >= M·ΣF+B / S`` and ``M·(f_i + b_i)`` for each layer i.
+O(K·L) with prefix counts, and a V it refutes is below every cut's step. The test only visits
+positions that can still reach L (walking back from L, each stage starting as early as a monotone
+weakening of its bounds allows) and that a stage can reach (compute alone <= V / M), a few per stage
+near the bound. Averaging one round-trip path per stage with weights that count every stage alike
+gives ``step >= (M + S - 1)/S·(ΣF + ΣB)`` for 1f1b (the weights solve a K x K system and are used only
+when non-negative, as they are for every M > S tried, S up to 39); the bisection starts there.
 
-The same recurrence with counts instead of booleans counts the cuts whose bounds are all <= V
-(saturating, so the sums stay exact), and walks back from L recover cuts.
+The same recurrence with saturating counts counts the cuts whose bounds are all <= V, and walks
+back from L recover cuts.
 
-Example (1f1b, 2 stages, 4 micro-batches; stage 0 warms up one forward):
+Example (1f1b, 2 stages, 4 micro-batches: stage 0 warms up one forward, so in and out by round trips
+it runs M - 1 = 3 of its F and B; stage 1's F and B twice more):
     >>> [(f.cf, f.cb, f.qf, f.qb) for f in dwell_forms("1f1b", 2, 4, 0.0, 0.0)[0] if f.round_trip]
     [(3, 3, 2, 2)]
 """

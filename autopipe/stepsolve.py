@@ -114,13 +114,15 @@ def solve_step(
 MOVES = (1, 2, 4, 8, 16, 64)
 PAIR_MOVES = 16  # up to this many chunks the local search also moves two boundaries at once
 LOCAL_WORK = 5_000_000
-FORM_CACHE = 8_000_000  # floats of cached per-form arrays (positions x forms) before computing bands only
-THRESHOLD_SIZE = 200_000
+FORM_CACHE = 8_000_000  # floats of cached per-form arrays (positions x forms x modes); above, bands only
+THRESHOLD_SIZE = 200_000  # positions x chunks up to which the cuts below the best step are counted
 CANDIDATE_WORK = 10_000_000  # op evaluations spent on the bisection's candidate cuts
-REACH_WORK = 80_000_000  # position x chunk x form steps spent on bisection tests  # positions x chunks up to which the admissible cuts are counted
+REACH_WORK = 80_000_000  # position x chunk x form steps spent on bisection tests
 
 
 class _Search:
+    """One search: the costs, the schedule's shape, the limit and modes, the best cut seen, the counters."""
+
     def __init__(self, costs: ChunkCosts, schedule: str, ranks: int, virtual: int, m: int, inflight: list[int],
                  limit: int | None, modes: tuple[int, ...], weight_share: float) -> None:  # fmt: skip
         self.c = costs
@@ -330,7 +332,7 @@ class _Search:
         # With one chunk per rank every failed v is a lower bound on every cut's step.
         bound = max(self.lb, lo) if self.virtual == 1 else self.lb
         self._local_search()
-        if self.virtual == 1 and self._threshold(self.best[0], enumerate_work):
+        if self.virtual == 1 and self.best is not None and self._threshold(self.best[0], enumerate_work):
             return self._solution(exact=True)
         return self._solution(exact=False, bound=bound)
 
