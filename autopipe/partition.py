@@ -200,8 +200,8 @@ def partition(
     elif method != "autopipe":
         chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
 
-    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, chunk_limit=chunk_limit, inflight=inflight,
-                  weight_share=weight_share, signature=profile.signature, allowed=allowed, recompute=recompute)  # fmt: skip
+    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight,
+                  weight_share=weight_share, signature=profile.signature, recompute=recompute)  # fmt: skip
     best: StepSolution | None = None
     try:
         best = solve_step(model.costs, schedule, ranks=stages, virtual=v, microbatches=m, inflight=inflight,
@@ -222,7 +222,9 @@ def partition(
             f"your chunk {c} (layers {a}..{b - 1}) needs {format_bytes(need)}, more than the "
             f"{format_bytes(chunk_limit)} it may use; move layers out of it, raise the memory limit{hint}."
         )
-    plan = _make_plan(model, chosen, method=method, modes=np.maximum(modes, 0).tolist(), bound=None, **common)
+    # A baseline that breaks the limit is still shown (marked over it), in its fastest allowed mode.
+    fastest = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), None, allowed)
+    plan = _make_plan(model, chosen, method=method, modes=np.where(modes < 0, fastest, modes).tolist(), bound=None, **common)
     if best is not None:
         opt = _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
         plan = replace(plan, optimum_bottleneck_time=opt.bottleneck_time, optimum_step_time=opt.step_time,
@@ -282,9 +284,8 @@ def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str],
 
 
 def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequence[int], bound: float | None,
-               stages: int, v: int, m: int, schedule: str, limit: int | None, chunk_limit: int | None,
-               inflight: list[int], weight_share: float, signature: str, allowed: tuple[int, ...],
-               recompute: str) -> Plan:  # fmt: skip
+               stages: int, v: int, m: int, schedule: str, limit: int | None, inflight: list[int],
+               weight_share: float, signature: str, recompute: str) -> Plan:  # fmt: skip
     c = model.costs
     a = np.asarray(bounds[:-1])
     b = np.asarray(bounds[1:])

@@ -47,6 +47,8 @@ def test_forced_full_recompute_everywhere() -> None:
     assert plan.stage_recompute == ("full", "full") and plan.recompute == "full"
     assert plan.stage_times == pytest.approx((8 / 3, 8 / 3))
     assert plan.stage_memory == (2 * 20 + 100, 1 * 20 + 100)
+    over = partition(four_layers(), 2, microbatches=4, bandwidth=None, recompute="full", memory_limit=100, method="uniform")
+    assert over.stage_recompute == ("full", "full") and over.stage_memory == (140, 120)  # shown over the limit, still full
 
 
 def test_measured_figures_replace_the_derived_ones() -> None:
