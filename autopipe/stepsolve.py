@@ -62,7 +62,6 @@ ENUMERATE_WORK = 30_000_000
 # zbv simulates one cut at a time in Python (its order depends on the costs): an op costs about this
 # many vectorised ones.
 ZBV_OP_COST = 60
-LOCAL_ROUNDS = 40  # boundary-move rounds after the candidates, each one vectorised simulation
 BISECTION_TOL = 1e-4  # relative width at which the bound's bisection stops
 TIE = 1e-9  # relative difference under which two simulated steps are the same step
 
@@ -113,6 +112,7 @@ def solve_step(
 # Local search: boundary moves of these sizes, while the simulated work stays under LOCAL_WORK ops.
 MOVES = (1, 2, 4, 8, 16, 64)
 PAIR_MOVES = 16  # up to this many chunks the local search also moves two boundaries at once
+LOCAL_STARTS = 4  # the best distinct candidates it starts from
 LOCAL_WORK = 5_000_000
 FORM_CACHE = 8_000_000  # floats of cached per-form arrays (positions x forms x modes); above, bands only
 THRESHOLD_SIZE = 200_000  # positions x chunks up to which the cuts below the best step are counted
@@ -327,11 +327,11 @@ class _Search:
             found += self._bisect(1)[1]
         # The tightest passes first; zbv simulates one cut at a time, so it stops at a budget.
         unit = self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1)
-        order = list(dict.fromkeys(found))
-        self.evaluate(np.array(order[: max(1, CANDIDATE_WORK // unit)]))
+        order = np.array(list(dict.fromkeys(found))[: max(1, CANDIDATE_WORK // unit)])
+        steps = self.evaluate(order)
         # With one chunk per rank every failed v is a lower bound on every cut's step.
         bound = max(self.lb, lo) if self.virtual == 1 else self.lb
-        self._local_search()
+        self._local_search([tuple(order[i]) for i in np.argsort(steps, kind="stable")[:LOCAL_STARTS] if np.isfinite(steps[i])])
         if self.virtual == 1 and self.best is not None and self._threshold(self.best[0], enumerate_work):
             return self._solution(exact=True)
         return self._solution(exact=False, bound=bound)
@@ -365,35 +365,50 @@ class _Search:
             walks += [walk(r, lo_of, self.c.n, late=True, prefer=plain), walk(r, lo_of, self.c.n, late=False, prefer=plain)]
         return walks
 
-    def _local_search(self) -> None:
-        """Move single boundaries while that shortens the step (each round one batch of simulations)."""
-        if self.best is None or self.k == 1:
+    def _local_search(self, starts: list[tuple[int, ...]]) -> None:
+        """From each start, move one boundary (by 1 to 64 layers), two (by 1 to 3), or a run of them (by 1)
+        to the neighbour with the shortest step while that shortens it; a round is one batch of simulations."""
+        if self.k == 1:
             return
-        moves = 2 * (self.k - 1) * len(MOVES) + (2 * self.k * self.k if self.k <= PAIR_MOVES else 0)
-        per_round = moves * self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1)
-        for _ in range(min(LOCAL_ROUNDS, LOCAL_WORK // max(per_round, 1))):
-            step0, cut = self.best[0], np.array(self.best[4])
-            moves = []
-            for j in range(1, self.k):
-                for d in MOVES:
-                    for x in (cut[j] - d, cut[j] + d):
-                        if cut[j - 1] < x < cut[j + 1]:
-                            moved = cut.copy()
-                            moved[j] = x
-                            moves.append(moved)
-            if self.k <= PAIR_MOVES:  # two boundaries at once: moves work between chunks that are not neighbours
-                for i, j in itertools.combinations(range(1, self.k), 2):
-                    for di, dj in itertools.product((-1, 1), repeat=2):
+        pairs = list(itertools.combinations(range(1, self.k), 2)) if self.k <= PAIR_MOVES else []
+        shifts = [(di, dj) for di in (-3, -2, -1, 1, 2, 3) for dj in (-3, -2, -1, 1, 2, 3)]
+        per_round = (2 * (self.k - 1) * len(MOVES) + len(pairs) * (len(shifts) + 2)) * self.ops
+        rounds = LOCAL_WORK // max(per_round * (ZBV_OP_COST if self.schedule == "zbv" else 1), 1)
+        for cut in starts:
+            cut = np.array(cut)
+            current = None
+            while rounds > 0:
+                rounds -= 1
+                moves = []
+                for j in range(1, self.k):
+                    for d in MOVES:
+                        for x in (cut[j] - d, cut[j] + d):
+                            if cut[j - 1] < x < cut[j + 1]:
+                                moved = cut.copy()
+                                moved[j] = x
+                                moves.append(moved)
+                for i, j in pairs:  # two boundaries at once: work moves between chunks that are not neighbours
+                    for di, dj in shifts:
                         moved = cut.copy()
                         moved[i] += di
                         moved[j] += dj
                         if np.all(np.diff(moved) > 0):
                             moves.append(moved)
-            if not moves:
-                return
-            self.evaluate(np.array(moves))
-            if not self.best[0] < step0:
-                return
+                    for d in (-1, 1):  # or every boundary from i to j: one layer from before i to after j
+                        moved = cut.copy()
+                        moved[i : j + 1] += d
+                        if np.all(np.diff(moved) > 0):
+                            moves.append(moved)
+                if not moves:
+                    break
+                moves = np.array(moves)
+                steps = self.evaluate(np.vstack([cut[None, :], moves]) if current is None else moves)
+                if current is None:
+                    current, steps = float(steps[0]), steps[1:]
+                i = int(np.argmin(steps))
+                if not steps[i] < current * (1 - TIE):
+                    break
+                cut, current = moves[i], float(steps[i])
 
     def _threshold(self, u: float, enumerate_work: int) -> bool:
         """Simulate every cut whose bounds are all <= u, if few: then the best is proven optimal."""
