@@ -22,8 +22,8 @@ Method. (1) When all ``C(L-1, K-1)`` cuts cost at most ``enumerate_work`` op eva
 them all (numpy, many cuts per call): exact. (2) Otherwise bisect on the bound and simulate the
 candidates the reachability recovers at the first and the smallest passing V (walking back from L
 with the latest or the earliest admissible start; with several modes also preferring no recompute,
-and the bisection repeated without recompute, whose cuts the others contain), then move one or two
-boundaries while that shortens the step. (3) One chunk per rank: a cut whose step beats the best
+and the bisection repeated without recompute, whose cuts the others contain), then, from the best
+four, move one boundary, two, or a run of them while that shortens the step. (3) One chunk per rank: a cut whose step beats the best
 found has all its bounds below that step, so when those cuts are few enough (counted by the same
 recurrence), simulate them all: exact again. Otherwise the answer is the best found with ``LB``
 beside it.
