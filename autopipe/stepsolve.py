@@ -116,7 +116,7 @@ LOCAL_STARTS = 4  # the best distinct candidates it starts from
 LOCAL_WORK = 5_000_000
 FORM_CACHE = 8_000_000  # floats of cached per-form arrays (positions x forms x modes); above, bands only
 THRESHOLD_SIZE = 200_000  # positions x chunks up to which the cuts below the best step are counted
-CANDIDATE_WORK = 10_000_000  # op evaluations spent on the bisection's candidate cuts
+CANDIDATE_WORK = 3_000_000  # op evaluations spent on the bisection's candidate cuts (zbv at scale: one)
 REACH_WORK = 80_000_000  # position x chunk x form steps spent on bisection tests
 
 
