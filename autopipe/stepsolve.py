@@ -320,11 +320,14 @@ class _Search:
             for block in _all_cuts(n, k, max(1, 4_000_000 // self.ops)):
                 self.evaluate(block)
             return self._solution(exact=True)
-        lo, found = self._bisect(None)
+        found: list[tuple[int, ...]] = []
+        hi = None
         if len(self.modes) > 1 and self.reach_at(None, only=1) is not None:
             # Recompute costs time: the cuts that need none are searched too (their bound is not one
-            # for the whole problem, so it is not kept).
-            found += self._bisect(1)[1]
+            # for the whole problem, so it is not kept), and where they pass, all modes pass.
+            _, hi, found = self._bisect(1)
+        lo, _, more = self._bisect(None, hi)
+        found = more + found
         # The tightest passes first; zbv simulates one cut at a time, so it stops at a budget.
         unit = self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1)
         order = np.array(list(dict.fromkeys(found))[: max(1, CANDIDATE_WORK // unit)])
@@ -336,12 +339,12 @@ class _Search:
             return self._solution(exact=True)
         return self._solution(exact=False, bound=bound)
 
-    def _bisect(self, only: int | None) -> tuple[float, list[tuple[int, ...]]]:
-        """Bisection on the bound: ``lo`` fails (or is the simple bound), ``hi`` passes. Returns lo and
-        the cuts walked at the tightest and the first passing v, tightest first."""
+    def _bisect(self, only: int | None, passing: float | None = None) -> tuple[float, float, list[tuple[int, ...]]]:
+        """Bisection on the bound: ``lo`` fails (or is the simple bound), ``hi`` passes (``passing`` is
+        known to). Returns lo, hi and the cuts walked at the tightest and the first passing v."""
         n = self.c.n
         lo = self.lb
-        v, grow = lo, 0.001
+        v, grow = (lo, 0.001) if passing is None else (passing, 0.0)
         while (r := self.reach_at(v, only)) is None:  # grow until some cut passes (usually within a few percent)
             lo, v, grow = v, (v * (1 + grow) if v > 0 else self._ceiling()), grow * 4
         first = self._walks(r, v, only)
@@ -355,7 +358,7 @@ class _Search:
                 lo = v
             else:
                 hi, last = v, r
-        return lo, self._walks(last, hi, only) + first
+        return lo, hi, self._walks(last, hi, only) + first
 
     def _walks(self, r: list[np.ndarray], v: float, only: int | None) -> list[tuple[int, ...]]:
         lo_of = lambda s, b, first: self.lo(s, b, v, first, only)  # noqa: E731
