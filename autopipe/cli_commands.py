@@ -136,6 +136,7 @@ def plan_command(
     optimizer: Annotated[Optional[str], typer.Option(help="Recount optimizer state for adamw, adam, sgd-momentum, sgd or none.")] = None,
     bandwidth: Annotated[Optional[str], typer.Option(help="Link bytes per second between ranks, like 25GB; 'none' ignores communication.")] = None,
     method: Annotated[str, typer.Option(help="autopipe, uniform, parameters, type:REGEX, torchtitan or greedy.")] = "autopipe",
+    recompute: Annotated[str, typer.Option(help="Activation recompute per chunk: none, auto (the fastest that fits), selective or full.")] = "none",
     boundaries: Annotated[Optional[str], typer.Option(help="Your own cut as layer indices, like 0,7,14,21,26.")] = None,
     stage_names: Annotated[Optional[str], typer.Option("--stage-names", help="Your own cut as module names per stage: stages split by ';', names by ',', like 'wte,h.0,h.1;h.2,h.3,ln_f'. A name covers the layers it prefixes.")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Show the baseline partitioners beside autopipe.")] = False,
@@ -143,7 +144,7 @@ def plan_command(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan (and comparison) as JSON.")] = False,
 ) -> None:
-    """Cut a profiled model into pipeline stages: the exact optimum for the schedule and memory limit."""
+    """Cut a profiled model into pipeline stages for the shortest simulated step under the memory limit."""
     import json
 
     from .baselines import BASELINES
@@ -167,7 +168,7 @@ def plan_command(
         names = [[n.strip() for n in part.split(",") if n.strip()] for part in stage_names.split(";")]
     prof = Profile.load(profile)
     options = dict(microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
-                   optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw)  # fmt: skip
+                   optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw, recompute=recompute)  # fmt: skip
     plan = partition(prof, stages, boundaries=cut, stage_names=names, method=method, **options)  # type: ignore[arg-type]
     others = []
     if compare:

@@ -1,16 +1,25 @@
 """The partition pass: Profile + stages + schedule + memory limit -> Plan.
 
-This module turns a profile into the solver's plain numbers (autopipe/solver.py, which owns the
-algorithm), explains infeasible limits, applies user overrides and baselines, and fills the Plan.
+This module turns a profile into per-chunk costs (autopipe/chunkcost.py), asks the step-time
+partitioner (autopipe/stepsolve.py, which owns the algorithm) for the cut, explains infeasible
+limits, applies user overrides and baselines, and fills the Plan.
 
-Cost model, per micro-batch. A chunk ``[a, b)`` takes its layers' forward+backward time plus, at each
-cut it touches, the tuple crossing that cut twice (activations forward, their gradients backward) at
-``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer state (a tied tensor once per
-chunk holding it) plus its activation bytes times the micro-batches the schedule keeps in flight
-there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for interleaved, and min(M, 2S)
-for the greedy zbv, whose order depends on the costs (see schedule.inflight_counts).
-With v virtual stages per rank, each chunk must fit ``memory_limit / v`` (a sufficient condition for
-the rank), and the solver minimises the slowest chunk.
+Objective: the simulated step of the schedule that will run (schedule.simulate), not the slowest
+chunk. Cost model, per micro-batch. A chunk ``[a, b)`` takes its layers' forward and backward time
+plus, at each cut it touches, the tuple crossing that cut once forward (activations) and once
+backward (their gradients) at ``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer
+state (a tied tensor once per chunk holding it) plus its activation bytes times the micro-batches the
+schedule keeps in flight there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for
+interleaved, and min(M, 2S) for the greedy zbv, whose order depends on the costs (see
+schedule.inflight_counts). With v virtual stages per rank each chunk must fit ``memory_limit / v``
+(sufficient for the rank).
+
+Recompute, per chunk: "none" keeps every activation; "full" keeps each layer's input and runs its
+forward again in backward; "selective" keeps what the profile measured for that mode (a layer with no
+selective figures keeps everything, as under none). Under a recompute mode a chunk also holds the
+plain activations of the one layer it is recomputing. A layer with no "full" figures (older profiles)
+keeps its input (the previous layer's output bytes, or the profile's input bytes) and adds its forward
+time. ``recompute="auto"`` lets each chunk take the fastest mode that fits; the others force one mode.
 """
 
 from __future__ import annotations
@@ -22,20 +31,24 @@ from typing import Sequence
 import numpy as np
 
 from .baselines import baseline
+from .chunkcost import ChunkCosts
 from .errors import InfeasibleMemoryError, PartitionError
 from .plan import Plan
 from .records import Profile, optimizer_state_factor
 from .schedule import check_schedule, check_weight_share, chunk_ranks, inflight_counts, normalize_schedule, simulate
-from .solver import Infeasible, StageCosts, fits, min_peak_memory, solve
+from .stepbound import fits, least_memory
+from .stepsolve import Infeasible, StepSolution, solve_step
 from .units import format_bytes, parse_size
 
-__all__ = ["partition", "DEFAULT_BANDWIDTH"]
+__all__ = ["partition", "DEFAULT_BANDWIDTH", "RECOMPUTE_POLICIES"]
+
+RECOMPUTE_POLICIES = ("none", "auto", "selective", "full")
 
 # PCIe 4.0 x16 in practice: the slowest link a pipeline commonly crosses inside one machine.
 DEFAULT_BANDWIDTH = 25e9
 
 class _Model:
-    """The profile as the solver's numbers, for one (optimizer, bandwidth)."""
+    """The profile as per-chunk costs, for one (optimizer, bandwidth)."""
 
     def __init__(self, profile: Profile, optimizer: str | None, bandwidth: float | None) -> None:
         layers = profile.layers
@@ -61,20 +74,46 @@ class _Model:
         if not bw > 0:
             raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
         self.bandwidth = bw
-        self.cut_bytes = [l.output_bytes for l in layers[:-1]]
-        one_way = [b / bw for b in self.cut_bytes]
-        self.one_way = one_way
-        self.costs = StageCosts(
-            [l.time for l in layers],
-            [2 * t for t in one_way],  # activations forward, gradients backward
+        self.one_way = [l.output_bytes / bw for l in layers[:-1]]
+        self.costs = ChunkCosts(
+            [l.forward_time for l in layers],
+            [l.backward_time for l in layers],
+            self.one_way,
             static,
             [l.activation_bytes for l in layers],
             tied,
+            _recompute_modes(profile),
         )
-        self.forward = np.concatenate([[0.0], np.cumsum([l.forward_time for l in layers])])
-        self.backward = np.concatenate([[0.0], np.cumsum([l.backward_time for l in layers])])
         self.params = [l.params or l.param_bytes for l in layers]
         self.tied = tied
+
+    def allowed(self, recompute: str) -> tuple[int, ...]:
+        """Indices (into costs.modes) of the modes a chunk may use under a recompute policy."""
+        modes = self.costs.modes
+        if recompute == "auto":
+            return tuple(range(len(modes)))
+        if recompute not in modes:
+            raise PartitionError(
+                f"recompute={recompute!r}: the profile has no per-layer figures for it (it has "
+                f"{', '.join(modes)}); use recompute='auto' or 'full', or profile again with a version that "
+                "measures selective recompute."
+            )
+        return (modes.index(recompute),)
+
+
+def _recompute_modes(profile: Profile) -> dict[str, tuple[list[float], list[int]]]:
+    """Per mode, (extra backward seconds, kept bytes) per layer; "full" derived where not measured."""
+    layers = profile.layers
+    inputs = [profile.input_bytes] + [l.output_bytes for l in layers[:-1]]
+    full = [l.recompute.get("full") for l in layers]
+    modes = {"full": ([r.extra_backward_time if r else l.forward_time for l, r in zip(layers, full)],
+                      [r.activation_bytes if r else x for r, x in zip(full, inputs)])}  # fmt: skip
+    if any("selective" in l.recompute for l in layers):
+        sel = [l.recompute.get("selective") for l in layers]
+        # A layer the profiler found nothing cheap to recompute in keeps everything, as under none.
+        modes["selective"] = ([r.extra_backward_time if r else 0.0 for r in sel],
+                              [r.activation_bytes if r else l.activation_bytes for l, r in zip(layers, sel)])  # fmt: skip
+    return modes
 
 
 def partition(
@@ -91,14 +130,16 @@ def partition(
     stage_names: Sequence[Sequence[str]] | None = None,
     method: str = "autopipe",
     weight_share: float = 0.5,
+    recompute: str = "none",
 ) -> Plan:
-    """Cut a profiled layer sequence into pipeline stages so the slowest stage is as fast as possible.
+    """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
     Args:
         profile: per-layer costs (``autopipe.profile`` or ``Profile.from_costs``).
         stages: pipeline ranks S.
         microbatches: micro-batches per step M (default 2·S).
-        schedule: gpipe, 1f1b, interleaved1f1b or zbv; sets the in-flight activations per stage.
+        schedule: gpipe, 1f1b, interleaved1f1b or zbv: the schedule simulated (and minimised), and
+            the in-flight activations per stage.
         memory_limit: bytes per device, or a size like "80GiB"; None: unlimited.
         optimizer: recount optimizer state for this optimizer (default: the profile's).
         virtual_stages: chunks per rank v (default 1; 2 for interleaved1f1b and zbv). The model is
@@ -107,20 +148,25 @@ def partition(
         boundaries: your own cut (S·v + 1 layer indices); the plan reports the optimum beside it.
         stage_names: your own cut as layer/module names per chunk (a name covers the layers it
             prefixes, e.g. "transformer.h.0").
-        method: "autopipe" (exact), or a baseline: uniform, parameters, type:REGEX, torchtitan, greedy.
+        method: "autopipe" (the step-time search), or a baseline: uniform, parameters, type:REGEX,
+            torchtitan, greedy.
         weight_share: part of the backward that zero-bubble schedules split off as W.
+        recompute: "none", "full", "selective" (that mode in every chunk) or "auto" (each chunk the
+            fastest mode that fits the memory limit).
 
     Returns:
-        A :class:`~autopipe.plan.Plan`.
+        A :class:`~autopipe.plan.Plan`; ``plan.step_lower_bound`` is a proven bound on the step of
+        every cut (equal to ``plan.step_time`` when the cut is proven optimal).
 
     Raises:
-        InfeasibleMemoryError: no cut fits; the message gives the stages or memory that would.
+        InfeasibleMemoryError: no cut fits; the message says what would (recompute, stages, memory).
         PartitionError: bad options or boundaries.
 
     Example:
         >>> prof = Profile.from_costs([1, 4, 4, 4, 4, 3])
-        >>> partition(prof, 3, bandwidth=None).boundaries
-        (0, 2, 4, 6)
+        >>> plan = partition(prof, 3, bandwidth=None)
+        >>> plan.boundaries, round(plan.step_time, 6), plan.step_gap
+        ((0, 2, 4, 6), 59.0, 0.0)
     """
     n = len(profile.layers)
     if n == 0:
@@ -131,6 +177,8 @@ def partition(
     m = microbatches if microbatches is not None else 2 * max(stages, 1)
     schedule = check_schedule(schedule, stages, v, m)
     check_weight_share(weight_share)
+    if recompute not in RECOMPUTE_POLICIES:
+        raise PartitionError(f"recompute={recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
     k = stages * v
     if k > n:
         raise PartitionError(
@@ -140,6 +188,7 @@ def partition(
     limit = None if memory_limit is None else parse_size(memory_limit)
     chunk_limit = None if limit is None else limit // v  # each of a rank's v chunks gets a share
     model = _Model(profile, optimizer, bandwidth)
+    allowed = model.allowed(recompute)
     inflight = inflight_counts(schedule, stages, v, m)
 
     chosen: tuple[int, ...] | None = None
@@ -151,30 +200,35 @@ def partition(
     elif method != "autopipe":
         chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
 
-    optimum: tuple[int, ...] | None = None
+    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight,
+                  weight_share=weight_share, signature=profile.signature, recompute=recompute)  # fmt: skip
+    best: StepSolution | None = None
     try:
-        optimum = solve(model.costs, k, inflight=inflight, limit=chunk_limit).boundaries
+        best = solve_step(model.costs, schedule, ranks=stages, virtual=v, microbatches=m, inflight=inflight,
+                          limit=chunk_limit, modes=allowed, weight_share=weight_share)  # fmt: skip
     except Infeasible:
         if chosen is None:
-            raise _explain(model, profile, stages, v, m, schedule, inflight, limit, chunk_limit) from None
-    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight,
-                  weight_share=weight_share, signature=profile.signature)  # fmt: skip
+            raise _explain(model, stages, v, m, schedule, inflight, limit, chunk_limit, recompute) from None
     if chosen is None:
-        assert optimum is not None
-        return _make_plan(model, optimum, method="autopipe", **common)
-    plan = _make_plan(model, chosen, method=method, **common)
-    if method == "manual" and chunk_limit is not None:
-        over = [c for c, mem in enumerate(plan.stage_memory) if mem > chunk_limit]
-        if over:
-            c = over[0]
-            raise InfeasibleMemoryError(
-                f"your chunk {c} (layers {plan.boundaries[c]}..{plan.boundaries[c + 1] - 1}) needs "
-                f"{format_bytes(plan.stage_memory[c])}, more than the {format_bytes(chunk_limit)} it may use; "
-                "move layers out of it or raise the memory limit."
-            )
-    if optimum is not None:
-        best = _make_plan(model, optimum, method="autopipe", **common)
-        plan = replace(plan, optimum_bottleneck_time=best.bottleneck_time, optimum_step_time=best.step_time)
+        assert best is not None
+        return _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
+    modes = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), chunk_limit, allowed)
+    if method == "manual" and chunk_limit is not None and np.any(modes < 0):
+        c = int(np.flatnonzero(modes < 0)[0])
+        a, b = chosen[c], chosen[c + 1]
+        need = min(int(model.costs.memory(a, b, inflight[c], md)) for md in allowed)
+        hint = _recompute_hint(model, recompute, [(a, b, inflight[c])], chunk_limit)
+        raise InfeasibleMemoryError(
+            f"your chunk {c} (layers {a}..{b - 1}) needs {format_bytes(need)}, more than the "
+            f"{format_bytes(chunk_limit)} it may use; move layers out of it, raise the memory limit{hint}."
+        )
+    # A baseline that breaks the limit is still shown (marked over it), in its fastest allowed mode.
+    fastest = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), None, allowed)
+    plan = _make_plan(model, chosen, method=method, modes=np.where(modes < 0, fastest, modes).tolist(), bound=None, **common)
+    if best is not None:
+        opt = _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
+        plan = replace(plan, optimum_bottleneck_time=opt.bottleneck_time, optimum_step_time=opt.step_time,
+                       step_lower_bound=best.lower_bound)  # fmt: skip
     return plan
 
 
@@ -229,13 +283,19 @@ def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str],
     return _check_bounds([0] + [owner.index(s) for s in range(1, k)] + [len(names)], len(names), k)
 
 
-def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, stages: int, v: int, m: int, schedule: str,
-               limit: int | None, inflight: list[int], weight_share: float, signature: str) -> Plan:  # fmt: skip
+def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequence[int], bound: float | None,
+               stages: int, v: int, m: int, schedule: str, limit: int | None, inflight: list[int],
+               weight_share: float, signature: str, recompute: str) -> Plan:  # fmt: skip
     c = model.costs
+    a = np.asarray(bounds[:-1])
+    b = np.asarray(bounds[1:])
+    md = np.asarray(modes, dtype=np.int64)
+    fwd = c.forward(a, b).tolist()
+    bwd = c.backward(a, b, md).tolist()
+    comm = c.comm(a, b).tolist()
+    times = c.time(a, b, md).tolist()
+    mems = [int(x) for x in c.memory(a, b, np.asarray(inflight), md)]
     pairs = list(zip(bounds, bounds[1:]))
-    times = [c.cost(a, b) for a, b in pairs]
-    mems = [int(c.memory(a, b, inflight[s])) for s, (a, b) in enumerate(pairs)]
-    comm = [(model.one_way[a - 1] if a > 0 else 0.0) + (model.one_way[b - 1] if b < c.n else 0.0) for a, b in pairs]
     ranks = chunk_ranks(schedule, stages, v)
     rank_mem = []
     for r in range(stages):
@@ -245,12 +305,10 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, stages: int
             holders = sum(any(pairs[s][0] <= u < pairs[s][1] for u in users) for s in mine)
             total -= size * max(holders - 1, 0)
         rank_mem.append(total)
-    fwd = [float(model.forward[b] - model.forward[a]) for a, b in pairs]
-    bwd = [float(model.backward[b] - model.backward[a]) for a, b in pairs]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=weight_share)
     slowest = int(np.argmax(times))
     return Plan(
-        boundaries=tuple(int(b) for b in bounds),
+        boundaries=tuple(int(x) for x in bounds),
         stages=stages,
         virtual_stages=v,
         microbatches=m,
@@ -274,43 +332,59 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, stages: int
         peak_memory=max(rank_mem),
         step_time=sim.step_time,
         bubble_fraction=sim.bubble_fraction,
-        stage_first_layers=tuple(model.names[a] for a, _ in pairs),
+        stage_first_layers=tuple(model.names[x] for x, _ in pairs),
         weight_share=weight_share,
         optimizer=model.optimizer,
+        stage_recompute=tuple(c.modes[int(x)] for x in md),
+        recompute=recompute,
+        step_lower_bound=bound,
     )
 
 
-def _explain(model: _Model, profile: Profile, stages: int, v: int, m: int, schedule: str,
-             inflight: list[int], limit: int | None, chunk_limit: int | None) -> InfeasibleMemoryError:  # fmt: skip
-    """Why nothing fits: the layer too big on its own, else the stages or memory that would fit."""
+def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight: list[int], limit: int | None,
+             chunk_limit: int | None, recompute: str) -> InfeasibleMemoryError:  # fmt: skip
+    """Why nothing fits: the layer too big on its own, else what would fit (recompute, stages, memory)."""
     assert limit is not None and chunk_limit is not None
     c, n = model.costs, model.costs.n
+    allowed = model.allowed(recompute)
+    everything = tuple(range(len(c.modes)))
     idx = np.arange(n)
-    alone = np.asarray(c.memory(idx, idx + 1, min(inflight)))
+    alone = np.min([c.memory(idx, idx + 1, min(inflight), md) for md in everything], axis=0)
     where = f"{stages} stages ({schedule}, {m} micro-batches{f', {v} virtual' if v > 1 else ''})"
     head = f"no cut into {where} fits {format_bytes(limit)} per device"
     worst = int(np.argmax(alone))
     if alone[worst] > chunk_limit:
         return InfeasibleMemoryError(
             f"{head}: layer {worst} ({model.names[worst]}) alone needs {format_bytes(int(alone[worst]))} "
-            f"(parameters, gradients, optimizer state and {min(inflight)} micro-batch of activations), so no "
-            f"number of stages fits; raise the memory limit to at least {format_bytes(int(alone[worst]) * v)} "
-            "or use a lighter optimizer."
+            f"(parameters, gradients, optimizer state and {min(inflight)} micro-batch of activations, recomputed "
+            f"or not), so no number of stages fits; raise the memory limit to at least "
+            f"{format_bytes(int(alone[worst]) * v)} or use a lighter optimizer."
         )
-    need = min_peak_memory(c, stages * v, inflight=inflight) * v
+    hints = []
+    if set(allowed) != set(everything) and fits(c, stages * v, inflight=inflight, limit=chunk_limit, modes=everything):
+        hints.append("recompute='auto' would fit")
+    need = least_memory(c, stages * v, inflight=inflight, modes=allowed) * v
     more = None
-    tried = min(n // v, 8 * stages)  # each try is a full feasibility test: stay within a second or so
+    tried = min(n // v, 8 * stages)  # each try is a feasibility test: stay within a second or so
     for s in range(stages + 1, tried + 1):
         try:
             sched_ok = check_schedule(schedule, s, v, m)
         except PartitionError:
             continue  # e.g. interleaved needs M to be a multiple of the stages
-        if fits(c, s * v, inflight=inflight_counts(sched_ok, s, v, m), limit=chunk_limit):
+        if fits(c, s * v, inflight=inflight_counts(sched_ok, s, v, m), limit=chunk_limit, modes=allowed):
             more = s
             break
-    hint = f"{more} stages would fit" if more else f"no number of stages up to {tried} fits"
+    hints.append(f"{more} stages would fit" if more else f"no number of stages up to {tried} fits")
     return InfeasibleMemoryError(
-        f"{head}: {hint}, or {format_bytes(need)} per device with {stages} stages. "
-        "Add stages, raise the memory limit, or use fewer micro-batches (or 1f1b instead of gpipe)."
+        f"{head}: {', '.join(hints)}, or {format_bytes(need)} per device with {stages} stages. "
+        "Add stages, raise the memory limit, use recompute, or use fewer micro-batches (or 1f1b instead of gpipe)."
     )
 
+
+def _recompute_hint(model: _Model, recompute: str, chunks: list[tuple[int, int, int]], chunk_limit: int) -> str:
+    """', or use recompute='auto'' when some mode the policy excludes would make these chunks fit."""
+    c = model.costs
+    others = [md for md in range(len(c.modes)) if md not in model.allowed(recompute)]
+    if all(any(int(c.memory(a, b, infl, md)) <= chunk_limit for md in others) for a, b, infl in chunks) and others:
+        return ", or use recompute='auto' (it fits with recompute)"
+    return ""

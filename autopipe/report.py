@@ -70,7 +70,7 @@ def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
             out[method] = partition(
                 profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
                 memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
-                method=method, weight_share=plan.weight_share, optimizer=plan.optimizer,
+                method=method, weight_share=plan.weight_share, optimizer=plan.optimizer, recompute=plan.recompute,
             )  # fmt: skip
         except AutopipeError:
             continue
@@ -187,6 +187,9 @@ def _header(name: str, plan: Plan, profile: Profile | None) -> str:
         ("layers", str(plan.num_layers)),
         ("schedule", f"{plan.schedule}, {plan.microbatches} mb"),
         ("step time (simulated)", format_time(plan.step_time)),
+        *([("step lower bound", format_time(plan.step_lower_bound)
+            + (" (optimal)" if plan.step_gap == 0 else f" (gap {plan.step_gap:.1%})" if plan.step_gap is not None else ""))]
+          if plan.step_lower_bound is not None else []),  # no cut steps faster; plans before the field have none
         ("bubble", f"{plan.bubble_fraction:.0%}"),
         ("balance (slowest / mean)", f"{plan.balance:.2f}"),
         ("peak memory / limit", f"{format_bytes(plan.peak_memory)} / {limit}"),

@@ -34,8 +34,9 @@ def test_plan_prints_stage_table(profile_path) -> None:
     """A plan prints one row per stage and the bottleneck summary; exit code 0."""
     result, out = _run("plan", str(profile_path), "--stages", "4", "--bandwidth", "none")
     assert result.exit_code == 0, out
-    assert "0..6 (7)" in out and "21..25 (5)" in out
-    assert "bottleneck chunk" in out and "70.000 ms" in out
+    assert "0..7 (8)" in out and "22..25 (4)" in out  # the cut with the shortest 1F1B step (see test_partition)
+    assert "bottleneck chunk" in out and "71.000 ms" in out
+    assert "step lower bound 755.000 ms, optimal" in " ".join(out.split())
 
 
 def test_plan_json_and_out(profile_path, tmp_path) -> None:
@@ -44,8 +45,8 @@ def test_plan_json_and_out(profile_path, tmp_path) -> None:
     result, out = _run("plan", str(profile_path), "-s", "4", "--json", "--out", str(dest))
     assert result.exit_code == 0, out
     data = json.loads(out)
-    assert data["plan"]["boundaries"] == [0, 7, 14, 21, 26]
-    assert Plan.load(dest).boundaries == (0, 7, 14, 21, 26)
+    assert data["plan"]["boundaries"] == [0, 8, 15, 22, 26]
+    assert Plan.load(dest).boundaries == (0, 8, 15, 22, 26)
     before = dest.read_text()
     result, out = _run("plan", str(profile_path), "-s", "2", "--out", str(dest))
     assert result.exit_code == 1 and "--force" in out
@@ -61,7 +62,7 @@ def test_compare_lists_every_baseline(profile_path) -> None:
     assert result.exit_code == 0, out
     rows = json.loads(out)["compare"]
     assert [r["method"] for r in rows] == ["autopipe", "uniform", "parameters", "torchtitan", "greedy"]
-    assert all(r["bottleneck_time"] >= rows[0]["bottleneck_time"] for r in rows)
+    assert all(r["step_time"] >= rows[0]["step_time"] for r in rows)
     result, out = _run("plan", str(profile_path), "-s", "4", "--compare")
     assert result.exit_code == 0 and "parameters" in out and "vs autopipe" in out
 
