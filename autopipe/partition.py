@@ -33,8 +33,9 @@ import numpy as np
 from .baselines import baseline
 from .chunkcost import ChunkCosts
 from .errors import InfeasibleMemoryError, PartitionError
+from .memory import layer_memory, rank_memory
 from .plan import Plan
-from .records import Profile, optimizer_state_factor
+from .records import Profile
 from .schedule import check_schedule, check_weight_share, chunk_ranks, inflight_counts, normalize_schedule, simulate
 from .stepbound import fits, least_memory
 from .stepsolve import Infeasible, StepSolution, solve_step
@@ -48,42 +49,52 @@ RECOMPUTE_POLICIES = ("none", "auto", "selective", "full")
 DEFAULT_BANDWIDTH = 25e9
 
 class _Model:
-    """The profile as per-chunk costs, for one (optimizer, bandwidth)."""
+    """The profile as per-chunk costs, for one (optimizer, bandwidth, schedule, micro-batch count).
 
-    def __init__(self, profile: Profile, optimizer: str | None, bandwidth: float | None) -> None:
+    Bytes come from autopipe.memory (the same figures the plan's per-rank memory adds up); seconds
+    from the profile. On zbv a recomputed layer runs its forward again in each of its two backward
+    passes (input, then weight gradients), so its extra time counts twice.
+    """
+
+    def __init__(self, profile: Profile, optimizer: str | None, bandwidth: float | None,
+                 schedule: str = "1f1b", microbatches: int = 1) -> None:  # fmt: skip
         layers = profile.layers
         self.names = [layer.name or f"layer{i}" for i, layer in enumerate(layers)]
-        old = optimizer_state_factor(profile.optimizer)
-        new = old if optimizer is None else optimizer_state_factor(optimizer)
         self.optimizer = (optimizer or profile.optimizer).lower()
-        # Another optimizer: its state scales with the parameters (in their dtype).
-        opt = [l.optimizer_bytes if new == old else int(l.param_bytes * new) for l in layers]
-        static = [l.param_bytes + l.grad_bytes + o for l, o in zip(layers, opt)]
+        lm = layer_memory(profile, optimizer)
+        self.memory = lm
+        static = list(lm.static)
         tied = []
-        for name, size in profile.tied_static_bytes.items():
-            size = int(size * (2 + new) / (2 + old))  # param + grad + state, one copy
-            users = [i for i, l in enumerate(layers) if name in l.tied]
+        for size, users, *_ in lm.tied:
             for i in users:
                 if static[i] < size:
                     raise PartitionError(
-                        f"layer {i} ({self.names[i]}) lists tied tensor {name!r} of {size} bytes but holds only "
+                        f"layer {i} ({self.names[i]}) lists a tied tensor of {size} bytes but holds only "
                         f"{static[i]} static bytes; its figures must include the tied tensor. Profile again."
                     )
-            tied.append((size, users))
+            tied.append((size, list(users)))
         bw = float("inf") if bandwidth is None else float(bandwidth)
         if not bw > 0:
             raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
         self.bandwidth = bw
         self.one_way = [l.output_bytes / bw for l in layers[:-1]]
+        passes = 2 if schedule == "zbv" else 1
+        modes = {name: ([passes * x for x in extra], list(lm.activations[name]))
+                 for name, extra in _recompute_times(profile).items()}  # fmt: skip
         self.costs = ChunkCosts(
             [l.forward_time for l in layers],
             [l.backward_time for l in layers],
             self.one_way,
             static,
-            [l.activation_bytes for l in layers],
+            list(lm.activations["none"]),
             tied,
-            _recompute_modes(profile),
+            modes,
+            transient={name: list(t) for name, t in lm.transient.items()},
+            held=lm.outputs[-1] if lm.outputs else 0,
+            buffers=microbatches,
+            cut_bytes=list(lm.outputs[:-1]),
         )
+        self.reserve = profile.reserve_bytes
         self.params = [l.params or l.param_bytes for l in layers]
         self.tied = tied
 
@@ -100,20 +111,17 @@ class _Model:
             )
         return (modes.index(recompute),)
 
-
-def _recompute_modes(profile: Profile) -> dict[str, tuple[list[float], list[int]]]:
-    """Per mode, (extra backward seconds, kept bytes) per layer; "full" derived where not measured."""
+def _recompute_times(profile: Profile) -> dict[str, list[float]]:
+    """Per recompute mode, the seconds it adds to each layer's backward: "full" is the layer's
+    forward where not measured; "selective" is present when the profile measured it (a layer with
+    no selective figures recomputes nothing, as under none)."""
     layers = profile.layers
-    inputs = [profile.input_bytes] + [l.output_bytes for l in layers[:-1]]
     full = [l.recompute.get("full") for l in layers]
-    modes = {"full": ([r.extra_backward_time if r else l.forward_time for l, r in zip(layers, full)],
-                      [r.activation_bytes if r else x for r, x in zip(full, inputs)])}  # fmt: skip
+    times = {"full": [r.extra_backward_time if r else l.forward_time for l, r in zip(layers, full)]}
     if any("selective" in l.recompute for l in layers):
-        sel = [l.recompute.get("selective") for l in layers]
-        # A layer the profiler found nothing cheap to recompute in keeps everything, as under none.
-        modes["selective"] = ([r.extra_backward_time if r else 0.0 for r in sel],
-                              [r.activation_bytes if r else l.activation_bytes for l, r in zip(layers, sel)])  # fmt: skip
-    return modes
+        times["selective"] = [l.recompute["selective"].extra_backward_time if "selective" in l.recompute else 0.0
+                              for l in layers]  # fmt: skip
+    return times
 
 
 def partition(
@@ -186,8 +194,14 @@ def partition(
             f"use at most {n // v} stages."
         )
     limit = None if memory_limit is None else parse_size(memory_limit)
-    chunk_limit = None if limit is None else limit // v  # each of a rank's v chunks gets a share
-    model = _Model(profile, optimizer, bandwidth)
+    model = _Model(profile, optimizer, bandwidth, schedule, m)
+    # the runtime's own reserve first, then each of a rank's v chunks gets a share of the rest
+    chunk_limit = None if limit is None else (limit - model.reserve) // v
+    if chunk_limit is not None and chunk_limit <= 0:
+        raise InfeasibleMemoryError(
+            f"a memory limit of {format_bytes(limit)} per device leaves nothing for the model: the runtime itself "
+            f"holds {format_bytes(model.reserve)} per rank on this device (the profile's reserve). Raise the limit."
+        )
     allowed = model.allowed(recompute)
     inflight = inflight_counts(schedule, stages, v, m)
 
@@ -297,14 +311,9 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     mems = [int(x) for x in c.memory(a, b, np.asarray(inflight), md)]
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
-    rank_mem = []
-    for r in range(stages):
-        mine = [s for s in range(len(pairs)) if ranks[s] == r]
-        total = sum(mems[s] for s in mine)
-        for size, users in model.tied:  # a tied tensor held by several chunks of one rank: once
-            holders = sum(any(pairs[s][0] <= u < pairs[s][1] for u in users) for s in mine)
-            total -= size * max(holders - 1, 0)
-        rank_mem.append(total)
+    per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,
+                           recompute=[c.modes[int(x)] for x in md], reserve=model.reserve)  # fmt: skip
+    rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=weight_share)
     slowest = int(np.argmax(times))
     return Plan(
@@ -338,6 +347,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
         stage_recompute=tuple(c.modes[int(x)] for x in md),
         recompute=recompute,
         step_lower_bound=bound,
+        rank_memory_breakdown=tuple(r.to_dict() for r in per_rank),
     )
 
 

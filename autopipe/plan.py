@@ -69,6 +69,9 @@ class Plan:
     # No cut of these layers into these chunks has a shorter simulated step (proven; see
     # stepsolve.py). Equal to step_time when this cut is proven optimal; None when not computed.
     step_lower_bound: float | None = None
+    # Per rank: what rank_memory adds up (autopipe.memory.RankMemory: weights, gradients, optimizer,
+    # activations, outputs, buffers, transient, data_parallel, reserve, total); () in older plans.
+    rank_memory_breakdown: tuple[dict[str, int], ...] = ()
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:

@@ -47,7 +47,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .chunkcost import ChunkCosts
+from .chunkcost import ChunkCosts, position
 from .schedule import _fixed_orders
 
 __all__ = ["Form", "Infeasible", "dwell_forms", "fits", "least_memory", "reach", "walk", "count_cuts", "enumerate_cuts"]
@@ -61,7 +61,7 @@ def fits(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], limit: int 
     """Whether some cut into ``chunks`` non-empty chunks fits ``limit`` with some allowed mode each."""
     if not 1 <= chunks <= costs.n:
         return False
-    return reach(costs.n, chunks, lambda s, b, first: _memory_start(costs, inflight[s], limit, modes, b)) is not None
+    return reach(costs.n, chunks, lambda s, b, first: _memory_start(costs, inflight[s], limit, modes, b, position(s, chunks))) is not None
 
 
 def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], modes: Sequence[int] = (0,)) -> int:
@@ -81,10 +81,11 @@ def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], mod
 
 
 
-def _memory_start(costs: ChunkCosts, inflight: int, limit: int | None, modes: Sequence[int], b: np.ndarray) -> np.ndarray:
+def _memory_start(costs: ChunkCosts, inflight: int, limit: int | None, modes: Sequence[int], b: np.ndarray,
+                  where: str = "middle") -> np.ndarray:  # fmt: skip
     if limit is None:
         return np.zeros_like(b)
-    return np.min([costs.window_start(m, inflight, limit)[b] for m in modes], axis=0)
+    return np.min([costs.window_start(m, inflight, limit, where)[b] for m in modes], axis=0)
 
 
 def reach(n: int, k: int, lo_of, span=None, finish=None) -> list[np.ndarray] | None:

@@ -51,7 +51,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .chunkcost import ChunkCosts
+from .chunkcost import ChunkCosts, position
 from .schedule import check_schedule, inflight_counts, step_times
 from .stepbound import Form, Infeasible, count_cuts, dwell_forms, enumerate_cuts, reach, walk
 
@@ -258,7 +258,8 @@ class _Search:
         out = None
         top = int(b.max()) if b.size else first
         for i, md in enumerate(self.modes[:only]):
-            lo = np.zeros_like(b) if self.limit is None else c.window_start(md, self.inflight[s], self.limit)[b]
+            lo = (np.zeros_like(b) if self.limit is None
+                  else c.window_start(md, self.inflight[s], self.limit, position(s, self.k))[b])  # fmt: skip
             if v is not None:
                 lo = np.maximum(lo, np.searchsorted(self.g[i], self.h[i][b] - v / self.scale, side="left"))
                 if self._arrays is not None:
@@ -302,7 +303,7 @@ class _Search:
         c = self.c
         out = b
         for i, md in enumerate(self.modes[:only]):
-            lo = 0 if self.limit is None else int(c.window_start(md, self.inflight[s], self.limit)[b])
+            lo = 0 if self.limit is None else int(c.window_start(md, self.inflight[s], self.limit, position(s, self.k))[b])
             if v is not None:
                 lo = max(lo, int(np.searchsorted(self.g[i], self.h_right[i][b] - v / self.scale, side="left")))
                 for g, _, right in self._arrays[s][i] if self._arrays is not None else ():

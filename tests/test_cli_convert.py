@@ -112,7 +112,14 @@ def test_more_stages_than_layers_is_one_line(factory: str, monkeypatch: pytest.M
 
 def test_memory_infeasible_is_one_line(factory: str):
     """A memory limit no cut fits is refused with the memory that would fit; nothing is written."""
-    _fails_cleanly(_convert(factory, "--stages", "2", "--memory-limit", "1KiB"), "no cut into 2 stages")
+    _fails_cleanly(_convert(factory, "--stages", "2", "--memory-limit", "1KiB", "--reserve", "0"), "no cut into 2 stages")
+    assert not Path("jobs").exists()
+
+
+def test_limit_below_the_reserve_is_one_line(factory: str):
+    """A limit the runtime's own reserve already uses up is refused naming the reserve; nothing is written."""
+    _fails_cleanly(_convert(factory, "--stages", "2", "--memory-limit", "1MiB", "--reserve", "2MiB"),
+                   "the runtime itself holds 2.00 MiB per rank")  # fmt: skip
     assert not Path("jobs").exists()
 
 

@@ -23,17 +23,19 @@ def four_layers() -> Profile:
 
 
 def test_only_recompute_of_the_first_stage_fits_and_is_chosen() -> None:
-    """1F1B holds 2 micro-batches on stage 0: at 300 B the 2+2 cut fits only with stage 0 recomputing.
+    """1F1B holds 2 micro-batches on stage 0: at 350 B the 2+2 cut fits only with stage 0 recomputing.
 
-    Full recompute keeps each layer's 10 B input (2 x 2 x 10) plus one layer's 100 B being recomputed:
-    140 B, and adds the forward (1/3 s per layer). Steps: 1+3 without recompute 13, 2+2 with it 12.
+    Each stage also holds one 10 B receive buffer per micro-batch (4) at the cut, and the last stage
+    the model's 10 B output per micro-batch in flight. Full recompute keeps each layer's 10 B input
+    (2 x 2 x 10) plus the 90 B more one layer rebuilds in backward: 170 B with the buffers, and adds
+    the forward (1/3 s per layer). Steps: 1+3 without recompute 13, 2+2 with it 12.
     """
-    none = partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=300)
+    none = partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=350)
     assert none.boundaries == (0, 1, 4) and none.stage_recompute == ("none", "none")
-    assert none.stage_memory == (200, 300) and none.step_time == pytest.approx(13.0)
-    auto = partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=300, recompute="auto")
+    assert none.stage_memory == (2 * 100 + 40, 300 + 40 + 10) and none.step_time == pytest.approx(13.0)
+    auto = partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=350, recompute="auto")
     assert auto.boundaries == (0, 2, 4) and auto.stage_recompute == ("full", "none")
-    assert auto.stage_memory == (140, 200)
+    assert auto.stage_memory == (2 * 2 * 10 + 90 + 40, 200 + 40 + 10)
     assert auto.stage_times == pytest.approx((2 + 2 / 3, 2.0))
     assert auto.stage_backward[0] == pytest.approx(4 / 3 + 2 / 3)  # the backward plus the forward again
     assert auto.step_time == pytest.approx(12.0) and auto.step_gap == 0.0
@@ -46,9 +48,10 @@ def test_forced_full_recompute_everywhere() -> None:
     plan = partition(four_layers(), 2, microbatches=4, bandwidth=None, recompute="full")
     assert plan.stage_recompute == ("full", "full") and plan.recompute == "full"
     assert plan.stage_times == pytest.approx((8 / 3, 8 / 3))
-    assert plan.stage_memory == (2 * 20 + 100, 1 * 20 + 100)
+    # kept inputs x in flight + one layer rebuilt (90 B) + 4 receive buffers (+ the held output, last)
+    assert plan.stage_memory == (2 * 20 + 90 + 40, 1 * 20 + 90 + 40 + 10)
     over = partition(four_layers(), 2, microbatches=4, bandwidth=None, recompute="full", memory_limit=100, method="uniform")
-    assert over.stage_recompute == ("full", "full") and over.stage_memory == (140, 120)  # shown over the limit, still full
+    assert over.stage_recompute == ("full", "full") and over.stage_memory == (170, 160)  # shown over the limit, still full
 
 
 def test_measured_figures_replace_the_derived_ones() -> None:
@@ -57,7 +60,7 @@ def test_measured_figures_replace_the_derived_ones() -> None:
     layers = list(prof.layers)
     layers[0] = replace(layers[0], recompute={"full": RecomputeCost(activation_bytes=1, extra_backward_time=0.5)})
     plan = partition(prof.with_layers(layers), 4, microbatches=4, bandwidth=None, recompute="full")
-    assert plan.stage_memory[0] == 4 * 1 + 100  # 4 in flight on stage 0 of 4
+    assert plan.stage_memory[0] == 4 * 1 + (100 - 1) + 4 * 10  # 4 in flight on stage 0 of 4, rebuilt, buffers
     assert plan.stage_backward[0] == pytest.approx(2 / 3 + 0.5)
 
 
@@ -69,7 +72,8 @@ def test_selective_falls_back_to_none_per_layer() -> None:
     plan = partition(prof.with_layers(layers), 1, microbatches=2, bandwidth=None, recompute="selective")
     assert plan.stage_recompute == ("selective",)
     assert plan.stage_inflight == (1,)  # 1F1B on one rank holds one micro-batch
-    assert plan.stage_memory == ((100 + 30 + 100 + 100) + 100,)  # kept + one layer's being recomputed
+    # kept + what layer 1 rebuilds beyond its kept 30 B + the model's output held for its backward
+    assert plan.stage_memory == ((100 + 30 + 100 + 100) + 70 + 10,)
     assert plan.stage_backward == pytest.approx((4 * 2 / 3 + 0.1,))
 
 
@@ -84,9 +88,9 @@ def test_selective_without_figures_is_refused() -> None:
 def test_infeasible_messages_say_recompute_would_fit() -> None:
     """No cut fits without recompute: the error says recompute='auto' would, in one line; so does a manual cut."""
     with pytest.raises(InfeasibleMemoryError) as info:
-        partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=150)
+        partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=250)
     assert "recompute='auto' would fit" in str(info.value) and "\n" not in str(info.value)
-    with pytest.raises(InfeasibleMemoryError, match=r"chunk 0 \(layers 0..1\) needs 400 B.*recompute='auto'"):
+    with pytest.raises(InfeasibleMemoryError, match=r"chunk 0 \(layers 0..1\) needs 440 B.*recompute='auto'"):
         partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=300, boundaries=[0, 2, 4])
     auto = partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=300, boundaries=[0, 2, 4],
                      recompute="auto")  # fmt: skip
@@ -126,7 +130,9 @@ def test_chunk_memory_holds_the_largest_recomputed_layer() -> None:
                     assert costs.memory(a, b, infl, 1) == base + infl * int(kept[a:b].sum()) + int(act[a:b].max())
         for mode in (0, 1):
             for limit in (0, 40, 120, 400):
-                starts = costs.window_start(mode, 2, limit)
+                first = costs.window_start(mode, 2, limit, "first")  # starts at 0, or nothing fits
+                later = costs.window_start(mode, 2, limit, "middle")  # starts at 1 or later
                 for b in range(n + 1):
-                    fitting = [a for a in range(b) if costs.memory(a, b, 2, mode) <= limit]
-                    assert starts[b] == (fitting[0] if fitting else b)
+                    assert first[b] == (0 if b > 0 and costs.memory(0, b, 2, mode) <= limit else b)
+                    fitting = [a for a in range(1, b) if costs.memory(a, b, 2, mode) <= limit]
+                    assert later[b] == (fitting[0] if fitting else b)

@@ -139,10 +139,14 @@ def pipelines(draw, memory: bool, comm: bool):
     stages = draw(st.integers(1, n // v))
     m = stages * draw(st.integers(1, 2)) if schedule == "interleaved1f1b" else draw(st.integers(1, 5))
     small = st.integers(0, 6)
+    # With a memory limit and communication both on, one cut size for every layer (a transformer's
+    # hidden states): the receive buffers before a chunk then never shrink as it starts later, where
+    # the partitioner is exact (elsewhere it is conservative: test_plans_never_exceed_the_limit).
+    cut = draw(st.integers(0, 3))
     layers = tuple(
         LayerCost(index=i, name=f"l{i}", forward_time=float(draw(small)), backward_time=float(draw(small)),
                   param_bytes=draw(st.integers(0, 5)) if memory else 0, activation_bytes=draw(st.integers(0, 5)),
-                  output_bytes=draw(st.integers(0, 3)) if comm else 0)  # fmt: skip
+                  output_bytes=(cut if memory else draw(st.integers(0, 3))) if comm else 0)  # fmt: skip
         for i in range(n)
     )
     layers = tuple(replace(l, grad_bytes=l.param_bytes) for l in layers)  # sgd: no optimizer state
@@ -171,7 +175,7 @@ def _brute_step(prof, opts, stages) -> float | None:
         if schedule == "zbv":
             # zbv's greedy order depends on the costs, so a longer op can reorder it and shorten the step;
             # recompute is never chosen for that: each chunk takes the fastest mode that fits, as planned.
-            assignments = [tuple(_fastest_fitting(layers[a:b], inputs[a:b], infl[c], limit, v, modes)
+            assignments = [tuple(_fastest_fitting(layers, inputs, a, b, infl[c], limit, v, modes, m)
                                  for c, (a, b) in enumerate(zip(bounds, bounds[1:])))]  # fmt: skip
         for chosen in assignments:
             if None in chosen:
@@ -179,13 +183,12 @@ def _brute_step(prof, opts, stages) -> float | None:
             fwd, bwd, comm, fits_all = [], [], [], True
             for c, ((a, b), mode) in enumerate(zip(zip(bounds, bounds[1:]), chosen)):
                 part = layers[a:b]
-                kept = [l.activation_bytes for l in part] if mode == "none" else inputs[a:b]
-                mem = sum(2 * l.param_bytes for l in part) + infl[c] * sum(kept)
-                mem += max(l.activation_bytes for l in part) if mode != "none" else 0
+                mem = _chunk_memory(layers, inputs, a, b, mode, infl[c], m)
                 fits_all &= limit is None or mem <= limit // v
                 cc = (layers[a - 1].output_bytes / bw if a > 0 else 0.0) + (layers[b - 1].output_bytes / bw if b < n else 0.0)
                 fwd.append(sum(l.forward_time for l in part))
-                bwd.append(sum(l.backward_time for l in part) + (sum(l.forward_time for l in part) if mode == "full" else 0.0))
+                redo = sum(l.forward_time for l in part) * (2 if schedule == "zbv" else 1)  # zbv: both backward passes
+                bwd.append(sum(l.backward_time for l in part) + (redo if mode == "full" else 0.0))
                 comm.append(cc)
             if not fits_all:
                 continue
@@ -194,15 +197,50 @@ def _brute_step(prof, opts, stages) -> float | None:
     return best
 
 
-def _fastest_fitting(part, inputs, inflight, limit, v, modes) -> str | None:
+def _chunk_memory(layers, inputs, a, b, mode, inflight, m) -> int:
+    """Bytes chunk [a, b) holds, by hand (autopipe.memory's terms): parameters and gradients (SGD: no
+    state), what each layer keeps per micro-batch in flight, the worst one-layer transient (under full
+    recompute the activations it rebuilds beyond its input), the model's output held until its
+    backward (last chunk), and one receive buffer per micro-batch on each side facing another chunk."""
+    part, n = layers[a:b], len(layers)
+    kept = [l.activation_bytes for l in part] if mode == "none" else inputs[a:b]
+    mem = sum(2 * l.param_bytes for l in part) + inflight * sum(kept)
+    mem += max(max(l.activation_bytes - k, 0) for l, k in zip(part, kept)) if mode != "none" else 0
+    mem += inflight * layers[-1].output_bytes if b == n else 0
+    mem += (m * layers[a - 1].output_bytes if a > 0 else 0) + (m * layers[b - 1].output_bytes if b < n else 0)
+    return mem
+
+
+def _fastest_fitting(layers, inputs, a, b, inflight, limit, v, modes, m) -> str | None:
     """The mode with the least added time among those whose memory fits (none first on ties)."""
+    part = layers[a:b]
     for mode in sorted(modes, key=lambda md: sum(l.forward_time for l in part) if md == "full" else 0.0):
-        kept = [l.activation_bytes for l in part] if mode == "none" else inputs
-        mem = sum(2 * l.param_bytes for l in part) + inflight * sum(kept)
-        mem += max(l.activation_bytes for l in part) if mode != "none" else 0
-        if limit is None or mem <= limit // v:
+        if limit is None or _chunk_memory(layers, inputs, a, b, mode, inflight, m) <= limit // v:
             return mode
     return None
+
+
+@STEP_SETTINGS
+@given(st.data())
+def test_plans_never_exceed_the_limit(data) -> None:
+    """Cut sizes that vary from layer to layer (where the partitioner's windows are conservative): every
+    plan it returns still fits, chunk by chunk and rank by rank, in the memory model's exact bytes."""
+    prof, opts, stages = data.draw(pipelines(memory=True, comm=True))
+    sizes = data.draw(st.lists(st.integers(0, 9), min_size=len(prof.layers), max_size=len(prof.layers)))
+    prof = replace(prof, layers=tuple(replace(l, output_bytes=c) for l, c in zip(prof.layers, sizes)))
+    limit = opts["memory_limit"]
+    try:
+        plan = partition(prof, stages, **opts)
+    except InfeasibleMemoryError:
+        return
+    if limit is not None:
+        assert max(plan.stage_memory) <= limit // plan.virtual_stages
+        if plan.virtual_stages == 1:
+            assert plan.peak_memory <= limit
+    layers, inputs = prof.layers, [prof.input_bytes] + [l.output_bytes for l in prof.layers[:-1]]
+    for c, (a, b) in enumerate(zip(plan.boundaries, plan.boundaries[1:])):
+        exact = _chunk_memory(layers, inputs, a, b, plan.recompute_of(c), plan.stage_inflight[c], plan.microbatches)
+        assert plan.stage_memory[c] == exact
 
 
 def _check_step(case) -> None:
