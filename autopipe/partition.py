@@ -130,7 +130,7 @@ def partition(
     *,
     microbatches: int | None = None,
     schedule: str = "1f1b",
-    memory_limit: int | str | None = None,
+    memory_limit: int | str | None = "device",
     optimizer: str | None = None,
     virtual_stages: int | None = None,
     bandwidth: float | None = DEFAULT_BANDWIDTH,
@@ -138,7 +138,7 @@ def partition(
     stage_names: Sequence[Sequence[str]] | None = None,
     method: str = "autopipe",
     weight_share: float = 0.5,
-    recompute: str = "none",
+    recompute: str = "auto",
 ) -> Plan:
     """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
@@ -148,7 +148,9 @@ def partition(
         microbatches: micro-batches per step M (default 2·S).
         schedule: gpipe, 1f1b, interleaved1f1b or zbv: the schedule simulated (and minimised), and
             the in-flight activations per stage.
-        memory_limit: bytes per device, or a size like "80GiB"; None: unlimited.
+        memory_limit: bytes per device, or a size like "80GiB"; None or "none": unlimited; "device"
+            (the default): the memory of the GPU the profile was measured or estimated for, unlimited
+            for a CPU profile (ranks on one host share its memory; give a limit).
         optimizer: recount optimizer state for this optimizer (default: the profile's).
         virtual_stages: chunks per rank v (default 1; 2 for interleaved1f1b and zbv). The model is
             cut into S·v chunks.
@@ -159,8 +161,8 @@ def partition(
         method: "autopipe" (the step-time search), or a baseline: uniform, parameters, type:REGEX,
             torchtitan, greedy.
         weight_share: part of the backward that zero-bubble schedules split off as W.
-        recompute: "none", "full", "selective" (that mode in every chunk) or "auto" (each chunk the
-            fastest mode that fits the memory limit).
+        recompute: "none", "full", "selective" (that mode in every chunk) or "auto" (the default:
+            each chunk the fastest mode that fits the memory limit, so none where nothing binds).
 
     Returns:
         A :class:`~autopipe.plan.Plan`; ``plan.step_lower_bound`` is a proven bound on the step of
@@ -193,7 +195,7 @@ def partition(
             f"cannot cut {n} layers into {k} non-empty chunks ({stages} stages x {v} virtual); "
             f"use at most {n // v} stages."
         )
-    limit = None if memory_limit is None else parse_size(memory_limit)
+    limit, limit_source = resolve_limit(profile, memory_limit)
     model = _Model(profile, optimizer, bandwidth, schedule, m)
     # the runtime's own reserve first, then each of a rank's v chunks gets a share of the rest
     chunk_limit = None if limit is None else (limit - model.reserve) // v
@@ -215,14 +217,17 @@ def partition(
         chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
 
     common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight,
-                  weight_share=weight_share, signature=profile.signature, recompute=recompute)  # fmt: skip
+                  weight_share=weight_share, signature=profile.signature, recompute=recompute,
+                  limit_source=limit_source)  # fmt: skip
     best: StepSolution | None = None
     try:
         best = solve_step(model.costs, schedule, ranks=stages, virtual=v, microbatches=m, inflight=inflight,
                           limit=chunk_limit, modes=allowed, weight_share=weight_share)  # fmt: skip
     except Infeasible:
         if chosen is None:
-            raise _explain(model, stages, v, m, schedule, inflight, limit, chunk_limit, recompute) from None
+            what = (f"the {profile.device.name}'s {format_bytes(limit)} (its memory, the default limit)"
+                    if limit_source == "device" else f"{format_bytes(limit)} per device")  # fmt: skip
+            raise _explain(model, stages, v, m, schedule, inflight, limit, chunk_limit, recompute, what) from None
     if chosen is None:
         assert best is not None
         return _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
@@ -244,6 +249,23 @@ def partition(
         plan = replace(plan, optimum_bottleneck_time=opt.bottleneck_time, optimum_step_time=opt.step_time,
                        step_lower_bound=best.lower_bound)  # fmt: skip
     return plan
+
+
+def resolve_limit(profile: Profile, memory_limit: int | str | None) -> tuple[int | None, str]:
+    """The per-device limit in bytes (None: unlimited) and where it came from ("given", "device", "").
+
+    "device" is the profile's GPU memory: what torch reported when measured on CUDA, the device
+    table's figure when estimated for one. A CPU profile has no default: its ranks usually share one
+    host's memory, which the profile cannot divide for them.
+    """
+    if memory_limit is None or (isinstance(memory_limit, str) and memory_limit.strip().lower() == "none"):
+        return None, ""
+    if isinstance(memory_limit, str) and memory_limit.strip().lower() == "device":
+        dev = profile.device
+        if dev.type == "cuda" and dev.memory_bytes > 0:
+            return int(dev.memory_bytes), "device"
+        return None, ""
+    return parse_size(memory_limit), "given"
 
 
 def _check_bounds(bounds: Sequence[int], n: int, k: int) -> tuple[int, ...]:
@@ -299,7 +321,7 @@ def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str],
 
 def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequence[int], bound: float | None,
                stages: int, v: int, m: int, schedule: str, limit: int | None, inflight: list[int],
-               weight_share: float, signature: str, recompute: str) -> Plan:  # fmt: skip
+               weight_share: float, signature: str, recompute: str, limit_source: str = "") -> Plan:  # fmt: skip
     c = model.costs
     a = np.asarray(bounds[:-1])
     b = np.asarray(bounds[1:])
@@ -308,6 +330,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     bwd = c.backward(a, b, md).tolist()
     comm = c.comm(a, b).tolist()
     times = c.time(a, b, md).tolist()
+    extra = (c.time(a, b, md) - c.time(a, b, np.zeros_like(md))).tolist()
     mems = [int(x) for x in c.memory(a, b, np.asarray(inflight), md)]
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
@@ -323,6 +346,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
         microbatches=m,
         schedule=schedule,
         memory_limit=limit,
+        memory_limit_source=limit_source,
         method=method,
         signature=signature,
         num_layers=c.n,
@@ -345,6 +369,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
         weight_share=weight_share,
         optimizer=model.optimizer,
         stage_recompute=tuple(c.modes[int(x)] for x in md),
+        stage_recompute_time=tuple(max(0.0, x) for x in extra),
         recompute=recompute,
         step_lower_bound=bound,
         rank_memory_breakdown=tuple(r.to_dict() for r in per_rank),
@@ -352,8 +377,8 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
 
 
 def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight: list[int], limit: int | None,
-             chunk_limit: int | None, recompute: str) -> InfeasibleMemoryError:  # fmt: skip
-    """Why nothing fits: the layer too big on its own, else what would fit (recompute, stages, memory)."""
+             chunk_limit: int | None, recompute: str, what: str) -> InfeasibleMemoryError:  # fmt: skip
+    """Why nothing fits: the layer too big on its own, else what would fit (recompute, stages, ZeRO, memory)."""
     assert limit is not None and chunk_limit is not None
     c, n = model.costs, model.costs.n
     allowed = model.allowed(recompute)
@@ -361,7 +386,7 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight
     idx = np.arange(n)
     alone = np.min([c.memory(idx, idx + 1, min(inflight), md) for md in everything], axis=0)
     where = f"{stages} stages ({schedule}, {m} micro-batches{f', {v} virtual' if v > 1 else ''})"
-    head = f"no cut into {where} fits {format_bytes(limit)} per device"
+    head = f"no cut into {where} fits {what}"
     worst = int(np.argmax(alone))
     if alone[worst] > chunk_limit:
         return InfeasibleMemoryError(
@@ -372,7 +397,7 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight
         )
     hints = []
     if set(allowed) != set(everything) and fits(c, stages * v, inflight=inflight, limit=chunk_limit, modes=everything):
-        hints.append("recompute='auto' would fit")
+        hints.append("recompute auto (--recompute auto) would fit")
     need = least_memory(c, stages * v, inflight=inflight, modes=allowed) * v
     more = None
     tried = min(n // v, 8 * stages)  # each try is a feasibility test: stay within a second or so
@@ -385,9 +410,18 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight
             more = s
             break
     hints.append(f"{more} stages would fit" if more else f"no number of stages up to {tried} fits")
+    # ZeRO-1 shards optimizer state over data-parallel replicas: say how much of a rank it is.
+    state = sum(model.memory.optimizer) / stages
+    if state > 0.1 * need:
+        hints.append(f"optimizer state is ~{format_bytes(int(state))} per rank (ZeRO-1 across data-parallel replicas shards it)")
+    fixes = ["add stages", "raise --memory-limit"]
+    if recompute != "auto":
+        fixes.append("use --recompute auto")
+    if schedule == "gpipe":
+        fixes.append("use 1f1b (it holds fewer micro-batches than gpipe)")
     return InfeasibleMemoryError(
-        f"{head}: {', '.join(hints)}, or {format_bytes(need)} per device with {stages} stages. "
-        "Add stages, raise the memory limit, use recompute, or use fewer micro-batches (or 1f1b instead of gpipe)."
+        f"{head}: {'; '.join(hints)}; {format_bytes(need)} per device fits {stages} stages. "
+        f"{', '.join(fixes[:-1]).capitalize()} or {fixes[-1]}."
     )
 
 
@@ -396,5 +430,5 @@ def _recompute_hint(model: _Model, recompute: str, chunks: list[tuple[int, int, 
     c = model.costs
     others = [md for md in range(len(c.modes)) if md not in model.allowed(recompute)]
     if all(any(int(c.memory(a, b, infl, md)) <= chunk_limit for md in others) for a, b, infl in chunks) and others:
-        return ", or use recompute='auto' (it fits with recompute)"
+        return ", or use recompute auto (--recompute auto: it fits with recompute)"
     return ""

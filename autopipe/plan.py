@@ -66,12 +66,18 @@ class Plan:
     # () in plans made before recompute was planned: none everywhere.
     stage_recompute: tuple[str, ...] = ()
     recompute: str = "none"  # the policy asked for: none, auto, selective or full
+    # Per chunk: seconds per micro-batch the recompute mode adds to the backward (0 for none); ()
+    # in plans made before this field.
+    stage_recompute_time: tuple[float, ...] = ()
     # No cut of these layers into these chunks has a shorter simulated step (proven; see
     # stepsolve.py). Equal to step_time when this cut is proven optimal; None when not computed.
     step_lower_bound: float | None = None
     # Per rank: what rank_memory adds up (autopipe.memory.RankMemory: weights, gradients, optimizer,
     # activations, outputs, buffers, transient, data_parallel, reserve, total); () in older plans.
     rank_memory_breakdown: tuple[dict[str, int], ...] = ()
+    # Where memory_limit came from: "given", "device" (the profile's GPU memory, the default) or ""
+    # (no limit, or plans before this field).
+    memory_limit_source: str = ""
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:

@@ -43,11 +43,33 @@ def plan_table(plan: Plan, title: str = "") -> Table:
     return table
 
 
+def limit_phrase(plan: Plan) -> str:
+    """' of 80.00 GiB (the device's memory)' — the limit the plan was held to, and whence; '' for none."""
+    if plan.memory_limit is None:
+        return ""
+    whence = " (the device's memory)" if plan.memory_limit_source == "device" else ""
+    return f" of {format_bytes(plan.memory_limit)}{whence}"
+
+
+def recompute_phrase(plan: Plan) -> str:
+    """'; recompute: full on chunks 0, 1 (+2.1 ms per micro-batch at most)' — '' when no chunk recomputes."""
+    chosen = [(c, mode) for c, mode in enumerate(plan.stage_recompute) if mode != "none"]
+    if not chosen:
+        return ""
+    by_mode: dict[str, list[int]] = {}
+    for c, mode in chosen:
+        by_mode.setdefault(mode, []).append(c)
+    what = "; ".join(f"{mode} on chunk{'s' if len(cs) > 1 else ''} {', '.join(map(str, cs))}" for mode, cs in by_mode.items())
+    cost = max(plan.stage_recompute_time, default=0.0)
+    return f"; recompute: {what} (+{_ms(cost)} ms per micro-batch at most)"
+
+
 def plan_summary(plan: Plan) -> str:
     """One line: bottleneck, balance, step and bubble, autopipe's step when this is a baseline, and the bound."""
     line = (
         f"bottleneck chunk {plan.bottleneck_stage}: {_ms(plan.bottleneck_time)} ms/micro-batch, "
-        f"balance (max/mean) {plan.balance:.3f}, peak memory {format_bytes(plan.peak_memory)}, "
+        f"balance (max/mean) {plan.balance:.3f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
+        f"{recompute_phrase(plan)}, "
         f"{plan.schedule} step with {plan.microbatches} micro-batches {_ms(plan.step_time)} ms "
         f"(bubble {plan.bubble_fraction:.1%})"
     )

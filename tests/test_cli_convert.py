@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,16 @@ def test_readme_names_a_quoted_train_script(tmp_path: Path, monkeypatch: pytest.
     script = str(job / "train.py")
     assert files.launch == f"torchrun --nproc-per-node 2 '{script}'"
     assert f"`python '{script}' --help`" in readme
+
+
+def test_a_plan_for_a_gpu_is_held_to_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Issue 10's case: Llama-70B estimated for 8 H100s used to plan 129-147 GiB stages without a word.
+    The H100's memory is now the default limit: refused in one line saying what would fit."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["convert", "llama-70b", "--stages", "8", "--estimate", "--device", "h100"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    (error,) = _error_lines(result.output)
+    assert "fits the NVIDIA H100 80GB HBM3's 80.00 GiB (its memory, the default limit)" in error
+    more = int(re.search(r"(\d+) stages would fit", error).group(1))
+    assert more > 8 and "ZeRO-1" in error
+    assert not Path("jobs").exists()

@@ -153,3 +153,31 @@ def test_a_hand_edited_profile_with_impossible_values_is_refused(profile_path, f
     assert result.exit_code == 1 and "Traceback" not in out
     assert re.search(message, out), out
     assert len([line for line in out.splitlines() if line.strip()]) == 1
+
+
+def test_plan_on_a_gpu_profile_holds_to_its_memory_and_says_what_recomputes(tmp_path) -> None:
+    """A GPU profile's memory is the default limit; under it auto recompute picks a mode for the
+    first stage and the summary names the limit's source and the recompute chosen, with its cost."""
+    from dataclasses import replace
+
+    from autopipe.records import DeviceInfo
+
+    prof = replace(Profile.from_costs([1.0] * 4, activation_bytes=[100] * 4, output_bytes=[10] * 4), input_bytes=10,
+                   device=DeviceInfo(name="Test GPU", type="cuda", memory_bytes=350))  # fmt: skip
+    path = tmp_path / "gpu.json"
+    prof.save(path)
+    result, out = _run("plan", str(path), "--stages", "2", "--microbatches", "4", "--bandwidth", "none")
+    text = " ".join(out.split())
+    assert result.exit_code == 0, out
+    assert "of 350 B (the device's memory)" in text
+    assert "recompute: full on chunk 0 (+666.667 ms per micro-batch at most)" in text
+    small = tmp_path / "small-gpu.json"
+    replace(prof, device=replace(prof.device, memory_bytes=250)).save(small)
+    result, out = _run("plan", str(small), "--stages", "2", "--microbatches", "4", "--bandwidth", "none",
+                       "--recompute", "none")  # fmt: skip
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1, out
+    assert "fits the Test GPU's 250 B" in errors[0] and "(--recompute auto) would fit" in errors[0]
+    result, out = _run("plan", str(path), "--stages", "2", "--microbatches", "4", "--bandwidth", "none",
+                       "--memory-limit", "none")  # fmt: skip
+    assert result.exit_code == 0 and "recompute:" not in out and "device's memory" not in out, out

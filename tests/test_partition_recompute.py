@@ -30,7 +30,7 @@ def test_only_recompute_of_the_first_stage_fits_and_is_chosen() -> None:
     (2 x 2 x 10) plus the 90 B more one layer rebuilds in backward: 170 B with the buffers, and adds
     the forward (1/3 s per layer). Steps: 1+3 without recompute 13, 2+2 with it 12.
     """
-    none = partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=350)
+    none = partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=350, recompute="none")
     assert none.boundaries == (0, 1, 4) and none.stage_recompute == ("none", "none")
     assert none.stage_memory == (2 * 100 + 40, 300 + 40 + 10) and none.step_time == pytest.approx(13.0)
     auto = partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=350, recompute="auto")
@@ -88,10 +88,11 @@ def test_selective_without_figures_is_refused() -> None:
 def test_infeasible_messages_say_recompute_would_fit() -> None:
     """No cut fits without recompute: the error says recompute='auto' would, in one line; so does a manual cut."""
     with pytest.raises(InfeasibleMemoryError) as info:
-        partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=250)
-    assert "recompute='auto' would fit" in str(info.value) and "\n" not in str(info.value)
-    with pytest.raises(InfeasibleMemoryError, match=r"chunk 0 \(layers 0..1\) needs 440 B.*recompute='auto'"):
-        partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=300, boundaries=[0, 2, 4])
+        partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=250, recompute="none")
+    assert "recompute auto (--recompute auto) would fit" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(InfeasibleMemoryError, match=r"chunk 0 \(layers 0..1\) needs 440 B.*--recompute auto"):
+        partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=300, boundaries=[0, 2, 4],
+                  recompute="none")
     auto = partition(four_layers(), 2, microbatches=4, bandwidth=None, memory_limit=300, boundaries=[0, 2, 4],
                      recompute="auto")  # fmt: skip
     assert auto.method == "manual" and auto.stage_recompute == ("full", "none")
@@ -136,3 +137,38 @@ def test_chunk_memory_holds_the_largest_recomputed_layer() -> None:
                     assert first[b] == (0 if b > 0 and costs.memory(0, b, 2, mode) <= limit else b)
                     fitting = [a for a in range(1, b) if costs.memory(a, b, 2, mode) <= limit]
                     assert later[b] == (fitting[0] if fitting else b)
+
+
+def _on_gpu(prof: Profile, memory: int) -> Profile:
+    from autopipe.records import DeviceInfo
+
+    return replace(prof, device=DeviceInfo(name="Test GPU", type="cuda", memory_bytes=memory))
+
+
+def test_the_default_limit_is_the_profiled_gpu_s_memory() -> None:
+    """A profile measured on (or estimated for) a GPU is held to that GPU's memory unless told otherwise;
+    a CPU profile has no default limit; recompute defaults to auto, so the tight GPU plan recomputes."""
+    gpu = _on_gpu(four_layers(), 350)
+    plan = partition(gpu, 2, microbatches=4, bandwidth=None)
+    assert plan.memory_limit == 350 and plan.memory_limit_source == "device"
+    assert plan.recompute == "auto" and plan.stage_recompute == ("full", "none") and plan.peak_memory <= 350
+    assert plan.stage_recompute_time == pytest.approx((2 / 3, 0.0))  # the forward of its 2 layers again
+    given = partition(gpu, 2, microbatches=4, bandwidth=None, memory_limit=1000)
+    assert given.memory_limit == 1000 and given.memory_limit_source == "given" and given.stage_recompute == ("none", "none")
+    for unlimited in (None, "none"):
+        free = partition(gpu, 2, microbatches=4, bandwidth=None, memory_limit=unlimited)
+        assert free.memory_limit is None and free.memory_limit_source == ""
+    cpu = partition(four_layers(), 2, microbatches=4, bandwidth=None)
+    assert cpu.memory_limit is None and cpu.stage_recompute == ("none", "none")
+    with pytest.raises(InfeasibleMemoryError, match=r"fits the Test GPU's 100 B \(its memory, the default limit\)"):
+        partition(_on_gpu(four_layers(), 100), 2, microbatches=4, bandwidth=None)
+
+
+def test_infeasible_names_zero_when_the_optimizer_state_is_much_of_a_rank() -> None:
+    """Most of each rank is AdamW state: the one-line error says how much, and that ZeRO-1 shards it."""
+    prof = Profile.from_costs([1.0] * 4, param_bytes=[100] * 4)
+    with pytest.raises(InfeasibleMemoryError) as info:
+        partition(prof, 2, memory_limit=500, bandwidth=None)
+    text = str(info.value)
+    assert "optimizer state is ~400 B per rank (ZeRO-1" in text and "\n" not in text
+    assert "use --recompute auto" not in text  # auto is already what was asked
