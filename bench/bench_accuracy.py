@@ -93,6 +93,7 @@ def make_job(root: Path, folder: Path, cfg: Config, profiles: dict) -> tuple[Pat
     from autopipe.convert import DTYPES
     from autopipe.emit import JobSettings, emit
     from autopipe.models import load_model
+    from autopipe.reserve import runtime_reserve
 
     key = (cfg.model, cfg.dtype)
     if key not in profiles:
@@ -102,35 +103,15 @@ def make_job(root: Path, folder: Path, cfg: Config, profiles: dict) -> tuple[Pat
         spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)
         seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)
         autocast = DTYPES[cfg.dtype] if cfg.dtype != "fp32" else None
-        profiles[key] = autopipe.profile(seq, spec.args, spec.kwargs, threads=1, progress=False, **_autocast(autocast))
+        profiles[key] = autopipe.profile(seq, spec.args, spec.kwargs, threads=1, progress=False, autocast=autocast,
+                                         reserve=runtime_reserve("cpu"))  # fmt: skip
     prof = profiles[key]
-    extra = {"recompute": cfg.recompute} if _has_recompute() else {}
-    plan = autopipe.partition(prof, stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule, **extra)
+    plan = autopipe.partition(prof, stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule,
+                              recompute=cfg.recompute)  # fmt: skip
     settings = JobSettings(model=str(folder), stages=cfg.stages, microbatches=plan.microbatches, schedule=plan.schedule,
                            batch_size=ROWS, seq_len=SEQ, dtype=cfg.dtype)  # fmt: skip
     job = emit(root / cfg.name, settings=settings, profile=prof, plan=plan, baselines={})
     return job.job_dir, plan
-
-
-def _autocast(dtype: str | None) -> dict:
-    """profile(autocast=...) where this autopipe has it (issue 10)."""
-    import inspect
-
-    import autopipe
-
-    if dtype is None:
-        return {}
-    if "autocast" in inspect.signature(autopipe.profile).parameters:
-        return {"autocast": dtype}
-    return {}
-
-
-def _has_recompute() -> bool:
-    import inspect
-
-    import autopipe
-
-    return "recompute" in inspect.signature(autopipe.partition).parameters
 
 
 def run_job(job: Path, cfg: Config) -> list[dict]:

@@ -20,10 +20,13 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 
 import torch
+
+from ..devices import release_freed_memory
 
 __all__ = ["PeakMemory", "resident_bytes"]
 
@@ -61,6 +64,10 @@ class PeakMemory:
     def rebase(self, tensor_bytes: int) -> None:
         """Take the CPU baseline now, with the stage built and holding ``tensor_bytes`` of tensors."""
         if not self.cuda:
+            # Free heap left by building the stage (tracing, loading) would be reused by the steps
+            # without growing the resident set: return it first, so the steps' growth is counted.
+            gc.collect()
+            release_freed_memory()
             self.baseline = resident_bytes() - int(tensor_bytes)
 
     def reset(self) -> None:
