@@ -59,19 +59,27 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 last = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
                 where = f"newest checkpoint {last}; resume with: {launch_command(('--resume',))}" if last else \
                     "no checkpoint saved yet (--ckpt-every N saves every N steps)"
-                print(f"interrupted: {where}", file=sys.stderr, flush=True)
+                _say(f"interrupted: {where}")
             os._exit(130)
         if issubclass(kind, (AutopipeError, OSError)):
             if _rank() == 0:
                 message = str(value)
                 if isinstance(value, OSError) and value.strerror:
                     message = f"cannot access {value.filename}: {value.strerror}" if value.filename else value.strerror
-                print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+                _say(f"error: {' '.join(message.split())}")
             # leave at once: a rank waiting in a collective would otherwise hold the others until it times out
             os._exit(1)
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+def _say(line: str) -> None:
+    """One line on the process's real stderr: torch.distributed's own excepthook captures
+    ``sys.stderr`` while it calls ours (to prefix each line with the rank), and we exit before it
+    would print the capture."""
+    sys.stdout.flush()
+    os.write(2, (line + "\n").encode())
 
 
 def check_launch(plan: Any, pp_size: int, dp_size: int, *, plan_path: str = "plan.json") -> None:

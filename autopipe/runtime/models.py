@@ -87,7 +87,7 @@ def model_factory(
     from pathlib import Path
 
     from ..models import load_model
-    from .tasks import LOSSES, LossError
+    from .tasks import resolve_loss
 
     def build() -> nn.Module:
         device = torch.get_default_device()
@@ -98,15 +98,7 @@ def model_factory(
         example = load_model(spec, device="meta", batch_size=batch_size, seq_len=seq_len, seed=seed, dropout=dropout)
     task, vocab = example.task, example.vocab_size
     config = getattr(example.model, "config", None)
-    if not callable(loss) and loss not in LOSSES:
-        raise LossError(f"unknown --loss {loss!r}; use one of {', '.join(LOSSES)}.")
-    if loss == "auto":
-        loss = example.loss if example.loss is not None else "model"
-    kwargs = dict(example.kwargs)
-    if loss != "model" and task != "custom":
-        if task == "seq2seq":
-            raise LossError(f"{spec} is a seq2seq model: train it with its own loss (--loss model); its decoder inputs come from the labels.")
-        kwargs.pop("labels", None)  # the model then returns logits, the loss's input
+    loss, kwargs = resolve_loss(spec, task, example.loss, loss, example.kwargs)
     weights = None
     folder = Path(spec)
     if folder.is_dir() and (list(folder.glob("*.safetensors")) or (folder / "model.safetensors.index.json").is_file()):

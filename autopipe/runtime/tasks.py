@@ -33,7 +33,7 @@ from ..errors import AutopipeError
 from .data import DataError, SampleData, TokenData, TokenStream, _Order, open_data
 from .weights import module_seed
 
-__all__ = ["JobData", "LABEL_NAMES", "LOSSES", "LossError", "check_loss", "loss_name", "make_loss", "mlm_mask", "model_outputs_logits"]
+__all__ = ["JobData", "LABEL_NAMES", "LOSSES", "LossError", "check_loss", "loss_name", "resolve_loss", "make_loss", "mlm_mask", "model_outputs_logits"]
 
 LOSSES = ("auto", "model", "cross_entropy", "mse")
 LABEL_NAMES = ("labels", "label", "targets", "target", "y")
@@ -68,6 +68,24 @@ def mse(outputs: Any, target: torch.Tensor) -> torch.Tensor:
     """Mean squared error of the model's first output against a float target of its shape."""
     pred = model_outputs_logits(outputs)
     return F.mse_loss(pred.float(), target.reshape(pred.shape).float())
+
+
+def resolve_loss(name: str, task: str, factory_loss: Any, loss: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The loss a job trains with, and the example kwargs to trace the model with for it.
+
+    ``auto`` is the factory's loss if it gave one, else the model's own. A HuggingFace model trained
+    with another loss than its own is traced without ``labels``, so that it returns its logits.
+    """
+    if not callable(loss) and loss not in LOSSES:
+        raise LossError(f"unknown --loss {loss!r}; use one of {', '.join(LOSSES)}.")
+    if loss == "auto":
+        loss = factory_loss if factory_loss is not None else "model"
+    kwargs = dict(kwargs)
+    if loss != "model" and task != "custom":
+        if task == "seq2seq":
+            raise LossError(f"{name} is a seq2seq model: train it with its own loss (--loss model); its decoder inputs come from the labels.")
+        kwargs.pop("labels", None)
+    return loss, kwargs
 
 
 def loss_name(loss: Any) -> str:
@@ -107,7 +125,7 @@ def check_loss(seq: Any, loss: Any, name: str) -> tuple[tuple[int, ...], torch.d
         except AutopipeError:
             raise LossError(
                 f"{name} returns {described}, no scalar loss: train it with --loss cross_entropy (class targets, "
-                "y in --data) or --loss mse, return (model, args, kwargs, loss_fn) from the factory, or return the "
+                "y in --data) or --loss mse, give the factory's dict a \"loss\", or return the "
                 "loss from forward."
             ) from None
         return (), torch.float32
