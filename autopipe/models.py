@@ -200,6 +200,10 @@ def _from_config(config: Any, cls: Any, task: str, name: str, source: str, devic
         raise ModelNotFoundError(f"--seq-len {t} is longer than {name}'s {limit} positions; use at most {limit}.")
     ids = torch.randint(0, vocab, (b, t), generator=g).to(device)
     kwargs: dict[str, Any] = {"labels": ids}
+    if task == "masked-lm":
+        # its own tensor: traced with the very object of the inputs, the graph reads the ids through
+        # the labels, and a masked LM's labels differ from its (masked) inputs
+        kwargs = {"labels": ids.clone()}
     if task == "seq2seq":
         kwargs = {"labels": torch.randint(0, vocab, (b, t), generator=g).to(device)}
     if task == "sequence-classification":
