@@ -106,8 +106,12 @@ def load_model(
     seq_len: int = 128,
     seed: int = 0,
     dropout: float | None = None,
+    weights: bool = True,
 ) -> ModelSpec:
     """Build the model named by ``spec`` on ``device`` ("meta" allocates no weights) with example inputs.
+
+    ``weights=False`` leaves a folder's safetensors unread (the training runtime reads each rank's
+    tensors itself, by key).
 
     Example:
         >>> ms = load_model("llama-70b", device="meta", batch_size=1, seq_len=16)
@@ -122,7 +126,7 @@ def load_model(
         return _from_builtin(spec, device, batch_size, seq_len, dropout)
     path = Path(spec)
     if path.is_dir():
-        return _from_folder(path, device, batch_size, seq_len, dropout)
+        return _from_folder(path, device, batch_size, seq_len, dropout, weights)
     if ":" in spec:
         return _from_factory(spec, device, batch_size, seq_len)
     close = [n for n in BUILTINS if n.split("-")[0] == spec.split("-")[0]]
@@ -141,7 +145,7 @@ def _from_builtin(name: str, device: torch.device, b: int, t: int, dropout: floa
     return _from_config(config, getattr(transformers, entry.model), entry.task, name, "builtin", device, b, t, dropout)
 
 
-def _from_folder(path: Path, device: torch.device, b: int, t: int, dropout: float | None) -> ModelSpec:
+def _from_folder(path: Path, device: torch.device, b: int, t: int, dropout: float | None, load: bool = True) -> ModelSpec:
     import transformers
 
     cfg_file = path / "config.json"
@@ -161,7 +165,7 @@ def _from_folder(path: Path, device: torch.device, b: int, t: int, dropout: floa
     task = _task_of(cls.__name__)
     ms = _from_config(config, cls, task, str(path), "folder", device, b, t, dropout)
     weights = list(path.glob("*.safetensors")) + list(path.glob("pytorch_model*.bin"))
-    if weights and device.type != "meta":
+    if weights and load and device.type != "meta":
         loaded = cls.from_pretrained(str(path), local_files_only=True, config=config)
         ms.model = loaded.to(device).train()
     return ms

@@ -141,6 +141,12 @@ class PipeChunk(nn.Module):
             x = tuple(t.clone() if t._is_view() else t for t in x) if isinstance(x, tuple) else (
                 x.clone() if x._is_view() else x
             )
+        # what crosses a cut is sent as is and received into buffers shaped like it: an expanded mask
+        # (BERT's, stride 0) made a non-contiguous receive buffer, which gloo refuses
+        if isinstance(x, tuple):
+            x = tuple(t if t.is_contiguous() else t.contiguous() for t in x)
+        elif not x.is_contiguous():
+            x = x.contiguous()
         return x
 
 

@@ -92,7 +92,9 @@ def model_factory(
     def build() -> nn.Module:
         device = torch.get_default_device()
         with torch.random.fork_rng(devices=[]):  # load_model seeds the global RNG; keep ours
-            return load_model(spec, device=device, batch_size=batch_size, seq_len=seq_len, seed=seed, dropout=dropout).model
+            # the folder's weights are read by the runtime, each rank only its own keys (build_stage)
+            return load_model(spec, device=device, batch_size=batch_size, seq_len=seq_len, seed=seed, dropout=dropout,
+                              weights=False).model
 
     with torch.random.fork_rng(devices=[]):
         example = load_model(spec, device="meta", batch_size=batch_size, seq_len=seq_len, seed=seed, dropout=dropout)
