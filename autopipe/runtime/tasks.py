@@ -290,10 +290,11 @@ class JobData:
             ids, labels = mlm_mask(w, vocab_size=s.vocab_size, mask_id=s.mask_token_id, special=set(s.special_ids), seeds=seeds)
             target = labels if self.loss != "model" else None
         elif self.task == "seq2seq":
-            ids, labels = w[:, : self.seq_len], w[:, self.seq_len :]
+            # contiguous halves: models view() their labels (T5's loss does)
+            ids, labels = w[:, : self.seq_len].contiguous(), w[:, self.seq_len :].contiguous()
             target = labels if self.loss != "model" else None
         else:  # any model taking ids: the window, and the next token as target
-            ids, labels = w[:, :-1], w[:, 1:]
+            ids, labels = w[:, :-1].contiguous(), w[:, 1:].contiguous()
             if self.loss != "model":
                 target = labels
         given = {self.inputs[0].name: ids}
