@@ -181,3 +181,57 @@ def test_two_stage_job_on_files_equals_unpipelined_training(jobs: dict[str, dict
         torch.testing.assert_close(g, ref_grads[param], atol=TOL, rtol=0, msg=f"{name}/{engine}: {param}")
         covered.add(tensor_of[param])
     assert covered == set(tensor_of.values())  # every tensor of the model was checked on some rank
+
+
+# ---- what a user sees when something is wrong ---------------------------------------------------
+
+def _train(job: dict, *flags: str, engine: str = "torch", nproc: int = 1) -> subprocess.CompletedProcess:
+    run = job["root"] / "errors"
+    run.mkdir(exist_ok=True)
+    head = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"] if nproc > 1 else [sys.executable]
+    cmd = [*head, str(job["root"] / "job" / f"train_{engine}.py"), "--steps", "2", "--ckpt-dir", str(run / "ckpt"), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=run,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _one_line(proc: subprocess.CompletedProcess, expected: str) -> None:
+    """Exit 1, and from train.py's ranks exactly one line, the error, with no traceback of ours."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], out[-3000:]
+    assert "autopipe/" not in out and "[rank" not in out, out[-3000:]
+
+
+def test_train_py_errors_are_one_line_from_rank_0(jobs: dict[str, dict], tmp_path: Path) -> None:
+    """Missing data, data that does not fit, --resume with nothing to resume, a flag DeepSpeed does not
+    run, and the wrong process count: one line each saying what to do, exit 1."""
+    job = jobs["cnn"]
+    _one_line(_train(job), "no plan at")
+    _one_line(_train(job, "--plan", "even", "--data", "/nonexistent.npy"), "--data '/nonexistent.npy' does not exist")
+    np.savez(tmp_path / "small.npz", x=np.zeros((4, 1, 4, 4), np.float32), y=np.zeros(4, np.int64))
+    _one_line(_train(job, "--plan", "even", "--data", str(tmp_path / "small.npz")), "takes (1, 8, 8) per row")
+    _one_line(_train(job, "--plan", "even", "--resume"), "--resume: no checkpoint in")
+    _one_line(_train(job, "--plan", "even", "--verify", engine="deepspeed"), "--verify runs on the torch engine")
+    (tmp_path / "plan.json").write_text(json.dumps({"boundaries": [0, 1, 3]}))
+    _one_line(_train(job, "--plan", str(tmp_path / "plan.json"), nproc=3), "launch with --nproc-per-node 2")
+
+
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(jobs: dict[str, dict]) -> None:
+    """SIGINT mid-run: exit 130, no traceback, one line naming the newest checkpoint and the resume command."""
+    import signal
+
+    job = jobs["cnn"]
+    run = job["root"] / "interrupted"
+    run.mkdir(exist_ok=True)
+    proc = subprocess.Popen([sys.executable, str(job["root"] / "job" / "train_torch.py"), "--steps", "100000", "--plan", "even",
+                             "--ckpt-dir", str(run / "ckpt"), "--ckpt-every", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=run, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if line.startswith("step     3"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted: newest checkpoint" in err, err[-3000:]
+    assert f"{run / 'ckpt'}/step_000000" in err and "--resume" in err.splitlines()[-1]
