@@ -137,7 +137,7 @@ def convert(
 
         _exists(Path(data))
     # train.py runs from anywhere: a folder or factory file given relative to here is written absolute
-    model = _absolute_spec(model)
+    job_model = _absolute_spec(model)
     if estimate and device not in ("cpu", "cuda") and not _is_known_target(device):
         raise AutopipeError(f"unknown --device {device!r}; use cpu or cuda (with --estimate also a100, h100, h200).")
     if not estimate and device not in ("cpu", "cuda"):
@@ -217,7 +217,7 @@ def convert(
     # ---- emit ----
     say("emit")
     settings = JobSettings(
-        model=model, stages=stages, microbatches=plan.microbatches, schedule=plan.schedule,
+        model=job_model, stages=stages, microbatches=plan.microbatches, schedule=plan.schedule,
         batch_size=batch_size, seq_len=seq_len, dtype=train_dtype, engine=engine, device=device, seed=seed,
         loss=loss, data=os.path.abspath(data) if data is not None else None,
     )  # fmt: skip

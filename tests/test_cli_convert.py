@@ -250,3 +250,65 @@ def test_readme_names_a_quoted_train_script(tmp_path: Path, monkeypatch: pytest.
     script = str(job / "train.py")
     assert files.launch == f"torchrun --nproc-per-node 2 '{script}'"
     assert f"`python '{script}' --help`" in readme
+
+
+LOGITS = '''
+import torch
+from torch import nn
+
+
+def build(batch_size=4):
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)), (torch.randn(batch_size, 16),)
+'''
+
+
+def test_a_job_without_a_loss_is_refused_before_profiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A model returning logits under --loss model (auto) is refused in one line naming the fix, before
+    any profiling; --loss cross_entropy makes the job, with the loss and data in train.py's settings."""
+    import sys
+
+    (tmp_path / "logits.py").write_text(LOGITS)
+    monkeypatch.chdir(tmp_path)
+    real = sys.modules["autopipe.profile"].profile
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled a job that cannot train")
+
+    monkeypatch.setattr(sys.modules["autopipe.profile"], "profile", no_profiling)
+    _fails_cleanly(_convert("logits.py:build", "--stages", "2"), "no scalar loss: train it with --loss cross_entropy")
+    _fails_cleanly(_convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "missing.npz"),
+                   "--data 'missing.npz' does not exist")
+    import numpy as np
+
+    np.savez("wide.npz", x=np.zeros((8, 17), np.float32), y=np.zeros(8, np.int64))
+    _fails_cleanly(_convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "wide.npz"),
+                   "takes (16,) per row")
+    assert not Path("jobs").exists()
+    monkeypatch.setattr(sys.modules["autopipe.profile"], "profile", real)
+    np.savez("good.npz", x=np.zeros((8, 16), np.float32), y=np.zeros(8, np.int64))
+    result = _convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "good.npz")
+    assert result.exit_code == 0, result.output
+    script = Path("jobs/logits/train.py").read_text()
+    assert "LOSS = 'cross_entropy'" in script and f"DATA = {str(tmp_path / 'good.npz')!r}" in script
+    assert f"MODEL = {str(tmp_path / 'logits.py') + ':build'!r}" in script  # runs from any folder
+
+
+def test_deepspeed_job_gets_an_editable_ds_config_and_a_torchrun_launch(factory: str):
+    """--engine deepspeed: ds_config.json in the job folder (batch sizes, optimizer, ZeRO), launched with torchrun."""
+    result = _convert(factory, "--stages", "2", "--engine", "deepspeed", "--batch-size", "4")
+    assert result.exit_code == 0, result.output
+    cfg = json.loads(Path("jobs/tiny/ds_config.json").read_text())
+    assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["optimizer"]["type"] == "AdamW"
+    assert cfg["zero_optimization"]["stage"] == 0
+    assert "torchrun --nproc-per-node 2 jobs/tiny/train.py" in result.output
+
+
+def test_report_keeps_a_report_html_it_did_not_write(factory: str):
+    """`autopipe report PLAN` rebuilds its own report.html, but a report.html of the user's beside the plan needs --force."""
+    assert _convert(factory, "--stages", "2").exit_code == 0
+    job = Path("jobs/tiny")
+    assert runner.invoke(app, ["report", str(job / "plan.json")]).exit_code == 0  # its own: rebuilt
+    (job / "report.html").write_text("<html>my notes</html>")
+    _fails_cleanly(runner.invoke(app, ["report", str(job / "plan.json")]), "is not an autopipe report")
+    assert (job / "report.html").read_text() == "<html>my notes</html>"
+    assert runner.invoke(app, ["report", str(job / "plan.json"), "--force"]).exit_code == 0
