@@ -134,7 +134,7 @@ def test_check_catches_a_device_less_target_given_to_the_stage(
     """A target made without device= (the engine's old placeholder) is refused before the schedule."""
     t, args, kwargs = trainer
     run = PipelineEngine.run
-    monkeypatch.setattr(PipelineEngine, "run", lambda self, inputs, target: run(self, inputs, torch.zeros(MICRO)))
+    monkeypatch.setattr(PipelineEngine, "run", lambda self, inputs, target, *seeds: run(self, inputs, torch.zeros(MICRO), *seeds))
     with pytest.raises(DeviceCheckError, match="pipeline target"):
         t.step(args, kwargs)
 
