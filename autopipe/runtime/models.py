@@ -41,6 +41,7 @@ class ModelSource:
     mask_token_id: int = 0  # masked LM: the id chosen tokens become
     pad_token_id: int = 0
     special_ids: tuple[int, ...] = ()  # never masked
+    num_labels: int = 0  # classification heads: the number of classes
 
     def batch(self, tokens: torch.Tensor | None, rows: int, *, step: int = 0, seed: int = 0) -> tuple[tuple, dict]:
         """The model's arguments for ``rows`` rows.
@@ -123,6 +124,7 @@ def model_factory(
         mask_token_id=mask_id,
         pad_token_id=pad_id,
         special_ids=special,
+        num_labels=int(getattr(config, "num_labels", 0) or 0) if task.endswith("classification") else 0,
     )
 
 

@@ -345,6 +345,11 @@ class JobData:
         loss can fall."""
         per = rows // replicas
         args, kwargs = self.source.batch(None, rows, step=step, seed=self.seed)
+        if self.source.num_labels and isinstance(kwargs.get("labels"), torch.Tensor):
+            # class ids below the head's number of classes, decided by the input so they can be learned
+            x = args[0]
+            key = (x.reshape(rows, -1)[:, 0] > 0).long() if x.is_floating_point() else x.reshape(rows, -1)[:, 0]
+            kwargs = {**kwargs, "labels": key % self.source.num_labels}
         target = None
         if self.loss != "model":
             shape, dtype = self.output_shape, self.output_dtype
