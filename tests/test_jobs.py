@@ -235,3 +235,45 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(jobs: dict[str, dict]) -> N
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "interrupted: newest checkpoint" in err, err[-3000:]
     assert f"{run / 'ckpt'}/step_000000" in err and "--resume" in err.splitlines()[-1]
+
+
+def test_deepspeed_resumes_and_exports_through_its_own_checkpoints(tmp_path: Path) -> None:
+    """Llama on DeepSpeed with the job's ds_config at ZeRO stage 1: a rank killed after step 2's
+    checkpoint, then --resume from DeepSpeed's own checkpoint to step 4; the 4 losses equal unpipelined
+    training's, and --export writes weights HF's from_pretrained loads, equal to the reference's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autopipe.runtime.ds import ds_config
+
+    LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=48, vocab_size=128, max_position_embeddings=SEQ).save_pretrained(tmp_path / "llama")
+    job = tmp_path / "job"
+    job.mkdir()
+    write_train_script(job / "train.py", model=str(tmp_path / "llama"), stages=2, microbatches=MICRO, schedule="1f1b",
+                       batch_size=ROWS, seq_len=SEQ, engine="deepspeed")
+    cfg = ds_config(TrainConfig(microbatches=MICRO), rows=ROWS, dp=1)
+    cfg["zero_optimization"] = {"stage": 1}
+    (job / "ds_config.json").write_text(json.dumps(cfg))  # the job's own: read without --deepspeed_config
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", str(job / "train.py"),
+            "--steps", "4", "--lr", str(LR), "--grad-clip", "0", "--plan", "even", "--ckpt-dir", str(job / "ckpt"),
+            "--log-json", str(job / "log.json"), "--ckpt-every", "1"]
+    # tests/faults/sitecustomize.py makes rank 1 SIGKILL itself once DeepSpeed's checkpoint of step 2 is saved
+    faults = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPIPE_TEST_KILL_AT": "2:1",
+              "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(base, capture_output=True, text=True, timeout=300, env=faults, cwd=job)
+    assert proc.returncode != 0
+    proc = subprocess.run([*base, "--resume", "--export", str(job / "exported")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=job)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ZeRO 1" in proc.stdout and "resumed from" in proc.stdout and "at step 2" in proc.stdout
+    assert sorted(p.name for p in (job / "ckpt").glob("step_*")) == ["step_00000003", "step_00000004"]  # DeepSpeed's tags, 2 kept
+    source = model_factory(str(tmp_path / "llama"), batch_size=ROWS, seq_len=SEQ)
+    data = JobData(source, None, seq_len=SEQ)
+    model = build_reference(source.factory, seed=0)
+    trainer = ReferenceTrainer(model, TrainConfig(steps=4, microbatches=MICRO, lr=LR, grad_clip=0.0, seed=0))
+    expected = [trainer.step(*data.batch(step, ROWS * MICRO)) for step in range(4)]
+    logged = {r["step"]: r["loss"] for r in map(json.loads, (job / "log.json").read_text().splitlines())}
+    assert [logged[s] for s in (1, 2, 3, 4)] == pytest.approx(expected, abs=TOL)
+    exported = LlamaForCausalLM.from_pretrained(job / "exported")
+    for name, p in exported.named_parameters():
+        torch.testing.assert_close(p.detach(), model.get_parameter(name).detach(), atol=TOL, rtol=0, msg=name)

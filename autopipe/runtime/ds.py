@@ -97,6 +97,7 @@ class DSLayer(nn.Module):
         self.bool_inputs = {i for i, sig in enumerate(ctx.seq.infos[index].inputs) if sig.dtype == "bool"}
         self.seeds: Any = None  # MicrobatchSeeds of the step, set by train_deepspeed
         self.microbatch = 0
+        self.autocast_dtype: torch.dtype | None = None  # --dtype bf16: autocast over fp32 weights
 
     def detach_tied(self) -> None:
         """Remove the tied tensors from the layer's parameters (the TiedHolder owns them); remember
@@ -122,7 +123,9 @@ class DSLayer(nn.Module):
         if self.seeds is not None:  # the torch engine's per-layer, per-micro-batch seeds (MicrobatchSeeds)
             torch.manual_seed(self.seeds.layer_seed(self.microbatch, self.index))
             self.microbatch += 1
-        out = self.layer(xs[0] if len(xs) == 1 else tuple(xs))
+        device_type = xs[0].device.type if xs else "cpu"
+        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None):
+            out = self.layer(xs[0] if len(xs) == 1 else tuple(xs))
         outs = out if isinstance(out, tuple) else (out,)
         outs = tuple(t.to(torch.uint8) if t.dtype == torch.bool else t for t in outs)
         if torch.is_grad_enabled():
@@ -286,7 +289,19 @@ def _load_ds_config(path: str | None, config: TrainConfig, args: Any, dp: int) -
             raise AutopipeError(f"{path}: optimizer {user['optimizer'].get('type')!r}; the pipeline engines train with AdamW.")
         config = replace(config, betas=tuple(params.get("betas", config.betas)), eps=float(params.get("eps", config.eps)),
                          weight_decay=float(params.get("weight_decay", config.weight_decay)))
+    # precision is autocast over fp32 weights, as on the torch engine: the traced layers carry the
+    # dtypes of the trace (a norm's upcast and cast back), which DeepSpeed's own bf16/fp16 modes, casting
+    # the weights, break ("expected m1 and m2 to have the same dtype")
+    wanted = "bf16" if (cfg.get("bf16") or {}).get("enabled") else "fp16" if (cfg.get("fp16") or {}).get("enabled") else "fp32"
+    if path is not None and wanted != config.dtype:
+        raise AutopipeError(f"{path} trains in {wanted} but --dtype is {config.dtype}; make them agree.")
+    if config.dtype == "fp16":
+        raise AutopipeError("--dtype fp16 on --engine deepspeed: use bf16 (autocast, fp32 weights), or fp16 on --engine torch.")
+    cfg.pop("bf16", None)
+    cfg.pop("fp16", None)
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+    if stage >= 1:
+        cfg["zero_allow_untested_optimizer"] = True  # autopipe's AdamW (see _ClippingAdamW) is a client optimizer
     if stage > 1:
         raise AutopipeError(f"ZeRO stage {stage} in the ds_config: DeepSpeed's pipeline engine allows stage 0 or 1.")
     cfg["gradient_clipping"] = config.grad_clip if stage >= 1 else 0.0  # stage 0: _ClippingAdamW clips
@@ -367,6 +382,8 @@ def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any,
     cfg, config = _load_ds_config(args.deepspeed_config or (str(job_config) if job_config.is_file() else None), config, args, dp)
     zero = int((cfg.get("zero_optimization") or {}).get("stage", 0))
     module = build_pipeline_module(ctx, boundaries, pp, loss_fn)
+    for layer in ctx.built:
+        layer.autocast_dtype = config.autocast_dtype
     params = {n: p for n, p in module.named_parameters()}
     optimizer = make_optimizer(params, config, cls=_ClippingAdamW)
     scheduler = make_lr_scheduler(optimizer, config)
