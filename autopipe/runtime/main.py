@@ -2,8 +2,8 @@
 
 - ``one_line_errors(ckpt_dir)``: an :class:`AutopipeError` (or a file error) anywhere in train.py is
   printed once, by rank 0, as ``error: ...`` (what was wrong and what to do), and every rank exits
-  with status 1. Ctrl-C ends each rank quietly; rank 0 prints the newest checkpoint and the command
-  that resumes from it (status 130). ``AUTOPIPE_DEBUG=1`` shows the tracebacks instead. Other
+  with status 1. Ctrl-C (or the SIGTERM torchrun sends its workers then) ends each rank quietly;
+  rank 0 prints the newest checkpoint and the command that resumes from it (status 130). ``AUTOPIPE_DEBUG=1`` shows the tracebacks instead. Other
   exceptions are bugs, shown with their traceback.
 - ``check_launch(plan, env)``: the process count fits the plan, or one line saying how to launch.
 - ``resume(trainer, ckpt_dir, ...)``: ``--resume`` continues from the newest checkpoint; with none
@@ -72,6 +72,14 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
         previous(kind, value, tb)
 
     sys.excepthook = hook
+    # torchrun answers Ctrl-C by sending its workers SIGTERM, which would end them without a word
+    # (and may come first): a stop either way, the same clean one
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _say(line: str) -> None:
