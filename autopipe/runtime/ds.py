@@ -421,7 +421,7 @@ def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any,
         log.step(StepStats(step=step + 1, loss=loss, lr=lr, grad_norm=norm, step_time=dt,
                            tokens_per_s=count / dt if dt > 0 else 0.0, stage_times=[dt]))
         if (args.ckpt_every and (step + 1) % args.ckpt_every == 0) or step + 1 == config.steps:
-            _ds_save(engine, args.ckpt_dir, step + 1, keep=args.ckpt_keep, data=data.state(), rank=rank)
+            _ds_save(engine, args.ckpt_dir, step + 1, keep=args.ckpt_keep, data=data.state(), rank=rank, steps=config.steps)
     final = Path(args.ckpt_dir) / "deepspeed_final"
     meta = {"step": config.steps, "pp": pp, "dp": dp, "tied": {g.canonical: list(g.names) for g in seq.tied}}
     _save_final(module, final, stage, write=dp_rank == 0, meta=meta if rank == 0 else None)
@@ -443,11 +443,11 @@ def _ds_tags(root: Path) -> list[Path]:
     return sorted(found)
 
 
-def _ds_save(engine: Any, root: str, step: int, *, keep: int, data: dict[str, Any], rank: int) -> None:
+def _ds_save(engine: Any, root: str, step: int, *, keep: int, data: dict[str, Any], rank: int, steps: int = 0) -> None:
     """DeepSpeed's own checkpoint of this step (collective), tagged ``step_N``; the newest ``keep`` kept."""
     import shutil
 
-    engine.save_checkpoint(root, tag=f"step_{step:08d}", client_state={"step": step, "data": data})
+    engine.save_checkpoint(root, tag=f"step_{step:08d}", client_state={"step": step, "steps": steps, "data": data})
     if rank == 0 and keep > 0:
         for stale in _ds_tags(Path(root))[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
@@ -471,6 +471,9 @@ def _ds_resume(engine: Any, args: Any, config: TrainConfig, log: Any) -> int:
         raise ResumeError(f"{tags[-1]} could not be loaded by DeepSpeed; it was saved with another layout (stages, --dp).")
     step = int(client["step"])
     log.info(f"resumed from {tags[-1]} at step {step}")
+    if client.get("steps") and int(client["steps"]) != config.steps:
+        log.info(f"note: the checkpoint was trained for --steps {client['steps']}; the learning rate now decays over "
+                 f"{config.steps} steps from step {step}")
     if step >= config.steps:
         raise ResumeError(f"{tags[-1]} is at step {step}, already at --steps {config.steps}: pass a larger --steps to train on.")
     return step
