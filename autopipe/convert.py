@@ -183,7 +183,8 @@ def convert(
     # ---- flatten, profile ----
     say("flatten")
     seq = flatten(m, args, kwargs)
-    _check_job_inputs(model, seq, job_loss, loss, data, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    _check_job_inputs(model, seq, job_loss, loss, data, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                      factory_data=spec.data is not None)
     lap("flatten")
     chunks_per_rank = 2 if schedule in ("interleaved1f1b", "zbv") else 1
     if stages * chunks_per_rank > len(seq.layers):
@@ -236,16 +237,18 @@ def _absolute_spec(model: str) -> str:
     return model
 
 
-def _check_job_inputs(model: str, seq: Any, job_loss: Any, loss: str, data: Any, **shape: int) -> None:
-    """Refuse, before profiling, a job that could not train: no scalar loss, or --data that does not fit."""
+def _check_job_inputs(model: str, seq: Any, job_loss: Any, loss: str, data: Any, *, factory_data: bool = False,
+                      **shape: int) -> None:
+    """Refuse, before profiling, a job that could not train: no scalar loss, or data (--data, or the
+    factory's) that does not fit the model."""
     from .runtime.tasks import JobData, check_loss
 
     check_loss(seq, job_loss, model)
-    if data is not None:
+    if data is not None or factory_data:
         from .runtime.models import model_factory
 
         source = model_factory(model, batch_size=shape["batch_size"], seq_len=shape["seq_len"], seed=shape["seed"], loss=loss)
-        JobData(source, str(data), seq_len=shape["seq_len"], seed=shape["seed"], seq=seq)
+        JobData(source, str(data) if data is not None else None, seq_len=shape["seq_len"], seed=shape["seed"], seq=seq)
 
 
 def _named(prof: Profile, model: str) -> Profile:

@@ -312,3 +312,15 @@ def test_report_keeps_a_report_html_it_did_not_write(factory: str):
     _fails_cleanly(runner.invoke(app, ["report", str(job / "plan.json")]), "is not an autopipe report")
     assert (job / "report.html").read_text() == "<html>my notes</html>"
     assert runner.invoke(app, ["report", str(job / "plan.json"), "--force"]).exit_code == 0
+
+
+def test_a_factory_s_data_that_does_not_fit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Data the factory returns is checked against the model like --data: one line, nothing written."""
+    (tmp_path / "fd.py").write_text(
+        "import numpy as np, torch\nfrom torch import nn\n"
+        "def build(batch_size=2):\n"
+        "    return {'model': nn.Sequential(nn.Linear(4, 3)), 'args': (torch.zeros(batch_size, 4),),\n"
+        "            'data': {'x': np.zeros((8, 5), np.float32), 'y': np.zeros(8, np.int64)}}\n")
+    monkeypatch.chdir(tmp_path)
+    _fails_cleanly(_convert("fd.py:build", "--stages", "1", "--loss", "cross_entropy"), "x has rows of shape (5,)")
+    assert not Path("jobs").exists()
