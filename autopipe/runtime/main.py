@@ -30,6 +30,10 @@ class ResumeError(AutopipeError):
     """--resume found nothing to resume, or a checkpoint that does not fit this run."""
 
 
+# what gloo and NCCL say when a peer process has exited
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "NCCL communicator was aborted")
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -69,6 +73,8 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 _say(f"error: {' '.join(message.split())}")
             # leave at once: a rank waiting in a collective would otherwise hold the others until it times out
             os._exit(1)
+        if _rank() != 0 and any(s in str(value) for s in _PEER_GONE):
+            os._exit(1)  # another rank failed and left (and said why); this one only lost its peer
         previous(kind, value, tb)
 
     sys.excepthook = hook
