@@ -277,3 +277,25 @@ def test_deepspeed_resumes_and_exports_through_its_own_checkpoints(tmp_path: Pat
     exported = LlamaForCausalLM.from_pretrained(job / "exported")
     for name, p in exported.named_parameters():
         torch.testing.assert_close(p.detach(), model.get_parameter(name).detach(), atol=TOL, rtol=0, msg=name)
+
+
+RANK1_FAILS = '''
+import autopipe.runtime as rt
+from autopipe.errors import AutopipeError
+
+rt.one_line_errors()
+env = rt.init_dist()
+if env.rank == 1:
+    raise AutopipeError("only rank 1 read this file: fix it")
+env.barrier()  # rank 0 waits here and loses its peer
+env.close()
+'''
+
+
+def test_an_error_only_another_rank_meets_is_rank_0_s_one_line(tmp_path: Path) -> None:
+    """Rank 1 fails alone: rank 0, which only lost its peer, prints rank 1's line (from the store); no traceback."""
+    (tmp_path / "fails.py").write_text(RANK1_FAILS)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+                           str(tmp_path / "fails.py")], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _one_line(proc, "rank 1: only rank 1 read this file: fix it")

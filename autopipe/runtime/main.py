@@ -2,7 +2,7 @@
 
 - ``one_line_errors(ckpt_dir)``: an :class:`AutopipeError` (or a file error) anywhere in train.py is
   printed once, by rank 0, as ``error: ...`` (what was wrong and what to do), and every rank exits
-  with status 1. Ctrl-C (or the SIGTERM torchrun sends its workers then) ends each rank quietly;
+  with status 1; an error only another rank met reaches rank 0 through the process group's store. Ctrl-C (or the SIGTERM torchrun sends its workers then) ends each rank quietly;
   rank 0 prints the newest checkpoint and the command that resumes from it (status 130). ``AUTOPIPE_DEBUG=1`` shows the tracebacks instead. Other
   exceptions are bugs, shown with their traceback.
 - ``check_launch(plan, env)``: the process count fits the plan, or one line saying how to launch.
@@ -66,15 +66,25 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 _say(f"interrupted: {where}")
             os._exit(130)
         if issubclass(kind, (AutopipeError, OSError)):
+            message = str(value)
+            if isinstance(value, OSError) and value.strerror:
+                message = f"cannot access {value.filename}: {value.strerror}" if value.filename else value.strerror
+            message = " ".join(message.split())
             if _rank() == 0:
-                message = str(value)
-                if isinstance(value, OSError) and value.strerror:
-                    message = f"cannot access {value.filename}: {value.strerror}" if value.filename else value.strerror
-                _say(f"error: {' '.join(message.split())}")
+                _say(f"error: {message}")
+            else:  # usually rank 0 fails the same way; if not, it finds this rank's line in the store
+                _leave_word(message)
             # leave at once: a rank waiting in a collective would otherwise hold the others until it times out
             os._exit(1)
-        if _rank() != 0 and any(s in str(value) for s in _PEER_GONE):
-            os._exit(1)  # another rank failed and left (and said why); this one only lost its peer
+        if any(s in str(value) for s in _PEER_GONE):
+            # another rank failed and left: rank 0 says why (from that rank's word), the others only lost a peer
+            if _rank() == 0:
+                word = _find_word()
+                if word is not None:
+                    _say(f"error: {word}")
+                    os._exit(1)
+            else:
+                os._exit(1)
         previous(kind, value, tb)
 
     sys.excepthook = hook
@@ -86,6 +96,41 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no store (a one-rank world made without one): nothing to share
+        return None
+
+
+def _leave_word(message: str) -> None:
+    """Put a failing rank's line where rank 0 can read it (the process group's key-value store)."""
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"autopipe/error/{_rank()}", message)
+        except Exception:  # the store's host may be gone too: nothing more to do
+            pass
+
+
+def _find_word() -> str | None:
+    """The line a failed rank left in the store, if one did."""
+    store = _store()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for rank in range(1, world):
+        key = f"autopipe/error/{rank}"
+        try:
+            if store is not None and store.check([key]):
+                return f"rank {rank}: {store.get(key).decode()}"
+        except Exception:
+            return None
+    return None
 
 
 def _say(line: str) -> None:
