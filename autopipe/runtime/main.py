@@ -57,6 +57,11 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if issubclass(kind, KeyboardInterrupt):
+            # torchrun stops the others with SIGTERM when a rank fails: then say why, not "interrupted"
+            word = _find_word() if _rank() == 0 else None
+            if word is not None:
+                _say(f"error: {word}")
+                os._exit(1)
             if _rank() == 0:
                 from .checkpoint import latest_checkpoint
 
