@@ -213,3 +213,19 @@ def test_launching_the_wrong_number_of_processes_says_the_right_one() -> None:
     check_launch(plan, 2, 2)
     with pytest.raises(AutopipeError, match="launch with --nproc-per-node 2 or 4"):
         check_launch(SimpleNamespace(boundaries=(0, 1, 2, 3, 4)), 3, 1)
+
+
+def test_seq2seq_pairs_from_a_datasets_file(tmp_path: Path) -> None:
+    """A .jsonl of source/target text pairs: the source (cut or padded with the pad id) is the input,
+    the target the labels, padded with -100 so the loss ignores the padding."""
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"source": f"say {i}", "target": "ok" * (i + 1)}) + "\n")
+    t5 = model_factory(_folder(tmp_path, "t5"), batch_size=2, seq_len=SEQ)
+    data = JobData(t5, str(tmp_path / "pairs.jsonl"), seq_len=SEQ)
+    (ids,), kwargs, _ = data.batch(0, 6)
+    for row, labels in zip(ids, kwargs["labels"]):
+        source = bytes(row[row != 0].tolist()).decode()
+        i = int(source.split()[1])
+        assert source == f"say {i}"
+        assert bytes(labels[labels != -100].tolist()).decode() == ("ok" * (i + 1))[:SEQ]

@@ -10,7 +10,8 @@ Sources (``open_data``):
   arrays named after the model's inputs (``input_ids``, ``mask``, ``labels``...);
 - HuggingFace ``datasets`` files (``.parquet``, ``.jsonl``/``.json``, ``.arrow``): a ``text`` or
   ``input_ids`` column is a token stream (concatenated, as HF's ``group_texts`` does); with a
-  ``label`` column, or columns named ``x``/``y`` or after the inputs, rows are samples.
+  ``label`` column, ``source``/``target`` text pairs (seq2seq), or columns named ``x``/``y`` or after
+  the inputs, rows are samples (text columns tokenized row by row).
 
 Every batch is a pure function of ``(seed, step)``: epoch ``e`` visits the samples (or windows) in a
 permutation seeded from ``(seed, e)``; step ``s`` takes the next ``rows`` of that order and
@@ -221,6 +222,10 @@ class SampleData:
             self._cache[name] = self.loaders[name]()
         return self._cache[name]
 
+    def kind(self, name: str) -> str:
+        """``ragged`` for tokenized text (rows of their own lengths), else ``array``."""
+        return "ragged" if isinstance(self.array(name), list) else "array"
+
     def rows(self, name: str, index: np.ndarray) -> torch.Tensor:
         arr = self.array(name)
         if isinstance(arr, torch.Tensor):
@@ -292,7 +297,7 @@ def _open_dataset(path: Path, *, tokenizer_dir: str | None) -> SampleData | Toke
         raise DataError(f"--data {str(path)!r} is empty (0 rows).")
     cols = set(ds.column_names)
     stream_col = "input_ids" if "input_ids" in cols else "text" if "text" in cols else None
-    labelled = cols & {"label", "labels", "y"}
+    labelled = cols & {"label", "labels", "y", "target"}
     if stream_col is not None and not labelled:
         if stream_col == "text":
             tok = load_tokenizer(tokenizer_dir)
@@ -303,10 +308,11 @@ def _open_dataset(path: Path, *, tokenizer_dir: str | None) -> SampleData | Toke
             return TokenStream(np.frombuffer(joined, dtype=np.uint8), path, tokenizer="bytes")
         return TokenStream(np.asarray([i for row in ds["input_ids"] for i in row], dtype=np.int64), path)
     loaders: dict[str, Any] = {}
+    tok = None
     for col in ds.column_names:
-        if col == "text":
-            tok = load_tokenizer(tokenizer_dir)
-            loaders["text"] = lambda tok=tok: _tokenize_rows(ds["text"], tok)
+        if getattr(ds.features[col], "dtype", None) in ("string", "large_string"):  # text: token rows of their own lengths
+            tok = tok or load_tokenizer(tokenizer_dir)
+            loaders[col] = lambda col=col, tok=tok: _tokenize_rows(ds[col], tok)
         else:
             loaders[col] = lambda col=col: np.asarray(ds[col])
     return SampleData(path, loaders, len(ds))

@@ -205,5 +205,8 @@ class _DatasetSamples:
     def array(self, name: str) -> Any:
         return [self._item(i, name) for i in range(self.n)]
 
+    def kind(self, name: str) -> str:
+        return "array"
+
     def rows(self, name: str, index: Any) -> torch.Tensor:
         return torch.stack([self._item(i, name) for i in index])

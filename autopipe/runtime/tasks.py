@@ -38,6 +38,9 @@ __all__ = ["JobData", "LABEL_NAMES", "LOSSES", "LossError", "check_loss", "loss_
 LOSSES = ("auto", "model", "cross_entropy", "mse")
 LABEL_NAMES = ("labels", "label", "targets", "target", "y")
 TOKEN_TASKS = ("causal-lm", "masked-lm", "seq2seq")
+# sample columns standing for the first input and for the targets (besides the inputs' own names)
+_X_NAMES = ("x", "text", "source")
+_Y_NAMES = ("y", "labels", "label", "target")
 
 
 class LossError(AutopipeError):
@@ -308,14 +311,14 @@ class JobData:
         given: dict[str, torch.Tensor] = {}
         target = None
         label = self._label_input()
-        y_name = next((n for n in ("y", "labels", "label") if n in names), None)
+        y_name = next((n for n in _Y_NAMES if n in names), None)
         for inp in self.inputs:
             if inp is label and self.loss == "model" and y_name is not None:
                 src = inp.name if inp.name in names else y_name
             elif inp.name in names:
                 src = inp.name
             elif inp is self.inputs[0]:
-                src = "x" if "x" in names else "text"
+                src = next(n for n in _X_NAMES if n in names)
             else:
                 continue
             if want_inputs:
@@ -326,10 +329,12 @@ class JobData:
         return args, kwargs, target
 
     def _column(self, name: str, index: np.ndarray, inp: _Input | None) -> torch.Tensor:
-        if name == "text":
-            rows = self.samples.array("text")
+        rows = self.samples.array(name) if self.samples.kind(name) == "ragged" else None
+        if rows is not None:  # token rows of their own lengths (tokenized text): cut or padded to the input's width
             width = inp.shape[0] if inp is not None and inp.shape else self.seq_len
-            out = torch.full((len(index), width), self.source.pad_token_id, dtype=torch.long)
+            # inputs are padded with the pad id; labels with -100, which the loss ignores
+            fill = self.source.pad_token_id if inp is None or inp.name not in LABEL_NAMES else -100
+            out = torch.full((len(index), width), fill, dtype=torch.long)
             for r, i in enumerate(index):
                 ids = torch.as_tensor(rows[int(i)][:width])
                 out[r, : len(ids)] = ids
@@ -379,12 +384,12 @@ class JobData:
         first = self.inputs[0] if self.inputs else None
         missing = []
         for inp in self.inputs:
-            if inp.name in names or (inp is label and any(n in names for n in ("y", "labels", "label"))):
+            if inp.name in names or (inp is label and any(n in names for n in _Y_NAMES)):
                 continue
-            if inp is first and ("x" in names or "text" in names):
+            if inp is first and any(n in names for n in _X_NAMES):
                 continue
             missing.append(inp.name)
-        if need_y and not any(n in names for n in ("y", "labels", "label")):
+        if need_y and not any(n in names for n in _Y_NAMES):
             missing.append("y")
         if missing:
             raise DataError(
@@ -392,8 +397,8 @@ class JobData:
                 f"y (the targets) and any other input under its name ({', '.join(i.name for i in self.inputs)})."
             )
         for inp in self.inputs:
-            src = inp.name if inp.name in names else ("x" if inp is first and "x" in names else None)
-            if src is None or src == "text":
+            src = inp.name if inp.name in names else (next((n for n in _X_NAMES if n in names), None) if inp is first else None)
+            if src is None or self.samples.kind(src) == "ragged":
                 continue
             row = self.samples.rows(src, np.zeros(1, dtype=np.int64))
             if tuple(row.shape[1:]) != inp.shape:
@@ -403,8 +408,8 @@ class JobData:
                 )
             if row.is_floating_point() != inp.dtype.is_floating_point:
                 raise DataError(f"{where}: {src} holds {row.dtype} values but {inp.name} takes {inp.dtype}.")
-        y_name = next((n for n in ("y", "labels", "label") if n in names), None)
-        if y_name is not None and self.loss == "cross_entropy":
+        y_name = next((n for n in _Y_NAMES if n in names), None)
+        if y_name is not None and self.loss == "cross_entropy" and self.samples.kind(y_name) != "ragged":
             y = self.samples.rows(y_name, np.arange(min(self.samples.n, 4096)))
             classes = self.output_shape[-1] if self.output_shape else 0
             if y.is_floating_point() or (classes and int(y.max()) >= classes):
