@@ -129,6 +129,10 @@ def convert(
     if train_dtype not in DTYPES:
         raise AutopipeError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16.")
     schedule = normalize_schedule(schedule)
+    if engine == "deepspeed" and (schedule not in ("1f1b", "gpipe") or train_dtype == "fp16"):
+        what = f"--schedule {schedule}" if schedule not in ("1f1b", "gpipe") else "--dtype fp16"
+        raise AutopipeError(f"{what} does not run on --engine deepspeed (its own 1F1B schedule; bf16 or fp32): "
+                            "drop it or use --engine torch.")
     limit = None if memory_limit is None else parse_size(memory_limit)
     job_dir = Path(out) if out is not None else default_job_dir(model)
     check_job_dir(job_dir, force=force)

@@ -301,6 +301,8 @@ def test_deepspeed_job_gets_an_editable_ds_config_and_a_torchrun_launch(factory:
     assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["optimizer"]["type"] == "AdamW"
     assert cfg["zero_optimization"]["stage"] == 0
     assert "torchrun --nproc-per-node 2 jobs/tiny/train.py" in result.output
+    _fails_cleanly(_convert(factory, "--stages", "2", "--engine", "deepspeed", "--schedule", "zbv", "--out", "x"),
+                   "--schedule zbv does not run on --engine deepspeed")
 
 
 def test_report_keeps_a_report_html_it_did_not_write(factory: str):
