@@ -131,11 +131,12 @@ def plan_command(
     stages: Annotated[int, typer.Option("--stages", "-s", help="Pipeline stages (ranks).")],
     microbatches: Annotated[Optional[int], typer.Option("--microbatches", "-m", help="Micro-batches per step (default 2 x stages).")] = None,
     schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved1f1b or zbv.")] = "1f1b",
-    memory_limit: Annotated[Optional[str], typer.Option("--memory-limit", help="Memory per device, like 80GiB or 512MB.")] = None,
+    memory_limit: Annotated[str, typer.Option("--memory-limit", help="Memory per device, like 80GiB or 512MB; 'device': the profile's GPU memory (no limit for a CPU profile); 'none': no limit.")] = "device",
     virtual_stages: Annotated[Optional[int], typer.Option("--virtual-stages", help="Chunks per rank for interleaved schedules.")] = None,
     optimizer: Annotated[Optional[str], typer.Option(help="Recount optimizer state for adamw, adam, sgd-momentum, sgd or none.")] = None,
     bandwidth: Annotated[Optional[str], typer.Option(help="Link bytes per second between ranks, like 25GB; 'none' ignores communication.")] = None,
     method: Annotated[str, typer.Option(help="autopipe, uniform, parameters, type:REGEX, torchtitan or greedy.")] = "autopipe",
+    recompute: Annotated[str, typer.Option(help="Activation recompute per chunk: auto (the fastest that fits the limit), none, selective or full.")] = "auto",
     boundaries: Annotated[Optional[str], typer.Option(help="Your own cut as layer indices, like 0,7,14,21,26.")] = None,
     stage_names: Annotated[Optional[str], typer.Option("--stage-names", help="Your own cut as module names per stage: stages split by ';', names by ',', like 'wte,h.0,h.1;h.2,h.3,ln_f'. A name covers the layers it prefixes.")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Show the baseline partitioners beside autopipe.")] = False,
@@ -143,7 +144,7 @@ def plan_command(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan (and comparison) as JSON.")] = False,
 ) -> None:
-    """Cut a profiled model into pipeline stages: the exact optimum for the schedule and memory limit."""
+    """Cut a profiled model into pipeline stages for the shortest simulated step under the memory limit."""
     import json
 
     from .baselines import BASELINES
@@ -167,7 +168,7 @@ def plan_command(
         names = [[n.strip() for n in part.split(",") if n.strip()] for part in stage_names.split(";")]
     prof = Profile.load(profile)
     options = dict(microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
-                   optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw)  # fmt: skip
+                   optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw, recompute=recompute)  # fmt: skip
     plan = partition(prof, stages, boundaries=cut, stage_names=names, method=method, **options)  # type: ignore[arg-type]
     others = []
     if compare:

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from .cli_base import app, console, err_console, handle_errors
+from .plan_view import limit_phrase, recompute_phrase
 
 __all__ = ["convert_command", "report_command", "stage_table"]
 
@@ -64,7 +65,8 @@ def convert_command(
     seq_len: Annotated[int, typer.Option(help="Sequence length (language models); small keeps CPU runs quick.")] = 64,
     device: Annotated[str, typer.Option(help="Profile on cpu or cuda; with --estimate also a100, h100, h200.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="Training precision: fp32, bf16 or fp16 (fp32 master weights).")] = "fp32",
-    memory_limit: Annotated[Optional[str], typer.Option(help="Memory per device, like 80GiB or 512MB (default: no limit).")] = None,
+    memory_limit: Annotated[str, typer.Option(help="Memory per device, like 80GiB or 512MB; 'device': the GPU's memory (no limit on CPU); 'none': no limit.")] = "device",
+    recompute: Annotated[str, typer.Option(help="Activation recompute per chunk: auto (the fastest that fits the limit), none, selective or full.")] = "auto",
     estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: cost layers from FLOPs and bytes on the meta device.")] = False,
     engine: Annotated[str, typer.Option(help="torch (torch.distributed.pipelining) or deepspeed.")] = "torch",
     out: Annotated[Optional[Path], typer.Option(help="Job folder (default jobs/<model name>).")] = None,
@@ -84,8 +86,8 @@ def convert_command(
 
     result = convert(
         model, stages=stages, microbatches=microbatches, schedule=schedule, batch_size=batch_size, seq_len=seq_len,
-        device=device, dtype=dtype, memory_limit=memory_limit, estimate=estimate, engine=engine, out=out,
-        force=force, repeats=repeats, reserve=reserve, loss=loss, data=data, on_pass=say,
+        device=device, dtype=dtype, memory_limit=memory_limit, recompute=recompute, estimate=estimate, engine=engine,
+        out=out, force=force, repeats=repeats, reserve=reserve, loss=loss, data=data, on_pass=say,
     )  # fmt: skip
     plan, prof = result.plan, result.profile
     for warning in prof.warnings:
@@ -98,10 +100,9 @@ def convert_command(
         gain = best[1].step_time / plan.step_time - 1
         versus = f"; best baseline ({best[0]}) {gain:+.1%}" if abs(gain) >= 0.0005 else f"; best baseline ({best[0]}) equal"
     how = "measured on" if prof.mode == "measured" else "estimated for"
-    limit = f" of {format_bytes(plan.memory_limit)}" if plan.memory_limit else ""
     console.print(f"{how} {prof.device.name}: step {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%}, "
-                  f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit}{versus}",
-                  highlight=False, soft_wrap=True)
+                  f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
+                  f"{recompute_phrase(plan)}{versus}", highlight=False, soft_wrap=True)
     took = sum(result.seconds.values())
     console.print(f"wrote {result.job.job_dir}/ (plan.json, profile.json, train.py, report.html, README.md) "
                   f"in {took:.1f} s", highlight=False, soft_wrap=True)

@@ -76,7 +76,8 @@ def convert(
     seq_len: int = 128,
     device: str = "cpu",
     dtype: str = "fp32",
-    memory_limit: str | int | None = None,
+    memory_limit: str | int | None = "device",
+    recompute: str = "auto",
     estimate: bool = False,
     engine: str = "torch",
     out: str | os.PathLike[str] | None = None,
@@ -102,7 +103,10 @@ def convert(
         device: profile on cpu or cuda; with ``estimate``, the device to estimate for.
         dtype: training precision fp32, bf16 or fp16 (autocast: fp32 weights and optimizer state,
             16-bit matmuls; the profile measures the same).
-        memory_limit: per device, e.g. "80GiB"; None: no limit.
+        memory_limit: per device, e.g. "80GiB"; None or "none": no limit; "device" (the default):
+            the GPU's memory when profiling on or estimating for one, no limit on CPU.
+        recompute: activation recompute per chunk: auto (the default: the fastest that fits the
+            limit, none where nothing binds), none, selective or full.
         estimate: run nothing; cost layers from FLOPs and bytes on the meta device (no weights).
         engine: torch (torch.distributed.pipelining) or deepspeed (PipelineModule).
         out: the job folder (default ``jobs/<model name>``); refused if it holds files, unless ``force``.
@@ -133,7 +137,12 @@ def convert(
         what = f"--schedule {schedule}" if schedule not in ("1f1b", "gpipe") else "--dtype fp16"
         raise AutopipeError(f"{what} does not run on --engine deepspeed (its own 1F1B schedule; bf16 or fp32): "
                             "drop it or use --engine torch.")
-    limit = None if memory_limit is None else parse_size(memory_limit)
+    if memory_limit is not None and str(memory_limit).strip().lower() not in ("device", "none"):
+        parse_size(memory_limit)  # a bad size is refused before any work
+    from .partition import RECOMPUTE_POLICIES
+
+    if recompute not in RECOMPUTE_POLICIES:
+        raise AutopipeError(f"unknown --recompute {recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
     job_dir = Path(out) if out is not None else default_job_dir(model)
     check_job_dir(job_dir, force=force)
     if data is not None:
@@ -214,8 +223,8 @@ def convert(
 
     # Interleaved schedules need chunks to interleave: two per rank, the smallest that helps.
     virtual = 2 if schedule == "interleaved1f1b" else None
-    plan = partition(prof, stages, microbatches=microbatches, schedule=schedule, memory_limit=limit,
-                     virtual_stages=virtual)
+    plan = partition(prof, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
+                     virtual_stages=virtual, recompute=recompute)
     baselines = compare_baselines(prof, plan)
     lap("partition")
 

@@ -109,7 +109,7 @@ def layer_memory(profile: Profile, optimizer: str | None = None) -> LayerMemory:
             if rc is None and mode == "selective":
                 rc_bytes = l.activation_bytes  # not profiled: selective keeps what none keeps
             elif rc is None:
-                rc_bytes = min(inp, l.activation_bytes)
+                rc_bytes = inp  # not profiled (older profiles): full keeps the layer's input
             else:
                 rc_bytes = rc.activation_bytes
             kept.append(rc_bytes)
@@ -118,6 +118,7 @@ def layer_memory(profile: Profile, optimizer: str | None = None) -> LayerMemory:
         acts[mode], trans[mode] = tuple(kept), tuple(extra)
     tied = []
     for name, size in profile.tied_static_bytes.items():
+        size = int(size * (2 + new) / (2 + old))  # param + grad + state of one copy, for this optimizer
         users = tuple(i for i, l in enumerate(layers) if name in l.tied)
         if not users:
             continue

@@ -1,16 +1,25 @@
 """The partition pass: Profile + stages + schedule + memory limit -> Plan.
 
-This module turns a profile into the solver's plain numbers (autopipe/solver.py, which owns the
-algorithm), explains infeasible limits, applies user overrides and baselines, and fills the Plan.
+This module turns a profile into per-chunk costs (autopipe/chunkcost.py), asks the step-time
+partitioner (autopipe/stepsolve.py, which owns the algorithm) for the cut, explains infeasible
+limits, applies user overrides and baselines, and fills the Plan.
 
-Cost model, per micro-batch. A chunk ``[a, b)`` takes its layers' forward+backward time plus, at each
-cut it touches, the tuple crossing that cut twice (activations forward, their gradients backward) at
-``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer state (a tied tensor once per
-chunk holding it) plus its activation bytes times the micro-batches the schedule keeps in flight
-there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for interleaved, and min(M, 2S)
-for the greedy zbv, whose order depends on the costs (see schedule.inflight_counts).
-With v virtual stages per rank, each chunk must fit ``memory_limit / v`` (a sufficient condition for
-the rank), and the solver minimises the slowest chunk.
+Objective: the simulated step of the schedule that will run (schedule.simulate), not the slowest
+chunk. Cost model, per micro-batch. A chunk ``[a, b)`` takes its layers' forward and backward time
+plus, at each cut it touches, the tuple crossing that cut once forward (activations) and once
+backward (their gradients) at ``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer
+state (a tied tensor once per chunk holding it) plus its activation bytes times the micro-batches the
+schedule keeps in flight there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for
+interleaved, and min(M, 2S) for the greedy zbv, whose order depends on the costs (see
+schedule.inflight_counts). With v virtual stages per rank each chunk must fit ``memory_limit / v``
+(sufficient for the rank).
+
+Recompute, per chunk: "none" keeps every activation; "full" keeps each layer's input and runs its
+forward again in backward; "selective" keeps what the profile measured for that mode (a layer with no
+selective figures keeps everything, as under none). Under a recompute mode a chunk also holds the
+plain activations of the one layer it is recomputing. A layer with no "full" figures (older profiles)
+keeps its input (the previous layer's output bytes, or the profile's input bytes) and adds its forward
+time. ``recompute="auto"`` lets each chunk take the fastest mode that fits; the others force one mode.
 """
 
 from __future__ import annotations
@@ -22,59 +31,97 @@ from typing import Sequence
 import numpy as np
 
 from .baselines import baseline
+from .chunkcost import ChunkCosts
 from .errors import InfeasibleMemoryError, PartitionError
+from .memory import layer_memory, rank_memory
 from .plan import Plan
-from .records import Profile, optimizer_state_factor
+from .records import Profile
 from .schedule import check_schedule, check_weight_share, chunk_ranks, inflight_counts, normalize_schedule, simulate
-from .solver import Infeasible, StageCosts, fits, min_peak_memory, solve
+from .stepbound import fits, least_memory
+from .stepsolve import Infeasible, StepSolution, solve_step
 from .units import format_bytes, parse_size
 
-__all__ = ["partition", "DEFAULT_BANDWIDTH"]
+__all__ = ["partition", "DEFAULT_BANDWIDTH", "RECOMPUTE_POLICIES"]
+
+RECOMPUTE_POLICIES = ("none", "auto", "selective", "full")
 
 # PCIe 4.0 x16 in practice: the slowest link a pipeline commonly crosses inside one machine.
 DEFAULT_BANDWIDTH = 25e9
 
 class _Model:
-    """The profile as the solver's numbers, for one (optimizer, bandwidth)."""
+    """The profile as per-chunk costs, for one (optimizer, bandwidth, schedule, micro-batch count).
 
-    def __init__(self, profile: Profile, optimizer: str | None, bandwidth: float | None) -> None:
+    Bytes come from autopipe.memory (the same figures the plan's per-rank memory adds up); seconds
+    from the profile. On zbv a recomputed layer runs its forward again in each of its two backward
+    passes (input, then weight gradients), so its extra time counts twice.
+    """
+
+    def __init__(self, profile: Profile, optimizer: str | None, bandwidth: float | None,
+                 schedule: str = "1f1b", microbatches: int = 1) -> None:  # fmt: skip
         layers = profile.layers
         self.names = [layer.name or f"layer{i}" for i, layer in enumerate(layers)]
-        old = optimizer_state_factor(profile.optimizer)
-        new = old if optimizer is None else optimizer_state_factor(optimizer)
         self.optimizer = (optimizer or profile.optimizer).lower()
-        # Another optimizer: its state scales with the parameters (in their dtype).
-        opt = [l.optimizer_bytes if new == old else int(l.param_bytes * new) for l in layers]
-        static = [l.param_bytes + l.grad_bytes + o for l, o in zip(layers, opt)]
+        lm = layer_memory(profile, optimizer)
+        self.memory = lm
+        static = list(lm.static)
         tied = []
-        for name, size in profile.tied_static_bytes.items():
-            size = int(size * (2 + new) / (2 + old))  # param + grad + state, one copy
-            users = [i for i, l in enumerate(layers) if name in l.tied]
+        for size, users, *_ in lm.tied:
             for i in users:
                 if static[i] < size:
                     raise PartitionError(
-                        f"layer {i} ({self.names[i]}) lists tied tensor {name!r} of {size} bytes but holds only "
+                        f"layer {i} ({self.names[i]}) lists a tied tensor of {size} bytes but holds only "
                         f"{static[i]} static bytes; its figures must include the tied tensor. Profile again."
                     )
-            tied.append((size, users))
+            tied.append((size, list(users)))
         bw = float("inf") if bandwidth is None else float(bandwidth)
         if not bw > 0:
             raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
         self.bandwidth = bw
-        self.cut_bytes = [l.output_bytes for l in layers[:-1]]
-        one_way = [b / bw for b in self.cut_bytes]
-        self.one_way = one_way
-        self.costs = StageCosts(
-            [l.time for l in layers],
-            [2 * t for t in one_way],  # activations forward, gradients backward
+        self.one_way = [l.output_bytes / bw for l in layers[:-1]]
+        passes = 2 if schedule == "zbv" else 1
+        modes = {name: ([passes * x for x in extra], list(lm.activations[name]))
+                 for name, extra in _recompute_times(profile).items()}  # fmt: skip
+        self.costs = ChunkCosts(
+            [l.forward_time for l in layers],
+            [l.backward_time for l in layers],
+            self.one_way,
             static,
-            [l.activation_bytes for l in layers],
+            list(lm.activations["none"]),
             tied,
+            modes,
+            transient={name: list(t) for name, t in lm.transient.items()},
+            held=lm.outputs[-1] if lm.outputs else 0,
+            buffers=microbatches,
+            cut_bytes=list(lm.outputs[:-1]),
         )
-        self.forward = np.concatenate([[0.0], np.cumsum([l.forward_time for l in layers])])
-        self.backward = np.concatenate([[0.0], np.cumsum([l.backward_time for l in layers])])
+        self.reserve = profile.reserve_bytes
         self.params = [l.params or l.param_bytes for l in layers]
         self.tied = tied
+
+    def allowed(self, recompute: str) -> tuple[int, ...]:
+        """Indices (into costs.modes) of the modes a chunk may use under a recompute policy."""
+        modes = self.costs.modes
+        if recompute == "auto":
+            return tuple(range(len(modes)))
+        if recompute not in modes:
+            raise PartitionError(
+                f"recompute={recompute!r}: the profile has no per-layer figures for it (it has "
+                f"{', '.join(modes)}); use recompute='auto' or 'full', or profile again with a version that "
+                "measures selective recompute."
+            )
+        return (modes.index(recompute),)
+
+def _recompute_times(profile: Profile) -> dict[str, list[float]]:
+    """Per recompute mode, the seconds it adds to each layer's backward: "full" is the layer's
+    forward where not measured; "selective" is present when the profile measured it (a layer with
+    no selective figures recomputes nothing, as under none)."""
+    layers = profile.layers
+    full = [l.recompute.get("full") for l in layers]
+    times = {"full": [r.extra_backward_time if r else l.forward_time for l, r in zip(layers, full)]}
+    if any("selective" in l.recompute for l in layers):
+        times["selective"] = [l.recompute["selective"].extra_backward_time if "selective" in l.recompute else 0.0
+                              for l in layers]  # fmt: skip
+    return times
 
 
 def partition(
@@ -83,7 +130,7 @@ def partition(
     *,
     microbatches: int | None = None,
     schedule: str = "1f1b",
-    memory_limit: int | str | None = None,
+    memory_limit: int | str | None = "device",
     optimizer: str | None = None,
     virtual_stages: int | None = None,
     bandwidth: float | None = DEFAULT_BANDWIDTH,
@@ -91,15 +138,19 @@ def partition(
     stage_names: Sequence[Sequence[str]] | None = None,
     method: str = "autopipe",
     weight_share: float = 0.5,
+    recompute: str = "auto",
 ) -> Plan:
-    """Cut a profiled layer sequence into pipeline stages so the slowest stage is as fast as possible.
+    """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
     Args:
         profile: per-layer costs (``autopipe.profile`` or ``Profile.from_costs``).
         stages: pipeline ranks S.
         microbatches: micro-batches per step M (default 2·S).
-        schedule: gpipe, 1f1b, interleaved1f1b or zbv; sets the in-flight activations per stage.
-        memory_limit: bytes per device, or a size like "80GiB"; None: unlimited.
+        schedule: gpipe, 1f1b, interleaved1f1b or zbv: the schedule simulated (and minimised), and
+            the in-flight activations per stage.
+        memory_limit: bytes per device, or a size like "80GiB"; None or "none": unlimited; "device"
+            (the default): the memory of the GPU the profile was measured or estimated for, unlimited
+            for a CPU profile (ranks on one host share its memory; give a limit).
         optimizer: recount optimizer state for this optimizer (default: the profile's).
         virtual_stages: chunks per rank v (default 1; 2 for interleaved1f1b and zbv). The model is
             cut into S·v chunks.
@@ -107,20 +158,25 @@ def partition(
         boundaries: your own cut (S·v + 1 layer indices); the plan reports the optimum beside it.
         stage_names: your own cut as layer/module names per chunk (a name covers the layers it
             prefixes, e.g. "transformer.h.0").
-        method: "autopipe" (exact), or a baseline: uniform, parameters, type:REGEX, torchtitan, greedy.
+        method: "autopipe" (the step-time search), or a baseline: uniform, parameters, type:REGEX,
+            torchtitan, greedy.
         weight_share: part of the backward that zero-bubble schedules split off as W.
+        recompute: "none", "full", "selective" (that mode in every chunk) or "auto" (the default:
+            each chunk the fastest mode that fits the memory limit, so none where nothing binds).
 
     Returns:
-        A :class:`~autopipe.plan.Plan`.
+        A :class:`~autopipe.plan.Plan`; ``plan.step_lower_bound`` is a proven bound on the step of
+        every cut (equal to ``plan.step_time`` when the cut is proven optimal).
 
     Raises:
-        InfeasibleMemoryError: no cut fits; the message gives the stages or memory that would.
+        InfeasibleMemoryError: no cut fits; the message says what would (recompute, stages, memory).
         PartitionError: bad options or boundaries.
 
     Example:
         >>> prof = Profile.from_costs([1, 4, 4, 4, 4, 3])
-        >>> partition(prof, 3, bandwidth=None).boundaries
-        (0, 2, 4, 6)
+        >>> plan = partition(prof, 3, bandwidth=None)
+        >>> plan.boundaries, round(plan.step_time, 6), plan.step_gap
+        ((0, 2, 4, 6), 59.0, 0.0)
     """
     n = len(profile.layers)
     if n == 0:
@@ -131,15 +187,24 @@ def partition(
     m = microbatches if microbatches is not None else 2 * max(stages, 1)
     schedule = check_schedule(schedule, stages, v, m)
     check_weight_share(weight_share)
+    if recompute not in RECOMPUTE_POLICIES:
+        raise PartitionError(f"recompute={recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
     k = stages * v
     if k > n:
         raise PartitionError(
             f"cannot cut {n} layers into {k} non-empty chunks ({stages} stages x {v} virtual); "
             f"use at most {n // v} stages."
         )
-    limit = None if memory_limit is None else parse_size(memory_limit)
-    chunk_limit = None if limit is None else limit // v  # each of a rank's v chunks gets a share
-    model = _Model(profile, optimizer, bandwidth)
+    limit, limit_source = resolve_limit(profile, memory_limit)
+    model = _Model(profile, optimizer, bandwidth, schedule, m)
+    # the runtime's own reserve first, then each of a rank's v chunks gets a share of the rest
+    chunk_limit = None if limit is None else (limit - model.reserve) // v
+    if chunk_limit is not None and chunk_limit <= 0:
+        raise InfeasibleMemoryError(
+            f"a memory limit of {format_bytes(limit)} per device leaves nothing for the model: the runtime itself "
+            f"holds {format_bytes(model.reserve)} per rank on this device (the profile's reserve). Raise the limit."
+        )
+    allowed = model.allowed(recompute)
     inflight = inflight_counts(schedule, stages, v, m)
 
     chosen: tuple[int, ...] | None = None
@@ -151,31 +216,56 @@ def partition(
     elif method != "autopipe":
         chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
 
-    optimum: tuple[int, ...] | None = None
+    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight,
+                  weight_share=weight_share, signature=profile.signature, recompute=recompute,
+                  limit_source=limit_source)  # fmt: skip
+    best: StepSolution | None = None
     try:
-        optimum = solve(model.costs, k, inflight=inflight, limit=chunk_limit).boundaries
+        best = solve_step(model.costs, schedule, ranks=stages, virtual=v, microbatches=m, inflight=inflight,
+                          limit=chunk_limit, modes=allowed, weight_share=weight_share)  # fmt: skip
     except Infeasible:
         if chosen is None:
-            raise _explain(model, profile, stages, v, m, schedule, inflight, limit, chunk_limit) from None
-    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight,
-                  weight_share=weight_share, signature=profile.signature)  # fmt: skip
+            what = (f"the {profile.device.name}'s {format_bytes(limit)} (its memory, the default limit)"
+                    if limit_source == "device" else f"{format_bytes(limit)} per device")  # fmt: skip
+            raise _explain(model, stages, v, m, schedule, inflight, limit, chunk_limit, recompute, what) from None
     if chosen is None:
-        assert optimum is not None
-        return _make_plan(model, optimum, method="autopipe", **common)
-    plan = _make_plan(model, chosen, method=method, **common)
-    if method == "manual" and chunk_limit is not None:
-        over = [c for c, mem in enumerate(plan.stage_memory) if mem > chunk_limit]
-        if over:
-            c = over[0]
-            raise InfeasibleMemoryError(
-                f"your chunk {c} (layers {plan.boundaries[c]}..{plan.boundaries[c + 1] - 1}) needs "
-                f"{format_bytes(plan.stage_memory[c])}, more than the {format_bytes(chunk_limit)} it may use; "
-                "move layers out of it or raise the memory limit."
-            )
-    if optimum is not None:
-        best = _make_plan(model, optimum, method="autopipe", **common)
-        plan = replace(plan, optimum_bottleneck_time=best.bottleneck_time, optimum_step_time=best.step_time)
+        assert best is not None
+        return _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
+    modes = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), chunk_limit, allowed)
+    if method == "manual" and chunk_limit is not None and np.any(modes < 0):
+        c = int(np.flatnonzero(modes < 0)[0])
+        a, b = chosen[c], chosen[c + 1]
+        need = min(int(model.costs.memory(a, b, inflight[c], md)) for md in allowed)
+        hint = _recompute_hint(model, recompute, [(a, b, inflight[c])], chunk_limit)
+        raise InfeasibleMemoryError(
+            f"your chunk {c} (layers {a}..{b - 1}) needs {format_bytes(need)}, more than the "
+            f"{format_bytes(chunk_limit)} it may use; move layers out of it, raise the memory limit{hint}."
+        )
+    # A baseline that breaks the limit is still shown (marked over it), in its fastest allowed mode.
+    fastest = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), None, allowed)
+    plan = _make_plan(model, chosen, method=method, modes=np.where(modes < 0, fastest, modes).tolist(), bound=None, **common)
+    if best is not None:
+        opt = _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
+        plan = replace(plan, optimum_bottleneck_time=opt.bottleneck_time, optimum_step_time=opt.step_time,
+                       step_lower_bound=best.lower_bound)  # fmt: skip
     return plan
+
+
+def resolve_limit(profile: Profile, memory_limit: int | str | None) -> tuple[int | None, str]:
+    """The per-device limit in bytes (None: unlimited) and where it came from ("given", "device", "").
+
+    "device" is the profile's GPU memory: what torch reported when measured on CUDA, the device
+    table's figure when estimated for one. A CPU profile has no default: its ranks usually share one
+    host's memory, which the profile cannot divide for them.
+    """
+    if memory_limit is None or (isinstance(memory_limit, str) and memory_limit.strip().lower() == "none"):
+        return None, ""
+    if isinstance(memory_limit, str) and memory_limit.strip().lower() == "device":
+        dev = profile.device
+        if dev.type == "cuda" and dev.memory_bytes > 0:
+            return int(dev.memory_bytes), "device"
+        return None, ""
+    return parse_size(memory_limit), "given"
 
 
 def _check_bounds(bounds: Sequence[int], n: int, k: int) -> tuple[int, ...]:
@@ -229,33 +319,34 @@ def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str],
     return _check_bounds([0] + [owner.index(s) for s in range(1, k)] + [len(names)], len(names), k)
 
 
-def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, stages: int, v: int, m: int, schedule: str,
-               limit: int | None, inflight: list[int], weight_share: float, signature: str) -> Plan:  # fmt: skip
+def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequence[int], bound: float | None,
+               stages: int, v: int, m: int, schedule: str, limit: int | None, inflight: list[int],
+               weight_share: float, signature: str, recompute: str, limit_source: str = "") -> Plan:  # fmt: skip
     c = model.costs
+    a = np.asarray(bounds[:-1])
+    b = np.asarray(bounds[1:])
+    md = np.asarray(modes, dtype=np.int64)
+    fwd = c.forward(a, b).tolist()
+    bwd = c.backward(a, b, md).tolist()
+    comm = c.comm(a, b).tolist()
+    times = c.time(a, b, md).tolist()
+    extra = (c.time(a, b, md) - c.time(a, b, np.zeros_like(md))).tolist()
+    mems = [int(x) for x in c.memory(a, b, np.asarray(inflight), md)]
     pairs = list(zip(bounds, bounds[1:]))
-    times = [c.cost(a, b) for a, b in pairs]
-    mems = [int(c.memory(a, b, inflight[s])) for s, (a, b) in enumerate(pairs)]
-    comm = [(model.one_way[a - 1] if a > 0 else 0.0) + (model.one_way[b - 1] if b < c.n else 0.0) for a, b in pairs]
     ranks = chunk_ranks(schedule, stages, v)
-    rank_mem = []
-    for r in range(stages):
-        mine = [s for s in range(len(pairs)) if ranks[s] == r]
-        total = sum(mems[s] for s in mine)
-        for size, users in model.tied:  # a tied tensor held by several chunks of one rank: once
-            holders = sum(any(pairs[s][0] <= u < pairs[s][1] for u in users) for s in mine)
-            total -= size * max(holders - 1, 0)
-        rank_mem.append(total)
-    fwd = [float(model.forward[b] - model.forward[a]) for a, b in pairs]
-    bwd = [float(model.backward[b] - model.backward[a]) for a, b in pairs]
+    per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,
+                           recompute=[c.modes[int(x)] for x in md], reserve=model.reserve)  # fmt: skip
+    rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=weight_share)
     slowest = int(np.argmax(times))
     return Plan(
-        boundaries=tuple(int(b) for b in bounds),
+        boundaries=tuple(int(x) for x in bounds),
         stages=stages,
         virtual_stages=v,
         microbatches=m,
         schedule=schedule,
         memory_limit=limit,
+        memory_limit_source=limit_source,
         method=method,
         signature=signature,
         num_layers=c.n,
@@ -274,43 +365,70 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, stages: int
         peak_memory=max(rank_mem),
         step_time=sim.step_time,
         bubble_fraction=sim.bubble_fraction,
-        stage_first_layers=tuple(model.names[a] for a, _ in pairs),
+        stage_first_layers=tuple(model.names[x] for x, _ in pairs),
         weight_share=weight_share,
         optimizer=model.optimizer,
+        stage_recompute=tuple(c.modes[int(x)] for x in md),
+        stage_recompute_time=tuple(max(0.0, x) for x in extra),
+        recompute=recompute,
+        step_lower_bound=bound,
+        rank_memory_breakdown=tuple(r.to_dict() for r in per_rank),
     )
 
 
-def _explain(model: _Model, profile: Profile, stages: int, v: int, m: int, schedule: str,
-             inflight: list[int], limit: int | None, chunk_limit: int | None) -> InfeasibleMemoryError:  # fmt: skip
-    """Why nothing fits: the layer too big on its own, else the stages or memory that would fit."""
+def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight: list[int], limit: int | None,
+             chunk_limit: int | None, recompute: str, what: str) -> InfeasibleMemoryError:  # fmt: skip
+    """Why nothing fits: the layer too big on its own, else what would fit (recompute, stages, ZeRO, memory)."""
     assert limit is not None and chunk_limit is not None
     c, n = model.costs, model.costs.n
+    allowed = model.allowed(recompute)
+    everything = tuple(range(len(c.modes)))
     idx = np.arange(n)
-    alone = np.asarray(c.memory(idx, idx + 1, min(inflight)))
+    alone = np.min([c.memory(idx, idx + 1, min(inflight), md) for md in everything], axis=0)
     where = f"{stages} stages ({schedule}, {m} micro-batches{f', {v} virtual' if v > 1 else ''})"
-    head = f"no cut into {where} fits {format_bytes(limit)} per device"
+    head = f"no cut into {where} fits {what}"
     worst = int(np.argmax(alone))
     if alone[worst] > chunk_limit:
         return InfeasibleMemoryError(
             f"{head}: layer {worst} ({model.names[worst]}) alone needs {format_bytes(int(alone[worst]))} "
-            f"(parameters, gradients, optimizer state and {min(inflight)} micro-batch of activations), so no "
-            f"number of stages fits; raise the memory limit to at least {format_bytes(int(alone[worst]) * v)} "
-            "or use a lighter optimizer."
+            f"(parameters, gradients, optimizer state and {min(inflight)} micro-batch of activations, recomputed "
+            f"or not), so no number of stages fits; raise the memory limit to at least "
+            f"{format_bytes(int(alone[worst]) * v)} or use a lighter optimizer."
         )
-    need = min_peak_memory(c, stages * v, inflight=inflight) * v
+    hints = []
+    if set(allowed) != set(everything) and fits(c, stages * v, inflight=inflight, limit=chunk_limit, modes=everything):
+        hints.append("recompute auto (--recompute auto) would fit")
+    need = least_memory(c, stages * v, inflight=inflight, modes=allowed) * v
     more = None
-    tried = min(n // v, 8 * stages)  # each try is a full feasibility test: stay within a second or so
+    tried = min(n // v, 8 * stages)  # each try is a feasibility test: stay within a second or so
     for s in range(stages + 1, tried + 1):
         try:
             sched_ok = check_schedule(schedule, s, v, m)
         except PartitionError:
             continue  # e.g. interleaved needs M to be a multiple of the stages
-        if fits(c, s * v, inflight=inflight_counts(sched_ok, s, v, m), limit=chunk_limit):
+        if fits(c, s * v, inflight=inflight_counts(sched_ok, s, v, m), limit=chunk_limit, modes=allowed):
             more = s
             break
-    hint = f"{more} stages would fit" if more else f"no number of stages up to {tried} fits"
+    hints.append(f"{more} stages would fit" if more else f"no number of stages up to {tried} fits")
+    # ZeRO-1 shards optimizer state over data-parallel replicas: say how much of a rank it is.
+    state = sum(model.memory.optimizer) / stages
+    if state > 0.1 * need:
+        hints.append(f"optimizer state is ~{format_bytes(int(state))} per rank (ZeRO-1 across data-parallel replicas shards it)")
+    fixes = ["add stages", "raise --memory-limit"]
+    if recompute != "auto":
+        fixes.append("use --recompute auto")
+    if schedule == "gpipe":
+        fixes.append("use 1f1b (it holds fewer micro-batches than gpipe)")
     return InfeasibleMemoryError(
-        f"{head}: {hint}, or {format_bytes(need)} per device with {stages} stages. "
-        "Add stages, raise the memory limit, or use fewer micro-batches (or 1f1b instead of gpipe)."
+        f"{head}: {'; '.join(hints)}; {format_bytes(need)} per device fits {stages} stages. "
+        f"{', '.join(fixes[:-1]).capitalize()} or {fixes[-1]}."
     )
 
+
+def _recompute_hint(model: _Model, recompute: str, chunks: list[tuple[int, int, int]], chunk_limit: int) -> str:
+    """', or use recompute='auto'' when some mode the policy excludes would make these chunks fit."""
+    c = model.costs
+    others = [md for md in range(len(c.modes)) if md not in model.allowed(recompute)]
+    if all(any(int(c.memory(a, b, infl, md)) <= chunk_limit for md in others) for a, b, infl in chunks) and others:
+        return ", or use recompute auto (--recompute auto: it fits with recompute)"
+    return ""

@@ -46,7 +46,7 @@ class Plan:
     stage_ranks: tuple[int, ...]  # rank of each chunk
     stage_times: tuple[float, ...]  # per chunk: forward + backward + 2 x send/recv at its cuts
     stage_forward: tuple[float, ...]  # per chunk: forward compute
-    stage_backward: tuple[float, ...]  # per chunk: backward compute
+    stage_backward: tuple[float, ...]  # per chunk: backward compute, recomputation included
     stage_comm: tuple[float, ...]  # per chunk: send/recv seconds in one direction
     stage_memory: tuple[int, ...]  # per chunk: static bytes (tied once) + activations in flight
     stage_inflight: tuple[int, ...]  # per chunk: micro-batches of activations held at the peak
@@ -62,6 +62,22 @@ class Plan:
     stage_first_layers: tuple[str, ...] = ()  # name of each chunk's first layer, for reports
     weight_share: float = 0.5  # part of the backward that zero-bubble schedules defer (W)
     optimizer: str | None = None  # whose state the memory counts; None: the profile's (plans before this field)
+    # Per chunk: the recompute mode its times and memory assume ("none", "selective", "full");
+    # () in plans made before recompute was planned: none everywhere.
+    stage_recompute: tuple[str, ...] = ()
+    recompute: str = "none"  # the policy asked for: none, auto, selective or full
+    # Per chunk: seconds per micro-batch the recompute mode adds to the backward (0 for none); ()
+    # in plans made before this field.
+    stage_recompute_time: tuple[float, ...] = ()
+    # No cut of these layers into these chunks has a shorter simulated step (proven; see
+    # stepsolve.py). Equal to step_time when this cut is proven optimal; None when not computed.
+    step_lower_bound: float | None = None
+    # Per rank: what rank_memory adds up (autopipe.memory.RankMemory: weights, gradients, optimizer,
+    # activations, outputs, buffers, transient, data_parallel, reserve, total); () in older plans.
+    rank_memory_breakdown: tuple[dict[str, int], ...] = ()
+    # Where memory_limit came from: "given", "device" (the profile's GPU memory, the default) or ""
+    # (no limit, or plans before this field).
+    memory_limit_source: str = ""
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:
@@ -79,6 +95,20 @@ class Plan:
         """Slowest chunk over the mean chunk: 1.0 is perfectly balanced."""
         mean = sum(self.stage_times) / len(self.stage_times)
         return self.bottleneck_time / mean if mean > 0 else 1.0
+
+    @property
+    def step_gap(self) -> float | None:
+        """How far step_time may be above the best possible step: step / lower bound - 1 (0: optimal)."""
+        if self.step_lower_bound is None:
+            return None
+        if self.step_lower_bound <= 0:  # a bound of nothing: the gap is 0 only when the step is nothing too
+            return 0.0 if self.step_time <= 0 else None
+        gap = self.step_time / self.step_lower_bound - 1.0
+        return gap if gap > 1e-9 else 0.0  # sums of the same seconds in another order differ in the last bits
+
+    def recompute_of(self, chunk: int) -> str:
+        """Chunk ``chunk``'s recompute mode ("none" for plans made before recompute was planned)."""
+        return self.stage_recompute[chunk] if self.stage_recompute else "none"
 
     def layers_of(self, chunk: int) -> range:
         """Layer indices of chunk ``chunk``."""

@@ -70,7 +70,7 @@ def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
             out[method] = partition(
                 profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
                 memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
-                method=method, weight_share=plan.weight_share, optimizer=plan.optimizer,
+                method=method, weight_share=plan.weight_share, optimizer=plan.optimizer, recompute=plan.recompute,
             )  # fmt: skip
         except AutopipeError:
             continue
@@ -130,9 +130,12 @@ def render_report(
     parts.append(_section("Per stage: load", _stage_load_chart(plan),
                           "Forward, backward and send/recv time of each stage per micro-batch. The slowest stage "
                           "sets the pace of the whole pipeline."))
-    parts.append(_section("Per rank: memory", _rank_memory_chart(plan),
-                          "Peak memory of each pipeline rank" + (" against the limit (red line)." if plan.memory_limit
-                                                                 else "; no memory limit was given.")))
+    parts.append(_section("Per rank: memory", _rank_memory_chart(plan) + _rank_breakdown_table(plan),
+                          "Peak memory of each pipeline rank" + (" against the limit (red line)" if plan.memory_limit
+                                                                 else "; no memory limit was given")
+                          + ". The peak is what lives all step (weights, gradients, optimizer state, buffers, "
+                          "reserve) plus the larger of the backward's peak (activations held for the micro-batches "
+                          "in flight, the last output, the largest transient) and the data-parallel phase."))
     if baselines:
         parts.append(_section("autopipe against the baselines", _baseline_table(plan, baselines),
                               "The same profile, stages, schedule and micro-batches, cut by the partitioners in "
@@ -182,14 +185,21 @@ def _header(name: str, plan: Plan, profile: Profile | None) -> str:
         verb = {"measured": "Costs measured on", "estimated": "Costs estimated for"}.get(profile.mode, "Costs given for")
         where = f"{verb} {profile.device.name} ({profile.dtype}), micro-batch {format_microbatch(profile.microbatch)}"
     limit = format_bytes(plan.memory_limit) if plan.memory_limit else "none"
+    if plan.memory_limit and plan.memory_limit_source == "device":
+        limit += " (device)"
+    recomputed = sum(mode != "none" for mode in plan.stage_recompute)
     facts = [
         ("stages", str(plan.stages) + (f" × {plan.virtual_stages} virtual" if plan.virtual_stages > 1 else "")),
         ("layers", str(plan.num_layers)),
         ("schedule", f"{plan.schedule}, {plan.microbatches} mb"),
         ("step time (simulated)", format_time(plan.step_time)),
+        *([("step lower bound", format_time(plan.step_lower_bound)
+            + (" (optimal)" if plan.step_gap == 0 else f" (gap {plan.step_gap:.1%})" if plan.step_gap is not None else ""))]
+          if plan.step_lower_bound is not None else []),  # no cut steps faster; plans before the field have none
         ("bubble", f"{plan.bubble_fraction:.0%}"),
         ("balance (slowest / mean)", f"{plan.balance:.2f}"),
         ("peak memory / limit", f"{format_bytes(plan.peak_memory)} / {limit}"),
+        ("recompute", f"{recomputed} of {plan.num_chunks} stages" if recomputed else "none"),
     ]
     cells = "".join(f"<div class=\"fact\"><span>{_e(k)}</span><b>{_e(v)}</b></div>" for k, v in facts)
     cuts = ", ".join(str(b) for b in plan.boundaries[1:-1])
@@ -213,12 +223,41 @@ def _stage_table(plan: Plan) -> str:
             f"<td>{format_time(plan.stage_backward[c])}</td><td>{format_time(2 * plan.stage_comm[c])}</td>"
             f"<td>{format_time(plan.stage_times[c])}</td><td>{share:.0%}</td>"
             f"<td{' class=over' if over else ''}>{format_bytes(plan.stage_memory[c])}</td>"
-            f"<td>{plan.stage_inflight[c]}</td></tr>"
+            f"<td>{plan.stage_inflight[c]}</td><td class=\"l recompute\">{_e(_recompute_cell(plan, c))}</td></tr>"
         )
     head = ("<tr><th class=\"l\">stage</th><th>rank</th><th>layers</th><th>#</th><th class=\"l\">first layer</th>"
             "<th>forward</th><th>backward</th><th>send/recv</th><th>total</th><th>of slowest</th><th>memory</th>"
-            "<th>in flight</th></tr>")
+            "<th>in flight</th><th class=\"l\">recompute</th></tr>")
     return f"<table class=\"stages\">{head}{''.join(rows)}</table>"
+
+
+def _recompute_cell(plan: Plan, chunk: int) -> str:
+    """'full, +1.2 ms' — the chunk's recompute mode and what it adds to each micro-batch's backward."""
+    mode = plan.recompute_of(chunk)
+    if mode == "none":
+        return "none"
+    extra = plan.stage_recompute_time[chunk] if chunk < len(plan.stage_recompute_time) else None
+    return mode if extra is None else f"{mode}, +{format_time(extra)}"
+
+
+_BREAKDOWN = (("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
+              ("activations", "saved activations × in flight"), ("outputs", "last output held"),
+              ("buffers", "send/recv buffers"), ("transient", "largest transient"),
+              ("data_parallel", "data-parallel buffer"), ("reserve", "runtime reserve"))  # fmt: skip
+
+
+def _rank_breakdown_table(plan: Plan) -> str:
+    """Per rank, what its predicted peak is made of (autopipe.memory.RankMemory)."""
+    if not plan.rank_memory_breakdown:
+        return ""
+    ranks = plan.rank_memory_breakdown
+    head = "<tr><th class=\"l\"></th>" + "".join(f"<th>rank {r}</th>" for r in range(len(ranks))) + "</tr>"
+    rows = [f"<tr><td class=\"l\">{_e(label)}</td>" + "".join(f"<td>{format_bytes(d.get(key, 0))}</td>" for d in ranks)
+            + "</tr>" for key, label in _BREAKDOWN if any(d.get(key, 0) for d in ranks)]  # fmt: skip
+    over = [plan.memory_limit is not None and d.get("total", 0) > plan.memory_limit for d in ranks]
+    rows.append("<tr><td class=\"l\"><b>peak</b></td>" + "".join(
+        f"<td{' class=over' if o else ''}><b>{format_bytes(d.get('total', 0))}</b></td>" for d, o in zip(ranks, over)) + "</tr>")
+    return f"<table class=\"rank-memory\">{head}{''.join(rows)}</table>"
 
 
 def _baseline_table(plan: Plan, baselines: Mapping[str, Plan]) -> str:

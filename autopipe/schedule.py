@@ -19,6 +19,14 @@ Schedules (placement of chunk c on a rank, and each rank's order of ops):
   than 2R micro-batches), and fills idle time with deferred W (the zero-bubble idea; not the
   paper's exact hand-made order).
 
+How. The fixed orders (gpipe, 1f1b, interleaved) are a longest-path recurrence: an op ends at
+max(end of the op before it on its rank, end of its input on another chunk) + its duration. Its
+graph depends only on (schedule, ranks, virtual stages, micro-batches), so it is compiled once into
+levels and evaluated with one numpy max-plus step per level: O(ops) work, O(M + S·v) numpy calls,
+and :func:`step_times` evaluates many cuts in the same calls. zbv's order depends on the costs, so it
+runs as events, O(ops log ranks): a rank that can start nothing sleeps until the op it waits for
+ends. Both give the floats the former event loop gave, timelines included (tests/_event_sim.py).
+
 Example:
     >>> sim = simulate("gpipe", forward=[1, 1], backward=[2, 2], comm=[0, 0], ranks=2, microbatches=4)
     >>> sim.step_time  # (M + S - 1) * (f + b)
@@ -27,11 +35,14 @@ Example:
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Any, Sequence
 
+import numpy as np
+
 from .errors import PartitionError
+from .simrun import Program, TimelineEntry, compile_orders, fixed_durations, run_fixed, run_zbv, timeline_of, zbv_durations
 
 __all__ = [
     "SCHEDULES",
@@ -41,6 +52,7 @@ __all__ = [
     "check_weight_share",
     "chunk_ranks",
     "simulate",
+    "step_times",
     "inflight_counts",
 ]
 
@@ -54,9 +66,6 @@ _ALIASES = {
     "zbvzerobubble": "zbv",
     "zero-bubble": "zbv",
 }
-
-# An entry of a rank's timeline: (start, end, kind "F"/"B"/"W", micro-batch, chunk).
-TimelineEntry = tuple[float, float, str, int, int]
 
 
 @dataclass(frozen=True)
@@ -172,128 +181,74 @@ def simulate(
     ``comm[c]`` is chunk c's send+recv seconds per direction. ``weight_share`` is the part of the
     backward that is weight gradient (W), split off by zero-bubble schedules only.
     """
-    k = len(forward)
-    if len(backward) != k or len(comm) != k or k % ranks:
-        raise PartitionError(f"simulate: need one forward/backward/comm value per chunk, a multiple of {ranks}.")
-    virtual = k // ranks
-    schedule = check_schedule(schedule, ranks, virtual, microbatches)
-    check_weight_share(weight_share)
-    placement = chunk_ranks(schedule, ranks, virtual)
-    zb = schedule == "zbv"
-    dur = {
-        "F": [forward[c] + comm[c] for c in range(k)],
-        "B": [backward[c] * (1 - weight_share if zb else 1.0) + comm[c] for c in range(k)],
-        "W": [backward[c] * weight_share for c in range(k)],
-    }
-    chooser = _ZBV(placement, ranks, microbatches) if zb else _Fixed(_fixed_orders(schedule, ranks, virtual, microbatches))
-    end: dict[tuple[str, int, int], float] = {}
-    timeline: list[list[TimelineEntry]] = [[] for _ in range(ranks)]
-    free = [0.0] * ranks
-    events: list[float] = []
-    total = microbatches * k * (3 if zb else 2)
-    done = 0
-    while done < total:
-        active = [r for r in range(ranks) if not chooser.finished(r)]
-        now = min(free[r] for r in active)
-        for r in active:
-            if free[r] != now:
-                continue
-            op = chooser.choose(r, lambda key: key in end and end[key] <= now, k)
-            if op is not None:
-                kind, mb, c = op
-                finish = now + dur[kind][c]
-                end[op] = finish
-                timeline[r].append((now, finish, kind, mb, c))
-                heapq.heappush(events, finish)
-                free[r] = finish
-                done += 1
-                break
-        else:  # nobody free at `now` can start anything: wait for the next op to finish
-            while events and events[0] <= now:
-                heapq.heappop(events)
-            later = [free[r] for r in active if free[r] > now] + events[:1]
-            if not later:
-                raise RuntimeError(f"schedule {schedule} deadlocked at t={now}")  # a bug, not user input
-            for r in active:
-                if free[r] == now:
-                    free[r] = min(later)
+    schedule, k, virtual = _check_costs(schedule, forward, backward, comm, ranks, microbatches, weight_share)
+    if schedule == "zbv":
+        durations = zbv_durations(forward, backward, comm, weight_share)
+        timeline = run_zbv(ranks, microbatches, _zbv_cap(ranks), *durations, timeline=True)
+    else:
+        prog = _program(schedule, ranks, virtual, microbatches)
+        fwd, bwd = fixed_durations(forward, backward, comm)
+        start, end = run_fixed(prog, np.array(fwd), np.array(bwd))
+        timeline = timeline_of(prog, start, end)
     step = max((tl[-1][1] for tl in timeline if tl), default=0.0)
     busy = tuple(sum(e - s for s, e, *_ in tl) for tl in timeline)
     bubble = 1.0 - sum(busy) / (ranks * step) if step > 0 else 0.0
     return Simulation(schedule, ranks, microbatches, step, bubble, busy, tuple(tuple(tl) for tl in timeline))
 
 
-def _deps(kind: str, mb: int, c: int, chunks: int) -> list[tuple[str, int, int]]:
-    """What an op waits for: the previous chunk's F, the next chunk's B and its own F, its own B."""
-    if kind == "F":
-        return [("F", mb, c - 1)] if c > 0 else []
-    if kind == "B":
-        return [("F", mb, c)] + ([("B", mb, c + 1)] if c < chunks - 1 else [])
-    return [("B", mb, c)]
+def step_times(
+    schedule: str,
+    *,
+    forward: np.ndarray,
+    backward: np.ndarray,
+    comm: np.ndarray,
+    ranks: int,
+    microbatches: int,
+    weight_share: float = 0.5,
+) -> np.ndarray:
+    """The simulated step of many cuts at once: rows of per-chunk seconds in, one step per row out.
+
+    Equal to ``simulate(...).step_time`` row by row (the same additions in the same order), but the
+    fixed orders run all rows together: one numpy operation per dependency level of the op graph.
+    """
+    fwd = np.atleast_2d(np.asarray(forward, dtype=np.float64))
+    bwd = np.atleast_2d(np.asarray(backward, dtype=np.float64))
+    com = np.atleast_2d(np.asarray(comm, dtype=np.float64))
+    n, k = fwd.shape
+    schedule, k, virtual = _check_costs(schedule, fwd[0], bwd[0], com[0], ranks, microbatches, weight_share)
+    if schedule == "zbv":
+        out = np.empty(n)
+        for i in range(n):
+            durations = zbv_durations(fwd[i].tolist(), bwd[i].tolist(), com[i].tolist(), weight_share)
+            out[i] = run_zbv(ranks, microbatches, _zbv_cap(ranks), *durations, timeline=False)
+        return out
+    prog = _program(schedule, ranks, virtual, microbatches)
+    rows = max(1, _BATCH // len(prog.ops))  # rows per pass: ops x rows floats stay in cache-sized blocks
+    out = np.empty(n)
+    for i in range(0, n, rows):
+        end = run_fixed(prog, (fwd[i : i + rows] + com[i : i + rows]).T, (bwd[i : i + rows] + com[i : i + rows]).T, starts=False)[1]
+        out[i : i + rows] = end[prog.last].max(axis=0)
+    return out
 
 
-class _Fixed:
-    """Each rank runs its given order; an op waits until its inputs are done."""
-
-    def __init__(self, orders: list[list[tuple[str, int, int]]]) -> None:
-        self.orders = orders
-        self.pos = [0] * len(orders)
-
-    def finished(self, r: int) -> bool:
-        return self.pos[r] >= len(self.orders[r])
-
-    def choose(self, r: int, ready, chunks: int):
-        op = self.orders[r][self.pos[r]]
-        if all(ready(d) for d in _deps(*op, chunks)):
-            self.pos[r] += 1
-            return op
-        return None
+_BATCH = 1 << 18  # op evaluations per numpy pass in step_times
 
 
-class _ZBV:
-    """Greedy zero-bubble rank: ready B first, then a ready F under the in-flight cap, then a W."""
+@lru_cache(maxsize=16)
+def _program(schedule: str, ranks: int, virtual: int, m: int) -> Program:
+    """The compiled op graph of a fixed-order schedule, once per process and shape."""
+    return compile_orders(_fixed_orders(schedule, ranks, virtual, m), ranks * virtual)
 
-    def __init__(self, placement: Sequence[int], ranks: int, m: int) -> None:
-        self.m = m
-        # Micro-batches the shallow chunk may hold (F done, W not yet). Only the shallow chunk is
-        # capped: the deep one must always be free to move, or a full rank would wait on itself.
-        self.cap = _zbv_cap(ranks)
-        self.chunks = [[c for c, r in enumerate(placement) if r == rank] for rank in range(ranks)]
-        self.next_f = {c: 0 for c in range(len(placement))}
-        self.next_b = dict(self.next_f)
-        self.pending_w: list[list[tuple[str, int, int]]] = [[] for _ in range(ranks)]
-        self.inflight = [0] * ranks
-        self.left = [3 * m * len(cs) for cs in self.chunks]
 
-    def finished(self, r: int) -> bool:
-        return self.left[r] == 0
-
-    def choose(self, r: int, ready, chunks: int):
-        mine = sorted(self.chunks[r], reverse=True)  # the deeper chunk first: it frees memory sooner
-        for c in mine:
-            i = self.next_b[c]
-            if i < self.m and all(ready(d) for d in _deps("B", i, c, chunks)):
-                self.next_b[c] += 1
-                self.pending_w[r].append(("W", i, c))
-                return self._take(r, ("B", i, c))
-        shallow = min(mine)
-        for c in mine:
-            i = self.next_f[c]
-            if c == shallow and self.inflight[r] >= self.cap:
-                continue
-            if i < self.m and all(ready(d) for d in _deps("F", i, c, chunks)):
-                self.next_f[c] += 1
-                self.inflight[r] += c == shallow
-                return self._take(r, ("F", i, c))
-        if self.pending_w[r]:
-            op = self.pending_w[r].pop(0)
-            self.inflight[r] -= op[2] == shallow  # W frees the last activations of that unit
-            return self._take(r, op)
-        return None
-
-    def _take(self, r: int, op: tuple[str, int, int]) -> tuple[str, int, int]:
-        self.left[r] -= 1
-        return op
+def _check_costs(schedule: str, forward: Sequence[float], backward: Sequence[float], comm: Sequence[float],
+                 ranks: int, microbatches: int, weight_share: float) -> tuple[str, int, int]:  # fmt: skip
+    k = len(forward)
+    if len(backward) != k or len(comm) != k or k % ranks:
+        raise PartitionError(f"simulate: need one forward/backward/comm value per chunk, a multiple of {ranks}.")
+    virtual = k // ranks
+    schedule = check_schedule(schedule, ranks, virtual, microbatches)
+    check_weight_share(weight_share)
+    return schedule, k, virtual
 
 
 def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) -> list[int]:

@@ -1,5 +1,8 @@
 """The exact bottleneck partition solver: plain numbers in, boundaries out. No torch.
 
+(The partition pass minimises the simulated step instead: autopipe/stepsolve.py. This solver, which
+minimises the slowest chunk, serves the parameter-count and ``type:`` baselines.)
+
 Problem. Cut layers ``0..L-1`` into ``K`` contiguous, non-empty stages ``[b_0, b_1), ...,
 [b_{K-1}, b_K)`` with ``b_0 = 0`` and ``b_K = L``. Stage ``[a, b)`` costs
 

@@ -2,8 +2,8 @@
 
     python profiles/build_estimates.py
 
-GPT-2 124M (GPT2Config() defaults) and a Llama-7B-shaped config, both in bf16 with mixed precision
-(fp32 master weights, AdamW), micro-batch 1 x seq_len, estimated for an H100.
+GPT-2 124M (GPT2Config() defaults) and a Llama-7B-shaped config, both as `train.py --dtype bf16`
+trains them (autocast over fp32 master weights, AdamW), micro-batch 1 x seq_len, estimated for an H100.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import autopipe
+from autopipe.reserve import ASSUMED_CUDA_RESERVE
 
 HERE = Path(__file__).resolve().parent
 
@@ -23,7 +24,10 @@ def _estimate(model: torch.nn.Module, seq_len: int, name: str, out: str) -> None
     model = model.to(torch.bfloat16)
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     seq = autopipe.flatten(model, (ids,))
-    prof = autopipe.profile(seq, (ids,), estimate=True, device="h100", mixed_precision=True)
+    # As train.py --dtype bf16 trains: autocast over fp32 masters (estimated on the 16-bit model, with
+    # autocast's weight copies added), and the runtime reserve assumed for a GPU.
+    prof = autopipe.profile(seq, (ids,), estimate=True, device="h100", autocast="bfloat16",
+                            reserve=ASSUMED_CUDA_RESERVE)
     prof = dataclasses.replace(prof, model=name)
     prof.save(HERE / out)
     print(f"{out}: {len(prof.layers)} layers, {sum(prof.times) * 1e3:.2f} ms per micro-batch", file=sys.stderr)

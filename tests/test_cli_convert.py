@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,14 @@ def test_more_stages_than_layers_is_one_line(factory: str, monkeypatch: pytest.M
 
 def test_memory_infeasible_is_one_line(factory: str):
     """A memory limit no cut fits is refused with the memory that would fit; nothing is written."""
-    _fails_cleanly(_convert(factory, "--stages", "2", "--memory-limit", "1KiB"), "no cut into 2 stages")
+    _fails_cleanly(_convert(factory, "--stages", "2", "--memory-limit", "1KiB", "--reserve", "0"), "no cut into 2 stages")
+    assert not Path("jobs").exists()
+
+
+def test_limit_below_the_reserve_is_one_line(factory: str):
+    """A limit the runtime's own reserve already uses up is refused naming the reserve; nothing is written."""
+    _fails_cleanly(_convert(factory, "--stages", "2", "--memory-limit", "1MiB", "--reserve", "2MiB"),
+                   "the runtime itself holds 2.00 MiB per rank")  # fmt: skip
     assert not Path("jobs").exists()
 
 
@@ -325,4 +333,17 @@ def test_a_factory_s_data_that_does_not_fit_is_refused(tmp_path: Path, monkeypat
         "            'data': {'x': np.zeros((8, 5), np.float32), 'y': np.zeros(8, np.int64)}}\n")
     monkeypatch.chdir(tmp_path)
     _fails_cleanly(_convert("fd.py:build", "--stages", "1", "--loss", "cross_entropy"), "x has rows of shape (5,)")
+    assert not Path("jobs").exists()
+
+
+def test_a_plan_for_a_gpu_is_held_to_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Issue 10's case: Llama-70B estimated for 8 H100s used to plan 129-147 GiB stages without a word.
+    The H100's memory is now the default limit: refused in one line saying what would fit."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["convert", "llama-70b", "--stages", "8", "--estimate", "--device", "h100"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    (error,) = _error_lines(result.output)
+    assert "fits the NVIDIA H100 80GB HBM3's 80.00 GiB (its memory, the default limit)" in error
+    more = int(re.search(r"(\d+) stages would fit", error).group(1))
+    assert more > 8 and "ZeRO-1" in error
     assert not Path("jobs").exists()

@@ -34,8 +34,9 @@ def test_plan_prints_stage_table(profile_path) -> None:
     """A plan prints one row per stage and the bottleneck summary; exit code 0."""
     result, out = _run("plan", str(profile_path), "--stages", "4", "--bandwidth", "none")
     assert result.exit_code == 0, out
-    assert "0..6 (7)" in out and "21..25 (5)" in out
-    assert "bottleneck chunk" in out and "70.000 ms" in out
+    assert "0..7 (8)" in out and "22..25 (4)" in out  # the cut with the shortest 1F1B step (see test_partition)
+    assert "bottleneck chunk" in out and "71.000 ms" in out
+    assert "step lower bound 755.000 ms, optimal" in " ".join(out.split())
 
 
 def test_plan_json_and_out(profile_path, tmp_path) -> None:
@@ -44,8 +45,8 @@ def test_plan_json_and_out(profile_path, tmp_path) -> None:
     result, out = _run("plan", str(profile_path), "-s", "4", "--json", "--out", str(dest))
     assert result.exit_code == 0, out
     data = json.loads(out)
-    assert data["plan"]["boundaries"] == [0, 7, 14, 21, 26]
-    assert Plan.load(dest).boundaries == (0, 7, 14, 21, 26)
+    assert data["plan"]["boundaries"] == [0, 8, 15, 22, 26]
+    assert Plan.load(dest).boundaries == (0, 8, 15, 22, 26)
     before = dest.read_text()
     result, out = _run("plan", str(profile_path), "-s", "2", "--out", str(dest))
     assert result.exit_code == 1 and "--force" in out
@@ -61,7 +62,7 @@ def test_compare_lists_every_baseline(profile_path) -> None:
     assert result.exit_code == 0, out
     rows = json.loads(out)["compare"]
     assert [r["method"] for r in rows] == ["autopipe", "uniform", "parameters", "torchtitan", "greedy"]
-    assert all(r["bottleneck_time"] >= rows[0]["bottleneck_time"] for r in rows)
+    assert all(r["step_time"] >= rows[0]["step_time"] for r in rows)
     result, out = _run("plan", str(profile_path), "-s", "4", "--compare")
     assert result.exit_code == 0 and "parameters" in out and "vs autopipe" in out
 
@@ -152,3 +153,31 @@ def test_a_hand_edited_profile_with_impossible_values_is_refused(profile_path, f
     assert result.exit_code == 1 and "Traceback" not in out
     assert re.search(message, out), out
     assert len([line for line in out.splitlines() if line.strip()]) == 1
+
+
+def test_plan_on_a_gpu_profile_holds_to_its_memory_and_says_what_recomputes(tmp_path) -> None:
+    """A GPU profile's memory is the default limit; under it auto recompute picks a mode for the
+    first stage and the summary names the limit's source and the recompute chosen, with its cost."""
+    from dataclasses import replace
+
+    from autopipe.records import DeviceInfo
+
+    prof = replace(Profile.from_costs([1.0] * 4, activation_bytes=[100] * 4, output_bytes=[10] * 4), input_bytes=10,
+                   device=DeviceInfo(name="Test GPU", type="cuda", memory_bytes=350))  # fmt: skip
+    path = tmp_path / "gpu.json"
+    prof.save(path)
+    result, out = _run("plan", str(path), "--stages", "2", "--microbatches", "4", "--bandwidth", "none")
+    text = " ".join(out.split())
+    assert result.exit_code == 0, out
+    assert "of 350 B (the device's memory)" in text
+    assert "recompute: full on chunk 0 (+666.667 ms per micro-batch at most)" in text
+    small = tmp_path / "small-gpu.json"
+    replace(prof, device=replace(prof.device, memory_bytes=250)).save(small)
+    result, out = _run("plan", str(small), "--stages", "2", "--microbatches", "4", "--bandwidth", "none",
+                       "--recompute", "none")  # fmt: skip
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1, out
+    assert "fits the Test GPU's 250 B" in errors[0] and "(--recompute auto) would fit" in errors[0]
+    result, out = _run("plan", str(path), "--stages", "2", "--microbatches", "4", "--bandwidth", "none",
+                       "--memory-limit", "none")  # fmt: skip
+    assert result.exit_code == 0 and "recompute:" not in out and "device's memory" not in out, out

@@ -250,3 +250,21 @@ def test_report_repeats_the_profile_s_warnings():
     prof = dataclasses.replace(_profile(), warnings=("identical layers h.0 and h.7 measured 3 and 30 ms",))
     page = render_report(partition(prof, 2), prof)
     assert "warning: identical layers h.0 and h.7 measured 3 and 30 ms" in page
+
+
+def test_report_breaks_down_each_rank_s_memory_and_shows_recompute():
+    """Each rank's predicted peak by what holds it, summing to the rank's memory; stages that
+    recompute say the mode and its cost per micro-batch."""
+    prof = Profile.from_costs([1.0] * 4, activation_bytes=[100] * 4, output_bytes=[10] * 4)
+    plan = partition(prof, 2, microbatches=4, bandwidth=None, memory_limit=350)
+    assert plan.stage_recompute == ("full", "none")
+    page = _Page(render_report(plan, prof))
+    text = " ".join(" ".join(page.text).split())
+    assert page.all("table", "rank-memory")
+    for r, d in enumerate(plan.rank_memory_breakdown):
+        assert d["total"] == plan.rank_memory[r]
+        parts = sum(v for k, v in d.items() if k != "total")
+        assert d["total"] <= parts  # the peak takes the larger of the backward and data-parallel phases
+    assert "saved activations × in flight" in text and "runtime reserve" not in text  # no reserve in this profile
+    assert "full, +666.67 ms" in text.replace("  ", " ") or "full, +667 ms" in text, text[:2000]
+    assert "1 of 2 stages" in text

@@ -228,17 +228,22 @@ def test_stages_load_their_own_keys_from_safetensors(tmp_path: Path) -> None:
 
 
 def test_peak_memory_window_sees_what_the_step_allocates() -> None:
-    """PeakMemory: each reset starts a window; a 64 MiB tensor held in it shows, above the baseline."""
+    """PeakMemory: each reset starts a window; 64 MiB of fresh pages touched in it show, above the baseline."""
+    import mmap
+
     from autopipe.runtime.peak import PeakMemory, resident_bytes
 
     peak = PeakMemory(torch.device("cpu"))
     assert peak.supported
     size = 64 * 2**20
     peak.reset()
-    held = torch.ones(size // 4)  # touched pages: resident
+    # An anonymous mapping, not torch.ones: an earlier test may have called keep_freed_memory(), and
+    # then a tensor can reuse pages the heap already holds resident (seen in CI: the window read 0).
+    held = mmap.mmap(-1, size)
+    torch.frombuffer(held, dtype=torch.uint8).fill_(1)  # touched pages: resident
     during = peak.read()
     assert during >= resident_bytes() - peak.baseline - 2**20 and during >= size * 0.9
-    del held
+    held.close()
 
 
 def test_step_log_carries_the_plan_s_predictions_only_for_the_planned_run(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe.errors import PartitionError
-from autopipe.schedule import chunk_ranks, inflight_counts, normalize_schedule, simulate
+from autopipe.schedule import chunk_ranks, inflight_counts, normalize_schedule, simulate, step_times
 
 
 def _equal(schedule: str, ranks: int, virtual: int, m: int, f: float, b: float, c: float = 0.0):
@@ -151,3 +151,37 @@ def test_zbv_inflight_is_the_cap_on_every_chunk() -> None:
     assert inflight_counts("zbv", 4, 2, 5) == [5] * 8
     sim = simulate("zbv", forward=[0.5] * 4, backward=[3.5, 0.5, 0.5, 0.5], comm=[0.0] * 4, ranks=2, microbatches=8)
     assert _held_peak(sim, 4) == [4, 4, 4, 4]  # equal costs hold 3 on the last chunk
+
+
+@settings(max_examples=300, deadline=None)
+@given(_pipelines(), st.sampled_from([0.0, 0.3, 0.5, 1.0]))
+def test_fast_paths_equal_the_event_loop(case, weight_share) -> None:
+    """simulate() gives the former event loop's floats exactly, timelines included; step_times agrees row by row."""
+    from _event_sim import simulate_events
+
+    schedule, ranks, m, fwd, bwd, comm = case
+    kw = dict(forward=fwd, backward=bwd, comm=comm, ranks=ranks, microbatches=m, weight_share=weight_share)
+    fast, slow = simulate(schedule, **kw), simulate_events(schedule, **kw)
+    assert fast == slow
+    rows = step_times(schedule, forward=[fwd, bwd], backward=[bwd, fwd], comm=[comm, comm], ranks=ranks,
+                      microbatches=m, weight_share=weight_share)  # fmt: skip
+    swapped = simulate_events(schedule, **{**kw, "forward": bwd, "backward": fwd})
+    assert rows.tolist() == [slow.step_time, swapped.step_time]
+
+
+def test_fast_paths_equal_the_event_loop_on_real_valued_costs() -> None:
+    """Random real-valued costs (ties are rare, rounding is not): identical floats on 200 pipelines."""
+    import random
+
+    from _event_sim import simulate_events
+
+    rnd = random.Random(7)
+    for _ in range(200):
+        schedule = rnd.choice(["gpipe", "1f1b", "interleaved1f1b", "zbv"])
+        ranks = rnd.randint(1, 6)
+        virtual = {"gpipe": 1, "1f1b": 1, "zbv": 2}.get(schedule) or rnd.randint(2, 3)
+        m = ranks * rnd.randint(1, 4) if schedule == "interleaved1f1b" else rnd.randint(1, 16)
+        k = ranks * virtual
+        kw = dict(forward=[rnd.random() for _ in range(k)], backward=[2 * rnd.random() for _ in range(k)],
+                  comm=[rnd.random() / 10 for _ in range(k)], ranks=ranks, microbatches=m)  # fmt: skip
+        assert simulate(schedule, **kw) == simulate_events(schedule, **kw), (schedule, ranks, m)
