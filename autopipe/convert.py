@@ -143,6 +143,11 @@ def convert(
 
     if recompute not in RECOMPUTE_POLICIES:
         raise AutopipeError(f"unknown --recompute {recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
+    if engine == "deepspeed":  # DeepSpeed's engine recomputes nothing the plan asks for: plan without it
+        if recompute in ("selective", "full"):
+            raise AutopipeError(f"--recompute {recompute} does not run on --engine deepspeed (set activation "
+                                "checkpointing in its ds_config.json): drop it or use --engine torch.")
+        recompute = "none"
     job_dir = Path(out) if out is not None else default_job_dir(model)
     check_job_dir(job_dir, force=force)
     if data is not None:

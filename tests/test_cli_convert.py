@@ -313,6 +313,31 @@ def test_deepspeed_job_gets_an_editable_ds_config_and_a_torchrun_launch(factory:
                    "--schedule zbv does not run on --engine deepspeed")
 
 
+def test_deepspeed_jobs_are_planned_without_recompute(factory: str):
+    """DeepSpeed's engine recomputes nothing a plan asks for: its jobs are planned under --recompute none
+    (the default auto would let a chunk count on recompute), a forced mode is refused in one line, and
+    train.py on DeepSpeed refuses a plan that recomputes unless told to run it without."""
+    from types import SimpleNamespace
+
+    from autopipe.errors import AutopipeError
+    from autopipe.runtime.ds import _refuse_plan
+
+    assert _convert(factory, "--stages", "2", "--out", "t").exit_code == 0
+    assert json.loads(Path("t/plan.json").read_text())["recompute"] == "auto"
+    assert _convert(factory, "--stages", "2", "--engine", "deepspeed", "--out", "d").exit_code == 0
+    plan = json.loads(Path("d/plan.json").read_text())
+    assert plan["recompute"] == "none" and set(plan["stage_recompute"]) == {"none"}
+    _fails_cleanly(_convert(factory, "--stages", "2", "--engine", "deepspeed", "--recompute", "full", "--out", "x"),
+                   "--recompute full does not run on --engine deepspeed")
+    assert not Path("x").exists()
+    recomputing = SimpleNamespace(stage_recompute=("full", "none"))
+    with pytest.raises(AutopipeError, match=r"plan.json recomputes activations \(full none\).*--recompute none"):
+        _refuse_plan(recomputing, "plan.json", SimpleNamespace(recompute="plan"))
+    _refuse_plan(recomputing, "plan.json", SimpleNamespace(recompute="none"))  # asked to run it without
+    _refuse_plan(SimpleNamespace(stage_recompute=("none", "none")), "plan.json", SimpleNamespace(recompute="plan"))
+    _refuse_plan(SimpleNamespace(boundaries=(0, 2, 4)), "plan.json", SimpleNamespace(recompute="plan"))  # hand-written
+
+
 def test_report_keeps_a_report_html_it_did_not_write(factory: str):
     """`autopipe report PLAN` rebuilds its own report.html, but a report.html of the user's beside the plan needs --force."""
     assert _convert(factory, "--stages", "2").exit_code == 0

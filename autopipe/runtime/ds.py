@@ -322,6 +322,16 @@ def _refuse(args: Any) -> None:
         raise AutopipeError(f"--schedule {args.schedule}: DeepSpeed runs its own 1F1B schedule; use --engine torch for {args.schedule}.")
 
 
+def _refuse_plan(plan: Any, plan_path: str, args: Any) -> None:
+    """A plan whose chunks recompute (its memory counted on it) does not run as planned on DeepSpeed."""
+    modes = tuple(getattr(plan, "stage_recompute", ()) or ())
+    if getattr(args, "recompute", "plan") == "plan" and any(m != "none" for m in modes):
+        raise AutopipeError(
+            f"{plan_path} recomputes activations ({' '.join(modes)}), which --engine deepspeed does not do: "
+            "re-plan with --recompute none, pass --recompute none to run it without, or use --engine torch."
+        )
+
+
 def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any, *, seq_len: int) -> list[float]:
     """Train with DeepSpeed's PipelineEngine (what train.py runs for ``--engine deepspeed``).
 
@@ -330,6 +340,8 @@ def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any,
     ``--ckpt-every`` and ``--export`` work as on the torch engine. Returns the per-step losses.
     """
     _refuse(args)
+    plan = None if plan_path == "even" else load_plan(plan_path)
+    _refuse_plan(plan, plan_path, args)
     os.environ.setdefault("LOCAL_RANK", "0")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -357,7 +369,6 @@ def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any,
         raise AutopipeError(f"world size {world} is not a multiple of --dp {dp}; launch dp x stages processes.")
     pp = world // dp
     rank = dist.get_rank()
-    plan = None if plan_path == "even" else load_plan(plan_path)
     if plan is not None:
         check_launch(plan, pp, dp, plan_path=plan_path)
     ctx = _Context(source.factory, source.args, source.kwargs, seed=config.seed,
