@@ -229,3 +229,34 @@ def test_seq2seq_pairs_from_a_datasets_file(tmp_path: Path) -> None:
         i = int(source.split()[1])
         assert source == f"say {i}"
         assert bytes(labels[labels != -100].tolist()).decode() == ("ok" * (i + 1))[:SEQ]
+
+
+def test_resume_says_what_changed_and_refuses_nothing_to_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--resume: nothing there is an error (--resume auto starts afresh, saying so); a checkpoint made
+    with another --steps (the LR schedule then decays over the new count) or other data is said so; a
+    checkpoint already at --steps is an error naming the larger --steps to pass."""
+    from autopipe.runtime.main import ResumeError, resume
+
+    said: list[str] = []
+    trainer = SimpleNamespace(step_count=0)
+    data = SimpleNamespace(state=lambda: {"source": "b.bin"})
+    with pytest.raises(ResumeError, match=r"--resume: no checkpoint in .*use --resume auto"):
+        resume(trainer, tmp_path / "ckpt", mode="must", steps=8, data=data, say=said.append)
+    assert resume(trainer, tmp_path / "ckpt", mode="auto", steps=8, data=data, say=said.append) is None
+    assert said == [f"no checkpoint in {tmp_path / 'ckpt'}: starting at step 0 (--resume auto)"]
+
+    step = tmp_path / "ckpt" / "step_00000002"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"step": 2, "config": {"steps": 4}, "data": {"source": "a.bin"}}))
+    monkeypatch.setattr("autopipe.runtime.checkpoint.load_checkpoint", lambda t, path: setattr(t, "step_count", 2))
+    said.clear()
+    assert resume(trainer, tmp_path / "ckpt", mode="must", steps=8, data=data, say=said.append) == step
+    assert said == [f"resumed from {step} at step 2",
+                    "note: the checkpoint was trained for --steps 4; the learning rate now decays over 8 steps from step 2",
+                    "note: the checkpoint was trained on a.bin; this run reads b.bin"]
+    said.clear()
+    resume(trainer, tmp_path / "ckpt", mode="must", steps=4, data=SimpleNamespace(state=lambda: {"source": "a.bin"}),
+           say=said.append)
+    assert said == [f"resumed from {step} at step 2"]  # the same run: nothing to note
+    with pytest.raises(ResumeError, match="already at --steps 2: pass a larger --steps"):
+        resume(trainer, tmp_path / "ckpt", mode="must", steps=2, data=data, say=said.append)
