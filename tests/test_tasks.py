@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from autopipe.errors import AutopipeError
 from autopipe.runtime import JobData, build_stage, model_factory
@@ -260,3 +259,65 @@ def test_resume_says_what_changed_and_refuses_nothing_to_resume(tmp_path: Path, 
     assert said == [f"resumed from {step} at step 2"]  # the same run: nothing to note
     with pytest.raises(ResumeError, match="already at --steps 2: pass a larger --steps"):
         resume(trainer, tmp_path / "ckpt", mode="must", steps=2, data=data, say=said.append)
+
+
+def test_classification_heads_train_on_class_ids(tmp_path: Path) -> None:
+    """HF sequence and image classification: the data's y reaches the head as `labels` (one class id a
+    row), synthetic labels are class ids below num_labels; y beyond the head's classes, or a token
+    stream (next tokens are not classes), is one line, whatever the loss."""
+    from transformers import BertConfig, ViTConfig
+
+    BertConfig(architectures=["BertForSequenceClassification"], hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=16, vocab_size=64, max_position_embeddings=SEQ, pad_token_id=0, num_labels=3,
+               ).save_pretrained(tmp_path / "bert")
+    ViTConfig(architectures=["ViTForImageClassification"], hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+              intermediate_size=16, image_size=8, patch_size=4, num_channels=3, num_labels=4).save_pretrained(tmp_path / "vit")
+    rng = np.random.default_rng(0)
+    (np.arange(400) % 64).astype(np.uint16).tofile(tmp_path / "t.bin")
+    for name, classes, x in [("bert", 3, rng.integers(1, 64, (12, SEQ))),
+                             ("vit", 4, rng.standard_normal((12, 3, 8, 8)).astype(np.float32))]:
+        source = model_factory(str(tmp_path / name), batch_size=2, seq_len=SEQ)
+        assert source.num_labels == classes and source.kwargs["labels"].shape == (2,)
+        seq = build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1).seq
+        y = rng.integers(0, classes, 12)
+        np.savez(tmp_path / f"{name}.npz", x=x, y=y)
+        data = JobData(source, str(tmp_path / f"{name}.npz"), seq_len=SEQ, seq=seq)
+        seen = {}
+        for step in range(3):  # one epoch of 12 rows
+            (inputs,), kwargs, target = data.batch(step, 4)
+            assert target is None and kwargs["labels"].dtype == torch.long
+            for row, label in zip(inputs, kwargs["labels"]):
+                seen[int(np.flatnonzero([np.array_equal(row.numpy(), r) for r in x])[0])] = int(label)
+        assert seen == {i: int(y[i]) for i in range(12)}
+        _, kwargs, _ = JobData(source, None, seq_len=SEQ, seq=seq).batch(0, 64)
+        labels = kwargs["labels"]
+        assert labels.shape == (64,) and 0 <= int(labels.min()) and int(labels.max()) < classes and len(set(labels.tolist())) > 1
+        np.savez(tmp_path / "bad.npz", x=x, y=np.arange(12))
+        with pytest.raises(DataError, match=rf"y must hold class ids below {classes} for .*classification head \(found torch.int64, max 11\)"):
+            JobData(source, str(tmp_path / "bad.npz"), seq_len=SEQ, seq=seq)
+    for loss in ("model", "cross_entropy"):
+        source = model_factory(str(tmp_path / "bert"), batch_size=2, seq_len=SEQ, loss=loss)
+        seq = build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1).seq
+        with pytest.raises(DataError, match="is a token stream, which holds no class labels, but .* 3 classes"):
+            JobData(source, str(tmp_path / "t.bin"), seq_len=SEQ, seq=seq)
+
+
+def test_a_token_stream_for_a_model_that_does_not_predict_tokens_is_one_line(tmp_path: Path) -> None:
+    """--loss cross_entropy on a token stream trains next-token targets: a model predicting one class a
+    row is refused in one line; one predicting a token at each position takes them."""
+    (tmp_path / "nets.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def classifier(batch_size=2):\n"
+        "    return nn.Sequential(nn.Embedding(64, 4), nn.Flatten(), nn.Linear(4 * 8, 5)), (torch.zeros(batch_size, 8, dtype=torch.long),)\n"
+        "def tagger(batch_size=2):\n"
+        "    return nn.Sequential(nn.Embedding(64, 4), nn.Linear(4, 64)), (torch.zeros(batch_size, 8, dtype=torch.long),)\n")
+    (np.arange(400) % 64).astype(np.uint16).tofile(tmp_path / "t.bin")
+    for fn, ok in (("classifier", False), ("tagger", True)):
+        source = model_factory(f"{tmp_path / 'nets.py'}:{fn}", batch_size=2, seq_len=SEQ, loss="cross_entropy")
+        seq = build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1).seq
+        if ok:
+            (ids,), _, target = JobData(source, str(tmp_path / "t.bin"), seq_len=SEQ, seq=seq).batch(0, 4)
+            assert torch.equal(target[:, :-1], ids[:, 1:]) and target.shape == (4, 8)
+        else:
+            with pytest.raises(DataError, match=r"next token at each of 8 positions, but .* predicts \(5,\) per row"):
+                JobData(source, str(tmp_path / "t.bin"), seq_len=SEQ, seq=seq)

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
-from .data import DataError, SampleData, TokenData, TokenStream, _Order, open_data
+from .data import DataError, TokenData, TokenStream, _Order, open_data
 from .weights import module_seed
 
 __all__ = ["JobData", "LABEL_NAMES", "LOSSES", "LossError", "check_loss", "loss_name", "resolve_loss", "make_loss", "mlm_mask", "model_outputs_logits"]
@@ -222,6 +222,15 @@ class JobData:
                 f"{data} is a token stream but {source.name}'s first input is {self.inputs[0].dtype} "
                 f"{tuple(self.inputs[0].shape)} per row; give a .npz/.pt with x (inputs) and y (targets)."
             )
+        if self.tokens is not None and source.num_labels:
+            raise DataError(f"{data} is a token stream, which holds no class labels, but {source.name} is a "
+                            f"{self.task} model with {source.num_labels} classes; give a .npz/.pt with x (inputs) and "
+                            "y (class ids), or a datasets file with a label column.")
+        if self.tokens is not None and self.task not in TOKEN_TASKS and self.loss == "cross_entropy" and seq is not None \
+                and tuple(self.output_shape[:-1]) != (self.span - 1,):
+            raise DataError(f"{data} is a token stream, whose targets are the next token at each of {self.span - 1} "
+                            f"positions, but {source.name} predicts {tuple(self.output_shape)} per row; give a .npz/.pt "
+                            "with x (inputs) and y (targets).")
         if self.tokens is not None and self.task not in TOKEN_TASKS and self.loss == "model" and self._label_input() is None:
             raise DataError(f"{data} is a token stream, which gives next-token targets, but {source.name} takes no labels "
                             "argument; train it with --loss cross_entropy.")
@@ -415,6 +424,15 @@ class JobData:
             if y.is_floating_point() or (classes and int(y.max()) >= classes):
                 raise DataError(f"{where}: {y_name} must hold class ids below {classes} for --loss cross_entropy "
                                 f"(found {y.dtype}, max {y.max().item()}).")
+        # a classification head's own loss (HF's, num_labels > 1) takes one class id per row; a row of
+        # num_labels floats is multi-label, one float with num_labels 1 regression: left as given
+        classes = self.source.num_labels
+        col = (label.name if label.name in names else y_name) if label is not None else None
+        if self.loss == "model" and classes > 1 and col is not None and self.samples.kind(col) != "ragged":
+            y = self.samples.rows(col, np.arange(min(self.samples.n, 4096)))
+            if y.dim() == 1 and (y.is_floating_point() or int(y.max()) >= classes):
+                raise DataError(f"{where}: {col} must hold class ids below {classes} for {self.source.name}'s "
+                                f"classification head (found {y.dtype}, max {y.max().item()}).")
 
 
 def _inputs_of(source: Any) -> list[_Input]:
