@@ -217,24 +217,39 @@ def test_train_py_errors_are_one_line_from_rank_0(jobs: dict[str, dict], tmp_pat
     _one_line(_train(job, "--plan", str(tmp_path / "plan.json"), nproc=3), "launch with --nproc-per-node 2")
 
 
-def test_ctrl_c_stops_cleanly_and_says_how_to_resume(jobs: dict[str, dict]) -> None:
-    """SIGINT mid-run: exit 130, no traceback, one line naming the newest checkpoint and the resume command."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(jobs: dict[str, dict], nproc: int) -> None:
+    """Ctrl-C mid-run (SIGINT to the whole process group, as a terminal sends it; under torchrun the
+    workers get torchrun's SIGTERM too): every rank stops, no traceback of ours, and rank 0 alone prints
+    one line naming the newest checkpoint and the command that resumes from it; exit 130 without torchrun."""
     import signal
 
     job = jobs["cnn"]
-    run = job["root"] / "interrupted"
+    run = job["root"] / f"interrupted{nproc}"
     run.mkdir(exist_ok=True)
-    proc = subprocess.Popen([sys.executable, str(job["root"] / "job" / "train_torch.py"), "--steps", "100000", "--plan", "even",
+    head = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"] if nproc > 1 else [sys.executable]
+    # a shell's background job ignores SIGINT, and Python then never raises KeyboardInterrupt: start
+    # the job with SIGINT as a terminal leaves it, in a group of its own to signal as a terminal does
+    proc = subprocess.Popen([*head, str(job["root"] / "job" / "train_torch.py"), "--steps", "100000", "--plan", "even",
                              "--ckpt-dir", str(run / "ckpt"), "--ckpt-every", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=run, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+                            text=True, cwd=run, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith("step     3"):
             break
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-3000:]
-    assert "Traceback" not in err and "interrupted: newest checkpoint" in err, err[-3000:]
-    assert f"{run / 'ckpt'}/step_000000" in err and "--resume" in err.splitlines()[-1]
+    said = [line for line in err.splitlines() if line.startswith("interrupted:")]
+    assert len(said) == 1 and "interrupted: newest checkpoint" in said[0], err[-3000:]
+    assert f"{run / 'ckpt'}/step_000000" in said[0] and said[0].endswith("--resume")
+    assert said[0].split("resume with: ")[1].startswith("torchrun --nproc-per-node=2" if nproc > 1 else "python ")
+    assert "autopipe/" not in err and "[rank" not in err and "error:" not in err, err[-3000:]
+    newest = Path(said[0].split("newest checkpoint ")[1].split(";")[0])
+    assert sorted(p.name for p in newest.iterdir()) == ["meta.json", *(f"rank{r:05d}.pt" for r in range(nproc))]
+    if nproc == 1:
+        assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    else:  # torchrun reports the signal in its own words after the line, and exits non-zero
+        assert proc.returncode != 0
 
 
 def test_deepspeed_resumes_and_exports_through_its_own_checkpoints(tmp_path: Path) -> None:
