@@ -39,6 +39,15 @@ def stage_table(plan, profile, title: str = "") -> Table:  # type: ignore[no-unt
     return table
 
 
+def _is_autopipe_report(path: Path) -> bool:
+    """Whether ``path`` is a report autopipe wrote (which `report` may rebuild in place)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "<title>autopipe report" in f.read(4096)
+    except OSError:
+        return False
+
+
 def _label(name: str) -> str:
     """A layer made of several glue modules is named by its first: 'transformer.wte (+2)'."""
     parts = name.split(", ")
@@ -64,6 +73,8 @@ def convert_command(
     force: Annotated[bool, typer.Option("--force", help="Replace the job files of an existing folder.")] = False,
     repeats: Annotated[int, typer.Option(help="Timed runs per measured layer.")] = 5,
     reserve: Annotated[Optional[str], typer.Option(help="Memory the runtime holds per rank beyond the tensors, like 80MiB (default: measured once per device).")] = None,
+    loss: Annotated[str, typer.Option(help="auto (a factory's loss, else the model's own), model, cross_entropy or mse (against the data's targets).")] = "auto",
+    data: Annotated[Optional[Path], typer.Option(help="The job's training data: token file, text, .npz/.pt with x and y, or .parquet/.jsonl/.arrow (default: synthetic).")] = None,
 ) -> None:
     """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
     from .convert import convert
@@ -75,8 +86,8 @@ def convert_command(
 
     result = convert(
         model, stages=stages, microbatches=microbatches, schedule=schedule, batch_size=batch_size, seq_len=seq_len,
-        device=device, dtype=dtype, memory_limit=memory_limit, recompute=recompute, estimate=estimate, engine=engine, out=out,
-        force=force, repeats=repeats, reserve=reserve, on_pass=say,
+        device=device, dtype=dtype, memory_limit=memory_limit, recompute=recompute, estimate=estimate, engine=engine,
+        out=out, force=force, repeats=repeats, reserve=reserve, loss=loss, data=data, on_pass=say,
     )  # fmt: skip
     plan, prof = result.plan, result.profile
     for warning in prof.warnings:
@@ -126,6 +137,8 @@ def report_command(
 
         measured = compare(plan, read_step_log(log))
     target = out or plan_path.parent / "report.html"
+    if out is None and target.exists() and not force and not _is_autopipe_report(target):
+        raise FileExistsError(f"{target} exists and is not an autopipe report; pass --force to overwrite it, or choose --out.")
     write_report(target, plan, prof, measured=measured)
     what = "" if prof is not None else " (no profile: per-layer charts and baselines left out)"
     console.print(f"wrote {target}{what}", highlight=False, soft_wrap=True)

@@ -86,6 +86,8 @@ def convert(
     repeats: int = 5,
     warmup: int = 2,
     reserve: str | int | None = None,
+    loss: str = "auto",
+    data: str | os.PathLike[str] | None = None,
     progress: bool = True,
     on_pass: Callable[[str], None] | None = None,
 ) -> ConvertResult:
@@ -111,6 +113,10 @@ def convert(
         repeats, warmup: timed and untimed runs per layer when measuring.
         reserve: memory the training runtime holds per rank beyond the tensors (e.g. "80MiB", 0);
             default: measured once per device (``autopipe.reserve``), assumed for GPUs estimated.
+        loss: what the job trains on: ``auto`` (a factory's loss, else the model's own), ``model``,
+            ``cross_entropy`` or ``mse`` (of the model's output against the data's targets); a job
+            that cannot produce a scalar loss is refused after flatten, before profiling.
+        data: the job's default ``--data`` (checked against the model's inputs before profiling).
         on_pass: called with each pass's name as it starts (the CLI prints it).
 
     Raises:
@@ -127,14 +133,29 @@ def convert(
     if train_dtype not in DTYPES:
         raise AutopipeError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16.")
     schedule = normalize_schedule(schedule)
+    if engine == "deepspeed" and (schedule not in ("1f1b", "gpipe") or train_dtype == "fp16"):
+        what = f"--schedule {schedule}" if schedule not in ("1f1b", "gpipe") else "--dtype fp16"
+        raise AutopipeError(f"{what} does not run on --engine deepspeed (its own 1F1B schedule; bf16 or fp32): "
+                            "drop it or use --engine torch.")
     if memory_limit is not None and str(memory_limit).strip().lower() not in ("device", "none"):
         parse_size(memory_limit)  # a bad size is refused before any work
     from .partition import RECOMPUTE_POLICIES
 
     if recompute not in RECOMPUTE_POLICIES:
         raise AutopipeError(f"unknown --recompute {recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
+    if engine == "deepspeed":  # DeepSpeed's engine recomputes nothing the plan asks for: plan without it
+        if recompute in ("selective", "full"):
+            raise AutopipeError(f"--recompute {recompute} does not run on --engine deepspeed (set activation "
+                                "checkpointing in its ds_config.json): drop it or use --engine torch.")
+        recompute = "none"
     job_dir = Path(out) if out is not None else default_job_dir(model)
     check_job_dir(job_dir, force=force)
+    if data is not None:
+        from .runtime.data import _exists
+
+        _exists(Path(data))
+    # train.py runs from anywhere: a folder or factory file given relative to here is written absolute
+    job_model = _absolute_spec(model)
     if estimate and device not in ("cpu", "cuda") and not _is_known_target(device):
         raise AutopipeError(f"unknown --device {device!r}; use cpu or cuda (with --estimate also a100, h100, h200).")
     if not estimate and device not in ("cpu", "cuda"):
@@ -159,7 +180,11 @@ def convert(
 
     say("load")
     spec = load_model(model, device="meta" if estimate else "cpu", batch_size=batch_size, seq_len=seq_len, seed=seed)
-    m, args, kwargs = spec.model, spec.args, spec.kwargs
+    from .runtime.tasks import resolve_loss
+
+    # a model trained with another loss than its own is traced (and profiled) as it will run: without labels
+    job_loss, spec_kwargs = resolve_loss(model, spec.task, spec.loss, loss, spec.kwargs)
+    m, args, kwargs = spec.model, spec.args, spec_kwargs
     torch_dtype = getattr(torch, DTYPES[train_dtype])
     if train_dtype != "fp32" and estimate:
         # Measured, the fp32 model runs under autocast as train.py trains it. Estimated on meta there
@@ -176,6 +201,8 @@ def convert(
     # ---- flatten, profile ----
     say("flatten")
     seq = flatten(m, args, kwargs)
+    _check_job_inputs(model, seq, job_loss, loss, data, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                      factory_data=spec.data is not None)
     lap("flatten")
     chunks_per_rank = 2 if schedule in ("interleaved1f1b", "zbv") else 1
     if stages * chunks_per_rank > len(seq.layers):
@@ -209,12 +236,37 @@ def convert(
     # ---- emit ----
     say("emit")
     settings = JobSettings(
-        model=model, stages=stages, microbatches=plan.microbatches, schedule=plan.schedule,
+        model=job_model, stages=stages, microbatches=plan.microbatches, schedule=plan.schedule,
         batch_size=batch_size, seq_len=seq_len, dtype=train_dtype, engine=engine, device=device, seed=seed,
+        loss=loss, data=os.path.abspath(data) if data is not None else None,
     )  # fmt: skip
     job = emit(job_dir, settings=settings, profile=prof, plan=plan, baselines=baselines, force=force)
     lap("emit")
     return ConvertResult(settings, prof, plan, baselines, job, seconds)
+
+
+def _absolute_spec(model: str) -> str:
+    """``dir`` and ``file.py:function`` as absolute paths, so the job's train.py runs from any folder."""
+    target, colon, function = model.rpartition(":")
+    if colon and target.endswith(".py") and Path(target).is_file():
+        return f"{os.path.abspath(target)}:{function}"
+    if Path(model).is_dir():
+        return os.path.abspath(model)
+    return model
+
+
+def _check_job_inputs(model: str, seq: Any, job_loss: Any, loss: str, data: Any, *, factory_data: bool = False,
+                      **shape: int) -> None:
+    """Refuse, before profiling, a job that could not train: no scalar loss, or data (--data, or the
+    factory's) that does not fit the model."""
+    from .runtime.tasks import JobData, check_loss
+
+    check_loss(seq, job_loss, model)
+    if data is not None or factory_data:
+        from .runtime.models import model_factory
+
+        source = model_factory(model, batch_size=shape["batch_size"], seq_len=shape["seq_len"], seed=shape["seed"], loss=loss)
+        JobData(source, str(data) if data is not None else None, seq_len=shape["seq_len"], seed=shape["seed"], seq=seq)
 
 
 def _named(prof: Profile, model: str) -> Profile:

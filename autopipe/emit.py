@@ -59,6 +59,8 @@ class JobSettings:
     engine: str = "torch"  # torch | deepspeed
     device: str = "cpu"  # where it was profiled
     seed: int = 0
+    loss: str = "auto"  # auto | model | cross_entropy | mse
+    data: str | None = None  # the job's default --data (absolute path); None: synthetic
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,10 +94,9 @@ def check_job_dir(job_dir: str | os.PathLike[str], *, force: bool = False) -> Pa
 
 
 def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings) -> str:
-    """The command that starts training: torchrun with one process per stage (deepspeed's launcher for it)."""
+    """The command that starts training: torchrun with one process per stage, for either engine
+    (DeepSpeed's engine runs under torchrun too, so the command needs nothing beyond torch)."""
     script = shlex.quote(str(Path(job_dir) / "train.py"))
-    if settings.engine == "deepspeed":
-        return f"deepspeed --num_gpus {settings.stages} {script}"
     return f"torchrun --nproc-per-node {settings.stages} {script}"
 
 
@@ -142,7 +143,11 @@ def emit(
         write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model)
         launch = launch_command(path, settings)
         write_text_atomic(staging / "README.md", _readme(settings, profile, plan, launch))
-        for name in JOB_FILES:
+        names = JOB_FILES
+        if settings.engine == "deepspeed":  # DeepSpeed's own settings file, for the user to edit
+            names = (*JOB_FILES, "ds_config.json")
+            write_text_atomic(staging / "ds_config.json", _ds_config(settings))
+        for name in names:
             os.replace(staging / name, path / name)
     except BaseException:
         if created is not None:  # leave no half-made job behind (never a folder the user had)
@@ -150,7 +155,17 @@ def emit(
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return JobFiles(path, tuple(path / name for name in JOB_FILES), launch)
+    return JobFiles(path, tuple(path / name for name in names), launch)
+
+
+def _ds_config(settings: JobSettings) -> str:
+    import json
+
+    from .runtime.ds import ds_config
+    from .runtime.optim import TrainConfig
+
+    config = TrainConfig(microbatches=settings.microbatches, dtype=settings.dtype, seed=settings.seed)
+    return json.dumps(ds_config(config, rows=settings.batch_size, dp=1), indent=2) + "\n"
 
 
 def _write_train_script(job_dir: Path, settings: JobSettings, plan: Plan) -> Path:
@@ -165,6 +180,11 @@ def _write_train_script(job_dir: Path, settings: JobSettings, plan: Plan) -> Pat
     target = job_dir / "train.py"
     write_train_script(target, plan=plan, **settings.to_dict())
     return target
+
+
+def _data_line(settings: JobSettings) -> str:
+    data = f"`{settings.data}`" if settings.data else "synthetic data (`--data` for yours)"
+    return f"{data}, loss `{settings.loss}`"
 
 
 def _readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str) -> str:
@@ -184,7 +204,7 @@ micro-batch {format_microbatch(profile.microbatch)}. {plan.stages} stages, sched
 
 ## Launch
 
-Run from the folder `autopipe convert` ran in (the model is rebuilt from `{settings.model}`):
+The model is rebuilt from `{settings.model}` on every rank; the job trains on {_data_line(settings)}:
 
     {launch}
 

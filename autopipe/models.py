@@ -6,7 +6,10 @@ Nothing is downloaded: built-ins are HuggingFace configs with random initialisat
     spec.model, spec.args, spec.kwargs    # ready for autopipe.flatten
 
 A factory (``package.module:function`` or ``path/to/file.py:function``) returns a model, or a tuple
-``(model, example_args)`` / ``(model, example_args, example_kwargs)``. If it returns only a model,
+``(model, example_args)`` / ``(model, example_args, example_kwargs)``, or a dict with the keys
+``model``, ``args``, ``kwargs`` and optionally ``loss`` (``loss(outputs, target)``: the job trains
+on it) and ``data`` (samples to train on: a dict of arrays ``{"x": ..., "y": ...}``, a map-style
+``Dataset`` of ``(x, y)`` pairs, or a function returning one of those). If it returns only a model,
 its module may define ``example_inputs(batch_size, seq_len)`` returning the args (or args, kwargs).
 """
 
@@ -38,11 +41,13 @@ class ModelSpec:
     model: nn.Module
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
-    task: str = "custom"  # causal-lm | masked-lm | seq2seq | image-classification | custom
+    task: str = "custom"  # causal-lm | masked-lm | seq2seq | sequence-classification | image-classification | custom
     source: str = "builtin"  # builtin | folder | factory
     vocab_size: int = 0  # for synthetic token data; 0 when not a language model
     batch_size: int = 1
     seq_len: int = 0
+    loss: Any = None  # a factory's loss(outputs, target), if it gave one
+    data: Any = None  # a factory's training data, if it gave some
 
     def __iter__(self) -> Iterator[Any]:
         """``model, args, kwargs = load_model(...)`` unpacks what flatten takes."""
@@ -101,8 +106,12 @@ def load_model(
     seq_len: int = 128,
     seed: int = 0,
     dropout: float | None = None,
+    weights: bool = True,
 ) -> ModelSpec:
     """Build the model named by ``spec`` on ``device`` ("meta" allocates no weights) with example inputs.
+
+    ``weights=False`` leaves a folder's safetensors unread (the training runtime reads each rank's
+    tensors itself, by key).
 
     Example:
         >>> ms = load_model("llama-70b", device="meta", batch_size=1, seq_len=16)
@@ -117,7 +126,7 @@ def load_model(
         return _from_builtin(spec, device, batch_size, seq_len, dropout)
     path = Path(spec)
     if path.is_dir():
-        return _from_folder(path, device, batch_size, seq_len, dropout)
+        return _from_folder(path, device, batch_size, seq_len, dropout, weights)
     if ":" in spec:
         return _from_factory(spec, device, batch_size, seq_len)
     close = [n for n in BUILTINS if n.split("-")[0] == spec.split("-")[0]]
@@ -136,7 +145,7 @@ def _from_builtin(name: str, device: torch.device, b: int, t: int, dropout: floa
     return _from_config(config, getattr(transformers, entry.model), entry.task, name, "builtin", device, b, t, dropout)
 
 
-def _from_folder(path: Path, device: torch.device, b: int, t: int, dropout: float | None) -> ModelSpec:
+def _from_folder(path: Path, device: torch.device, b: int, t: int, dropout: float | None, load: bool = True) -> ModelSpec:
     import transformers
 
     cfg_file = path / "config.json"
@@ -156,7 +165,7 @@ def _from_folder(path: Path, device: torch.device, b: int, t: int, dropout: floa
     task = _task_of(cls.__name__)
     ms = _from_config(config, cls, task, str(path), "folder", device, b, t, dropout)
     weights = list(path.glob("*.safetensors")) + list(path.glob("pytorch_model*.bin"))
-    if weights and device.type != "meta":
+    if weights and load and device.type != "meta":
         loaded = cls.from_pretrained(str(path), local_files_only=True, config=config)
         ms.model = loaded.to(device).train()
     return ms
@@ -164,7 +173,8 @@ def _from_folder(path: Path, device: torch.device, b: int, t: int, dropout: floa
 
 def _task_of(class_name: str) -> str:
     for suffix, task in (("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm"), ("ForMaskedLM", "masked-lm"),
-                         ("ForConditionalGeneration", "seq2seq"), ("ForImageClassification", "image-classification")):
+                         ("ForConditionalGeneration", "seq2seq"), ("ForImageClassification", "image-classification"),
+                         ("ForSequenceClassification", "sequence-classification")):
         if class_name.endswith(suffix):
             return task
     return "custom"
@@ -194,8 +204,14 @@ def _from_config(config: Any, cls: Any, task: str, name: str, source: str, devic
         raise ModelNotFoundError(f"--seq-len {t} is longer than {name}'s {limit} positions; use at most {limit}.")
     ids = torch.randint(0, vocab, (b, t), generator=g).to(device)
     kwargs: dict[str, Any] = {"labels": ids}
+    if task == "masked-lm":
+        # its own tensor: traced with the very object of the inputs, the graph reads the ids through
+        # the labels, and a masked LM's labels differ from its (masked) inputs
+        kwargs = {"labels": ids.clone()}
     if task == "seq2seq":
         kwargs = {"labels": torch.randint(0, vocab, (b, t), generator=g).to(device)}
+    if task == "sequence-classification":
+        kwargs = {"labels": torch.randint(0, int(config.num_labels), (b,), generator=g).to(device)}
     if "use_cache" in inspect.signature(model.forward).parameters or task in ("causal-lm", "seq2seq"):
         kwargs["use_cache"] = False
     return ModelSpec(name, model, (ids,), kwargs, task, source, vocab, b, t)
@@ -219,12 +235,27 @@ def _from_factory(spec: str, device: torch.device, b: int, t: int) -> ModelSpec:
             result = (result, _call_flexibly(example, b, t))
             if isinstance(result[1], tuple) and len(result[1]) == 2 and isinstance(result[1][1], dict):
                 result = (result[0], result[1][0], result[1][1])
+    loss = data = None
+    if isinstance(result, dict):
+        unknown = set(result) - {"model", "args", "kwargs", "loss", "data"}
+        if unknown or "model" not in result:
+            raise ModelNotFoundError(
+                f"{spec} returned a dict with keys {sorted(result)}; use model, args, kwargs, loss and data "
+                f"({'unknown: ' + ', '.join(sorted(unknown)) if unknown else 'model is missing'})."
+            )
+        loss, data = result.get("loss"), result.get("data")
+        if loss is not None and not callable(loss):
+            raise ModelNotFoundError(f"{spec}: 'loss' must be a function loss(outputs, target), got {type(loss).__name__}.")
+        result = (result["model"], result.get("args", ()), result.get("kwargs", {}))
     if not isinstance(result, tuple) or not result or not isinstance(result[0], nn.Module):
-        raise ModelNotFoundError(f"{spec} must return an nn.Module or (model, example_args[, example_kwargs]).")
+        raise ModelNotFoundError(f"{spec} must return an nn.Module, (model, example_args[, example_kwargs]) or a dict.")
     model, args, kwargs = result[0], result[1] if len(result) > 1 else (), result[2] if len(result) > 2 else {}
     if not isinstance(args, tuple):
         args = (args,)
-    return ModelSpec(spec, model, args, dict(kwargs), "custom", "factory", 0, b, t)
+    config = getattr(model, "config", None)
+    task = _task_of(type(model).__name__) if config is not None else "custom"
+    vocab = int(getattr(config, "vocab_size", 0) or 0) if config is not None else 0
+    return ModelSpec(spec, model, args, dict(kwargs), task, "factory", vocab, b, t, loss=loss, data=data)
 
 
 def _call_flexibly(fn: Callable[..., Any], b: int, t: int) -> Any:

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -152,9 +153,7 @@ class Plan:
             plan = cls(**d)
         except TypeError as e:
             raise RecordError(f"plan is missing fields ({e}); run `autopipe plan` again.") from None
-        b = plan.boundaries
-        if b[0] != 0 or b[-1] != plan.num_layers or any(x >= y for x, y in zip(b, b[1:])):
-            raise RecordError(f"plan boundaries {list(b)} are not increasing from 0 to {plan.num_layers}.")
+        _check_plan(plan)
         return plan
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -163,3 +162,62 @@ class Plan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Plan":
         return cls.from_dict(read_json(path, "plan"))
+
+
+_CHUNK_FIELDS = ("stage_ranks", "stage_times", "stage_forward", "stage_backward", "stage_comm", "stage_memory",
+                 "stage_inflight")
+_CHUNK_OPTIONAL = ("stage_first_layers", "stage_recompute")  # () in older plans
+_RANK_FIELDS = ("rank_times", "rank_memory")
+
+
+def _check_plan(plan: Plan) -> None:
+    """Refuse a plan.json whose parts cannot belong together or whose figures cannot be (hand-edited or
+    broken): one line naming the field, before anything reads it."""
+    again = "run `autopipe plan` again rather than edit it."
+
+    def number(value: Any, what: str, *, whole: bool = False, least: float = 0) -> None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= least
+        if not ok or (whole and value != int(value)):
+            kind = f"a whole number >= {least:g}" if whole else f"a finite number >= {least:g}"
+            raise RecordError(f"plan {what} is {value!r}, but must be {kind}; {again}")
+
+    b = plan.boundaries
+    number(plan.num_layers, "num_layers", whole=True, least=1)
+    if not b or b[0] != 0 or b[-1] != plan.num_layers or any(x >= y for x, y in zip(b, b[1:])):
+        raise RecordError(f"plan boundaries {list(b)} are not increasing from 0 to {plan.num_layers}.")
+    for f in ("stages", "virtual_stages", "microbatches"):
+        number(getattr(plan, f), f, whole=True, least=1)
+    chunks = len(b) - 1
+    if chunks != plan.stages * plan.virtual_stages:
+        raise RecordError(f"plan has {chunks} chunks (boundaries {list(b)}) but stages {plan.stages} x virtual_stages "
+                          f"{plan.virtual_stages} = {plan.stages * plan.virtual_stages}; {again}")
+    for f in _CHUNK_FIELDS + _CHUNK_OPTIONAL:
+        n = len(getattr(plan, f))
+        if n != chunks and not (f in _CHUNK_OPTIONAL and n == 0):
+            raise RecordError(f"plan {f} has {n} entries for {chunks} chunks; {again}")
+    for f in _RANK_FIELDS + ("rank_memory_breakdown",):
+        n = len(getattr(plan, f))
+        if n != plan.stages and not (f == "rank_memory_breakdown" and n == 0):
+            raise RecordError(f"plan {f} has {n} entries for {plan.stages} stages; {again}")
+    for c, r in enumerate(plan.stage_ranks):
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < plan.stages:
+            raise RecordError(f"plan stage_ranks[{c}] is {r!r}, not a rank of its {plan.stages} stages; {again}")
+    for f in ("stage_times", "stage_forward", "stage_backward", "stage_comm", "rank_times"):
+        for i, v in enumerate(getattr(plan, f)):
+            number(v, f"{f}[{i}]")
+    for f in ("stage_memory", "stage_inflight", "rank_memory"):
+        for i, v in enumerate(getattr(plan, f)):
+            number(v, f"{f}[{i}]", whole=True)
+    for f in ("bottleneck_time", "peak_memory", "step_time", "weight_share"):
+        number(getattr(plan, f), f, whole=f == "peak_memory")
+    number(plan.bubble_fraction, "bubble_fraction", least=-1e-9)  # 1 - busy/step: rounding may dip below 0
+    for f in ("memory_limit", "step_lower_bound", "optimum_bottleneck_time", "optimum_step_time"):
+        if getattr(plan, f) is not None:
+            number(getattr(plan, f), f, whole=f == "memory_limit")
+    if not (isinstance(plan.bandwidth, (int, float)) and plan.bandwidth > 0):  # inf: communication ignored
+        raise RecordError(f"plan bandwidth is {plan.bandwidth!r}, but must be > 0 bytes/s (null: ignored); {again}")
+    if not 0 <= plan.bottleneck_stage < chunks:
+        raise RecordError(f"plan bottleneck_stage is {plan.bottleneck_stage!r}, not one of its {chunks} chunks; {again}")
+    for c, mode in enumerate(plan.stage_recompute):
+        if mode not in ("none", "selective", "full"):
+            raise RecordError(f"plan stage_recompute[{c}] is {mode!r}; use none, selective or full.")

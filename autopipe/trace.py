@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import linecache
+import logging
 import os
+import sys
+import tempfile
 import traceback
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -50,11 +55,13 @@ def trace_with_notes(
     args = _as_args(example_args)
     kwargs = dict(example_kwargs or {})
     _check_signature(model, args, kwargs)
+    log = Path(tempfile.gettempdir()) / f"autopipe-trace-{type(model).__name__}-{os.getpid()}.log"
     try:
-        with _watch_custom_functions() as seen:
+        with _watch_custom_functions() as seen, _torch_log_to(log):
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # torch raises many kinds here; all become one readable TraceError
-        raise TraceError(_explain(model, e)) from e
+        where = f" torch's log of the failed trace (its FX graph): {log}." if log.is_file() else ""
+        raise TraceError(_explain(model, e) + where) from e
     notes = [
         f"custom autograd.Function {name}: export keeps only its forward, so the flattened model "
         "differentiates the forward's ops instead of its hand-written backward (gradients may differ slightly, ~1e-8)"
@@ -79,6 +86,45 @@ def _watch_custom_functions() -> Iterator[set[str]]:
         yield seen
     finally:
         torch.autograd.Function.apply = classmethod(original)  # type: ignore[assignment,method-assign]
+
+
+@contextlib.contextmanager
+def _torch_log_to(path: Path) -> Iterator[None]:
+    """Keep what torch prints while exporting off the screen: on a failed guard it prints the partial
+    FX graph to stderr and logs more (screens of it). If the export fails, that text goes to ``path``
+    (the error names it); if it succeeds, it is printed as torch would have."""
+    if os.environ.get("AUTOPIPE_DEBUG"):
+        yield
+        return
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setLevel(logging.WARNING)  # what torch shows by default
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    # torch._logging gives its loggers handlers of their own (torch, torch._dynamo, ...): swap them
+    # all, except the structured trace log (torch.__trace), which is not for screens
+    loggers = [logging.getLogger("torch")] + [
+        lg for name, lg in logging.root.manager.loggerDict.items()
+        if name.startswith("torch.") and not name.startswith("torch.__")
+        and isinstance(lg, logging.Logger) and lg.handlers
+    ]
+    saved = [(lg, lg.handlers[:], lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.handlers, lg.propagate = [handler], False
+    failed = False
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for lg, handlers, propagate in saved:
+            lg.handlers, lg.propagate = handlers, propagate
+        text = buffer.getvalue()
+        if text and failed:
+            path.write_text(text)
+        elif text:
+            sys.stderr.write(text)
 
 
 def _as_args(example_args: Any) -> tuple[Any, ...]:

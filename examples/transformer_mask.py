@@ -60,8 +60,12 @@ class MaskedEncoder(nn.Module):
         for block in self.blocks:
             hidden = block(hidden, mask)  # two arguments: no wrapper, no tuple
         logits = self.head(self.norm(hidden))
-        keep = mask.flatten()  # padding positions do not count in the loss
-        return F.cross_entropy(logits.flatten(0, 1)[keep], labels.flatten()[keep])
+        # padding positions do not count in the loss: a weighted mean, not boolean indexing, so the
+        # loss's shape does not depend on the mask's values and the model traces on the meta device
+        # (as every training rank builds it)
+        losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        keep = mask.flatten().to(losses.dtype)
+        return (losses * keep).sum() / keep.sum()
 
 
 def build(batch_size: int = 4, seq_len: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

@@ -260,6 +260,107 @@ def test_readme_names_a_quoted_train_script(tmp_path: Path, monkeypatch: pytest.
     assert f"`python '{script}' --help`" in readme
 
 
+LOGITS = '''
+import torch
+from torch import nn
+
+
+def build(batch_size=4):
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)), (torch.randn(batch_size, 16),)
+'''
+
+
+def test_a_job_without_a_loss_is_refused_before_profiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A model returning logits under --loss model (auto) is refused in one line naming the fix, before
+    any profiling; --loss cross_entropy makes the job, with the loss and data in train.py's settings."""
+    import sys
+
+    (tmp_path / "logits.py").write_text(LOGITS)
+    monkeypatch.chdir(tmp_path)
+    real = sys.modules["autopipe.profile"].profile
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("profiled a job that cannot train")
+
+    monkeypatch.setattr(sys.modules["autopipe.profile"], "profile", no_profiling)
+    _fails_cleanly(_convert("logits.py:build", "--stages", "2"), "no scalar loss: train it with --loss cross_entropy")
+    _fails_cleanly(_convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "missing.npz"),
+                   "--data 'missing.npz' does not exist")
+    import numpy as np
+
+    np.savez("wide.npz", x=np.zeros((8, 17), np.float32), y=np.zeros(8, np.int64))
+    _fails_cleanly(_convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "wide.npz"),
+                   "takes (16,) per row")
+    assert not Path("jobs").exists()
+    monkeypatch.setattr(sys.modules["autopipe.profile"], "profile", real)
+    np.savez("good.npz", x=np.zeros((8, 16), np.float32), y=np.zeros(8, np.int64))
+    result = _convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "good.npz")
+    assert result.exit_code == 0, result.output
+    script = Path("jobs/logits/train.py").read_text()
+    assert "LOSS = 'cross_entropy'" in script and f"DATA = {str(tmp_path / 'good.npz')!r}" in script
+    assert f"MODEL = {str(tmp_path / 'logits.py') + ':build'!r}" in script  # runs from any folder
+
+
+def test_deepspeed_job_gets_an_editable_ds_config_and_a_torchrun_launch(factory: str):
+    """--engine deepspeed: ds_config.json in the job folder (batch sizes, optimizer, ZeRO), launched with torchrun."""
+    result = _convert(factory, "--stages", "2", "--engine", "deepspeed", "--batch-size", "4")
+    assert result.exit_code == 0, result.output
+    cfg = json.loads(Path("jobs/tiny/ds_config.json").read_text())
+    assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["optimizer"]["type"] == "AdamW"
+    assert cfg["zero_optimization"]["stage"] == 0
+    assert "torchrun --nproc-per-node 2 jobs/tiny/train.py" in result.output
+    _fails_cleanly(_convert(factory, "--stages", "2", "--engine", "deepspeed", "--schedule", "zbv", "--out", "x"),
+                   "--schedule zbv does not run on --engine deepspeed")
+
+
+def test_deepspeed_jobs_are_planned_without_recompute(factory: str):
+    """DeepSpeed's engine recomputes nothing a plan asks for: its jobs are planned under --recompute none
+    (the default auto would let a chunk count on recompute), a forced mode is refused in one line, and
+    train.py on DeepSpeed refuses a plan that recomputes unless told to run it without."""
+    from types import SimpleNamespace
+
+    from autopipe.errors import AutopipeError
+    from autopipe.runtime.ds import _refuse_plan
+
+    assert _convert(factory, "--stages", "2", "--out", "t").exit_code == 0
+    assert json.loads(Path("t/plan.json").read_text())["recompute"] == "auto"
+    assert _convert(factory, "--stages", "2", "--engine", "deepspeed", "--out", "d").exit_code == 0
+    plan = json.loads(Path("d/plan.json").read_text())
+    assert plan["recompute"] == "none" and set(plan["stage_recompute"]) == {"none"}
+    _fails_cleanly(_convert(factory, "--stages", "2", "--engine", "deepspeed", "--recompute", "full", "--out", "x"),
+                   "--recompute full does not run on --engine deepspeed")
+    assert not Path("x").exists()
+    recomputing = SimpleNamespace(stage_recompute=("full", "none"))
+    with pytest.raises(AutopipeError, match=r"plan.json recomputes activations \(full none\).*--recompute none"):
+        _refuse_plan(recomputing, "plan.json", SimpleNamespace(recompute="plan"))
+    _refuse_plan(recomputing, "plan.json", SimpleNamespace(recompute="none"))  # asked to run it without
+    _refuse_plan(SimpleNamespace(stage_recompute=("none", "none")), "plan.json", SimpleNamespace(recompute="plan"))
+    _refuse_plan(SimpleNamespace(boundaries=(0, 2, 4)), "plan.json", SimpleNamespace(recompute="plan"))  # hand-written
+
+
+def test_report_keeps_a_report_html_it_did_not_write(factory: str):
+    """`autopipe report PLAN` rebuilds its own report.html, but a report.html of the user's beside the plan needs --force."""
+    assert _convert(factory, "--stages", "2").exit_code == 0
+    job = Path("jobs/tiny")
+    assert runner.invoke(app, ["report", str(job / "plan.json")]).exit_code == 0  # its own: rebuilt
+    (job / "report.html").write_text("<html>my notes</html>")
+    _fails_cleanly(runner.invoke(app, ["report", str(job / "plan.json")]), "is not an autopipe report")
+    assert (job / "report.html").read_text() == "<html>my notes</html>"
+    assert runner.invoke(app, ["report", str(job / "plan.json"), "--force"]).exit_code == 0
+
+
+def test_a_factory_s_data_that_does_not_fit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Data the factory returns is checked against the model like --data: one line, nothing written."""
+    (tmp_path / "fd.py").write_text(
+        "import numpy as np, torch\nfrom torch import nn\n"
+        "def build(batch_size=2):\n"
+        "    return {'model': nn.Sequential(nn.Linear(4, 3)), 'args': (torch.zeros(batch_size, 4),),\n"
+        "            'data': {'x': np.zeros((8, 5), np.float32), 'y': np.zeros(8, np.int64)}}\n")
+    monkeypatch.chdir(tmp_path)
+    _fails_cleanly(_convert("fd.py:build", "--stages", "1", "--loss", "cross_entropy"), "x has rows of shape (5,)")
+    assert not Path("jobs").exists()
+
+
 def test_a_plan_for_a_gpu_is_held_to_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Issue 10's case: Llama-70B estimated for 8 H100s used to plan 129-147 GiB stages without a word.
     The H100's memory is now the default limit: refused in one line saying what would fit."""

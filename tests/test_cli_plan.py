@@ -6,6 +6,8 @@ import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from autopipe import Profile
@@ -181,3 +183,66 @@ def test_plan_on_a_gpu_profile_holds_to_its_memory_and_says_what_recomputes(tmp_
     result, out = _run("plan", str(path), "--stages", "2", "--microbatches", "4", "--bandwidth", "none",
                        "--memory-limit", "none")  # fmt: skip
     assert result.exit_code == 0 and "recompute:" not in out and "device's memory" not in out, out
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"stages": 3}, r"plan has 4 chunks \(boundaries \[0, 8, 15, 22, 26\]\) but stages 3 x virtual_stages 1 = 3"),
+        ({"stage_ranks": [0, 1, 2, 7]}, r"plan stage_ranks\[3\] is 7, not a rank of its 4 stages"),
+        ({"stage_times": [0.1, 0.1]}, r"plan stage_times has 2 entries for 4 chunks"),
+        ({"rank_memory": [1, 2, 3]}, r"plan rank_memory has 3 entries for 4 stages"),
+        ({"step_time": -1}, r"plan step_time is -1, but must be a finite number >= 0"),
+        ({"stage_memory": [1, 2, 3.5, 4]}, r"plan stage_memory\[2\] is 3.5, but must be a whole number >= 0"),
+        ({"microbatches": 0}, r"plan microbatches is 0, but must be a whole number >= 1"),
+        ({"stage_recompute": ["none", "none", "some", "none"]}, r"plan stage_recompute\[2\] is 'some'"),
+    ],
+)
+def test_a_hand_edited_plan_that_cannot_be_is_refused_on_load(profile_path, tmp_path, edit, message) -> None:
+    """A plan whose stages disagree with its boundaries, whose per-chunk or per-rank lists have the wrong
+    length, or whose figures cannot be: refused on load in one line naming the field, exit 1, by
+    `autopipe report` and by train.py's load_plan (it once crashed with an IndexError, or told
+    train.py's user to launch the plan's stage count)."""
+    from autopipe.errors import RecordError
+    from autopipe.runtime import load_plan
+
+    plan_path = tmp_path / "plan.json"
+    result, out = _run("plan", str(profile_path), "-s", "4", "--out", str(plan_path))
+    assert result.exit_code == 0, out
+    assert load_plan(plan_path).stages == 4  # as written, it loads
+    data = json.loads(plan_path.read_text())
+    data.update(edit)
+    plan_path.write_text(json.dumps(data))
+    result, out = _run("report", str(plan_path), "--profile", str(profile_path), "--out", str(tmp_path / "r.html"))
+    assert result.exit_code == 1 and "Traceback" not in out, out
+    assert len([line for line in out.splitlines() if line.strip()]) == 1 and re.search(message, out), out
+    assert not (tmp_path / "r.html").exists()
+    with pytest.raises(RecordError, match=message):
+        load_plan(plan_path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_every_plan_the_partitioner_makes_loads_back(data) -> None:
+    """The load-time checks refuse only what cannot be: any plan partition() makes (zero-cost layers,
+    every schedule, a memory limit, baselines) round-trips through its JSON unchanged."""
+    from autopipe import partition
+    from autopipe.errors import InfeasibleMemoryError
+    from autopipe.report import compare_baselines
+
+    schedule = data.draw(st.sampled_from(["gpipe", "1f1b", "interleaved1f1b", "zbv"]))
+    v = 2 if schedule in ("interleaved1f1b", "zbv") else 1
+    n = data.draw(st.integers(v, 9))
+    stages = data.draw(st.integers(1, n // v))
+    times = data.draw(st.lists(st.sampled_from([0.0, 1e-6, 0.001, 0.3, 2.0]), min_size=n, max_size=n))
+    params = data.draw(st.lists(st.integers(0, 10**6), min_size=n, max_size=n))
+    prof = Profile.from_costs(times, param_bytes=params, activation_bytes=[1000] * n, output_bytes=[500] * n)
+    micro = stages * data.draw(st.integers(1, 2))
+    limit = data.draw(st.one_of(st.none(), st.integers(10**5, 10**8)))
+    try:
+        plan = partition(prof, stages, schedule=schedule, microbatches=micro, memory_limit=limit,
+                         bandwidth=data.draw(st.sampled_from([None, 1e9])))
+    except InfeasibleMemoryError:
+        return
+    for p in [plan, *compare_baselines(prof, plan).values()]:
+        assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))) == p

@@ -134,7 +134,7 @@ def test_check_catches_a_device_less_target_given_to_the_stage(
     """A target made without device= (the engine's old placeholder) is refused before the schedule."""
     t, args, kwargs = trainer
     run = PipelineEngine.run
-    monkeypatch.setattr(PipelineEngine, "run", lambda self, inputs, target: run(self, inputs, torch.zeros(MICRO)))
+    monkeypatch.setattr(PipelineEngine, "run", lambda self, inputs, target, *seeds: run(self, inputs, torch.zeros(MICRO), *seeds))
     with pytest.raises(DeviceCheckError, match="pipeline target"):
         t.step(args, kwargs)
 
@@ -154,3 +154,36 @@ def test_check_catches_a_host_sync_in_the_step(
     monkeypatch.setattr("autopipe.runtime.trainer.global_grad_norm", reading_norm)
     with pytest.raises(HostSyncError, match=r"__float__ at .*test_comm.py"):
         t.step(args, kwargs)
+
+
+def test_verify_passes_the_trainer_and_catches_a_gradient_the_pipeline_got_wrong(
+    trainer: tuple[Trainer, tuple, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--verify's comparison (each rank's own chunks, run unpipelined, no whole model built) passes the
+    trainer as written, leaves no gradient behind, and fails in one line naming the parameter when the
+    pipelined run's gradients are off by a little (one entry of one tensor, 1e-3)."""
+    from autopipe.runtime.verify import VerifyError, verify_step
+
+    t, args, kwargs = trainer
+    def whole_model(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("--verify built the whole model")
+
+    for where in ("autopipe.runtime.build.build_reference", "autopipe.runtime.build_reference",
+                  "autopipe.runtime.reference.SequenceModel.build_from"):
+        monkeypatch.setattr(where, whole_model)
+    report = verify_step(t, args, kwargs)
+    assert report.ok and report.loss == pytest.approx(report.reference_loss, abs=1e-6) and report.max_grad_diff < 1e-5
+    assert all(p.grad is None or not p.grad.any() for p in t.params.values())
+    name = sorted(t.params)[-1]
+    run = t.engine.run
+
+    def off_by_a_little(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        loss = run(*a, **k)
+        with torch.no_grad():
+            t.params[name].grad.view(-1)[0] += 1e-3
+        return loss
+
+    monkeypatch.setattr(t.engine, "run", off_by_a_little)
+    with pytest.raises(VerifyError, match=rf"largest gradient difference 1\.00e-03 .*worst on this rank: {name}\)") as err:
+        verify_step(t, args, kwargs)
+    assert "\n" not in str(err.value)

@@ -60,3 +60,19 @@ def test_gpt2_example_trains_with_falling_loss(tmp_path: Path):
     losses = [float(x) for x in next(l for l in out.splitlines() if l.startswith("losses:")).split()[1:]]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert "loss fell" in out
+
+
+def test_digits_cnn_learns_real_images_pipelined(tmp_path: Path):
+    """A CNN trained on 2 processes on scikit-learn's digits (the factory's data, --loss cross_entropy)
+    classifies held-out images far above chance (10%)."""
+    out = _run("examples/digits_cnn.py", "--workdir", str(tmp_path), "--steps", "80")
+    line = next(l for l in out.splitlines() if l.startswith("held-out accuracy:"))
+    accuracy = float(line.split()[2].rstrip("%")) / 100
+    assert accuracy > 0.8, line
+
+
+def test_masked_lm_and_seq2seq_learn_local_text(tmp_path: Path):
+    """BERT (masked LM) and T5 (seq2seq) train on local text through their folder's tokenizer: the loss falls."""
+    for task in ("mlm", "seq2seq"):
+        out = _run("examples/text_lm.py", "--task", task, "--workdir", str(tmp_path / task), "--steps", "12")
+        assert f"data {tmp_path / task / 'corpus.txt'}" in out and "loss fell" in out, out[-2000:]

@@ -297,3 +297,26 @@ def test_preallocated_adamw_state_is_what_adamw_makes_itself() -> None:
         for k in sa:
             assert (sa[k].shape, sa[k].dtype, sa[k].device) == (sb[k].shape, sb[k].dtype, sb[k].device)
             assert torch.equal(sa[k], sb[k]), k
+
+
+def test_a_local_folder_with_safetensors_builds_each_stage_from_its_file(tmp_path: Path) -> None:
+    """A saved BERT masked LM (its tied decoder and its buffers position_ids/token_type_ids are not in
+    the file): every stage of a 2-stage build holds exactly what from_pretrained loads."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from autopipe.runtime import model_factory
+
+    saved = BertForMaskedLM(BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=16,
+                                       vocab_size=64, max_position_embeddings=16))
+    saved.save_pretrained(tmp_path / "bert")
+    loaded = BertForMaskedLM.from_pretrained(tmp_path / "bert")
+    source = model_factory(str(tmp_path / "bert"), batch_size=2, seq_len=8)
+    assert source.weights == str(tmp_path / "bert")
+    seen: set[str] = set()
+    for rank in range(2):
+        build = build_stage(source.factory, source.args, source.kwargs, 2, pp_rank=rank, pp_size=2, weights=source.weights)
+        for name, t in build.model.state_dict().items():  # every name, tied ones and buffers included
+            if t.device.type != "meta":
+                assert torch.equal(t, loaded.state_dict()[name]), name
+                seen.add(name)
+    assert seen == set(loaded.state_dict())  # the tied decoder and the buffers too

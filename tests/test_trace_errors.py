@@ -51,6 +51,20 @@ def test_data_dependent_branch_names_module_and_line() -> None:
     assert "\n" not in msg
 
 
+def test_a_failed_trace_keeps_torch_s_graph_dump_off_the_screen(capfd: pytest.CaptureFixture[str]) -> None:
+    """torch prints the partial FX graph of a failed export (screens of it); it goes to a file the error names."""
+    import re
+    from pathlib import Path
+
+    with pytest.raises(TraceError) as err:
+        autopipe.flatten(Branchy(), (torch.randn(2, 4),))
+    shown = capfd.readouterr()
+    assert "def forward" not in shown.err + shown.out
+    log = Path(re.search(r"failed trace \(its FX graph\): (\S+)\.$", str(err.value)).group(1))
+    assert "def forward" in log.read_text()
+    log.unlink()
+
+
 def test_validation_catches_a_graph_that_differs_from_eager() -> None:
     """A trace that dropped a branch is refused, with the output index and the difference."""
     with pytest.raises(TraceMismatchError, match="differs from the eager model in output 0"):

@@ -1,15 +1,19 @@
 """autopipe.runtime: what a generated train.py calls to train a plan for real.
 
-On each rank: ``init_dist`` lays the world out as dp × pp; ``build_stage`` builds only this rank's
-chunks (meta model -> flatten -> materialise just their tensors); ``Trainer`` runs the plan's
-torch.distributed.pipelining schedule, syncs tied gradients, averages over replicas, clips the
-global norm and steps AdamW; ``save_checkpoint``/``load_checkpoint`` write and read per-stage shards
-atomically; ``export`` joins them into one safetensors file.
+On each rank: ``init_dist`` lays the world out as dp × pp; ``model_factory`` resolves the model, its
+task and its loss; ``build_stage`` builds only this rank's chunks (meta model -> flatten ->
+materialise just their tensors); ``JobData`` turns the data into each step's inputs and targets;
+``Trainer`` runs the plan's torch.distributed.pipelining schedule, syncs tied gradients, averages
+over replicas, clips the global norm and steps AdamW; ``save_checkpoint``/``load_checkpoint`` write
+and read per-stage shards atomically; ``export`` joins them into one safetensors file;
+``train_deepspeed`` does the same on DeepSpeed's engine; ``one_line_errors`` makes failures one line.
 
     env = init_dist(dp=1)
-    build = build_stage(make_model, (ids,), {"labels": ids}, plan, pp_rank=env.pp_rank, pp_size=env.pp_size)
-    trainer = Trainer(build, env, TrainConfig(steps=100, microbatches=4))
-    stats = trainer.step((batch,), {"labels": batch})
+    source = model_factory("gpt2", batch_size=2, seq_len=128)
+    build = build_stage(source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size)
+    data = JobData(source, "tokens.bin", seq_len=128, seq=build.seq)
+    trainer = Trainer(build, env, TrainConfig(steps=100, microbatches=4), loss_fn=make_loss(source.loss))
+    stats = trainer.step(*data.batch(step=0, rows=8))
 
 Submodules are imported on first use, so ``import autopipe.runtime`` stays cheap.
 """
@@ -43,6 +47,16 @@ _LAZY = {
     "latest_checkpoint": "checkpoint",
     "export": "checkpoint",
     "TokenData": "data",
+    "open_data": "data",
+    "JobData": "tasks",
+    "make_loss": "tasks",
+    "loss_name": "tasks",
+    "check_loss": "tasks",
+    "one_line_errors": "main",
+    "check_launch": "main",
+    "resume": "main",
+    "MicrobatchSeeds": "build",
+    "SequenceModel": "reference",
     "StepLogger": "logs",
     "Predictions": "logs",
     "predictions": "logs",
@@ -55,6 +69,16 @@ _LAZY = {
 
 __all__ = [
     "Comm",
+    "JobData",
+    "MicrobatchSeeds",
+    "SequenceModel",
+    "check_launch",
+    "check_loss",
+    "loss_name",
+    "make_loss",
+    "one_line_errors",
+    "open_data",
+    "resume",
     "DistEnv",
     "Layout",
     "PipeChunk",

@@ -31,7 +31,7 @@ from .weights import (
     tensor_names,
 )
 
-__all__ = ["PipeChunk", "StageBuild", "TiedSpec", "build_reference", "build_stage", "meta_model"]
+__all__ = ["MicrobatchSeeds", "PipeChunk", "StageBuild", "TiedSpec", "build_reference", "build_stage", "meta_model"]
 
 ModelFn = Callable[[], nn.Module]
 
@@ -43,6 +43,28 @@ class TiedSpec:
     name: str  # the name the layers register it under
     names: tuple[str, ...]  # every name the model reaches it by
     holders: tuple[int, ...]  # pipeline ranks, sorted
+
+
+@dataclass
+class MicrobatchSeeds:
+    """Where the random numbers of each layer and micro-batch come from (dropout, and any random op).
+
+    Before each layer runs on micro-batch ``m`` of step ``step`` the RNG is seeded from
+    ``(seed, step, first + m, layer index)``, so a layer draws the same masks whichever rank runs it,
+    in whatever order the schedule interleaves micro-batches: a pipelined run equals the unpipelined
+    one with dropout on. ``first`` is the global index of this replica's first micro-batch
+    (``dp_rank x microbatches``), so replicas draw different masks, as one model on the global
+    batch would.
+    """
+
+    seed: int
+    step: int = 0
+    first: int = 0
+
+    def layer_seed(self, microbatch: int, layer: int) -> int:
+        from .weights import module_seed
+
+        return module_seed(self.seed, f"rng:{self.step}:{self.first + microbatch}:{layer}")
 
 
 # The mode each layer was last given by a chunk, so a chunk rebuilt from the same layers without one
@@ -90,19 +112,41 @@ class PipeChunk(nn.Module):
         self.recompute: tuple[str, ...] = tuple(modes)
         for layer, mode in zip(self.layers, modes):
             _LAYER_MODE[layer] = mode
+        # set by the engine: per-layer RNG seeds for each micro-batch (see MicrobatchSeeds), and how
+        # many micro-batches this chunk has run forward in the current step (schedules run a stage's
+        # forwards in micro-batch order)
+        self.seeds: MicrobatchSeeds | None = None
+        self.microbatch = 0
+        self.shape_inference = False  # set by the engine's stage while torch infers shapes
+
+    def start_step(self, seeds: MicrobatchSeeds | None) -> None:
+        self.seeds, self.microbatch = seeds, 0
 
     def forward(self, *xs: torch.Tensor) -> Any:
         x: Any = xs[0] if len(xs) == 1 else tuple(xs)
         device_type = xs[0].device.type if xs else "cpu"
+        # the schedule's shape inference runs the chunk once on meta: not a micro-batch
+        seeds = self.seeds if (self.seeds is not None and not self.shape_inference and device_type != "meta") else None
+        mb = self.microbatch
+        if seeds is not None:
+            self.microbatch += 1
         with torch.autocast(
             device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None
         ):
-            for layer, mode in zip(self.layers, self.recompute):
+            for i, (layer, mode) in enumerate(zip(self.layers, self.recompute)):
+                if seeds is not None:  # outside run_layer: a recomputation replays the state seeded here
+                    torch.manual_seed(seeds.layer_seed(mb, self.layer_range[0] + i))
                 x = run_layer(layer, x, mode)
         if self.unview_outputs:
             x = tuple(t.clone() if t._is_view() else t for t in x) if isinstance(x, tuple) else (
                 x.clone() if x._is_view() else x
             )
+        # what crosses a cut is sent as is and received into buffers shaped like it: an expanded mask
+        # (BERT's, stride 0) made a non-contiguous receive buffer, which gloo refuses
+        if isinstance(x, tuple):
+            x = tuple(t if t.is_contiguous() else t.contiguous() for t in x)
+        elif not x.is_contiguous():
+            x = x.contiguous()
         return x
 
 

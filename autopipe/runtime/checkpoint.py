@@ -45,10 +45,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2) -> Path:
+def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2, data: dict[str, Any] | None = None) -> Path:
     """Save every rank's shard of ``trainer`` under ``root/step_N`` (collective: all ranks call it).
 
-    Keeps the newest ``keep`` checkpoints (0 keeps all). Returns the folder.
+    Keeps the newest ``keep`` checkpoints (0 keeps all). ``data`` (``JobData.state()``) records what
+    the run reads; batches are a function of the step, so the step is the data's position and a
+    resume continues the data exactly. Returns the folder.
     """
     env = trainer.env
     root = Path(root)
@@ -78,6 +80,7 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
             "schedule": trainer.build.layout.schedule,
             "tied": {t.name: list(t.names) for t in trainer.build.tied},
             "config": trainer.config.to_dict(),
+            "data": {**(data or {}), "next_step": step},
             "time": time.time(),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))

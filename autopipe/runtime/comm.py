@@ -142,6 +142,24 @@ class Comm:
         dist.all_gather_into_tensor(out, t.contiguous().view(-1), group=group)
         return out.view(n, *t.shape)
 
+    def send(self, tensors: list[torch.Tensor], dst: int, *, where: str = "send") -> None:
+        """Send ``tensors`` to global rank ``dst`` (their shapes and dtypes first, so the receiver
+        needs to know nothing); for ``--verify``'s unpipelined run, not for the step."""
+        self.check(where, tensors)
+        dist.send_object_list([[(tuple(t.shape), t.dtype) for t in tensors]], dst=dst)
+        for t in tensors:
+            dist.send(t.contiguous(), dst=dst)
+
+    def recv(self, src: int, *, where: str = "recv") -> list[torch.Tensor]:
+        """Receive what ``send`` sent from global rank ``src``, on this rank's device."""
+        metas: list[Any] = [None]
+        dist.recv_object_list(metas, src=src)
+        out = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in metas[0]]
+        for t in out:
+            dist.recv(t, src=src)
+        self.check(where, out)
+        return out
+
     def barrier(self) -> None:
         if self._world(None) > 1:
             if self.device.type == "cuda":

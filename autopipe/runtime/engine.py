@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
 from ..recompute import shared_recompute
-from .build import PipeChunk, StageBuild
+from .build import MicrobatchSeeds, PipeChunk, StageBuild
 from .comm import Comm
 
 __all__ = ["PipelineEngine", "Stopwatch", "model_loss", "pack_batch", "split_batch"]
@@ -85,6 +85,22 @@ def _stage_class() -> type:
                 with torch.no_grad():
                     t.zero_()
             return t
+
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            # the shape-inference forward on placeholders is not a micro-batch: it must not advance
+            # the chunk's micro-batch count, which picks each layer's RNG seed
+            self.submod.shape_inference = True
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                self.submod.shape_inference = False
+
+        def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:  # the same pass in torch < 2.12
+            self.submod.shape_inference = True
+            try:
+                return super()._shape_inference(*args, **kwargs)
+            finally:
+                self.submod.shape_inference = False
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
             # A zero-bubble weight pass makes one autograd call per weight group; under recompute
@@ -168,8 +184,13 @@ class PipelineEngine:
         loss = model_loss(outputs) if self._user_loss is None else self._user_loss(outputs, target)
         return loss * self._loss_scale()
 
-    def run(self, inputs: tuple[torch.Tensor, ...] | None, target: torch.Tensor | None) -> torch.Tensor | None:
+    def run(
+        self, inputs: tuple[torch.Tensor, ...] | None, target: torch.Tensor | None, seeds: MicrobatchSeeds | None = None
+    ) -> torch.Tensor | None:
         """One forward/backward of all micro-batches; gradients accumulate (mean over micro-batches).
+
+        ``seeds`` seeds the RNG before each layer of each micro-batch (dropout then matches the
+        unpipelined run's); None leaves the RNG alone.
 
         ``inputs`` (from ``pack_batch``, on this rank's device) matter on the rank of the first
         chunk, ``target`` on the rank of the last; other ranks may pass None. Returns the mean
@@ -178,6 +199,8 @@ class PipelineEngine:
         chunk, None elsewhere. ``forward_time`` is then ready to read as well (see ``Stopwatch``).
         """
         self._clock.reset()
+        for chunk in self.chunks:
+            chunk.start_step(seeds)
         args = tuple(inputs) if (self.is_first and inputs is not None) else ()
         tgt = target if self.is_last else None
         if self.is_last and tgt is None:

@@ -61,8 +61,10 @@ class StepLogger:
         json_path: str | os.PathLike[str] | None = None,
         quiet: bool = False,
         predicted: Predictions | None = None,
+        unit: str = "tok",
     ) -> None:
         self.rank = rank
+        self.unit = unit  # what the throughput counts: "tok" for token inputs, "samples" otherwise
         self.quiet = quiet
         self.predicted = predicted
         self.json_path = Path(json_path) if json_path else None
@@ -95,7 +97,7 @@ class StepLogger:
                     memory += " (plan " + " ".join(_mib(m) for m in pred.rank_memory) + ")"
             self.console.print(
                 f"step [bold]{stats.step:>5}[/]  loss [cyan]{stats.loss:.4f}[/]  lr {stats.lr:.2e}  "
-                f"|g| {stats.grad_norm:.3f}  {stats.tokens_per_s:,.0f} tok/s  "
+                f"|g| {stats.grad_norm:.3f}  {stats.tokens_per_s:,.0f} {self.unit}/s  "
                 f"{step}  stages(ms) {stages}{memory}{skipped}"
             )
         if self.json_path is not None:

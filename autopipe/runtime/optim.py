@@ -64,10 +64,13 @@ def make_optimizer(
     """
     decay = [p for _, p in sorted(params.items()) if p.requires_grad and p.dim() >= 2]
     no_decay = [p for _, p in sorted(params.items()) if p.requires_grad and p.dim() < 2]
+    # no empty group: DeepSpeed drops them from the optimizer after the LR schedule has counted them
+    # (a stage holding only matrices then failed at its first step); torch ignores them either way
     groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        g
+        for g in ({"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ] or [{"params": [], "weight_decay": 0.0}]
     return cls(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
 
 

@@ -2,6 +2,11 @@
 
 Same weights (``build_reference``), same micro-batches, same loss, same clipping, same AdamW and LR
 schedule as the pipelined ``Trainer``; ``--verify`` and the tests compare the two.
+
+With dropout (or any random op) on, the reference is the flattened model run whole in this process
+(``SequenceModel``), its RNG seeded before each layer and micro-batch as the pipeline seeds it
+(``MicrobatchSeeds``): the original model's forward has no place to reseed between layers. With
+dropout off, the two references are the same (flatten reproduces the model: tested).
 """
 
 from __future__ import annotations
@@ -17,7 +22,47 @@ from .engine import model_loss, split_batch
 from .grads import clip_grads_
 from .optim import LossScaler, TrainConfig, make_lr_scheduler, make_optimizer
 
-__all__ = ["ReferenceTrainer", "unique_parameters"]
+__all__ = ["ReferenceTrainer", "SequenceModel", "unique_parameters"]
+
+
+class SequenceModel:
+    """The whole flattened model as one chunk in this process, called like the model itself.
+
+    Its parameters are the model's own, under the model's names (``named_parameters``,
+    ``get_parameter``), so it stands in for the model in :class:`ReferenceTrainer`.
+
+    Example:
+        >>> ref = SequenceModel.build_from(source.factory, source.args, source.kwargs, seed=0)
+        >>> trainer = ReferenceTrainer(ref, TrainConfig(microbatches=4))
+    """
+
+    def __init__(self, build: Any) -> None:
+        self.build = build
+        (self.chunk,) = build.chunks
+
+    @classmethod
+    def build_from(cls, model_fn: Callable[[], nn.Module], args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,
+                   seed: int = 0, weights: str | None = None, device: torch.device | str = "cpu") -> "SequenceModel":
+        from .build import build_stage
+
+        return cls(build_stage(model_fn, args, dict(kwargs or {}), 1, pp_rank=0, pp_size=1, seed=seed,
+                               weights=weights, device=device))
+
+    def start_step(self, seeds: Any) -> None:
+        self.chunk.start_step(seeds)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self.build.model.named_parameters(*args, **kwargs)
+
+    def parameters(self) -> Any:
+        return self.build.model.parameters()
+
+    def get_parameter(self, name: str) -> nn.Parameter:
+        return self.build.model.get_parameter(name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        packed = self.build.seq.pack_inputs(args, kwargs)
+        return self.build.seq.unpack_outputs(self.chunk(*packed))
 
 
 def unique_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -49,6 +94,7 @@ class ReferenceTrainer:
         self.scheduler = make_lr_scheduler(self.optimizer, config)
         self.scaler = LossScaler(config.dtype == "fp16", config.loss_scale)
         self.last_grad_norm = float("nan")  # the global norm of the last step's gradients, before clipping
+        self.step_count = 0
 
     def forward_backward(
         self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: Any = None, *, microbatches: int | None = None
@@ -60,6 +106,10 @@ class ReferenceTrainer:
         targets = list(target.chunk(m)) if isinstance(target, torch.Tensor) else [None] * m
         total = 0.0
         dtype = self.config.autocast_dtype
+        if isinstance(self.model, SequenceModel):
+            from .build import MicrobatchSeeds
+
+            self.model.start_step(MicrobatchSeeds(self.config.seed, self.step_count, 0))
         for (a, k), t in zip(split_batch(args, kwargs, m), targets):
             with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 out = self.model(*a, **k)
@@ -87,4 +137,5 @@ class ReferenceTrainer:
         self.scaler.update(finite)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
         return loss

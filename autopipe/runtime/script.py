@@ -17,16 +17,16 @@ from ..records import write_text_atomic
 __all__ = ["TEMPLATE", "write_train_script"]
 
 TEMPLATE = '''\
-"""Pipeline-parallel training of {model}, written by autopipe.
+\"\"\"Pipeline-parallel training of {model}, written by autopipe.
 
     torchrun --nproc-per-node {stages} train.py                 # one process per pipeline stage
     torchrun --nproc-per-node {stages_x2} train.py --dp 2             # x 2 data-parallel replicas
     python train.py                                       # every stage in one process (debugging)
-    deepspeed --num_gpus {stages} train.py --engine deepspeed   # DeepSpeed's PipelineModule instead
+    {ds_launch} train.py --engine deepspeed   # DeepSpeed's PipelineModule instead
 
 Each rank builds the model on the meta device, keeps only its own stage and gives just that stage
 real weights. `python train.py --help` lists the flags.
-"""
+\"\"\"
 
 import argparse
 from pathlib import Path
@@ -42,6 +42,8 @@ BATCH_SIZE = {batch_size}  # rows per micro-batch
 SEQ_LEN = {seq_len}
 DTYPE = {dtype!r}  # fp32 | bf16 | fp16
 ENGINE = {engine!r}  # torch | deepspeed
+LOSS = {loss!r}  # auto | model (the model's own) | cross_entropy | mse
+DATA = {data!r}  # token file, text, .npz/.pt with x and y, datasets files; None: synthetic
 SEED = {seed}
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,76 +60,79 @@ parser.add_argument("--recompute", default="plan", choices=["plan", "none", "sel
                     help="activation recompute per chunk: the plan's choice, or one mode for every chunk")
 parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp x stages)")
 parser.add_argument("--plan", default=str(PLAN), help="plan.json; 'even' cuts the layers evenly")
-parser.add_argument("--data", default=None, help="token file (.bin/.npy/.pt) or text file; default: synthetic tokens")
+parser.add_argument("--loss", default=LOSS, choices=["auto", "model", "cross_entropy", "mse"],
+                    help="the model's own loss, or cross-entropy / MSE of its output against the data's targets")
+parser.add_argument("--data", default=DATA, help="token file (.bin/.npy/.pt), text, .npz/.pt with x and y, or "
+                    ".parquet/.jsonl/.arrow; default: synthetic")
 parser.add_argument("--weights", default=None, help="safetensors file or HF folder to start from")
 parser.add_argument("--ckpt-dir", default=str(Path(__file__).with_name("checkpoints")))
 parser.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only at the end)")
 parser.add_argument("--ckpt-keep", type=int, default=2, help="keep the newest N checkpoints (0: all)")
-parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --ckpt-dir")
+parser.add_argument("--resume", nargs="?", const="must", default=None, choices=["must", "auto"],
+                    help="continue from the newest checkpoint in --ckpt-dir ('--resume auto': start afresh if there is none)")
 parser.add_argument("--export", default=None, help="write the final weights to this folder (model.safetensors)")
 parser.add_argument("--log-json", default=None, help="append one JSON line per step to this file")
-parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with the unpipelined model")
+parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with the layers run unpipelined")
 parser.add_argument("--engine", default=ENGINE, choices=["torch", "deepspeed"])
+parser.add_argument("--deepspeed_config", default=None, help="--engine deepspeed: a ds_config.json (default: the job's)")
 parser.add_argument("--check", action="store_true",
                     help="debug: refuse tensors off this rank's device at collectives and stages, and host syncs in the step (slow)")
 parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
 args = parser.parse_args()
+rt.one_line_errors(args.ckpt_dir)  # an autopipe error is one line from rank 0; Ctrl-C says how to resume
 
 # ---- model: a factory every rank calls on the meta device, and one micro-batch of example inputs --
-source = rt.model_factory(MODEL, batch_size=args.batch_size, seq_len=SEQ_LEN, seed=args.seed)
+source = rt.model_factory(MODEL, batch_size=args.batch_size, seq_len=SEQ_LEN, seed=args.seed, loss=args.loss)
 weights = args.weights or source.weights
 config = rt.TrainConfig(
     steps=args.steps, microbatches=args.microbatches, lr=args.lr, warmup=args.warmup,
     grad_clip=args.grad_clip, dtype=args.dtype, seed=args.seed,
 )
 if args.engine == "deepspeed":
-    if args.recompute not in ("plan", "none"):
-        parser.error("--recompute runs on the torch engine; DeepSpeed's own is activation_checkpoint_interval")
     rt.train_deepspeed(source, args.plan, config, args, seq_len=SEQ_LEN)
     raise SystemExit(0)
 
 # ---- this rank's stage ---------------------------------------------------------------------------
 env = rt.init_dist(dp=args.dp, check=args.check or None)
 plan = env.pp_size if args.plan == "even" else rt.load_plan(args.plan)
+rt.check_launch(plan, env.pp_size, env.dp_size, plan_path=args.plan)
 build = rt.build_stage(
     source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size,
     schedule=args.schedule, seed=args.seed, weights=weights, device=env.device, recompute=args.recompute,
 )
-trainer = rt.Trainer(build, env, config)
+trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))
 # the plan's predictions hold for the run it was made for: same schedule, micro-batches, batch, dtype
 planned = rt.predictions(plan, schedule=args.schedule, microbatches=args.microbatches, pp_size=env.pp_size)
 same_batch = args.batch_size == BATCH_SIZE and args.dtype == DTYPE
-log = rt.StepLogger(env.rank, json_path=args.log_json, predicted=planned if same_batch else None)
+
+# ---- data: each step's global batch is a function of the step; each replica reads its own rows ----
+data = rt.JobData(source, args.data, seq_len=SEQ_LEN, seed=args.seed, seq=build.seq)
+rows = args.batch_size * args.microbatches * env.dp_size
+log = rt.StepLogger(env.rank, json_path=args.log_json, predicted=planned if same_batch else None, unit=data.unit)
 log.info(f"{{MODEL}}: {{len(build.seq.layers)}} layers, chunks {{build.layout.boundaries}} on {{env.pp_size}} "
          f"stage(s) x {{env.dp_size}} replica(s), {{build.layout.schedule}}, {{args.microbatches}} micro-batches, "
-         f"recompute {{' '.join(build.recompute)}}")
-
-# ---- data: the same global batch on every rank for a step; each replica takes its rows -----------
-data = rt.TokenData(args.data, vocab_size=source.vocab_size, seq_len=SEQ_LEN, seed=args.seed) if source.vocab_size else None
-rows = args.batch_size * args.microbatches * env.dp_size
+         f"recompute {{' '.join(build.recompute)}}, loss {{rt.loss_name(source.loss)}}, data {{data.state()['source']}}")
 
 
-def get_batch(step, replica=env.dp_rank, replicas=env.dp_size):
-    tokens = data.batch(step, rows, replica=replica, replicas=replicas) if data else None
-    return source.batch(tokens, rows // replicas, step=step, seed=args.seed)
+def get_batch(step):
+    # the first stage reads the inputs, the last one the targets; a middle stage reads nothing
+    return data.batch(step, rows, replica=env.dp_rank, replicas=env.dp_size,
+                      inputs=trainer.engine.is_first, target=trainer.engine.is_last)
 
 
 # ---- resume, verify, train -------------------------------------------------------------------------
-if args.resume and (last := rt.latest_checkpoint(args.ckpt_dir)) is not None:
-    rt.load_checkpoint(trainer, last)
-    log.info(f"resumed from {{last}} at step {{trainer.step_count}}")
+if args.resume:
+    rt.resume(trainer, args.ckpt_dir, mode=args.resume, steps=args.steps, data=data, say=log.info)
 if args.verify:
-    report = rt.verify_step(trainer, source.factory, *get_batch(trainer.step_count, 0, 1),
-                            local_args=get_batch(trainer.step_count)[0], local_kwargs=get_batch(trainer.step_count)[1],
-                            weights=weights)
+    report = rt.verify_step(trainer, *get_batch(trainer.step_count))
     log.info(f"verify: loss {{report.loss:.6f}} vs {{report.reference_loss:.6f}}, max grad diff {{report.max_grad_diff:.1e}}: ok")
 
 for step in range(trainer.step_count, args.steps):
-    batch_args, batch_kwargs = get_batch(step)
-    stats = trainer.step(batch_args, batch_kwargs)
+    batch_args, batch_kwargs, target = get_batch(step)
+    stats = trainer.step(batch_args, batch_kwargs, target)
     log.step(stats)
     if (args.ckpt_every and stats.step % args.ckpt_every == 0) or stats.step == args.steps:
-        rt.save_checkpoint(trainer, args.ckpt_dir, keep=args.ckpt_keep)
+        rt.save_checkpoint(trainer, args.ckpt_dir, keep=args.ckpt_keep, data=data.state())
 
 if args.export and env.rank == 0 and (last := rt.latest_checkpoint(args.ckpt_dir)) is not None:
     log.info(f"exported {{rt.export(last, args.export, model_fn=source.factory)}}")
@@ -148,6 +153,8 @@ def write_train_script(
     dtype: str = "fp32",
     engine: str = "torch",
     seed: int = 0,
+    loss: str = "auto",
+    data: str | None = None,
     **_ignored: Any,
 ) -> Path:
     """Write train.py at ``path`` (a file, or a folder to put train.py in).
@@ -178,6 +185,9 @@ def write_train_script(
         dtype=dtype,
         engine=engine,
         seed=seed,
+        loss=loss,
+        data=data,
+        ds_launch=f"deepspeed --num_gpus {stages}" if engine == "deepspeed" else f"torchrun --nproc-per-node {stages}",
     )
     compile(text, str(target), "exec")  # a template bug must fail here, not on the cluster
     write_text_atomic(target, text)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import AutopipeError
-from .build import StageBuild
+from .build import MicrobatchSeeds, StageBuild
 from .distenv import DistEnv
 from .engine import PipelineEngine, Stopwatch, pack_batch
 from .grads import average_dp_grads, clip_grads_, global_grad_norm, sync_tied_grads
@@ -119,7 +119,7 @@ class Trainer:
             if self.engine.is_first:
                 packed = pack_batch(self.build.seq, args, dict(kwargs or {}), self.config.microbatches)
                 inputs = env.to_device(packed)
-            loss = self.engine.run(inputs, env.to_device(target) if self.engine.is_last else None)
+            loss = self.engine.run(inputs, env.to_device(target) if self.engine.is_last else None, self.seeds())
             self._run_clock.stop()
 
             params = list(self.params.values())
@@ -158,6 +158,10 @@ class Trainer:
             loss_scale=self.scaler.scale,
             peak_memory=stats["peak_memory"][: env.pp_size],
         )
+
+    def seeds(self) -> MicrobatchSeeds:
+        """This step's per-layer, per-micro-batch RNG seeds (see ``MicrobatchSeeds``)."""
+        return MicrobatchSeeds(self.config.seed, self.step_count, self.env.dp_rank * self.config.microbatches)
 
     def _gather(self, loss: torch.Tensor | None, norm: torch.Tensor) -> dict[str, Any]:
         """The step's one host read: every rank's (loss share, norm, pipeline time, forward time,

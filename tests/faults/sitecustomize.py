@@ -24,3 +24,15 @@ if _spec and os.environ.get("RANK", "0") == _spec.split(":")[1]:
         return path
 
     _checkpoint.save_checkpoint = _save_then_die
+
+    # the DeepSpeed engine saves through DeepSpeed's own checkpoints
+    import autopipe.runtime.ds as _ds
+
+    _ds_save = _ds._ds_save
+
+    def _ds_save_then_die(engine, root, step, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        _ds_save(engine, root, step, **kwargs)
+        if step == _step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _ds._ds_save = _ds_save_then_die

@@ -1,0 +1,52 @@
+"""Gradient probe for the job tests, kept out of autopipe itself.
+
+A test puts this folder on PYTHONPATH with ``AUTOPIPE_TEST_GRADS=DIR``; every train.py rank then
+saves the gradient of each parameter it holds, by its name in the original model, just before the
+first optimizer update (``DIR/grads_rank{RANK}.pt``), for either engine. The test compares them with
+the unpipelined reference's: AdamW would hide a constant gradient scale in the weights.
+"""
+
+import os
+
+_DIR = os.environ.get("AUTOPIPE_TEST_GRADS", "")
+if _DIR:
+    import torch
+
+    def _dump(named):  # noqa: ANN001, ANN202
+        path = os.path.join(_DIR, f"grads_rank{os.environ.get('RANK', '0')}.pt")
+        if not os.path.exists(path):
+            torch.save({n: p.grad.detach().clone() for n, p in named if p.grad is not None}, path)
+
+    import autopipe.runtime.trainer as _trainer
+
+    _init = _trainer.Trainer.__init__
+
+    def _init_then_probe(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        _init(self, *args, **kwargs)
+        self.optimizer.register_step_pre_hook(lambda *_: _dump(self.params.items()))
+
+    _trainer.Trainer.__init__ = _init_then_probe
+
+    import autopipe.runtime.ds as _ds
+
+    _build = _ds.build_pipeline_module
+    _modules = []
+
+    def _build_and_keep(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        module = _build(*args, **kwargs)
+        _modules.append(module)
+        return module
+
+    _ds.build_pipeline_module = _build_and_keep
+    _step = _ds._ClippingAdamW.step
+
+    def _probe_then_step(self, closure=None):  # noqa: ANN001, ANN202
+        named = []
+        for child in _modules[0].modules():
+            if isinstance(child, _ds.DSLayer):
+                named += list(child.layer.named_parameters())
+        named += [(h.tied_name, h.weight) for h in getattr(_modules[0], "tied_modules", {}).values()]
+        _dump(named)
+        return _step(self, closure)
+
+    _ds._ClippingAdamW.step = _probe_then_step
