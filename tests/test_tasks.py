@@ -321,3 +321,30 @@ def test_a_token_stream_for_a_model_that_does_not_predict_tokens_is_one_line(tmp
         else:
             with pytest.raises(DataError, match=r"next token at each of 8 positions, but .* predicts \(5,\) per row"):
                 JobData(source, str(tmp_path / "t.bin"), seq_len=SEQ, seq=seq)
+
+
+def test_datasets_text_goes_through_the_tokenizer_and_saved_folders_open(tmp_path: Path) -> None:
+    """A datasets file's text column goes through the model folder's tokenizer (datasets hands it over as
+    a lazy column, which tokenizers refused); a folder `Dataset.save_to_disk` wrote (its .arrow shards
+    beside its own .json metadata) opens as one dataset, as does its .arrow file on its own."""
+    import datasets
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, "red": 3, "fish": 4, "blue": 5}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", mask_token="[MASK]").save_pretrained(tmp_path / "tok")
+    with open(tmp_path / "t.jsonl", "w") as f:
+        for _ in range(3):
+            f.write(json.dumps({"text": "red fish blue fish"}) + "\n")
+    datasets.Dataset.from_dict({"text": ["blue fish red"] * 4}).save_to_disk(tmp_path / "saved_text")
+    datasets.Dataset.from_dict({"x": [[float(i)] * 4 for i in range(6)], "y": [i % 3 for i in range(6)]}).save_to_disk(
+        tmp_path / "saved_xy")
+    stream = open_data(tmp_path / "t.jsonl", tokenizer_dir=str(tmp_path / "tok"))
+    assert list(stream.ids) == [3, 4, 5, 4] * 3
+    assert list(open_data(tmp_path / "saved_text", tokenizer_dir=str(tmp_path / "tok")).ids) == [5, 4, 3] * 4
+    for where in (tmp_path / "saved_xy", next((tmp_path / "saved_xy").glob("*.arrow"))):
+        samples = open_data(where)
+        assert samples.n == 6 and set(samples.names) == {"x", "y"}
+        assert samples.rows("y", np.arange(6)).tolist() == [0, 1, 2, 0, 1, 2]

@@ -8,7 +8,8 @@ Sources (``open_data``):
   UTF-8 bytes as ids (the vocabulary must then have 256 entries or more);
 - sample files: ``.npz`` or ``.pt`` holding ``x`` and ``y`` (inputs and targets) for any model, or
   arrays named after the model's inputs (``input_ids``, ``mask``, ``labels``...);
-- HuggingFace ``datasets`` files (``.parquet``, ``.jsonl``/``.json``, ``.arrow``): a ``text`` or
+- HuggingFace ``datasets`` files (``.parquet``, ``.jsonl``/``.json``, ``.arrow``; a folder of them or
+  one ``Dataset.save_to_disk`` wrote): a ``text`` or
   ``input_ids`` column is a token stream (concatenated, as HF's ``group_texts`` does); with a
   ``label`` column, ``source``/``target`` text pairs (seq2seq), or columns named ``x``/``y`` or after
   the inputs, rows are samples (text columns tokenized row by row).
@@ -284,15 +285,25 @@ def _open_dataset(path: Path, *, tokenizer_dir: str | None) -> SampleData | Toke
         import datasets
     except ImportError:
         raise DataError(f"reading {path.name} needs HuggingFace datasets: pip install datasets.") from None
-    files = sorted(str(p) for p in path.iterdir() if p.suffix.lower() in DATASET_SUFFIXES) if path.is_dir() else [str(path)]
-    if not files:
-        raise DataError(f"{path} holds no .parquet, .jsonl or .arrow files.")
-    kind = Path(files[0]).suffix.lower().lstrip(".")
-    builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "arrow": "arrow"}[kind]
+    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+    saved = path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+    if saved:  # a folder Dataset.save_to_disk wrote: its .arrow shards beside its own .json metadata
+        builder = "save_to_disk"
+    else:
+        files = sorted(str(p) for p in path.iterdir() if p.suffix.lower() in DATASET_SUFFIXES) if path.is_dir() else [str(path)]
+        if not files:
+            raise DataError(f"{path} holds no .parquet, .jsonl or .arrow files.")
+        builder = builders[Path(files[0]).suffix.lower()]
+        files = [f for f in files if builders[Path(f).suffix.lower()] == builder]  # one format: the first file's
     try:
-        ds = datasets.load_dataset(builder, data_files=files, split="train")
+        if saved:
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        else:
+            ds = datasets.load_dataset(builder, data_files=files, split="train")
     except Exception as e:
-        raise DataError(f"{path} could not be read as a {builder} dataset ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
+        raise DataError(f"{path} could not be read as {builder} data ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
     if len(ds) == 0:
         raise DataError(f"--data {str(path)!r} is empty (0 rows).")
     cols = set(ds.column_names)
@@ -301,10 +312,11 @@ def _open_dataset(path: Path, *, tokenizer_dir: str | None) -> SampleData | Toke
     if stream_col is not None and not labelled:
         if stream_col == "text":
             tok = load_tokenizer(tokenizer_dir)
+            texts = list(ds["text"])  # datasets 4+: a lazy Column, which tokenizers do not take
             if tok is not None:
-                ids = [i for row in tok(ds["text"], add_special_tokens=True)["input_ids"] for i in row]
+                ids = [i for row in tok(texts, add_special_tokens=True)["input_ids"] for i in row]
                 return TokenStream(np.asarray(ids, dtype=np.int64), path, tokenizer=type(tok).__name__)
-            joined = "\n".join(ds["text"]).encode("utf-8")
+            joined = "\n".join(texts).encode("utf-8")
             return TokenStream(np.frombuffer(joined, dtype=np.uint8), path, tokenizer="bytes")
         return TokenStream(np.asarray([i for row in ds["input_ids"] for i in row], dtype=np.int64), path)
     loaders: dict[str, Any] = {}
