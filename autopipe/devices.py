@@ -205,16 +205,8 @@ def keep_freed_memory() -> bool:
     1.55 s CPU step, and per-layer timings (which free little) then sum to only ~0.85 of the whole
     model's. The profiler and autopipe.runtime call this on CPU. Returns whether it took effect.
     """
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others have no mallopt
+    mallopt = getattr(_libc(), "mallopt", None)  # musl and others have no mallopt
+    if mallopt is None:
         return False
     m_trim_threshold, m_mmap_max = -1, -4
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
@@ -228,15 +220,22 @@ def release_freed_memory() -> bool:
     once, just before it takes its CPU memory baseline, so the baseline holds what is live.
     Returns whether anything could be called.
     """
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is None:
+        return False
+    malloc_trim(0)
+    return True
+
+
+def _libc():  # noqa: ANN202
+    """The C library on Linux (for glibc's allocator knobs), or None elsewhere or when it cannot load."""
     import ctypes
     import ctypes.util
     import sys
 
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return True
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None

@@ -330,7 +330,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     bwd = c.backward(a, b, md).tolist()
     comm = c.comm(a, b).tolist()
     times = c.time(a, b, md).tolist()
-    extra = (c.time(a, b, md) - c.time(a, b, np.zeros_like(md))).tolist()
+    extra = c.extra_of(a, b, md).tolist()
     mems = [int(x) for x in c.memory(a, b, np.asarray(inflight), md)]
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
