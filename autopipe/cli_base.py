@@ -18,7 +18,7 @@ from rich.console import Console
 
 from .errors import AutopipeError
 
-__all__ = ["app", "console", "err_console", "handle_errors"]
+__all__ = ["app", "console", "err_console", "handle_errors", "zero_option"]
 
 app = typer.Typer(
     name="autopipe",
@@ -55,3 +55,14 @@ def _message(e: Exception) -> str:
         # The atomic writers already say "cannot write PATH: ..."; other OS errors name their file.
         return f"cannot access {e.filename}: {e.strerror}" if e.filename else e.strerror
     return str(e)
+
+
+def zero_option(text: str) -> int | str:
+    """--zero's value: a ZeRO stage 0-3, or "auto" (partition checks the range)."""
+    word = text.strip().lower()
+    if word == "auto":
+        return word
+    try:
+        return int(word)
+    except ValueError:
+        raise AutopipeError(f"--zero {text!r}: use a ZeRO stage 0, 1, 2 or 3, or auto.") from None

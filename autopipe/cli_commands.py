@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli_base import app, console, err_console, handle_errors
+from .cli_base import app, console, err_console, handle_errors, zero_option
 
 # ---- inspect (issue 2) -------------------------------------------------------------------------
 
@@ -137,6 +137,8 @@ def plan_command(
     bandwidth: Annotated[Optional[str], typer.Option(help="Link bytes per second between ranks, like 25GB; 'none' ignores communication.")] = None,
     method: Annotated[str, typer.Option(help="autopipe, uniform, parameters, type:REGEX, torchtitan or greedy.")] = "autopipe",
     recompute: Annotated[str, typer.Option(help="Activation recompute per chunk: auto (the fastest that fits the limit), none, selective or full.")] = "auto",
+    dp: Annotated[int, typer.Option("--dp", help="Data-parallel replicas of each stage (world = stages x dp); memory is per rank.")] = 1,
+    zero: Annotated[str, typer.Option("--zero", help="ZeRO stage over the replicas: 0 (replicate), 1 (+ shard optimizer state), 2 (+ gradients), 3 (+ parameters), or auto (the fastest that fits).")] = "0",
     boundaries: Annotated[Optional[str], typer.Option(help="Your own cut as layer indices, like 0,7,14,21,26.")] = None,
     stage_names: Annotated[Optional[str], typer.Option("--stage-names", help="Your own cut as module names per stage: stages split by ';', names by ',', like 'wte,h.0,h.1;h.2,h.3,ln_f'. A name covers the layers it prefixes.")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Show the baseline partitioners beside autopipe.")] = False,
@@ -168,7 +170,8 @@ def plan_command(
         names = [[n.strip() for n in part.split(",") if n.strip()] for part in stage_names.split(";")]
     prof = Profile.load(profile)
     options = dict(microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
-                   optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw, recompute=recompute)  # fmt: skip
+                   optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw, recompute=recompute,
+                   dp=dp, zero=zero_option(zero))  # fmt: skip
     plan = partition(prof, stages, boundaries=cut, stage_names=names, method=method, **options)  # type: ignore[arg-type]
     others = []
     if compare:

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from .cli_base import app, console, err_console, handle_errors
-from .plan_view import limit_phrase, recompute_phrase
+from .cli_base import app, console, err_console, handle_errors, zero_option
+from .plan_view import limit_phrase, recompute_phrase, sharding_phrase
 
 __all__ = ["convert_command", "report_command", "stage_table"]
 
@@ -67,6 +67,8 @@ def convert_command(
     dtype: Annotated[str, typer.Option(help="Training precision: fp32, bf16 or fp16 (fp32 master weights).")] = "fp32",
     memory_limit: Annotated[str, typer.Option(help="Memory per device, like 80GiB or 512MB; 'device': the GPU's memory (no limit on CPU); 'none': no limit.")] = "device",
     recompute: Annotated[str, typer.Option(help="Activation recompute per chunk: auto (the fastest that fits the limit), none, selective or full.")] = "auto",
+    dp: Annotated[int, typer.Option("--dp", help="Data-parallel replicas of each stage (world = stages x dp); memory is per rank.")] = 1,
+    zero: Annotated[str, typer.Option("--zero", help="ZeRO stage over the replicas: 0, 1 (+ optimizer state sharded), 2 (+ gradients), 3 (+ parameters), or auto (the fastest that fits).")] = "0",
     estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: cost layers from FLOPs and bytes on the meta device.")] = False,
     engine: Annotated[str, typer.Option(help="torch (torch.distributed.pipelining) or deepspeed.")] = "torch",
     out: Annotated[Optional[Path], typer.Option(help="Job folder (default jobs/<model name>).")] = None,
@@ -87,6 +89,7 @@ def convert_command(
     result = convert(
         model, stages=stages, microbatches=microbatches, schedule=schedule, batch_size=batch_size, seq_len=seq_len,
         device=device, dtype=dtype, memory_limit=memory_limit, recompute=recompute, estimate=estimate, engine=engine,
+        dp=dp, zero=zero_option(zero),
         out=out, force=force, repeats=repeats, reserve=reserve, loss=loss, data=data, on_pass=say,
     )  # fmt: skip
     plan, prof = result.plan, result.profile
@@ -102,7 +105,7 @@ def convert_command(
     how = "measured on" if prof.mode == "measured" else "estimated for"
     console.print(f"{how} {prof.device.name}: step {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%}, "
                   f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
-                  f"{recompute_phrase(plan)}{versus}", highlight=False, soft_wrap=True)
+                  f"{sharding_phrase(plan)}{recompute_phrase(plan)}{versus}", highlight=False, soft_wrap=True)
     took = sum(result.seconds.values())
     console.print(f"wrote {result.job.job_dir}/ (plan.json, profile.json, train.py, report.html, README.md) "
                   f"in {took:.1f} s", highlight=False, soft_wrap=True)

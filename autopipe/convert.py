@@ -78,6 +78,8 @@ def convert(
     dtype: str = "fp32",
     memory_limit: str | int | None = "device",
     recompute: str = "auto",
+    dp: int = 1,
+    zero: int | str = 0,
     estimate: bool = False,
     engine: str = "torch",
     out: str | os.PathLike[str] | None = None,
@@ -107,6 +109,8 @@ def convert(
             the GPU's memory when profiling on or estimating for one, no limit on CPU.
         recompute: activation recompute per chunk: auto (the default: the fastest that fits the
             limit, none where nothing binds), none, selective or full.
+        dp, zero: data-parallel replicas of each stage and the ZeRO stage (0-3, or "auto") they
+            shard with; the plan's memory is per rank under that sharding.
         estimate: run nothing; cost layers from FLOPs and bytes on the meta device (no weights).
         engine: torch (torch.distributed.pipelining) or deepspeed (PipelineModule).
         out: the job folder (default ``jobs/<model name>``); refused if it holds files, unless ``force``.
@@ -148,6 +152,12 @@ def convert(
             raise AutopipeError(f"--recompute {recompute} does not run on --engine deepspeed (set activation "
                                 "checkpointing in its ds_config.json): drop it or use --engine torch.")
         recompute = "none"
+    from .partition import _zero_choices
+
+    _zero_choices(zero, dp)  # a bad --dp/--zero is refused before any work
+    if engine == "deepspeed" and (zero == "auto" or int(zero) > 1):
+        raise AutopipeError(f"--zero {zero} does not run on --engine deepspeed (its pipeline engine has ZeRO 0 and 1 "
+                            "only): use --zero 0 or 1, or --engine torch.")
     job_dir = Path(out) if out is not None else default_job_dir(model)
     check_job_dir(job_dir, force=force)
     if data is not None:
@@ -229,7 +239,7 @@ def convert(
     # Interleaved schedules need chunks to interleave: two per rank, the smallest that helps.
     virtual = 2 if schedule == "interleaved1f1b" else None
     plan = partition(prof, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
-                     virtual_stages=virtual, recompute=recompute)
+                     virtual_stages=virtual, recompute=recompute, dp=dp, zero=zero)
     baselines = compare_baselines(prof, plan)
     lap("partition")
 

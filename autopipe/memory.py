@@ -21,9 +21,21 @@ The plan's ``rank_memory`` is this module's ``RankMemory.total``; the step log's
 - ``transient``: the heaviest one-layer peak the rank sees on top (a layer's temporaries in forward
   or backward, beyond what it saves and the gradients it writes; under recompute, the layer's whole
   activation set rematerialised for one micro-batch).
-- ``data_parallel``: with dp > 1 the hand-written all-reduce concatenates every gradient into one
-  flat buffer after the backward, when the activations are gone: the rank's peak is the larger of
-  the two phases, not their sum.
+- ``gathered``: with ZeRO 2 or 3 over dp > 1 replicas, what torch's FSDP2 holds unsharded during
+  the step. Under a pipeline schedule ``PipelineStage`` turns resharding and gradient sync off for
+  every backward but the step's last, so from a parameter's first use to the step's end its whole
+  (unsharded) weight and its whole accumulated gradient live next to the activations.
+- ``data_parallel``: with ZeRO 0 or 1 over dp > 1 replicas, the gradient all-reduce buckets: as
+  large as the rank's gradients, allocated once and reduced while the backward runs (DDP-style),
+  so they live beside the activations.
+- ``reduce_scatter``: with ZeRO 2 or 3, one layer's whole gradient copied into the reduce-scatter
+  input (FSDP2 reduces a unit at a time): at most the largest layer's gradient, counted like a
+  transient (the larger of it and the heaviest one-layer peak).
+
+ZeRO stage K over R replicas divides what it shards by R (DeepSpeed's stages, FSDP2's sharding):
+K ≥ 1 the optimizer state, K ≥ 2 the gradients at rest, and since FSDP2 shards parameters at rest
+whenever it shards gradients, K ≥ 2 the weights at rest too; K = 3 differs from 2 only in
+re-gathering parameters for the backward, which pipelining keeps gathered anyway (``ZERO_TERMS``).
 - ``reserve``: what the runtime holds on the device beyond these tensors (allocator, process group,
   the traced graph), measured once per device (``Profile.reserve_bytes``).
 
@@ -41,7 +53,38 @@ from dataclasses import asdict, dataclass
 
 from .records import Profile, optimizer_state_factor
 
-__all__ = ["RankMemory", "LayerMemory", "layer_memory", "rank_memory"]
+__all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "layer_memory", "rank_memory", "zero_share"]
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ZeroShare:
+    """What one of R data-parallel replicas holds of a layer under ZeRO stage K (fractions of it)."""
+
+    weights: float = 1.0  # at rest (between steps)
+    gradients: float = 1.0
+    optimizer: float = 1.0
+    gathered: bool = False  # whole weights and gradients live during the step (FSDP2 under pipelining)
+    buckets: bool = False  # all-reduce buckets as large as the gradients (else a per-layer reduce-scatter)
+
+
+def zero_share(zero: int, dp: int) -> ZeroShare:
+    """The ZERO_TERMS row for stage ``zero`` over ``dp`` replicas (dp 1: nothing is sharded or reduced).
+
+    >>> zero_share(1, 4).optimizer, zero_share(3, 4).weights, zero_share(3, 1).weights
+    (0.25, 0.25, 1.0)
+    """
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp!r}")
+    if dp == 1:
+        return ZeroShare()
+    part = 1.0 / dp
+    if zero <= 1:
+        return ZeroShare(optimizer=part if zero == 1 else 1.0, buckets=True)
+    return ZeroShare(weights=part, gradients=part, optimizer=part, gathered=True)
 
 
 @dataclass(frozen=True)
@@ -57,12 +100,15 @@ class RankMemory:
     transient: int = 0
     data_parallel: int = 0
     reserve: int = 0
+    gathered: int = 0
+    reduce_scatter: int = 0
 
     @property
     def total(self) -> int:
-        """The peak: what lives all step, plus the larger of the backward phase and the dp phase."""
-        steady = self.weights + self.gradients + self.optimizer + self.buffers + self.reserve
-        return steady + max(self.activations + self.outputs + self.transient, self.data_parallel)
+        """The peak: what lives all step, the activations in flight and the heaviest one-off on top."""
+        steady = (self.weights + self.gradients + self.optimizer + self.buffers + self.reserve + self.gathered
+                  + self.data_parallel)  # fmt: skip
+        return steady + self.activations + self.outputs + max(self.transient, self.reduce_scatter)
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -79,19 +125,31 @@ class LayerMemory:
     transient: dict[str, tuple[int, ...]]  # recompute mode -> one-layer peak on top
     outputs: tuple[int, ...]  # bytes leaving each layer (what crosses a cut after it)
     input_bytes: int  # bytes entering layer 0
-    tied: tuple[tuple[int, tuple[int, ...], int, int, int], ...]  # (size, users, weights, grads, state)
+    # (static size, users, weights, grads, state, gathered, buckets) of each tied tensor, as one rank holds it
+    tied: tuple[tuple[int, tuple[int, ...], int, int, int, int, int], ...]
+    # ZeRO over data-parallel replicas (weights/gradients/optimizer above are this rank's shards)
+    gathered: tuple[int, ...] = ()  # per layer: whole weights + gradients held during the step
+    buckets: tuple[int, ...] = ()  # per layer: its share of the all-reduce buckets (ZeRO 0/1)
+    reduce_scatter: tuple[int, ...] = ()  # per layer: its reduce-scatter input (ZeRO 2/3), a one-off
+    dp: int = 1
+    zero: int = 0
 
     @property
     def static(self) -> tuple[int, ...]:
-        return tuple(w + g + o for w, g, o in zip(self.weights, self.gradients, self.optimizer))
+        """Per layer, what lives all step: shards at rest, what is gathered, all-reduce buckets."""
+        n = len(self.weights)
+        return tuple(w + g + o + x + r for w, g, o, x, r in zip(
+            self.weights, self.gradients, self.optimizer, self.gathered or (0,) * n, self.buckets or (0,) * n))  # fmt: skip
 
 
-def layer_memory(profile: Profile, optimizer: str | None = None) -> LayerMemory:
-    """The profile's per-layer bytes, with optimizer state recounted for ``optimizer`` if given.
+def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1, zero: int = 0) -> LayerMemory:
+    """The profile's per-layer bytes, with optimizer state recounted for ``optimizer`` if given and
+    this rank's shares under ZeRO stage ``zero`` over ``dp`` data-parallel replicas.
 
     Recompute modes a layer was not profiled for are derived: ``full`` keeps the layer's input (the
     previous layer's output) and rematerialises its activations in backward.
     """
+    share = zero_share(zero, dp)
     layers = profile.layers
     old = optimizer_state_factor(profile.optimizer)
     new = old if optimizer is None else optimizer_state_factor(optimizer)
@@ -126,17 +184,30 @@ def layer_memory(profile: Profile, optimizer: str | None = None) -> LayerMemory:
         u = layers[users[0]]
         total = max(u.static_bytes, 1)
         w, g = size * u.param_bytes // total, size * u.grad_bytes // total
-        tied.append((size, users, w, g, size - w - g))
+        sw, sg, so = _shard(w, share.weights), _shard(g, share.gradients), _shard(size - w - g, share.optimizer)
+        whole = w + g if share.gathered else 0
+        bucket = g if share.buckets else 0
+        tied.append((sw + sg + so + whole + bucket, users, sw, sg, so, whole, bucket))
     return LayerMemory(
-        weights=tuple(l.param_bytes for l in layers),
-        gradients=tuple(l.grad_bytes for l in layers),
-        optimizer=tuple(opt),
+        weights=tuple(_shard(l.param_bytes, share.weights) for l in layers),
+        gradients=tuple(_shard(l.grad_bytes, share.gradients) for l in layers),
+        optimizer=tuple(_shard(o, share.optimizer) for o in opt),
         activations=acts,
         transient=trans,
         outputs=tuple(l.output_bytes for l in layers),
         input_bytes=profile.input_bytes,
         tied=tuple(tied),
+        gathered=tuple(l.param_bytes + l.grad_bytes if share.gathered else 0 for l in layers),
+        buckets=tuple(l.grad_bytes if share.buckets else 0 for l in layers),
+        reduce_scatter=tuple(l.grad_bytes if share.gathered else 0 for l in layers),
+        dp=dp,
+        zero=zero,
     )
+
+
+def _shard(nbytes: int, part: float) -> int:
+    """One replica's share of a tensor's bytes: FSDP2 pads each dim-0 shard up, so round up."""
+    return nbytes if part >= 1.0 else -(-nbytes // round(1 / part))
 
 
 def rank_memory(
@@ -148,16 +219,21 @@ def rank_memory(
     microbatches: int,
     recompute: Sequence[str] = (),
     dp: int = 1,
+    zero: int = 0,
     reserve: int | None = None,
     optimizer: str | None = None,
 ) -> list[RankMemory]:
     """Each pipeline rank's peak for a cut: chunk c is ``boundaries[c]:boundaries[c+1]`` on rank
     ``stage_ranks[c]`` with ``inflight[c]`` micro-batches held and recompute mode ``recompute[c]``
-    (default none). ``reserve`` defaults to the profile's."""
-    lm = profile if isinstance(profile, LayerMemory) else layer_memory(profile, optimizer)
+    (default none), each stage replicated ``dp`` times with ZeRO stage ``zero`` (ignored when
+    ``profile`` is a LayerMemory: it carries its own). ``reserve`` defaults to the profile's."""
+    lm = profile if isinstance(profile, LayerMemory) else layer_memory(profile, optimizer, dp=dp, zero=zero)
     if reserve is None:
         reserve = profile.reserve_bytes if isinstance(profile, Profile) else 0
     n = len(lm.weights)
+    gathered = lm.gathered or (0,) * n
+    buckets = lm.buckets or (0,) * n
+    scatter = lm.reduce_scatter or (0,) * n
     chunks = list(zip(boundaries, boundaries[1:]))
     modes = list(recompute) or ["none"] * len(chunks)
     ranks = max(stage_ranks) + 1
@@ -168,10 +244,12 @@ def rank_memory(
         w = sum(lm.weights[i] for i in layers)
         g = sum(lm.gradients[i] for i in layers)
         o = sum(lm.optimizer[i] for i in layers)
-        for size, users, tw, tg, to in lm.tied:  # a tied tensor: once per rank, not per user layer
+        x = sum(gathered[i] for i in layers)
+        dpb = sum(buckets[i] for i in layers)
+        for _size, users, tw, tg, to, tx, tb in lm.tied:  # a tied tensor: once per rank, not per user layer
             extra = sum(1 for i in layers if i in users) - 1
             if extra > 0:
-                w, g, o = w - extra * tw, g - extra * tg, o - extra * to
+                w, g, o, x, dpb = w - extra * tw, g - extra * tg, o - extra * to, x - extra * tx, dpb - extra * tb
         act = outs = buf = trans = 0
         for c in mine:
             a, b = chunks[c]
@@ -186,6 +264,7 @@ def rank_memory(
                 buf += microbatches * lm.outputs[b - 1]
         out.append(RankMemory(
             weights=w, gradients=g, optimizer=o, activations=act, outputs=outs, buffers=buf,
-            transient=trans, data_parallel=g if dp > 1 else 0, reserve=int(reserve),
+            transient=trans, data_parallel=dpb, reserve=int(reserve), gathered=x,
+            reduce_scatter=max((scatter[i] for i in layers), default=0),
         ))  # fmt: skip
     return out

@@ -10,9 +10,8 @@ plus, at each cut it touches, the tuple crossing that cut once forward (activati
 backward (their gradients) at ``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer
 state (a tied tensor once per chunk holding it) plus its activation bytes times the micro-batches the
 schedule keeps in flight there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for
-interleaved, and min(M, 2S) for the greedy zbv, whose order depends on the costs (see
-schedule.inflight_counts). With v virtual stages per rank each chunk must fit ``memory_limit / v``
-(sufficient for the rank).
+interleaved and for zbv (torch's ZBVZeroBubble order; see schedule.inflight_counts). With v
+virtual stages per rank each chunk must fit ``memory_limit / v`` (sufficient for the rank).
 
 Recompute, per chunk: "none" keeps every activation; "full" keeps each layer's input and runs its
 forward again in backward; "selective" keeps what the profile measured for that mode (a layer with no
@@ -33,7 +32,7 @@ import numpy as np
 from .baselines import baseline
 from .chunkcost import ChunkCosts
 from .errors import InfeasibleMemoryError, PartitionError
-from .memory import layer_memory, rank_memory
+from .memory import ZERO_STAGES, layer_memory, rank_memory
 from .plan import Plan
 from .records import Profile
 from .schedule import check_schedule, check_weight_share, chunk_ranks, inflight_counts, normalize_schedule, simulate
@@ -57,11 +56,12 @@ class _Model:
     """
 
     def __init__(self, profile: Profile, optimizer: str | None, bandwidth: float | None,
-                 schedule: str = "1f1b", microbatches: int = 1) -> None:  # fmt: skip
+                 schedule: str = "1f1b", microbatches: int = 1, dp: int = 1, zero: int = 0) -> None:  # fmt: skip
         layers = profile.layers
         self.names = [layer.name or f"layer{i}" for i, layer in enumerate(layers)]
         self.optimizer = (optimizer or profile.optimizer).lower()
-        lm = layer_memory(profile, optimizer)
+        self.dp, self.zero = dp, zero
+        lm = layer_memory(profile, optimizer, dp=dp, zero=zero)
         self.memory = lm
         static = list(lm.static)
         tied = []
@@ -89,7 +89,9 @@ class _Model:
             list(lm.activations["none"]),
             tied,
             modes,
-            transient={name: list(t) for name, t in lm.transient.items()},
+            # ZeRO 2/3's reduce-scatter input is a one-off like a layer's transient: the larger counts
+            transient={name: [max(x, r) for x, r in zip(t, lm.reduce_scatter or (0,) * len(t))]
+                       for name, t in lm.transient.items()},  # fmt: skip
             held=lm.outputs[-1] if lm.outputs else 0,
             buffers=microbatches,
             cut_bytes=list(lm.outputs[:-1]),
@@ -139,6 +141,8 @@ def partition(
     method: str = "autopipe",
     weight_share: float = 0.5,
     recompute: str = "auto",
+    dp: int = 1,
+    zero: int | str = 0,
 ) -> Plan:
     """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
@@ -163,6 +167,10 @@ def partition(
         weight_share: part of the backward that zero-bubble schedules split off as W.
         recompute: "none", "full", "selective" (that mode in every chunk) or "auto" (the default:
             each chunk the fastest mode that fits the memory limit, so none where nothing binds).
+        dp: data-parallel replicas of each stage (the job's ``--dp``); memory is per rank.
+        zero: ZeRO stage 0-3 across those replicas (what each rank shards, autopipe.memory), or
+            "auto": the stage whose plan steps fastest under the limit, the lowest on a tie (ZeRO
+            0 where nothing binds).
 
     Returns:
         A :class:`~autopipe.plan.Plan`; ``plan.step_lower_bound`` is a proven bound on the step of
@@ -196,7 +204,71 @@ def partition(
             f"use at most {n // v} stages."
         )
     limit, limit_source = resolve_limit(profile, memory_limit)
-    model = _Model(profile, optimizer, bandwidth, schedule, m)
+    zeros = _zero_choices(zero, dp)
+    if boundaries is not None and stage_names is not None:
+        raise PartitionError("give boundaries or stage_names, not both.")
+
+    def attempt(z: int) -> Plan:
+        model = _Model(profile, optimizer, bandwidth, schedule, m, dp=dp, zero=z)
+        return _partition_one(profile, model, stages=stages, v=v, m=m, k=k, schedule=schedule, limit=limit,
+                              limit_source=limit_source, recompute=recompute, weight_share=weight_share,
+                              boundaries=boundaries, stage_names=stage_names, method=method, zero_policy=zero)  # fmt: skip
+
+    plans: list[Plan] = []
+    failure: InfeasibleMemoryError | None = None
+    for z in zeros:
+        try:
+            plans.append(attempt(z))
+        except InfeasibleMemoryError as e:
+            failure = e
+    if not plans:
+        assert failure is not None
+        raise _with_zero_hint(failure, attempt, zeros, dp)
+    if len(plans) == 1:
+        return plans[0]
+    fitting = [p for p in plans if limit is None or p.peak_memory <= limit]
+    if method == "autopipe" and boundaries is None and stage_names is None:
+        # the fastest step; on a tie the lowest stage (the least communication and state to gather)
+        best = min(p.step_time for p in fitting or plans)
+        return next(p for p in fitting or plans if p.step_time <= best * (1 + 1e-9))
+    # a cut the user or a baseline fixed: the lowest stage under which it fits, else the most sharded
+    return fitting[0] if fitting else plans[-1]
+
+
+def _with_zero_hint(err: InfeasibleMemoryError, attempt, zeros: list[int], dp: int) -> InfeasibleMemoryError:
+    """A refusal at a fixed ZeRO stage, plus "ZeRO K would fit" when a higher stage does."""
+    if dp == 1 or len(zeros) > 1:
+        return err
+    for z in range(zeros[0] + 1, ZERO_STAGES[-1] + 1):
+        try:
+            attempt(z)
+        except InfeasibleMemoryError:
+            continue
+        return InfeasibleMemoryError(f"{str(err).rstrip('.')}; or shard more: ZeRO {z} over the {dp} replicas fits (--zero {z}).")
+    return err
+
+
+def _zero_choices(zero: int | str, dp: int) -> list[int]:
+    """The ZeRO stages to try: the one given, or all four for "auto" (only 0 without replicas)."""
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise PartitionError(f"dp={dp!r}: the data-parallel replicas must be a whole number >= 1.")
+    if isinstance(zero, str) and zero.strip().lower() == "auto":
+        return [0] if dp == 1 else list(ZERO_STAGES)
+    try:
+        z = int(zero)
+    except (TypeError, ValueError):
+        z = -1
+    if z not in ZERO_STAGES or isinstance(zero, bool) or (isinstance(zero, float) and zero != z):
+        raise PartitionError(f"zero={zero!r}; use a ZeRO stage 0, 1, 2 or 3, or 'auto'.")
+    return [z]
+
+
+def _partition_one(profile: Profile, model: _Model, *, stages: int, v: int, m: int, k: int, schedule: str,
+                   limit: int | None, limit_source: str, recompute: str, weight_share: float,
+                   boundaries: Sequence[int] | None, stage_names: Sequence[Sequence[str]] | None,
+                   method: str, zero_policy: int | str) -> Plan:  # fmt: skip
+    """The plan for one ZeRO stage (the model's): see partition()."""
+    n = len(profile.layers)
     # the runtime's own reserve first, then each of a rank's v chunks gets a share of the rest
     chunk_limit = None if limit is None else (limit - model.reserve) // v
     if chunk_limit is not None and chunk_limit <= 0:
@@ -209,8 +281,6 @@ def partition(
 
     chosen: tuple[int, ...] | None = None
     if boundaries is not None or stage_names is not None:
-        if boundaries is not None and stage_names is not None:
-            raise PartitionError("give boundaries or stage_names, not both.")
         chosen = _check_bounds(boundaries, n, k) if boundaries is not None else _names_to_bounds(stage_names, model.names, k)
         method = "manual"
     elif method != "autopipe":
@@ -218,7 +288,7 @@ def partition(
 
     common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight,
                   weight_share=weight_share, signature=profile.signature, recompute=recompute,
-                  limit_source=limit_source)  # fmt: skip
+                  limit_source=limit_source, zero_policy=zero_policy)  # fmt: skip
     best: StepSolution | None = None
     try:
         best = solve_step(model.costs, schedule, ranks=stages, virtual=v, microbatches=m, inflight=inflight,
@@ -321,7 +391,8 @@ def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str],
 
 def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequence[int], bound: float | None,
                stages: int, v: int, m: int, schedule: str, limit: int | None, inflight: list[int],
-               weight_share: float, signature: str, recompute: str, limit_source: str = "") -> Plan:  # fmt: skip
+               weight_share: float, signature: str, recompute: str, limit_source: str = "",
+               zero_policy: int | str = 0) -> Plan:  # fmt: skip
     c = model.costs
     a = np.asarray(bounds[:-1])
     b = np.asarray(bounds[1:])
@@ -336,6 +407,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     ranks = chunk_ranks(schedule, stages, v)
     per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,
                            recompute=[c.modes[int(x)] for x in md], reserve=model.reserve)  # fmt: skip
+    # the plan's zero is what the job runs: with one replica nothing is sharded whatever was asked
     rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=weight_share)
     slowest = int(np.argmax(times))
@@ -373,6 +445,9 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
         recompute=recompute,
         step_lower_bound=bound,
         rank_memory_breakdown=tuple(r.to_dict() for r in per_rank),
+        dp=model.dp,
+        zero=model.zero,
+        zero_policy=str(zero_policy),
     )
 
 
@@ -412,8 +487,9 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight
     hints.append(f"{more} stages would fit" if more else f"no number of stages up to {tried} fits")
     # ZeRO-1 shards optimizer state over data-parallel replicas: say how much of a rank it is.
     state = sum(model.memory.optimizer) / stages
-    if state > 0.1 * need:
-        hints.append(f"optimizer state is ~{format_bytes(int(state))} per rank (ZeRO-1 across data-parallel replicas shards it)")
+    if state > 0.1 * need and model.zero == 0:
+        replicas = "the replicas" if model.dp > 1 else "data-parallel replicas (--dp N)"
+        hints.append(f"optimizer state is ~{format_bytes(int(state))} per rank (ZeRO-1 across {replicas} shards it)")
     fixes = ["add stages", "raise --memory-limit"]
     if recompute != "auto":
         fixes.append("use --recompute auto")

@@ -79,6 +79,11 @@ class Plan:
     # Where memory_limit came from: "given", "device" (the profile's GPU memory, the default) or ""
     # (no limit, or plans before this field).
     memory_limit_source: str = ""
+    # Data-parallel replicas of each stage (world = stages x dp) and the ZeRO stage they shard with;
+    # rank_memory is per rank under that sharding. zero_policy: what was asked ("0".."3" or "auto").
+    dp: int = 1
+    zero: int = 0
+    zero_policy: str = "0"
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:
@@ -210,6 +215,9 @@ def _check_plan(plan: Plan) -> None:
             number(v, f"{f}[{i}]", whole=True)
     for f in ("bottleneck_time", "peak_memory", "step_time", "weight_share"):
         number(getattr(plan, f), f, whole=f == "peak_memory")
+    number(plan.dp, "dp", whole=True, least=1)
+    if plan.zero not in (0, 1, 2, 3) or isinstance(plan.zero, bool):
+        raise RecordError(f"plan zero is {plan.zero!r}, but must be a ZeRO stage 0, 1, 2 or 3; {again}")
     number(plan.bubble_fraction, "bubble_fraction", least=-1e-9)  # 1 - busy/step: rounding may dip below 0
     for f in ("memory_limit", "step_lower_bound", "optimum_bottleneck_time", "optimum_step_time"):
         if getattr(plan, f) is not None:

@@ -64,12 +64,20 @@ def recompute_phrase(plan: Plan) -> str:
     return f"; recompute: {what} (+{_ms(cost)} ms per micro-batch at most)"
 
 
+def sharding_phrase(plan: Plan) -> str:
+    """'; per rank with 2 replicas, ZeRO 1 (chosen)' — '' for one replica."""
+    if plan.dp <= 1:
+        return ""
+    chosen = " (chosen)" if plan.zero_policy == "auto" else ""
+    return f"; per rank with {plan.dp} data-parallel replicas, ZeRO {plan.zero}{chosen}"
+
+
 def plan_summary(plan: Plan) -> str:
     """One line: bottleneck, balance, step and bubble, autopipe's step when this is a baseline, and the bound."""
     line = (
         f"bottleneck chunk {plan.bottleneck_stage}: {_ms(plan.bottleneck_time)} ms/micro-batch, "
         f"balance (max/mean) {plan.balance:.3f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
-        f"{recompute_phrase(plan)}, "
+        f"{sharding_phrase(plan)}{recompute_phrase(plan)}, "
         f"{plan.schedule} step with {plan.microbatches} micro-batches {_ms(plan.step_time)} ms "
         f"(bubble {plan.bubble_fraction:.1%})"
     )

@@ -71,6 +71,7 @@ def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
                 profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
                 memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
                 method=method, weight_share=plan.weight_share, optimizer=plan.optimizer, recompute=plan.recompute,
+                dp=plan.dp, zero="auto" if plan.zero_policy == "auto" else plan.zero,
             )  # fmt: skip
         except AutopipeError:
             continue
@@ -134,8 +135,11 @@ def render_report(
                           "Peak memory of each pipeline rank" + (" against the limit (red line)" if plan.memory_limit
                                                                  else "; no memory limit was given")
                           + ". The peak is what lives all step (weights, gradients, optimizer state, buffers, "
-                          "reserve) plus the larger of the backward's peak (activations held for the micro-batches "
-                          "in flight, the last output, the largest transient) and the data-parallel phase."))
+                          "reserve; with data-parallel replicas the all-reduce buckets, or under ZeRO 2/3 the weights "
+                          "and gradients gathered for the step) plus the activations held for the micro-batches in "
+                          "flight, the last output, and the larger of the largest transient and the reduce-scatter input"
+                          + (f". Each stage has {plan.dp} data-parallel replicas under ZeRO {plan.zero}: weights, "
+                             "gradients and optimizer state are this rank's shards" if plan.dp > 1 else "") + "."))
     if baselines:
         parts.append(_section("autopipe against the baselines", _baseline_table(plan, baselines),
                               "The same profile, stages, schedule and micro-batches, cut by the partitioners in "
@@ -243,7 +247,9 @@ def _recompute_cell(plan: Plan, chunk: int) -> str:
 _BREAKDOWN = (("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
               ("activations", "saved activations × in flight"), ("outputs", "last output held"),
               ("buffers", "send/recv buffers"), ("transient", "largest transient"),
-              ("data_parallel", "data-parallel buffer"), ("reserve", "runtime reserve"))  # fmt: skip
+              ("gathered", "gathered weights + gradients (ZeRO 2/3)"),
+              ("data_parallel", "all-reduce buckets (ZeRO 0/1)"), ("reduce_scatter", "reduce-scatter input (ZeRO 2/3)"),
+              ("reserve", "runtime reserve"))  # fmt: skip
 
 
 def _rank_breakdown_table(plan: Plan) -> str:

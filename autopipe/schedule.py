@@ -256,27 +256,78 @@ def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) 
 
     A unit is held from its F to its B (to its W when the backward is split). GPipe, 1F1B and
     interleaved run a fixed op order, so the count is read off that order and holds for any costs:
-    M for GPipe, min(S - s, M) for 1F1B. The greedy zbv order depends on the costs, so it gets a
-    bound instead: min(M, 2S) on every chunk. The shallow chunk of a rank is capped at 2S units
-    (F to W); a unit reaches the deep chunk only after the shallow one's F, and its deep W runs
-    before its shallow W (W follows B order, and the deep B comes first), so the deep chunk never
-    holds more than the shallow one. Equal costs stay below the bound on the deep chunks, which is
-    why simulating them undercounts.
+    M for GPipe, min(S - s, M) for 1F1B. zbv is counted on the order torch's ZBVZeroBubble runs
+    (``zbv_order``: fixed too, whatever the costs), which is what the runtime executes; the greedy
+    order ``simulate`` times zbv with may hold more or fewer, but the memory is the runtime's.
     """
     schedule = check_schedule(schedule, ranks, virtual, microbatches)
     k = ranks * virtual
     if schedule == "zbv":
-        return [min(microbatches, _zbv_cap(ranks))] * k
+        orders = [zbv_order(ranks, microbatches, r) for r in range(ranks)]
+    else:
+        orders = _fixed_orders(schedule, ranks, virtual, microbatches)
     peak = [0] * k
-    for order in _fixed_orders(schedule, ranks, virtual, microbatches):
+    for order in orders:
         held = [0] * k
+        split = any(kind == "W" for kind, _, _ in order)  # with W, a unit is held until its W
         for kind, _, c in order:
             if kind == "F":
                 held[c] += 1
                 peak[c] = max(peak[c], held[c])
-            else:
+            elif kind == "W" or not split:
                 held[c] -= 1
     return peak
+
+
+def zbv_order(ranks: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:
+    """Rank ``rank``'s op order (kind F/B/W, micro-batch, chunk) under torch's ZBVZeroBubble.
+
+    The V: rank r runs chunk r (shallow) and chunk 2S-1-r (deep). The order is fixed (ZB-V, Qi et
+    al. 2024, section 6, as torch.distributed.pipelining lays it out for M >= 2S-1, with the
+    micro-batches beyond M dropped): warm-up forwards on the shallow chunk, then deep forwards each
+    followed at once by their backward and weight pass, a steady F-B-W on each chunk in turn, and a
+    cool-down that runs the backwards first and the deferred weight passes last.
+    """
+    s, r = ranks, rank
+    n = max(2 * s - 1, microbatches)
+    lo, hi = r, 2 * s - 1 - r
+    ops: list[tuple[str, int, int]] = []
+    nf = {lo: 0, hi: 0}
+    nb = {lo: 0, hi: 0}
+
+    def run(kind: str, chunk: int, counter: dict[int, int]) -> None:
+        ops.append((kind, counter[chunk], chunk))
+        counter[chunk] += 1
+
+    for _ in range(2 * (s - r) - 1):
+        run("F", lo, nf)
+    for _ in range(r):
+        run("F", hi, nf)
+        run("F", lo, nf)
+    for _ in range(s - r):
+        run("F", hi, nf)
+        ops += [("B", nb[hi], hi), ("W", nb[hi], hi)]
+        nb[hi] += 1
+    while nf[hi] < nf[lo] or nf[lo] < n:
+        if nf[lo] < n:
+            run("F", lo, nf)
+        ops += [("B", nb[lo], lo), ("W", nb[lo], lo)]
+        nb[lo] += 1
+        run("F", hi, nf)
+        ops += [("B", nb[hi], hi), ("W", nb[hi], hi)]
+        nb[hi] += 1
+    nw = dict(nb)  # weight passes done so far = backwards done so far
+    for _ in range(r):
+        run("B", lo, nb)
+        run("B", hi, nb)
+    for _ in range(s - r):
+        run("B", lo, nb)
+        run("W", lo, nw)
+    while nw[hi] < nb[hi]:
+        run("W", hi, nw)
+    while nw[lo] < nb[lo]:
+        run("W", lo, nw)
+    return [op for op in ops if op[1] < microbatches]
 
 
 def _zbv_cap(ranks: int) -> int:

@@ -59,13 +59,42 @@ def test_recompute_keeps_what_its_mode_keeps_and_rematerialises_one_layer() -> N
     assert lm.activations["selective"] == (100,) * 4  # not profiled: selective keeps what none keeps
 
 
-def test_data_parallel_buffer_is_a_phase_of_its_own() -> None:
-    """dp > 1: the flat gradient copy comes after the backward, so the peak is the larger phase."""
+@pytest.mark.parametrize(
+    "zero, weights, grads, state, gathered, buckets, scatter",
+    [
+        # 4 layers of 1000 B weights, 1000 B gradients, 2000 B AdamW state, over 4 replicas
+        (0, 4000, 4000, 8000, 0, 4000, 0),  # replicated; all-reduce buckets as large as the gradients
+        (1, 4000, 4000, 2000, 0, 4000, 0),  # optimizer state sharded
+        (2, 1000, 1000, 2000, 8000, 0, 1000),  # everything sharded at rest; under pipelining the whole
+        (3, 1000, 1000, 2000, 8000, 0, 1000),  # weights and gradients are gathered for the step
+    ],
+)
+def test_zero_stages_shard_what_they_shard(zero, weights, grads, state, gathered, buckets, scatter) -> None:
+    """ZeRO K over 4 replicas, from first principles: K >= 1 divides the optimizer state by 4, K >= 2
+    weights and gradients at rest (and gathers them whole for the step, as FSDP2 under
+    PipelineStage does); K <= 1 all-reduces through buckets the size of the gradients, K >= 2
+    reduce-scatters one layer at a time (a one-off like a transient)."""
     prof = _profile()
-    (m,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1, dp=2)
-    assert m.data_parallel == 4000
-    assert m.total == m.weights + m.gradients + m.optimizer + m.buffers + m.reserve + max(
-        m.activations + m.outputs + m.transient, 4000)
+    (m,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1, dp=4, zero=zero)
+    assert (m.weights, m.gradients, m.optimizer, m.gathered, m.data_parallel, m.reduce_scatter) == (
+        weights, grads, state, gathered, buckets, scatter)
+    assert m.total == weights + grads + state + gathered + buckets + m.buffers + m.reserve + m.activations + m.outputs + max(
+        m.transient, scatter)
+
+
+def test_one_replica_shards_nothing_whatever_the_zero_stage() -> None:
+    prof = _profile()
+    plain = rank_memory(prof, (0, 2, 4), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)
+    for zero in (1, 2, 3):
+        assert rank_memory(prof, (0, 2, 4), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4, zero=zero) == plain
+
+
+def test_a_tied_tensor_is_sharded_and_gathered_once_per_rank() -> None:
+    """GPT-2's wte/lm_head under ZeRO 3 on one rank: the tie's shard and its gathered copy count once."""
+    prof = _profile(tied=True)  # tied tensor: 1000 weights + 1000 gradients + 2000 state, in layers 0 and 3
+    (m,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1, dp=2, zero=3)
+    assert (m.weights, m.gradients, m.optimizer) == (3 * 500, 3 * 500, 3 * 1000)
+    assert m.gathered == 3 * 2000
 
 
 def test_interleaved_ranks_hold_their_chunks_and_no_buffer_between_local_chunks() -> None:
