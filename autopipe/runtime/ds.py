@@ -260,7 +260,7 @@ def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
             "params": {"lr": config.lr, "betas": list(config.betas), "eps": config.eps,
                        "weight_decay": config.weight_decay},
         },
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": config.zero},  # the plan's (convert refuses 2/3 for DeepSpeed)
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
