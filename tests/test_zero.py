@@ -53,6 +53,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = model_factory(str(root / "tiny"), batch_size=ROWS, seq_len=SEQ)
     layers = len(build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1).seq.layers)
     (root / "plan.json").write_text(json.dumps({"boundaries": even_boundaries(layers, 2)}))
+    # 4 chunks in a V: rank 0 holds the first (wte) and the last (lm_head), so the tie has a local alias
+    (root / "plan_v.json").write_text(json.dumps({"boundaries": even_boundaries(layers, 4)}))
     return root
 
 
@@ -83,14 +85,15 @@ def reference(job: Path) -> tuple[list[float], list[float], dict[str, torch.Tens
     return _REF["value"]  # type: ignore[return-value]
 
 
-def launch(job: Path, name: str, nproc: int, *flags: str, ckpt: Path | None = None) -> tuple[Path, subprocess.CompletedProcess]:
+def launch(job: Path, name: str, nproc: int, *flags: str, ckpt: Path | None = None,
+           plan: str = "plan.json") -> tuple[Path, subprocess.CompletedProcess]:
     run = job / name
     run.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_GRADS_AT": "norm",
            "PYTHONPATH": os.pathsep.join([str(PROBES), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
            str(job / "train.py"), "--steps", str(STEPS), "--lr", str(LR), "--grad-clip", str(CLIP),
-           "--plan", str(job / "plan.json"), "--ckpt-dir", str(ckpt or run / "ckpt"), "--log-json", str(run / "log.json"), *flags]
+           "--plan", str(job / plan), "--ckpt-dir", str(ckpt or run / "ckpt"), "--log-json", str(run / "log.json"), *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=run)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run, proc
@@ -100,17 +103,19 @@ def logged(run: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in map(json.loads, (run / "log.json").read_text().splitlines())}
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_dp2_x_pp2_equals_one_model_on_the_global_batch(job: Path, zero: int) -> None:
+@pytest.mark.parametrize("zero,schedule", [(0, "1f1b"), (1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (2, "zbv")])
+def test_dp2_x_pp2_equals_one_model_on_the_global_batch(job: Path, zero: int, schedule: str) -> None:
     """--dp 2 --zero K on 2 stages: losses, gradient norms, every first-step gradient (before clipping)
     and the final weights equal plain training on the global batch within 1e-5; ZeRO 0 under --check
-    (every collective on the rank's device); ZeRO 3 also exports weights from_pretrained loads."""
-    flags = ["--dp", str(DP), "--zero", str(zero), "--ckpt-every", "1", "--ckpt-keep", "0"]
+    (every collective on the rank's device); ZeRO 3 also exports weights from_pretrained loads; ZeRO 2
+    under ZBV (split backward, two FSDP chunks per rank, the tie's alias leaf on rank 0) too."""
+    flags = ["--dp", str(DP), "--zero", str(zero), "--ckpt-every", "1", "--ckpt-keep", "0", "--schedule", schedule]
     if zero == 0:
         flags.append("--check")
     if zero == 3:
         flags += ["--export", str(job / "exported3")]
-    run, proc = launch(job, f"zero{zero}", 2 * DP, *flags)
+    name = f"zero{zero}" if schedule == "1f1b" else f"zero{zero}-{schedule}"
+    run, proc = launch(job, name, 2 * DP, *flags, plan="plan.json" if schedule == "1f1b" else "plan_v.json")
     assert f"ZeRO {zero}" in proc.stdout
     ref_losses, ref_norms, ref_grads, ref_weights, tensor_of = reference(job)
     assert max(ref_norms) > CLIP  # clipping took part
