@@ -178,3 +178,21 @@ def test_bad_zero_is_one_line(job: Path, tmp_path: Path) -> None:
               "--zero 5: use 0")
     _one_line(subprocess.run([*base, "--zero", "2", "--engine", "deepspeed"], capture_output=True, text=True, timeout=120,
                              env=env, cwd=tmp_path), "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only")
+
+
+def test_the_job_takes_dp_and_zero_from_the_plan(tmp_path: Path) -> None:
+    """convert's train.py defaults to the plan's replicas and ZeRO stage; explicit values win; a bad one is refused."""
+    from types import SimpleNamespace
+
+    from autopipe.errors import AutopipeError
+
+    plan = SimpleNamespace(dp=2, zero=3)
+    text = write_train_script(tmp_path / "a.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", plan=plan).read_text()
+    assert "DP = 2 " in text and "ZERO = 3 " in text
+    text = write_train_script(tmp_path / "b.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", plan=plan,
+                              zero=1).read_text()
+    assert "ZERO = 1 " in text
+    text = write_train_script(tmp_path / "c.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b").read_text()
+    assert "DP = 1 " in text and "ZERO = 0 " in text
+    with pytest.raises(AutopipeError, match="--zero 4"):
+        write_train_script(tmp_path / "d.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", zero=4)
