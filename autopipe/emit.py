@@ -93,11 +93,12 @@ def check_job_dir(job_dir: str | os.PathLike[str], *, force: bool = False) -> Pa
     return path
 
 
-def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings) -> str:
-    """The command that starts training: torchrun with one process per stage, for either engine
-    (DeepSpeed's engine runs under torchrun too, so the command needs nothing beyond torch)."""
+def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings, dp: int = 1) -> str:
+    """The command that starts training: torchrun with one process per stage and replica, for either
+    engine (DeepSpeed's engine runs under torchrun too, so the command needs nothing beyond torch).
+    train.py takes the replicas from ``--dp`` (not from the plan), so a plan with dp > 1 names it."""
     script = shlex.quote(str(Path(job_dir) / "train.py"))
-    return f"torchrun --nproc-per-node {settings.stages} {script}"
+    return f"torchrun --nproc-per-node {settings.stages * dp} {script}" + (f" --dp {dp}" if dp > 1 else "")
 
 
 def emit(
@@ -108,6 +109,7 @@ def emit(
     plan: Plan,
     baselines: Mapping[str, Plan] | None = None,
     force: bool = False,
+    search: Any = None,
 ) -> JobFiles:
     """Write the job folder for ``plan``: records, train.py, report.html and README.md.
 
@@ -117,6 +119,8 @@ def emit(
         profile, plan: the records of the profile and partition passes.
         baselines: other partitioners' plans for the report (default: computed from the profile).
         force: replace the job files of an existing folder (other files in it are left alone).
+        search: the cluster search's SearchResult when the plan came from one (autopipe.search):
+            saved as plan.search.json and shown in the report.
 
     Raises:
         JobExistsError: the folder holds files and ``force`` is False.
@@ -140,10 +144,13 @@ def emit(
         _write_train_script(staging, settings, plan)
         plan.save(staging / "plan.json")
         profile.save(staging / "profile.json")
-        write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model)
-        launch = launch_command(path, settings)
+        write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model, search=search)
+        launch = launch_command(path, settings, dp=plan.dp)
         write_text_atomic(staging / "README.md", _readme(settings, profile, plan, launch))
         names = JOB_FILES
+        if search is not None:
+            names = (*names, "plan.search.json")
+            search.save(str(staging / "plan.search.json"))
         if settings.engine == "deepspeed":  # DeepSpeed's own settings file, for the user to edit
             names = (*JOB_FILES, "ds_config.json")
             write_text_atomic(staging / "ds_config.json", _ds_config(settings))

@@ -5,7 +5,9 @@ See autopipe/search.py for the search itself.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from .memory import ZERO_STAGES
@@ -14,7 +16,7 @@ from .records import check_header, read_json, write_json_atomic
 from .schedule import check_schedule
 from .topology import Cluster, placements
 
-__all__ = ["Layout", "SearchResult", "SEARCH_SCHEDULES", "enumerate_layouts"]
+__all__ = ["Layout", "SearchResult", "SEARCH_SCHEDULES", "enumerate_layouts", "search_path"]
 
 # (schedule, virtual stages) tried; one stage runs 1f1b only (every schedule is the same chain there).
 SEARCH_SCHEDULES: tuple[tuple[str, int], ...] = (("1f1b", 1), ("gpipe", 1), ("interleaved1f1b", 2),
@@ -58,7 +60,7 @@ class Layout:
     def label(self) -> str:
         """'8 stages × 8 replicas, 2×16 micro-batches, 1f1b, ZeRO 1' (v shown when > 1)."""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"{self.stages} stages × {self.dp} replicas, {self.microbatches} micro-batches of {self.microbatch_size}, "
+        return (f"{self.stages} stages × {self.dp} replica{'s' if self.dp > 1 else ''}, {self.microbatches} micro-batches of {self.microbatch_size}, "
                 f"{self.schedule}{v}, ZeRO {self.zero}")  # fmt: skip
 
     def key(self) -> tuple:
@@ -108,6 +110,12 @@ class SearchResult:
         data["layouts"] = tuple(Layout(**{**x, "recompute": tuple(x["recompute"]), "boundaries": tuple(x["boundaries"])})
                                 for x in data["layouts"])  # fmt: skip
         return cls(**data)
+
+
+def search_path(plan_path: str | os.PathLike[str]) -> Path:
+    """Where a searched plan's layouts are saved beside it: plan.json -> plan.search.json."""
+    p = Path(plan_path)
+    return p.with_name(p.stem + ".search.json")
 
 
 def _divisors(n: int) -> list[int]:
