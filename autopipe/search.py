@@ -50,7 +50,7 @@ from .memory import ZERO_STAGES, layer_memory
 from .partition import fits_memory, partition, resolve_limit
 from .plan import Plan
 from .records import Profile
-from .schedule import inflight_counts
+from .schedule import chunk_ranks, inflight_counts
 from .topology import Cluster, place
 
 __all__ = ["Layout", "SearchResult", "SEARCH_SCHEDULES", "search", "evaluate", "enumerate_layouts", "step_bound"]
@@ -141,7 +141,7 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
         sim, cut, modes, rec, peak = plan.simulate(), plan.boundaries, plan.stage_recompute, plan.stage_recompute_time, plan.peak_memory
         fwd, bwd, comm = plan.stage_forward, plan.stage_backward, plan.stage_comm
     ranks = sim.timeline
-    owners = [r for c in range(len(cut) - 1) for r in [_owner(x, c)]]
+    owners = chunk_ranks(x.schedule, x.stages, x.virtual_stages)
     lm = layer_memory(prof, optimizer)
     step = reduce_max = 0.0
     for r, ops in enumerate(ranks):
@@ -164,12 +164,6 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
         p2p_time=m * 2 * sum(comm) / s,
     )  # fmt: skip
     return done, plan
-
-
-def _owner(x: Layout, chunk: int) -> int:
-    from .schedule import chunk_ranks
-
-    return chunk_ranks(x.schedule, x.stages, x.virtual_stages)[chunk]
 
 
 def _peak_if_fits(prof: Profile, free: Plan, x: Layout, optimizer: str | None, limit: int | None) -> int | None:
@@ -264,13 +258,13 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     # the best layout's Plan, with its own limit, replicas and ZeRO stage (the job's plan.json)
     best, plan = evaluate(profile, cluster, found[0], memory_limit=limit, optimizer=optimizer, recompute=recompute,
                           weight_share=weight_share)  # fmt: skip
-    if best.step_time is not None and found[0].step_time is not None and best.step_time > found[0].step_time * (1 + 1e-9):
+    if (best.step_time or 0.0) > (found[0].step_time or 0.0) * (1 + 1e-9):
         # the unconstrained cut beat the limited search's (a heuristic schedule): keep that cut
         best, plan = evaluate(profile, cluster, found[0], memory_limit=limit, optimizer=optimizer,
                               recompute=recompute, weight_share=weight_share, method="manual",
                               boundaries=found[0].boundaries)  # fmt: skip
         plan = replace(plan, method="autopipe") if plan is not None else plan
-    found[0] = replace(found[0], **{k: getattr(best, k) for k in ("peak_memory", "recompute", "boundaries")})
+    found[0] = replace(best, bound=found[0].bound)  # the plan's own figures (its cut may tie at a lower peak)
     return SearchResult(
         layouts=tuple(found), gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node, bandwidth_intra=cluster.intra,
         bandwidth_inter=cluster.inter, global_batch=global_batch, memory_limit=limit, considered=considered,
