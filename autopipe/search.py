@@ -125,12 +125,17 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
     opts = dict(microbatches=x.microbatches, schedule=x.schedule, virtual_stages=x.virtual_stages, optimizer=optimizer,
                 recompute=recompute, bandwidth=bw, weight_share=weight_share)  # fmt: skip
     plan: Plan | None = None
+    limit, _ = resolve_limit(profile, memory_limit)
+    plain = "none" if recompute == "auto" else recompute  # what the unlimited cut's chunks run
+    if cache is not None and limit is not None and not fits_memory(
+            prof, x.stages, microbatches=x.microbatches, schedule=x.schedule, virtual_stages=x.virtual_stages,
+            memory_limit=limit, optimizer=optimizer, recompute=plain, dp=x.dp, zero=x.zero):  # fmt: skip
+        cache = None  # no cut fits without recompute, so the unlimited cut cannot either: solve with the limit
     if cache is not None and method == "autopipe" and boundaries is None:
         key = (x.stages, x.microbatch_size, x.microbatches, x.schedule, x.virtual_stages, bw)
         if key not in cache:
             cache[key] = partition(prof, x.stages, memory_limit=None, **opts)  # type: ignore[arg-type]
         free = cache[key]
-        limit, _ = resolve_limit(profile, memory_limit)
         peak = _peak_if_fits(prof, free, x, optimizer, limit)
         if peak is not None:
             sim, cut, modes, rec = free.simulate(), free.boundaries, free.stage_recompute, free.stage_recompute_time
@@ -154,7 +159,6 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
         reduce_max = max(reduce_max, red)
         step = max(step, (ops[-1][1] if ops else 0.0) + red)
     m, s, k = x.microbatches, x.stages, len(cut) - 1
-    limit, _ = resolve_limit(profile, memory_limit)
     tokens = tokens_per_sample(profile)
     done = replace(
         x, step_time=step, pipeline_time=sim.step_time, reduce_time=reduce_max, throughput=x.global_batch / step,

@@ -3,6 +3,7 @@ the searched layout's predicted throughput against the rules of thumb users appl
 
     python bench/bench_search_paper.py          # writes bench/results/search_paper.json, then search.md
     python bench/bench_search_paper.py --md     # search.md again from search_paper.json and search_cpu.json
+    python bench/bench_search_paper.py llama-70b  # only these models (the other rows are kept)
 
 Rules of thumb (each at the same GPU count and global batch), as their users set them up:
 - the cut: torchtitan splits layers evenly (embedding and head weigh one layer each: baselines
@@ -30,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autopipe.errors import AutopipeError  # noqa: E402
+from autopipe.errors import AutopipeError, InfeasibleMemoryError  # noqa: E402
 from autopipe.layouts import Layout  # noqa: E402
 from autopipe.records import Profile  # noqa: E402
 from autopipe.search import evaluate, search  # noqa: E402
@@ -89,21 +90,30 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
-def main() -> None:
+def main(models: list[str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in MODELS:
+    path = RESULTS / "search_paper.json"
+    rows = [r for r in (json.loads(path.read_text()) if path.exists() and models else []) if r["model"] not in models]
+    for name in models or MODELS:
         prof = Profile.load(ROOT / "profiles" / f"{name}-h100-estimate.json")
         for gpus, batch in CLUSTERS:
             cluster = cluster_for(prof.device.name, gpus)
             repeats = 3 if (name, gpus) == ("llama-70b", 512) else 1
-            walls, cpus, res = [], [], None
+            walls, cpus, res, failed = [], [], None, ""
             for _ in range(repeats):
                 w, c = time.perf_counter(), time.process_time()
-                res = search(prof, cluster, global_batch=batch, memory_limit=LIMIT)
+                try:
+                    res = search(prof, cluster, global_batch=batch, memory_limit=LIMIT)
+                except InfeasibleMemoryError as e:  # says what would fit, in one line: recorded as such
+                    failed = str(e)
                 walls.append(time.perf_counter() - w)
                 cpus.append(time.process_time() - c)
-            assert res is not None and res.best is not None
+            if res is None:
+                rows.append({"model": name, "gpus": gpus, "global_batch": batch, "load": load(), "walls": walls,
+                             "search_wall_s": statistics.median(walls), "search_cpu_s": statistics.median(cpus),
+                             "infeasible_message": failed})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             row = {"model": name, "gpus": gpus, "global_batch": batch, "load": load(),
                    "search_wall_s": statistics.median(walls), "search_cpu_s": statistics.median(cpus),
                    "walls": walls, "considered": res.considered, "pruned_memory": res.pruned_memory,
@@ -139,6 +149,10 @@ def write_md() -> None:
              "| model | GPUs | global batch | searched layout (placement) | tok/s | " + " | ".join(RULES) + " |",
              "| --- | ---: | ---: | --- | ---: | " + " | ".join("---" for _ in RULES) + " |"]
     for r in rows:
+        if "infeasible_message" in r:
+            lines.append(f"| {r['model']} | {r['gpus']} | {r['global_batch']} | nothing fits: `{r['infeasible_message']}` | — | "
+                         + " | ".join("does not fit" for _ in RULES) + " |")
+            continue
         best = r["best"]
         cells = []
         for rule in RULES:
@@ -160,6 +174,10 @@ def write_md() -> None:
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         walls = ", ".join(f"{w:.1f}" for w in r["walls"])
+        if "infeasible_message" in r:
+            lines.append(f"| {r['model']} | {r['gpus']} | {r['search_wall_s']:.1f} ({walls}) | {r['search_cpu_s']:.1f} | "
+                         f"{r['load']:.1f} | nothing fits (message above) | | | | |")
+            continue
         lines.append(f"| {r['model']} | {r['gpus']} | {r['search_wall_s']:.1f} ({walls}) | {r['search_cpu_s']:.1f} | "
                      f"{r['load']:.1f} | {r['considered']} | {r['pruned_memory']} | {r['pruned_dominated']} | "
                      f"{r['pruned_bound']} | {r['solved']} ({r['infeasible']}) |")
@@ -188,4 +206,4 @@ def write_md() -> None:
 
 
 if __name__ == "__main__":
-    write_md() if "--md" in sys.argv else main()
+    write_md() if "--md" in sys.argv else main(sys.argv[1:])
