@@ -70,7 +70,7 @@ def convert_command(
     dp: Annotated[int, typer.Option("--dp", help="Data-parallel replicas of each stage (world = stages x dp); memory is per rank.")] = 1,
     zero: Annotated[Optional[str], typer.Option("--zero", help="ZeRO stage over the replicas: 0, 1 (+ optimizer state sharded), 2 (+ gradients), 3 (+ parameters), or auto (the fastest that fits; the default with --gpus).")] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", help="Search the whole layout (stages x replicas, micro-batches, schedule, recompute, ZeRO) for this many devices.")] = None,
-    gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", help="Devices per node (default: 8 for known GPUs, 1 for CPU).")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", help="Devices per node (default: 8 for known GPUs; CPU: all on one host).")] = None,
     global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Samples per step, all replicas together (with --gpus).")] = None,
     bandwidth_intra: Annotated[Optional[str], typer.Option("--bandwidth-intra", help="Bytes/s per device inside a node, like 450GB (default per known GPU).")] = None,
     bandwidth_inter: Annotated[Optional[str], typer.Option("--bandwidth-inter", help="Bytes/s per device between nodes, like 50GB (default per known GPU).")] = None,

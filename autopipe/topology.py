@@ -43,12 +43,12 @@ PLACEMENTS = ("pipeline-inner", "replica-inner")
 # A100 SXM: NVLink 3 at 600 GB/s bidirectional (A100 datasheet) = 300 GB/s; DGX A100 has one
 # 200 Gb/s HDR NIC per GPU = 25 GB/s.
 # CPU: nothing measured; ranks on one host pass tensors through shared memory (gloo), a stated
-# 5 GB/s, and hosts through 10 Gb Ethernet, 1.25 GB/s.
+# 5 GB/s, and hosts through 10 Gb Ethernet, 1.25 GB/s; by default every rank is on one host (0).
 LINKS: dict[str, tuple[float, float, int]] = {
     "h100": (450e9, 50e9, 8),
     "h200": (450e9, 50e9, 8),
     "a100": (300e9, 25e9, 8),
-    "cpu": (5e9, 1.25e9, 1),
+    "cpu": (5e9, 1.25e9, 0),
 }
 
 
@@ -88,7 +88,7 @@ def cluster_for(device: str, gpus: int, gpus_per_node: int | None = None, intra:
             f"--bandwidth-inter (known: {', '.join(LINKS)})."
         )
     d_intra, d_inter, d_per = LINKS[key] if key else (0.0, 0.0, 1)
-    per = gpus_per_node if gpus_per_node is not None else d_per
+    per = gpus_per_node if gpus_per_node is not None else (d_per or gpus)
     if gpus < 1 or per < 1:
         raise PartitionError(f"--gpus {gpus} and --gpus-per-node {per} must both be at least 1.")
     if gpus > per and gpus % per:

@@ -67,7 +67,8 @@ def test_cluster_defaults_and_errors() -> None:
     """Known GPUs get their NVLink/InfiniBand figures; a partial node or an unknown device says what to give."""
     h = cluster_for("NVIDIA H100 80GB HBM3", 64)
     assert (h.gpus_per_node, h.intra, h.inter, h.nodes) == (8, 450e9, 50e9, 8)
-    assert cluster_for("cpu", 4, 4).intra == 5e9
+    cpu = cluster_for("cpu", 4)
+    assert (cpu.intra, cpu.gpus_per_node) == (5e9, 4)  # processes of one host by default
     with pytest.raises(PartitionError, match="whole number of nodes"):
         cluster_for("h100", 12)
     with pytest.raises(PartitionError, match="--bandwidth-intra"):
