@@ -60,7 +60,7 @@ class Layout:
     def label(self) -> str:
         """'8 stages × 8 replicas, 2×16 micro-batches, 1f1b, ZeRO 1' (v shown when > 1)."""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"{self.stages} stages × {self.dp} replica{'s' if self.dp > 1 else ''}, {self.microbatches} micro-batches of {self.microbatch_size}, "
+        return (f"{self.stages} stage{'s' if self.stages > 1 else ''} × {self.dp} replica{'s' if self.dp > 1 else ''}, {self.microbatches} micro-batches of {self.microbatch_size}, "
                 f"{self.schedule}{v}, ZeRO {self.zero}")  # fmt: skip
 
     def key(self) -> tuple:

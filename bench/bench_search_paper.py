@@ -141,6 +141,7 @@ def _tok(x: float | None) -> str:
 def write_md() -> None:
     """bench/results/search.md from the paper rows and, when there, the CPU run's."""
     rows = json.loads((RESULTS / "search_paper.json").read_text())
+    rows.sort(key=lambda r: (MODELS.index(r["model"]), r["gpus"]))
     lines = ["# Cluster search: chosen layout vs rules of thumb, and measured on CPU", "",
              "## On paper: Llama (H100 estimates, seq 2048, bf16 autocast, AdamW) on H100 clusters, 80 GiB per GPU", "",
              "Predicted tokens/s of the searched layout against each rule of thumb at the same GPU count and global",
