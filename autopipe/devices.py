@@ -197,19 +197,33 @@ def describe_device(device: torch.device) -> DeviceInfo:
     return DeviceInfo(name=device.type, type=device.type)
 
 
-def keep_freed_memory() -> bool:
-    """Make glibc keep freed memory for reuse instead of returning it to the OS (Linux only).
+# Allocations at least this large get their own mapping (returned to the OS on free); smaller ones
+# come from the heap, which keeps what it frees. Why not keep everything (M_MMAP_MAX = 0, as before):
+# a step's large tensors then interleave with small ones in one heap, and the holes they leave do not
+# fit the next step's pattern, so resident memory outgrew the bytes ever live: the LM-head rank of a
+# GPT-2 pipeline peaked 1.3-1.5x above the plan (its live tensor bytes were within 7%), GPT-2 under
+# full recompute 1.23-1.28x. Measured against the plan (bench/results/accuracy.md): with 8 MiB those
+# were 1.12 and 1.15-1.17, with 1 MiB 0.89 and 1.02-1.03, and the runtime reserve a probe measures fell
+# from 67 to 28 MiB. The price, GPT-2 (6 x 256) fp32 steps on one thread, 3 interleaved rounds under
+# load 2-5: 1 MiB 1.08-1.11x the old setting's step, 8 MiB 1.01-1.11x.
+MMAP_THRESHOLD = 1 << 20
+ALLOCATOR_SETTINGS = f"glibc mmap>={MMAP_THRESHOLD >> 20}MiB, no trim"  # part of the reserve's cache key
 
-    By default glibc unmaps large freed blocks and trims the heap, so every training step page-faults
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed heap memory for reuse instead of returning it to the OS (Linux only).
+
+    By default glibc trims the heap and its mmap threshold adapts, so every training step page-faults
     its activations and gradients back in: for GPT-2 124M on a 2-core VM that was ~300 ms of a
     1.55 s CPU step, and per-layer timings (which free little) then sum to only ~0.85 of the whole
-    model's. The profiler and autopipe.runtime call this on CPU. Returns whether it took effect.
+    model's. Blocks of ``MMAP_THRESHOLD`` bytes or more still get their own mapping (see there).
+    The profiler and autopipe.runtime call this on CPU. Returns whether it took effect.
     """
     mallopt = getattr(_libc(), "mallopt", None)  # musl and others have no mallopt
     if mallopt is None:
         return False
-    m_trim_threshold, m_mmap_max = -1, -4
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    m_trim_threshold, m_mmap_threshold = -1, -3  # a fixed threshold also stops glibc adapting it
+    return bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def release_freed_memory() -> bool:

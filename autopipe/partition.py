@@ -10,9 +10,8 @@ plus, at each cut it touches, the tuple crossing that cut once forward (activati
 backward (their gradients) at ``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer
 state (a tied tensor once per chunk holding it) plus its activation bytes times the micro-batches the
 schedule keeps in flight there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for
-interleaved, and min(M, 2S) for the greedy zbv, whose order depends on the costs (see
-schedule.inflight_counts). With v virtual stages per rank each chunk must fit ``memory_limit / v``
-(sufficient for the rank).
+interleaved and for zbv (torch's ZBVZeroBubble order; see schedule.inflight_counts). With v
+virtual stages per rank each chunk must fit ``memory_limit / v`` (sufficient for the rank).
 
 Recompute, per chunk: "none" keeps every activation; "full" keeps each layer's input and runs its
 forward again in backward; "selective" keeps what the profile measured for that mode (a layer with no

@@ -51,12 +51,13 @@ def _cache_file() -> Path:
 def _key(device: str) -> str:
     import torch
 
-    from .devices import _cpu_name
+    from .devices import ALLOCATOR_SETTINGS, _cpu_name
 
     if device == "cuda":
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda"
     else:
-        name = f"{_cpu_name()} x{os.environ.get('OMP_NUM_THREADS', '1')}"
+        # the allocator's settings change what a CPU rank holds beyond its tensors: measure again
+        name = f"{_cpu_name()} x{os.environ.get('OMP_NUM_THREADS', '1')} ({ALLOCATOR_SETTINGS})"
     return f"{device}|{name}|torch {torch.__version__}"
 
 

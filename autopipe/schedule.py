@@ -14,18 +14,17 @@ Schedules (placement of chunk c on a rank, and each rank's order of ops):
 - ``1f1b``: ``ranks - r - 1`` warm-up forwards on rank r, then one forward / one backward.
 - ``interleaved1f1b``: v chunks per rank, chunk c on rank ``c % ranks``; Megatron's order
   (warm-up ``2(ranks - r - 1) + (v - 1) ranks`` units, then 1F1B over (micro-batch, chunk) units).
-- ``zbv``: two chunks per rank in a V (chunk c on rank c, chunk 2R-1-c on rank c), split backward;
-  a greedy rank runs a ready B first, then a ready F (the shallow chunk only while it holds fewer
-  than 2R micro-batches), and fills idle time with deferred W (the zero-bubble idea; not the
-  paper's exact hand-made order).
+- ``zbv``: two chunks per rank in a V (chunk c on rank c, chunk 2R-1-c on rank c), split backward
+  (B, then the deferred weight gradient W), in the order torch's ``ScheduleZBVZeroBubble`` runs
+  (``zbv_order``; ZB-V, Qi et al. 2024): what train.py executes, so what the plan times and charges.
+  (Until 2026-11-22 zbv was timed with a greedy order of autopipe's own, which torch never ran.)
 
-How. The fixed orders (gpipe, 1f1b, interleaved) are a longest-path recurrence: an op ends at
-max(end of the op before it on its rank, end of its input on another chunk) + its duration. Its
-graph depends only on (schedule, ranks, virtual stages, micro-batches), so it is compiled once into
-levels and evaluated with one numpy max-plus step per level: O(ops) work, O(M + S·v) numpy calls,
-and :func:`step_times` evaluates many cuts in the same calls. zbv's order depends on the costs, so it
-runs as events, O(ops log ranks): a rank that can start nothing sleeps until the op it waits for
-ends. Both give the floats the former event loop gave, timelines included (tests/_event_sim.py).
+How. Every order is fixed, so a step is a longest-path recurrence: an op ends at max(end of the op
+before it on its rank, end of its input on another chunk) + its duration. Its graph depends only on
+(schedule, ranks, virtual stages, micro-batches), so it is compiled once into levels and evaluated
+with one numpy max-plus step per level: O(ops) work, O(M + S·v) numpy calls, and :func:`step_times`
+evaluates many cuts in the same calls. It gives the floats the former event loop gave, timelines
+included (tests/_event_sim.py).
 
 Example:
     >>> sim = simulate("gpipe", forward=[1, 1], backward=[2, 2], comm=[0, 0], ranks=2, microbatches=4)
@@ -42,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import PartitionError
-from .simrun import Program, TimelineEntry, compile_orders, fixed_durations, run_fixed, run_zbv, timeline_of, zbv_durations
+from .simrun import Program, TimelineEntry, compile_orders, fixed_durations, run_fixed, timeline_of, zbv_durations
 
 __all__ = [
     "SCHEDULES",
@@ -134,10 +133,12 @@ def chunk_ranks(schedule: str, ranks: int, virtual: int) -> tuple[int, ...]:
 
 
 def _fixed_orders(schedule: str, ranks: int, virtual: int, m: int) -> list[list[tuple[str, int, int]]]:
-    """Each rank's op order (kind, micro-batch, chunk) for the schedules with a fixed order."""
+    """Each rank's op order (kind, micro-batch, chunk)."""
     orders = []
     for r in range(ranks):
-        if schedule == "gpipe":
+        if schedule == "zbv":
+            order = zbv_order(ranks, m, r)
+        elif schedule == "gpipe":
             order = [("F", i, r) for i in range(m)] + [("B", i, r) for i in range(m)]
         elif schedule == "1f1b":
             warm = min(ranks - r - 1, m)
@@ -182,14 +183,14 @@ def simulate(
     backward that is weight gradient (W), split off by zero-bubble schedules only.
     """
     schedule, k, virtual = _check_costs(schedule, forward, backward, comm, ranks, microbatches, weight_share)
+    prog = _program(schedule, ranks, virtual, microbatches)
     if schedule == "zbv":
-        durations = zbv_durations(forward, backward, comm, weight_share)
-        timeline = run_zbv(ranks, microbatches, _zbv_cap(ranks), *durations, timeline=True)
+        fwd, bwd, wgt = (np.array(x) for x in zbv_durations(forward, backward, comm, weight_share))
+        start, end = run_fixed(prog, fwd, bwd, wgt)
     else:
-        prog = _program(schedule, ranks, virtual, microbatches)
         fwd, bwd = fixed_durations(forward, backward, comm)
         start, end = run_fixed(prog, np.array(fwd), np.array(bwd))
-        timeline = timeline_of(prog, start, end)
+    timeline = timeline_of(prog, start, end)
     step = max((tl[-1][1] for tl in timeline if tl), default=0.0)
     busy = tuple(sum(e - s for s, e, *_ in tl) for tl in timeline)
     bubble = 1.0 - sum(busy) / (ranks * step) if step > 0 else 0.0
@@ -216,17 +217,18 @@ def step_times(
     com = np.atleast_2d(np.asarray(comm, dtype=np.float64))
     n, k = fwd.shape
     schedule, k, virtual = _check_costs(schedule, fwd[0], bwd[0], com[0], ranks, microbatches, weight_share)
-    if schedule == "zbv":
-        out = np.empty(n)
-        for i in range(n):
-            durations = zbv_durations(fwd[i].tolist(), bwd[i].tolist(), com[i].tolist(), weight_share)
-            out[i] = run_zbv(ranks, microbatches, _zbv_cap(ranks), *durations, timeline=False)
-        return out
     prog = _program(schedule, ranks, virtual, microbatches)
+    # zbv splits the backward: B carries (1 - weight_share) of it and the send/recv, W the rest
+    # (the same sums zbv_durations makes, so a row equals simulate() exactly)
+    zb = schedule == "zbv"
     rows = max(1, _BATCH // len(prog.ops))  # rows per pass: ops x rows floats stay in cache-sized blocks
     out = np.empty(n)
     for i in range(0, n, rows):
-        end = run_fixed(prog, (fwd[i : i + rows] + com[i : i + rows]).T, (bwd[i : i + rows] + com[i : i + rows]).T, starts=False)[1]
+        f, b, c = fwd[i : i + rows], bwd[i : i + rows], com[i : i + rows]
+        if zb:
+            end = run_fixed(prog, (f + c).T, (b * (1 - weight_share) + c).T, (b * weight_share).T, starts=False)[1]
+        else:
+            end = run_fixed(prog, (f + c).T, (b + c).T, starts=False)[1]
         out[i : i + rows] = end[prog.last].max(axis=0)
     return out
 
@@ -256,29 +258,70 @@ def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) 
 
     A unit is held from its F to its B (to its W when the backward is split). GPipe, 1F1B and
     interleaved run a fixed op order, so the count is read off that order and holds for any costs:
-    M for GPipe, min(S - s, M) for 1F1B. The greedy zbv order depends on the costs, so it gets a
-    bound instead: min(M, 2S) on every chunk. The shallow chunk of a rank is capped at 2S units
-    (F to W); a unit reaches the deep chunk only after the shallow one's F, and its deep W runs
-    before its shallow W (W follows B order, and the deep B comes first), so the deep chunk never
-    holds more than the shallow one. Equal costs stay below the bound on the deep chunks, which is
-    why simulating them undercounts.
+    M for GPipe, min(S - s, M) for 1F1B, and for zbv what torch's ZBVZeroBubble order holds from F
+    to W (``zbv_order``).
     """
     schedule = check_schedule(schedule, ranks, virtual, microbatches)
     k = ranks * virtual
-    if schedule == "zbv":
-        return [min(microbatches, _zbv_cap(ranks))] * k
     peak = [0] * k
     for order in _fixed_orders(schedule, ranks, virtual, microbatches):
         held = [0] * k
+        split = any(kind == "W" for kind, _, _ in order)  # with W, a unit is held until its W
         for kind, _, c in order:
             if kind == "F":
                 held[c] += 1
                 peak[c] = max(peak[c], held[c])
-            else:
+            elif kind == "W" or not split:
                 held[c] -= 1
     return peak
 
 
-def _zbv_cap(ranks: int) -> int:
-    """Micro-batches the greedy zbv lets a rank's shallow chunk hold (F done, W not yet)."""
-    return 2 * ranks
+def zbv_order(ranks: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:
+    """Rank ``rank``'s op order (kind F/B/W, micro-batch, chunk) under torch's ZBVZeroBubble.
+
+    The V: rank r runs chunk r (shallow) and chunk 2S-1-r (deep). The order is fixed (ZB-V, Qi et
+    al. 2024, section 6, as torch.distributed.pipelining lays it out for M >= 2S-1, with the
+    micro-batches beyond M dropped): warm-up forwards on the shallow chunk, then deep forwards each
+    followed at once by their backward and weight pass, a steady F-B-W on each chunk in turn, and a
+    cool-down that runs the backwards first and the deferred weight passes last.
+    """
+    s, r = ranks, rank
+    n = max(2 * s - 1, microbatches)
+    lo, hi = r, 2 * s - 1 - r
+    ops: list[tuple[str, int, int]] = []
+    nf = {lo: 0, hi: 0}
+    nb = {lo: 0, hi: 0}
+
+    def run(kind: str, chunk: int, counter: dict[int, int]) -> None:
+        ops.append((kind, counter[chunk], chunk))
+        counter[chunk] += 1
+
+    for _ in range(2 * (s - r) - 1):
+        run("F", lo, nf)
+    for _ in range(r):
+        run("F", hi, nf)
+        run("F", lo, nf)
+    for _ in range(s - r):
+        run("F", hi, nf)
+        ops += [("B", nb[hi], hi), ("W", nb[hi], hi)]
+        nb[hi] += 1
+    while nf[hi] < nf[lo] or nf[lo] < n:
+        if nf[lo] < n:
+            run("F", lo, nf)
+        ops += [("B", nb[lo], lo), ("W", nb[lo], lo)]
+        nb[lo] += 1
+        run("F", hi, nf)
+        ops += [("B", nb[hi], hi), ("W", nb[hi], hi)]
+        nb[hi] += 1
+    nw = dict(nb)  # weight passes done so far = backwards done so far
+    for _ in range(r):
+        run("B", lo, nb)
+        run("B", hi, nb)
+    for _ in range(s - r):
+        run("B", lo, nb)
+        run("W", lo, nw)
+    while nw[hi] < nb[hi]:
+        run("W", hi, nw)
+    while nw[lo] < nb[lo]:
+        run("W", lo, nw)
+    return [op for op in ops if op[1] < microbatches]

@@ -4,12 +4,10 @@ Problem. Cut layers ``0..L-1`` into ``K = S·v`` non-empty chunks ``[b_c, b_{c+1
 a recompute mode, so that ``schedule.simulate`` of the chunks' forward/backward/send-recv seconds
 takes the least time, with every chunk within ``limit`` bytes under its mode and its in-flight count.
 
-Reduction to cuts. With a fixed op order (gpipe, 1f1b, interleaved) the simulated step is the longest
-path of the op graph, whose weights are the ops' durations, so it never shrinks when an op grows.
-Recompute only adds backward time; so for a fixed cut the fastest mode that fits each chunk is
-optimal, and the search is over cuts alone. zbv's greedy order depends on the costs, so a longer op
-can reorder it and, rarely, shorten the modelled step; recompute is not chosen for that (the runtime's
-order is not this model's): zbv chunks also take their fastest fitting mode, and exactness is over cuts.
+Reduction to cuts. Every schedule runs a fixed op order (zbv: torch's ZB-V order), so the simulated
+step is the longest path of the op graph, whose weights are the ops' durations, and it never shrinks
+when an op grows. Recompute only adds backward time; so for a fixed cut the fastest mode that fits
+each chunk is optimal, and the search is over cuts alone.
 
 Lower bound. Every path of the op graph weighs at most the step of the cut it is taken in; the paths
 that dwell on one rank give, per stage, a bound that depends on that stage's own chunk only, so "some
@@ -59,9 +57,6 @@ __all__ = ["StepSolution", "solve_step", "Infeasible"]
 
 # Simulating all cuts costs (cuts x ops) op evaluations; up to this many it is done outright.
 ENUMERATE_WORK = 30_000_000
-# zbv simulates one cut at a time in Python (its order depends on the costs): an op costs about this
-# many vectorised ones.
-ZBV_OP_COST = 60
 BISECTION_TOL = 1e-4  # relative width at which the bound's bisection stops
 TIE = 1e-9  # relative difference under which two simulated steps are the same step
 
@@ -116,7 +111,7 @@ LOCAL_STARTS = 4  # the best distinct candidates it starts from
 LOCAL_WORK = 5_000_000
 FORM_CACHE = 8_000_000  # floats of cached per-form arrays (positions x forms x modes); above, bands only
 THRESHOLD_SIZE = 200_000  # positions x chunks up to which the cuts below the best step are counted
-CANDIDATE_WORK = 3_000_000  # op evaluations spent on the bisection's candidate cuts (zbv at scale: one)
+CANDIDATE_WORK = 3_000_000  # op evaluations spent on the bisection's candidate cuts
 REACH_WORK = 80_000_000  # position x chunk x form steps spent on bisection tests
 
 
@@ -317,7 +312,7 @@ class _Search:
         if self.reach_at(None) is None:
             raise Infeasible
         total = math.comb(n - 1, k - 1)
-        if total * self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1) <= enumerate_work:
+        if total * self.ops <= enumerate_work:
             for block in _all_cuts(n, k, max(1, 4_000_000 // self.ops)):
                 self.evaluate(block)
             return self._solution(exact=True)
@@ -329,8 +324,8 @@ class _Search:
             _, hi, found = self._bisect(1)
         lo, _, more = self._bisect(None, hi)
         found = more + found
-        # The tightest passes first; zbv simulates one cut at a time, so it stops at a budget.
-        unit = self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1)
+        # The tightest passes first, up to a budget of op evaluations.
+        unit = self.ops
         order = np.array(list(dict.fromkeys(found))[: max(1, CANDIDATE_WORK // unit)])
         steps = self.evaluate(order)
         # With one chunk per rank every failed v is a lower bound on every cut's step.
@@ -377,7 +372,7 @@ class _Search:
         pairs = list(itertools.combinations(range(1, self.k), 2)) if self.k <= PAIR_MOVES else []
         shifts = [(di, dj) for di in (-3, -2, -1, 1, 2, 3) for dj in (-3, -2, -1, 1, 2, 3)]
         per_round = (2 * (self.k - 1) * len(MOVES) + len(pairs) * (len(shifts) + 2)) * self.ops
-        rounds = LOCAL_WORK // max(per_round * (ZBV_OP_COST if self.schedule == "zbv" else 1), 1)
+        rounds = LOCAL_WORK // max(per_round, 1)
         for cut in starts:
             cut = np.array(cut)
             current = None
@@ -421,7 +416,7 @@ class _Search:
             return False
         b = np.arange(n + 1)
         lo_arrays = [np.minimum(self.lo(s, b, u), b) for s in range(self.k)]
-        most = enumerate_work // (self.ops * (ZBV_OP_COST if self.schedule == "zbv" else 1))
+        most = enumerate_work // (self.ops)
         if count_cuts(n, self.k, lo_arrays, most + 1) > most:
             return False
         self.evaluate(enumerate_cuts(n, self.k, lo_arrays))

@@ -2,6 +2,8 @@
 
 Kept verbatim (renamed to ``simulate_events``) so tests/test_schedule.py can check that
 autopipe.schedule.simulate gives identical results, timelines included. Not used by autopipe itself.
+One change since: zbv runs torch's fixed ZB-V order (``_fixed_orders``) like the other schedules,
+where it ran a greedy order of its own; each op still waits for its inputs (``_deps``: a W for its B).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import heapq
 from typing import Sequence
 
 from autopipe.errors import PartitionError
-from autopipe.schedule import Simulation, TimelineEntry, _fixed_orders, _zbv_cap, check_schedule, check_weight_share, chunk_ranks
+from autopipe.schedule import Simulation, TimelineEntry, _fixed_orders, check_schedule, check_weight_share
 
 
 def simulate_events(
@@ -35,14 +37,13 @@ def simulate_events(
     virtual = k // ranks
     schedule = check_schedule(schedule, ranks, virtual, microbatches)
     check_weight_share(weight_share)
-    placement = chunk_ranks(schedule, ranks, virtual)
     zb = schedule == "zbv"
     dur = {
         "F": [forward[c] + comm[c] for c in range(k)],
         "B": [backward[c] * (1 - weight_share if zb else 1.0) + comm[c] for c in range(k)],
         "W": [backward[c] * weight_share for c in range(k)],
     }
-    chooser = _ZBV(placement, ranks, microbatches) if zb else _Fixed(_fixed_orders(schedule, ranks, virtual, microbatches))
+    chooser = _Fixed(_fixed_orders(schedule, ranks, virtual, microbatches))
     end: dict[tuple[str, int, int], float] = {}
     timeline: list[list[TimelineEntry]] = [[] for _ in range(ranks)]
     free = [0.0] * ranks
@@ -105,51 +106,3 @@ class _Fixed:
             self.pos[r] += 1
             return op
         return None
-
-
-class _ZBV:
-    """Greedy zero-bubble rank: ready B first, then a ready F under the in-flight cap, then a W."""
-
-    def __init__(self, placement: Sequence[int], ranks: int, m: int) -> None:
-        self.m = m
-        # Micro-batches the shallow chunk may hold (F done, W not yet). Only the shallow chunk is
-        # capped: the deep one must always be free to move, or a full rank would wait on itself.
-        self.cap = _zbv_cap(ranks)
-        self.chunks = [[c for c, r in enumerate(placement) if r == rank] for rank in range(ranks)]
-        self.next_f = {c: 0 for c in range(len(placement))}
-        self.next_b = dict(self.next_f)
-        self.pending_w: list[list[tuple[str, int, int]]] = [[] for _ in range(ranks)]
-        self.inflight = [0] * ranks
-        self.left = [3 * m * len(cs) for cs in self.chunks]
-
-    def finished(self, r: int) -> bool:
-        return self.left[r] == 0
-
-    def choose(self, r: int, ready, chunks: int):
-        mine = sorted(self.chunks[r], reverse=True)  # the deeper chunk first: it frees memory sooner
-        for c in mine:
-            i = self.next_b[c]
-            if i < self.m and all(ready(d) for d in _deps("B", i, c, chunks)):
-                self.next_b[c] += 1
-                self.pending_w[r].append(("W", i, c))
-                return self._take(r, ("B", i, c))
-        shallow = min(mine)
-        for c in mine:
-            i = self.next_f[c]
-            if c == shallow and self.inflight[r] >= self.cap:
-                continue
-            if i < self.m and all(ready(d) for d in _deps("F", i, c, chunks)):
-                self.next_f[c] += 1
-                self.inflight[r] += c == shallow
-                return self._take(r, ("F", i, c))
-        if self.pending_w[r]:
-            op = self.pending_w[r].pop(0)
-            self.inflight[r] -= op[2] == shallow  # W frees the last activations of that unit
-            return self._take(r, op)
-        return None
-
-    def _take(self, r: int, op: tuple[str, int, int]) -> tuple[str, int, int]:
-        self.left[r] -= 1
-        return op
-
-

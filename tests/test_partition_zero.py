@@ -69,7 +69,7 @@ def test_bad_dp_or_zero_is_refused(dp, zero, message) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 9), min_size=3, max_size=9), st.integers(2, 4),
+@given(st.lists(st.integers(1, 9), min_size=4, max_size=9), st.integers(2, 4),
        st.sampled_from([0, 1, 2, 3, "auto"]), st.integers(500, 6000), st.sampled_from(["1f1b", "gpipe", "zbv"]))
 def test_plans_never_exceed_the_limit_under_any_sharding(params, dp, zero, limit, schedule) -> None:
     """Whatever the sharding, a plan's ranks fit the limit in the memory model's exact bytes."""
