@@ -131,20 +131,21 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
             prof, x.stages, microbatches=x.microbatches, schedule=x.schedule, virtual_stages=x.virtual_stages,
             memory_limit=limit, optimizer=optimizer, recompute=plain, dp=x.dp, zero=x.zero):  # fmt: skip
         cache = None  # no cut fits without recompute, so the unlimited cut cannot either: solve with the limit
+    source: Plan | None = None  # the plan whose cut and seconds this layout takes
+    peak: int | None = None
     if cache is not None and method == "autopipe" and boundaries is None:
         key = (x.stages, x.microbatch_size, x.microbatches, x.schedule, x.virtual_stages, bw)
         if key not in cache:
             cache[key] = partition(prof, x.stages, memory_limit=None, **opts)  # type: ignore[arg-type]
-        free = cache[key]
-        peak = _peak_if_fits(prof, free, x, optimizer, limit)
-        if peak is not None:
-            sim, cut, modes, rec = free.simulate(), free.boundaries, free.stage_recompute, free.stage_recompute_time
-            fwd, bwd, comm = free.stage_forward, free.stage_backward, free.stage_comm
-    if plan is None and (cache is None or method != "autopipe" or boundaries is not None or peak is None):
-        plan = partition(prof, x.stages, memory_limit=memory_limit, dp=x.dp, zero=x.zero, method=method,
-                         boundaries=boundaries, **opts)  # type: ignore[arg-type]
-        sim, cut, modes, rec, peak = plan.simulate(), plan.boundaries, plan.stage_recompute, plan.stage_recompute_time, plan.peak_memory
-        fwd, bwd, comm = plan.stage_forward, plan.stage_backward, plan.stage_comm
+        peak = _peak_if_fits(prof, cache[key], x, optimizer, limit)
+        source = cache[key] if peak is not None else None
+    if source is None:
+        plan = source = partition(prof, x.stages, memory_limit=memory_limit, dp=x.dp, zero=x.zero, method=method,
+                                  boundaries=boundaries, **opts)  # type: ignore[arg-type]
+        peak = plan.peak_memory
+    assert peak is not None
+    sim, cut, modes, rec = source.simulate(), source.boundaries, source.stage_recompute, source.stage_recompute_time
+    fwd, bwd, comm = source.stage_forward, source.stage_backward, source.stage_comm
     ranks = sim.timeline
     owners = chunk_ranks(x.schedule, x.stages, x.virtual_stages)
     lm = layer_memory(prof, optimizer)
