@@ -95,10 +95,10 @@ def check_job_dir(job_dir: str | os.PathLike[str], *, force: bool = False) -> Pa
 
 def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings, dp: int = 1) -> str:
     """The command that starts training: torchrun with one process per stage and replica, for either
-    engine (DeepSpeed's engine runs under torchrun too, so the command needs nothing beyond torch).
-    train.py takes the replicas from ``--dp`` (not from the plan), so a plan with dp > 1 names it."""
+    engine (DeepSpeed's engine runs under torchrun too, so the command needs nothing beyond torch);
+    train.py takes the replica count (and ZeRO stage) from the plan."""
     script = shlex.quote(str(Path(job_dir) / "train.py"))
-    return f"torchrun --nproc-per-node {settings.stages * dp} {script}" + (f" --dp {dp}" if dp > 1 else "")
+    return f"torchrun --nproc-per-node {settings.stages * dp} {script}"
 
 
 def emit(
@@ -145,7 +145,7 @@ def emit(
         plan.save(staging / "plan.json")
         profile.save(staging / "profile.json")
         write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model, search=search)
-        launch = launch_command(path, settings, dp=plan.dp)
+        launch = launch_command(path, settings, int(getattr(plan, "dp", 1)))
         write_text_atomic(staging / "README.md", _readme(settings, profile, plan, launch))
         names = JOB_FILES
         if search is not None:
@@ -153,7 +153,7 @@ def emit(
             search.save(str(staging / "plan.search.json"))
         if settings.engine == "deepspeed":  # DeepSpeed's own settings file, for the user to edit
             names = (*JOB_FILES, "ds_config.json")
-            write_text_atomic(staging / "ds_config.json", _ds_config(settings))
+            write_text_atomic(staging / "ds_config.json", _ds_config(settings, plan))
         for name in names:
             os.replace(staging / name, path / name)
     except BaseException:
@@ -165,13 +165,15 @@ def emit(
     return JobFiles(path, tuple(path / name for name in names), launch)
 
 
-def _ds_config(settings: JobSettings) -> str:
+def _ds_config(settings: JobSettings, plan: Plan) -> str:
     import json
 
     from .runtime.ds import ds_config
     from .runtime.optim import TrainConfig
 
-    config = TrainConfig(microbatches=settings.microbatches, dtype=settings.dtype, seed=settings.seed)
+    # the plan's ZeRO stage (0 or 1 on DeepSpeed: convert refuses more) is the job's
+    config = TrainConfig(microbatches=settings.microbatches, dtype=settings.dtype, seed=settings.seed,
+                         zero=int(getattr(plan, "zero", 0)))
     return json.dumps(ds_config(config, rows=settings.batch_size, dp=1), indent=2) + "\n"
 
 

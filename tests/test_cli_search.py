@@ -105,7 +105,8 @@ def test_bad_search_options_are_one_line(profile_path, args, expected) -> None:
 
 def test_convert_gpus_emits_the_best_layout(tmp_path, monkeypatch) -> None:
     """convert --gpus (estimated on meta: nothing runs) writes the best layout's job: plan.json with
-    its replicas, the layouts, a report with the front, and a launch of stages x dp processes with --dp."""
+    its replicas, the layouts, a report with the front, and a launch of stages x dp processes (train.py
+    takes the replicas and the ZeRO stage from the plan)."""
     monkeypatch.chdir(tmp_path)
     factory = tmp_path / "tiny.py"
     factory.write_text(FACTORY)
@@ -116,9 +117,10 @@ def test_convert_gpus_emits_the_best_layout(tmp_path, monkeypatch) -> None:
     plan = json.loads(Path("job/plan.json").read_text())
     dp, stages = plan["dp"], plan["stages"]
     assert dp * stages == 4
-    launch = "torchrun --nproc-per-node 4 job/train.py" + (f" --dp {dp}" if dp > 1 else "")
+    launch = "torchrun --nproc-per-node 4 job/train.py"
     assert launch in result.output and launch in Path("job/README.md").read_text()
     assert SearchResult.load("job/plan.search.json").layouts[0].stages == stages
+    assert f"DP = {dp}" in Path("job/train.py").read_text()
     assert "Cluster search" in Path("job/report.html").read_text()
 
 

@@ -245,7 +245,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(jobs: dict[str, dict], npro
     assert said[0].split("resume with: ")[1].startswith("torchrun --nproc-per-node=2" if nproc > 1 else "python ")
     assert "autopipe/" not in err and "[rank" not in err and "error:" not in err, err[-3000:]
     newest = Path(said[0].split("newest checkpoint ")[1].split(";")[0])
-    assert sorted(p.name for p in newest.iterdir()) == ["meta.json", *(f"rank{r:05d}.pt" for r in range(nproc))]
+    assert sorted(p.name for p in newest.iterdir()) == ["meta.json", *(f"rank{r:05d}.pt" for r in range(nproc)), "sharded"]
     if nproc == 1:
         assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
     else:  # torchrun reports the signal in its own words after the line, and exits non-zero

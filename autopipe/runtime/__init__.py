@@ -65,9 +65,13 @@ _LAZY = {
     "model_factory": "models",
     "write_train_script": "script",
     "train_deepspeed": "ds",
+    "check_zero": "zero",
+    "ZERO_STAGES": "zero",
 }
 
 __all__ = [
+    "ZERO_STAGES",
+    "check_zero",
     "Comm",
     "JobData",
     "MicrobatchSeeds",

@@ -175,6 +175,19 @@ class StageBuild:
                     main.grad = leaf.grad.clone() if main.grad is None else main.grad.add_(leaf.grad)
                     leaf.grad = None
 
+    @torch.no_grad()
+    def sync_alias_params_(self) -> None:
+        """Copy each tied tensor's value into its local alias leaves where they no longer share its
+        storage (data parallelism gives every parameter storage of its own); after each update."""
+        from .zero import local
+
+        for name, leaves in self.aliases.items():
+            main = local(self.params[name].detach())
+            for leaf in leaves:
+                mine = local(leaf.detach())
+                if mine.data_ptr() != main.data_ptr():
+                    mine.copy_(main)
+
     def tied_here(self) -> list[TiedSpec]:
         return [t for t in self.tied if self.pp_rank in t.holders]
 

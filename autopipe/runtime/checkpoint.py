@@ -3,8 +3,12 @@
 Layout of a checkpoint folder::
 
     ckpt/step_00000200/            one folder per saved step
-        rank00000.pt ...           each rank's shard: parameters, optimizer state, step, RNG, LR, loss scale
-        meta.json                  step, world layout, boundaries, schedule, tied names (written last)
+        sharded/                   parameters and AdamW state by parameter name, as each rank holds
+                                   them (torch.distributed.checkpoint): loads back into any replica
+                                   count and any ZeRO stage, each rank reading only its part
+        rank00000.pt ...           each rank's step, LR schedule, loss scale, RNG; replica 0's also
+                                   its stage's whole parameters (what export reads)
+        meta.json                  step, world layout, boundaries, schedule, ZeRO, tied names (written last)
 
 Every rank writes into ``step_N.tmp/``; after a barrier rank 0 writes meta.json and renames the
 folder to ``step_N``. A crash at any moment leaves either the complete new folder or a ``.tmp`` one
@@ -62,6 +66,10 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     env.barrier()
+    import torch.distributed.checkpoint as dcp
+
+    # tied copies on several pipeline ranks save under one name with equal values: DCP keeps one
+    dcp.save(trainer.tensor_state(), checkpoint_id=tmp / "sharded")
     state = trainer.state_dict()
     part = tmp / f"rank{env.rank:05d}.pt.part"
     with open(part, "wb") as f:
@@ -78,6 +86,7 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
             "pp": env.pp_size,
             "boundaries": list(trainer.build.layout.boundaries),
             "schedule": trainer.build.layout.schedule,
+            "zero": trainer.config.zero,
             "tied": {t.name: list(t.names) for t in trainer.build.tied},
             "config": trainer.config.to_dict(),
             "data": {**(data or {}), "next_step": step},
@@ -122,17 +131,30 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> int:
-    """Load this rank's shard from checkpoint folder ``path`` into ``trainer``; returns the step."""
+    """Load checkpoint folder ``path`` into ``trainer`` (collective); returns the step.
+
+    The pipeline must be the one it was saved with; the replica count and the ZeRO stage may
+    differ: torch.distributed.checkpoint reshards parameters and AdamW state to what this rank
+    holds now, and replicas of one stage share the rest (step, schedule, RNG), so replica d reads
+    the file of saved replica d mod R.
+    """
+    import torch.distributed.checkpoint as dcp
+
     env = trainer.env
+    path = Path(path)
     meta = read_meta(path)
-    if (meta["dp"], meta["pp"]) != (env.dp_size, env.pp_size):
+    if meta["pp"] != env.pp_size:
         raise AutopipeError(
-            f"checkpoint {path} was saved by dp={meta['dp']} × pp={meta['pp']} ranks but this run has "
-            f"dp={env.dp_size} × pp={env.pp_size}; resume with {meta['world']} processes, or "
-            "export it and start a new run from the exported weights (--weights)."
+            f"checkpoint {path} was saved by {meta['pp']} pipeline ranks but this run has {env.pp_size}; "
+            f"resume with {meta['pp']} stages (any --dp), or export it and start a new run from the exported weights (--weights)."
         )
-    state = torch.load(Path(path) / f"rank{env.rank:05d}.pt", map_location=env.device, weights_only=False)
+    if not (path / "sharded").is_dir():
+        raise AutopipeError(f"checkpoint {path} has no sharded/ state (made by an older autopipe); export it and start from --weights.")
+    source = env.global_rank(env.dp_rank % int(meta["dp"]), env.pp_rank)
+    state = torch.load(path / f"rank{source:05d}.pt", map_location=env.device, weights_only=False)
     trainer.load_state_dict(state)
+    dcp.load(trainer.tensor_state(), checkpoint_id=path / "sharded")  # in place, into this rank's shards
+    trainer.build.sync_alias_params_()
     return int(meta["step"])
 
 

@@ -260,7 +260,7 @@ def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
             "params": {"lr": config.lr, "betas": list(config.betas), "eps": config.eps,
                        "weight_decay": config.weight_decay},
         },
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": config.zero},  # the plan's (convert refuses 2/3 for DeepSpeed)
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -299,6 +299,10 @@ def _load_ds_config(path: str | None, config: TrainConfig, args: Any, dp: int) -
         raise AutopipeError("--dtype fp16 on --engine deepspeed: use bf16 (autocast, fp32 weights), or fp16 on --engine torch.")
     cfg.pop("bf16", None)
     cfg.pop("fp16", None)
+    if getattr(args, "zero", None) is not None:  # --zero given: it wins over the file's stage
+        from .zero import check_zero
+
+        cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": check_zero(args.zero)}
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
     if stage >= 1:
         cfg["zero_allow_untested_optimizer"] = True  # autopipe's AdamW (see _ClippingAdamW) is a client optimizer
@@ -318,6 +322,10 @@ def _refuse(args: Any) -> None:
         raise AutopipeError("--verify runs on the torch engine (--engine torch); DeepSpeed's engine has no unpipelined twin to compare with.")
     if getattr(args, "recompute", "plan") not in ("plan", "none"):
         raise AutopipeError("--recompute selective|full runs on the torch engine; with DeepSpeed set activation checkpointing in ds_config.json.")
+    zero = getattr(args, "zero", None)
+    if zero is not None and str(zero).strip() in ("2", "3"):
+        raise AutopipeError(f"--zero {zero} on --engine deepspeed: DeepSpeed's pipeline engine runs ZeRO 0 or 1 only; "
+                            "use --engine torch (FSDP2) for ZeRO 2 or 3.")
     if schedule_name(getattr(args, "schedule", "1f1b")) not in ("1F1B", "GPipe"):
         raise AutopipeError(f"--schedule {args.schedule}: DeepSpeed runs its own 1F1B schedule; use --engine torch for {args.schedule}.")
 

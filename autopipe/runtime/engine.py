@@ -134,7 +134,10 @@ class PipelineEngine:
         autocast_dtype: torch.dtype | None = None,
         loss_scale: Callable[[], float] = lambda: 1.0,
         comm: Comm | None = None,
+        wrap: Callable[[list[PipeChunk]], None] | None = None,
     ) -> None:
+        """``wrap`` receives the chunks the stages will run, before any stage exists: data
+        parallelism wraps them there (``autopipe.runtime.zero.shard_chunks_``)."""
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         PipelineStage = _stage_class()
@@ -156,6 +159,8 @@ class PipelineEngine:
             chunk.unview_outputs = layout.schedule in _SPLIT_BACKWARD
             chunk.register_forward_pre_hook(self._tic)
             chunk.register_forward_hook(self._toc)
+        if wrap is not None:
+            wrap(chunks)
         self.stages = [
             PipelineStage(c, c.index if num_stages > 1 else 0, num_stages, device, group=pp_group)
             for c in chunks

@@ -1,4 +1,8 @@
-"""After the schedule's backward: tied-gradient sums, data-parallel averaging, global norm clipping.
+"""After the schedule's backward: tied-gradient sums, global norm clipping.
+
+Averaging over data-parallel replicas is not here: the engines of :mod:`autopipe.runtime.zero`
+(``replicate``, FSDP2) reduce inside the schedule, bucket by bucket. What is here works on each
+rank's local part of a gradient (a sharded DTensor's shard), so it holds in every ZeRO stage.
 
 torch.distributed.pipelining gives each stage its own copy of a tied tensor (GPT-2's wte/lm_head)
 and never syncs them; each copy gets only its own layer's gradient. Summing those gradients across
@@ -19,23 +23,30 @@ import torch
 from torch import nn
 
 from .comm import Comm
+from .zero import local
 
-__all__ = ["average_dp_grads", "clip_grads_", "global_grad_norm", "sync_tied_grads"]
+__all__ = ["clip_grads_", "global_grad_norm", "sync_tied_grads"]
 
 
 def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient, this rank's part of it (the local shard of a DTensor)."""
     out = []
     for p in params:
         if p.grad is None:  # a parameter this step did not reach still takes part in collectives
             p.grad = torch.zeros_like(p)
-        out.append(p.grad)
+        out.append(local(p.grad))
     return out
 
 
 def sync_tied_grads(
     params: Mapping[str, nn.Parameter], tied_here: Iterable[Any], groups: Mapping[str, Any], comm: Comm
 ) -> None:
-    """Sum each tied tensor's gradient over the ranks holding a copy (same order on every rank)."""
+    """Sum each tied tensor's gradient over the ranks holding a copy (same order on every rank).
+
+    Under ZeRO 2/3 each copy is sharded over the replicas of its stage; the copies have one shape
+    and their stages one replica count, so replica d of every holder keeps the same slice, and
+    summing the local slices over the holders of replica d gives that slice of the sum.
+    """
     for spec in tied_here:
         group = groups.get(spec.name)
         if group is None:
@@ -44,35 +55,23 @@ def sync_tied_grads(
         comm.all_reduce(grad, group=group, where=f"tied gradient {spec.name}")
 
 
-def average_dp_grads(params: Mapping[str, nn.Parameter], group: Any, dp_size: int, comm: Comm) -> None:
-    """Average gradients over data-parallel replicas, as one flat buffer (one collective)."""
-    if dp_size == 1:
-        return
-    grads = _grads(params.values())
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group=group, where="data-parallel gradients")
-    flat.div_(dp_size)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def global_grad_norm(
-    params: Mapping[str, nn.Parameter], counted_elsewhere: set[str], pp_group: Any | None, comm: Comm
+    params: Mapping[str, nn.Parameter], counted_elsewhere: set[str], group: Any | None, comm: Comm
 ) -> torch.Tensor:
     """The 2-norm of the whole model's gradient, each tied tensor counted once (float64, on the device).
 
-    Each pipeline rank sums squares over its own parameters, leaving out tied copies another rank
-    counts (``counted_elsewhere``); one all-reduce over the pipeline gives the total. Replicas hold
-    equal gradients after averaging, so the pipeline group suffices.
+    Each rank sums squares over its own parameters (its shards of them), leaving out tied copies
+    another pipeline rank counts (``counted_elsewhere``); one all-reduce over ``group`` gives the
+    total. ``group``: the pipeline group when replicas hold equal, whole gradients (ZeRO 0/1: summing
+    over replicas too would count each R times); the whole world when they hold disjoint shards
+    (ZeRO 2/3).
     """
     grads = _grads(p for n, p in params.items() if n not in counted_elsewhere)
-    local = torch.zeros((), dtype=torch.float64, device=comm.device)
+    squares = torch.zeros((), dtype=torch.float64, device=comm.device)
     for g in grads:
-        local += g.detach().double().pow(2).sum()
-    comm.all_reduce(local, group=pp_group, where="gradient norm")
-    return local.sqrt()
+        squares += g.detach().double().pow(2).sum()
+    comm.all_reduce(squares, group=group, where="gradient norm")
+    return squares.sqrt()
 
 
 def clip_grads_(params: Iterable[nn.Parameter], total_norm: torch.Tensor | float, max_norm: float) -> None:

@@ -25,9 +25,11 @@ class Predictions:
     rank_memory: tuple[int, ...]  # bytes per pipeline rank
 
 
-def predictions(plan: Any, *, schedule: str, microbatches: int, pp_size: int) -> Predictions | None:
+def predictions(plan: Any, *, schedule: str, microbatches: int, pp_size: int, dp: int = 1,
+                zero: int = 0) -> Predictions | None:
     """The plan's step time and per-rank memory, or None when the run differs from what was planned
-    (another schedule, micro-batch count or stage count, or a plan without predictions)."""
+    (another schedule, micro-batch count, stage count, replica count or ZeRO stage, or a plan
+    without predictions)."""
     from .layout import schedule_name
 
     if plan is None or not hasattr(plan, "rank_memory") or not hasattr(plan, "step_time"):
@@ -37,6 +39,8 @@ def predictions(plan: Any, *, schedule: str, microbatches: int, pp_size: int) ->
             schedule_name(plan.schedule) == schedule_name(schedule)
             and plan.microbatches == microbatches
             and plan.stages == pp_size
+            and int(getattr(plan, "dp", 1)) == dp
+            and (dp == 1 or int(getattr(plan, "zero", 0)) == zero)  # one replica shards nothing
         )
     except Exception:  # an unknown schedule name in a hand-edited plan: nothing to compare
         return None

@@ -21,6 +21,7 @@ TEMPLATE = '''\
 
     torchrun --nproc-per-node {stages} train.py                 # one process per pipeline stage
     torchrun --nproc-per-node {stages_x2} train.py --dp 2             # x 2 data-parallel replicas
+    torchrun --nproc-per-node {stages_x2} train.py --dp 2 --zero 3    # ... with parameters, gradients, AdamW state sharded
     python train.py                                       # every stage in one process (debugging)
     {ds_launch} train.py --engine deepspeed   # DeepSpeed's PipelineModule instead
 
@@ -45,6 +46,8 @@ ENGINE = {engine!r}  # torch | deepspeed
 LOSS = {loss!r}  # auto | model (the model's own) | cross_entropy | mse
 DATA = {data!r}  # token file, text, .npz/.pt with x and y, datasets files; None: synthetic
 SEED = {seed}
+DP = {dp}  # data-parallel replicas of each stage (the plan's)
+ZERO = {zero}  # ZeRO stage across them (the plan's): 0 replicate, 1 shard AdamW state, 2 + gradients, 3 + parameters
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--steps", type=int, default=100)
@@ -58,7 +61,9 @@ parser.add_argument("--schedule", default=SCHEDULE, help="gpipe | 1f1b | interle
 parser.add_argument("--dtype", default=DTYPE, choices=["fp32", "bf16", "fp16"])
 parser.add_argument("--recompute", default="plan", choices=["plan", "none", "selective", "full"],
                     help="activation recompute per chunk: the plan's choice, or one mode for every chunk")
-parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp x stages)")
+parser.add_argument("--dp", type=int, default=DP, help="data-parallel replicas (world size = dp x stages)")
+parser.add_argument("--zero", default=None, help="ZeRO stage over the replicas: 0 replicate, 1 shard AdamW state, "
+                    "2 and gradients, 3 and parameters (default: the plan's; on deepspeed: ds_config's, 0 or 1)")
 parser.add_argument("--plan", default=str(PLAN), help="plan.json; 'even' cuts the layers evenly")
 parser.add_argument("--loss", default=LOSS, choices=["auto", "model", "cross_entropy", "mse"],
                     help="the model's own loss, or cross-entropy / MSE of its output against the data's targets")
@@ -87,6 +92,7 @@ weights = args.weights or source.weights
 config = rt.TrainConfig(
     steps=args.steps, microbatches=args.microbatches, lr=args.lr, warmup=args.warmup,
     grad_clip=args.grad_clip, dtype=args.dtype, seed=args.seed,
+    zero=rt.check_zero(ZERO if args.zero is None else args.zero),
 )
 if args.engine == "deepspeed":
     rt.train_deepspeed(source, args.plan, config, args, seq_len=SEQ_LEN)
@@ -102,7 +108,8 @@ build = rt.build_stage(
 )
 trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))
 # the plan's predictions hold for the run it was made for: same schedule, micro-batches, batch, dtype
-planned = rt.predictions(plan, schedule=args.schedule, microbatches=args.microbatches, pp_size=env.pp_size)
+planned = rt.predictions(plan, schedule=args.schedule, microbatches=args.microbatches, pp_size=env.pp_size,
+                         dp=env.dp_size, zero=config.zero)
 same_batch = args.batch_size == BATCH_SIZE and args.dtype == DTYPE
 
 # ---- data: each step's global batch is a function of the step; each replica reads its own rows ----
@@ -111,6 +118,7 @@ rows = args.batch_size * args.microbatches * env.dp_size
 log = rt.StepLogger(env.rank, json_path=args.log_json, predicted=planned if same_batch else None, unit=data.unit)
 log.info(f"{{MODEL}}: {{len(build.seq.layers)}} layers, chunks {{build.layout.boundaries}} on {{env.pp_size}} "
          f"stage(s) x {{env.dp_size}} replica(s), {{build.layout.schedule}}, {{args.microbatches}} micro-batches, "
+         f"ZeRO {{config.zero}}{{'' if env.dp_size > 1 or not config.zero else ' (one replica: nothing to shard)'}}, "
          f"recompute {{' '.join(build.recompute)}}, loss {{rt.loss_name(source.loss)}}, data {{data.state()['source']}}")
 
 
@@ -155,11 +163,14 @@ def write_train_script(
     seed: int = 0,
     loss: str = "auto",
     data: str | None = None,
+    dp: int | None = None,
+    zero: int | None = None,
     **_ignored: Any,
 ) -> Path:
     """Write train.py at ``path`` (a file, or a folder to put train.py in).
 
-    ``plan`` is not embedded: the script reads plan.json beside it. Unknown settings (``device``,
+    ``plan`` is not embedded: the script reads plan.json beside it; its ``dp`` and ``zero`` (when it
+    has them) become the script's defaults unless ``dp`` / ``zero`` are given. Unknown settings (``device``,
     what the profile ran on) are accepted and ignored, so emit can pass its settings whole.
 
     Example:
@@ -174,6 +185,10 @@ def write_train_script(
     if engine not in ("torch", "deepspeed"):
         raise AutopipeError(f"engine must be 'torch' or 'deepspeed', got {engine!r}.")
     schedule_name(schedule)  # refuse an unknown schedule now, not at launch
+    from .zero import check_zero
+
+    dp = int(dp if dp is not None else (getattr(plan, "dp", None) or 1))
+    zero = check_zero(zero if zero is not None else (getattr(plan, "zero", None) or 0))
     text = TEMPLATE.format(
         model=model,
         stages=stages,
@@ -187,6 +202,8 @@ def write_train_script(
         seed=seed,
         loss=loss,
         data=data,
+        dp=dp,
+        zero=zero,
         ds_launch=f"deepspeed --num_gpus {stages}" if engine == "deepspeed" else f"torchrun --nproc-per-node {stages}",
     )
     compile(text, str(target), "exec")  # a template bug must fail here, not on the cluster

@@ -1,10 +1,11 @@
 """One optimizer step of a pipelined model, and the state a checkpoint needs to continue it exactly.
 
 A step: the batch is copied to the rank's device -> the schedule runs every micro-batch forward and
-backward (gradients averaged over micro-batches) -> fp16 gradients unscaled -> tied gradients
-summed over their holders -> averaged over data-parallel replicas -> global gradient norm -> the
-step's one host read (loss, norm, times, gathered from every rank) -> norm clipped -> AdamW ->
-learning-rate schedule.
+backward, and after each stage's last backward its data-parallel engine reduces the gradients
+over the replicas (mean; ``autopipe.runtime.zero``) and the stage divides them by the micro-batch
+count -> fp16 gradients unscaled -> tied gradients summed over their holders -> global gradient
+norm -> the step's one host read (loss, norm, times, gathered from every rank) -> norm clipped ->
+AdamW (its state sharded under ZeRO 1-3) -> learning-rate schedule.
 
 Everything before the host read stays on the device, so on a GPU the host queues the whole step
 without waiting; the read is where it waits once, and where rank 0 gets what it logs.
@@ -24,8 +25,9 @@ from ..errors import AutopipeError
 from .build import MicrobatchSeeds, StageBuild
 from .distenv import DistEnv
 from .engine import PipelineEngine, Stopwatch, pack_batch
-from .grads import average_dp_grads, clip_grads_, global_grad_norm, sync_tied_grads
-from .optim import LossScaler, TrainConfig, make_lr_scheduler, make_optimizer, preallocate_
+from .grads import clip_grads_, global_grad_norm, sync_tied_grads
+from .optim import LossScaler, TrainConfig, make_lr_scheduler, preallocate_
+from .zero import ZeroOneAdamW, full_values, local, make_dp_optimizer, optimizer_state, shard_chunks_, sharded_grads
 
 __all__ = ["StepStats", "Trainer"]
 
@@ -80,6 +82,11 @@ class Trainer:
         self.env = env
         self.config = config
         self.scaler = LossScaler(config.dtype == "fp16", config.loss_scale)
+        # data parallelism wraps the chunks the stages run (one replica: nothing to wrap)
+        wrap = None
+        if env.dp_size > 1:
+            dp_mesh = env.mesh["dp"]
+            wrap = lambda chunks: shard_chunks_(build, chunks, dp_mesh, config.zero)  # noqa: E731
         self.engine = PipelineEngine(
             build,
             pp_group=env.pp_group,
@@ -89,15 +96,26 @@ class Trainer:
             autocast_dtype=config.autocast_dtype,
             loss_scale=lambda: self.scaler.scale,
             comm=env.comm,
+            wrap=wrap,
         )
         env.make_tied_groups(build.tied)
-        self.params = build.params
+        self.params = build.params  # the engine's parameters (DTensors under data parallelism)
+        # the norm sums squares over the pipeline; over the replicas too when each holds a shard
+        self._norm_group = None if sharded_grads(config.zero, env.dp_size) else env.pp_group
         # a tied tensor's norm is counted by its first holder only
         self._counted_elsewhere = {
             t.name for t in build.tied_here() if t.holders[0] != env.pp_rank and t.name in self.params
         }
-        self.optimizer = make_optimizer(self.params, config)
-        preallocate_(self.optimizer)  # gradients and state once, before any activation (see there)
+        self.optimizer = make_dp_optimizer(self.params, config, zero=config.zero, dp_size=env.dp_size,
+                                           group=env.dp_group)
+        # gradients and state once, before any activation (see preallocate_)
+        if isinstance(self.optimizer, ZeroOneAdamW):
+            for p in self.params.values():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.optimizer.preallocate_()
+        else:
+            preallocate_(self.optimizer)
         self.scheduler = make_lr_scheduler(self.optimizer, config)
         self.step_count = 0
         self._run_clock = Stopwatch(env.device)
@@ -127,10 +145,9 @@ class Trainer:
             if self.scaler.enabled:
                 for p in params:
                     if p.grad is not None:
-                        p.grad.div_(self.scaler.scale)
+                        local(p.grad).div_(self.scaler.scale)
             sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups, comm)
-            average_dp_grads(self.params, env.dp_group, env.dp_size, comm)
-            norm = global_grad_norm(self.params, self._counted_elsewhere, env.pp_group, comm)
+            norm = global_grad_norm(self.params, self._counted_elsewhere, self._norm_group, comm)
             stats = self._gather(loss, norm)
             # an inf/nan anywhere makes the global norm inf/nan: fp16 then skips the update
             finite = stats["finite"]
@@ -139,6 +156,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         if finite:
             self.optimizer.step()
+            self.build.sync_alias_params_()
         self.scaler.update(finite)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
@@ -195,14 +213,12 @@ class Trainer:
 
     # --- checkpoint state -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard: parameters and optimizer state by parameter name, step, RNG."""
-        order = [id(p) for g in self.optimizer.param_groups for p in g["params"]]
-        names = {id(p): n for n, p in self.params.items()}
-        opt = self.optimizer.state_dict()
+        """This rank's file of a checkpoint: step, LR schedule, loss scale, RNG, layout, and (on
+        replica 0, for export and inspection) its parameters' whole values. Collective over the
+        replicas (sharded parameters are gathered). The resumable tensors are ``tensor_state``."""
+        full = full_values(self.params.items())
         return {
-            "params": {n: p.detach().clone() for n, p in self.params.items()},
-            "optimizer": opt,
-            "optimizer_names": [names[i] for i in order],
+            "params": full if self.env.dp_rank == 0 else {},
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.step_count,
@@ -213,22 +229,31 @@ class Trainer:
             "config": self.config.to_dict(),
         }
 
+    def tensor_state(self) -> dict[str, torch.Tensor]:
+        """Parameters and AdamW state by parameter name, as this rank holds them (sharded DTensors,
+        replicated DTensors, this replica's share under ZeRO 1, or plain tensors): what
+        torch.distributed.checkpoint saves, and loads back in place, resharding to any replica count."""
+        out: dict[str, torch.Tensor] = {f"param/{n}": p.detach() for n, p in self.params.items()}
+        for name, state in optimizer_state(self.optimizer, self.params).items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"optim/{name}/{key}"] = value
+        return out
+
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The rank file's state (``tensor_state`` is loaded apart, by ``load_checkpoint``)."""
         if list(state["boundaries"]) != list(self.build.layout.boundaries) or list(state["chunks"]) != self.build.chunk_ids:
             raise AutopipeError(
                 f"the checkpoint holds chunks {state['chunks']} of boundaries {state['boundaries']} but "
                 f"this rank runs chunks {self.build.chunk_ids} of {list(self.build.layout.boundaries)}; "
-                "resume with the plan and process count it was saved with, or export and reload it."
+                "resume with the plan and pipeline stage count it was saved with, or export and reload it."
             )
-        for name, p in self.params.items():
-            p.copy_(state["params"][name])
-        order = [id(p) for g in self.optimizer.param_groups for p in g["params"]]
-        names = {id(p): n for n, p in self.params.items()}
-        if [names[i] for i in order] != list(state["optimizer_names"]):
-            raise AutopipeError("the checkpoint's optimizer state lists other parameters than this stage holds.")
-        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # the optimizer's own state dict is not loaded (its tensors come from tensor_state), so the
+        # scheduled LR, which the scheduler writes into the groups only when it steps, is set here
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
         self.scaler.load_state_dict(state["scaler"])
         self.step_count = int(state["step"])
         torch.set_rng_state(state["rng"])
@@ -241,7 +266,9 @@ def _held_bytes(build: StageBuild, optimizer: torch.optim.Optimizer) -> int:
     state, each storage once."""
     tensors = [t for chunk in build.chunks for t in (*chunk.parameters(), *chunk.buffers())]
     tensors += [p.grad for p in build.params.values() if p.grad is not None]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    inner = optimizer.optim if isinstance(optimizer, ZeroOneAdamW) else optimizer
+    tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    tensors = [local(t.detach()) for t in tensors]
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
     return sum(seen.values())
 

@@ -15,7 +15,6 @@ compares them with the model's own outputs and gradients, and ``autopipe convert
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 
 from ..errors import AutopipeError
 from .engine import model_loss, pack_batch, split_batch
-from .grads import average_dp_grads, sync_tied_grads
+from .grads import sync_tied_grads
 
 __all__ = ["VerifyError", "VerifyReport", "verify_step"]
 
@@ -58,6 +57,10 @@ def verify_step(
     Tolerances default to 1e-5 absolute / 1e-4 relative in fp32, 1e-3 / 1e-2 under bf16/fp16.
     """
     env, cfg = trainer.env, trainer.config
+    if env.dp_size > 1:
+        # the replicas' engines reduce inside the schedule; the unpipelined twin runs the chunks
+        # outside it, where they would reduce per micro-batch, or not at all
+        raise AutopipeError("--verify compares one replica with the unpipelined run: run it with --dp 1 (same plan).")
     # half-precision sums in another order (micro-batch accumulation, loss scale) differ by ~1e-5
     default_atol, default_rtol = (1e-5, 1e-4) if cfg.dtype == "fp32" else (1e-3, 1e-2)
     atol = default_atol if atol is None else atol
@@ -120,7 +123,6 @@ def verify_step(
 def _finish_grads(trainer: Any) -> None:
     env = trainer.env
     sync_tied_grads(trainer.params, trainer.build.tied_here(), env.tied_groups, env.comm)
-    average_dp_grads(trainer.params, env.dp_group, env.dp_size, env.comm)
 
 
 def _unpipelined(trainer: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, target: Any) -> torch.Tensor | None:

@@ -4,6 +4,11 @@ A test puts this folder on PYTHONPATH with ``AUTOPIPE_TEST_GRADS=DIR``; every tr
 saves the gradient of each parameter it holds, by its name in the original model, just before the
 first optimizer update (``DIR/grads_rank{RANK}.pt``), for either engine. The test compares them with
 the unpipelined reference's: AdamW would hide a constant gradient scale in the weights.
+
+With ``AUTOPIPE_TEST_GRADS_AT=norm`` the torch engine's gradients are saved earlier: when the
+trainer takes their global norm (after the data-parallel reduce and the tied sums, before clipping,
+which would hide a scale too). Sharded gradients (ZeRO 2/3 DTensors) are saved whole: every
+replica gathers them, in the same order.
 """
 
 import os
@@ -12,20 +17,33 @@ _DIR = os.environ.get("AUTOPIPE_TEST_GRADS", "")
 if _DIR:
     import torch
 
+    def _whole(g):  # noqa: ANN001, ANN202
+        g = g.detach()
+        return (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
+
     def _dump(named):  # noqa: ANN001, ANN202
         path = os.path.join(_DIR, f"grads_rank{os.environ.get('RANK', '0')}.pt")
         if not os.path.exists(path):
-            torch.save({n: p.grad.detach().clone() for n, p in named if p.grad is not None}, path)
+            torch.save({n: _whole(p.grad) for n, p in named if p.grad is not None}, path)
 
     import autopipe.runtime.trainer as _trainer
 
-    _init = _trainer.Trainer.__init__
+    if os.environ.get("AUTOPIPE_TEST_GRADS_AT") == "norm":
+        _norm = _trainer.global_grad_norm
 
-    def _init_then_probe(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        _init(self, *args, **kwargs)
-        self.optimizer.register_step_pre_hook(lambda *_: _dump(self.params.items()))
+        def _probe_then_norm(params, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            _dump(params.items())
+            return _norm(params, *args, **kwargs)
 
-    _trainer.Trainer.__init__ = _init_then_probe
+        _trainer.global_grad_norm = _probe_then_norm
+    else:
+        _init = _trainer.Trainer.__init__
+
+        def _init_then_probe(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            _init(self, *args, **kwargs)
+            self.optimizer.register_step_pre_hook(lambda *_: _dump(self.params.items()))
+
+        _trainer.Trainer.__init__ = _init_then_probe
 
     import autopipe.runtime.ds as _ds
 

@@ -1,0 +1,178 @@
+"""Data parallelism across the replicas of each pipeline stage: ZeRO 0-3 on torch's own engines.
+
+Each pipeline chunk is wrapped, layer by layer and then as a whole (as torchtitan composes FSDP2
+with pipelining), over the data-parallel dimension of the (dp, pp) DeviceMesh:
+
+| ``--zero`` | engine | parameters | gradients | AdamW state |
+| --- | --- | --- | --- | --- |
+| 0 | ``replicate`` (FSDP-based DDP) | replicated | all-reduced (mean), one bucket per layer | replicated |
+| 1 | ``replicate`` + ``ZeroRedundancyOptimizer`` | replicated | all-reduced (mean) | 1/R per replica (whole tensors) |
+| 2 | ``fully_shard(reshard_after_forward=False)`` | 1/R at rest, gathered once per step | reduce-scattered (mean) | 1/R |
+| 3 | ``fully_shard(reshard_after_forward=True)`` | 1/R, gathered for each forward and backward | reduce-scattered (mean) | 1/R |
+
+``PipelineStage`` drives both engines: it turns gradient sync off for every micro-batch's backward
+and reduces once after the stage's last one (``perform_reduce_grad``), then divides by the
+micro-batch count; the engines divide by the replica count. So 1/M and 1/R each happen once,
+inside torch. Under FSDP2 that also means, during the step, a stage holds its parameters
+unsharded (``set_reshard_after_backward(False)``) and its gradients unsharded and accumulated
+until the reduce-scatter: ZeRO 2/3 shrink what a rank holds between steps (parameters, sharded
+gradients, optimizer state), not the step's peak of parameters and gradients.
+
+With one replica there is nothing to shard: every ``--zero`` runs the plain stage (same numbers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from ..errors import AutopipeError
+from .optim import TrainConfig, param_groups, preallocate_
+
+__all__ = ["ZERO_STAGES", "ZeroOneAdamW", "check_zero", "local", "shard_chunks_", "sharded_grads"]
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero(zero: Any) -> int:
+    """``zero`` as an int in 0..3, or a one-line error."""
+    if str(zero).strip() not in {str(s) for s in ZERO_STAGES}:
+        raise AutopipeError(f"--zero {zero}: use 0 (replicate), 1 (shard optimizer state), 2 (and gradients) or 3 (and parameters).")
+    return int(zero)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (a view of its storage), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def sharded_grads(zero: int, dp_size: int) -> bool:
+    """Whether each replica holds a different slice of the gradients after the step's reduce."""
+    return dp_size > 1 and zero >= 2
+
+
+def _slots(chunks: Sequence[nn.Module], wanted: Mapping[int, str]) -> list[tuple[nn.Module, str, str]]:
+    """(module, attribute, name) for every place a wanted parameter is registered in ``chunks``."""
+    out = []
+    for chunk in chunks:
+        for mod in chunk.modules():
+            for attr, p in mod._parameters.items():
+                if p is not None and id(p) in wanted:
+                    out.append((mod, attr, wanted[id(p)]))
+    return out
+
+
+def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int) -> None:
+    """Wrap ``chunks`` (the modules the pipeline stages run) for data parallelism over ``mesh``
+    (the 1-D data-parallel mesh) and point ``build.params`` / ``build.aliases`` at the engine's
+    parameters (DTensors from now on). Each layer is its own unit (a bucket of ``replicate``, a
+    gather/reduce unit of FSDP), except one that shares a parameter with another layer of its
+    chunk (a tied tensor used twice on one rank): the chunk itself manages that one.
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    names = {id(p): n for n, p in build.params.items()}
+    alias_names = {id(leaf): (n, i) for n, leaves in build.aliases.items() for i, leaf in enumerate(leaves)}
+    slots = _slots(chunks, {**names, **{k: f"\0alias:{n}:{i}" for k, (n, i) in alias_names.items()}})
+
+    def wrap(module: nn.Module) -> None:
+        if zero <= 1:
+            replicate(module, mesh=mesh)
+        else:
+            fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3)
+
+    for chunk in chunks:
+        counts: dict[int, int] = {}
+        for layer in chunk.layers:
+            for p in layer.parameters():
+                counts[id(p)] = counts.get(id(p), 0) + 1
+        for layer in chunk.layers:
+            own = list(layer.parameters())
+            if own and all(counts[id(p)] == 1 for p in own):
+                wrap(layer)
+        wrap(chunk)
+    params: dict[str, nn.Parameter] = {}
+    aliases: dict[str, list[nn.Parameter]] = {n: list(v) for n, v in build.aliases.items()}
+    for mod, attr, name in slots:
+        p = mod._parameters[attr]
+        if name.startswith("\0alias:"):
+            _, base, i = name.split(":")
+            aliases[base][int(i)] = p
+        else:
+            params.setdefault(name, p)
+    if set(params) != set(build.params):
+        raise AutopipeError(f"data parallelism lost parameters {sorted(set(build.params) - set(params))[:3]}: report this model.")
+    build.params = dict(sorted(params.items()))
+    build.aliases = aliases
+
+
+class ZeroOneAdamW(ZeroRedundancyOptimizer):
+    """ZeRO 1: AdamW whose state each replica keeps for its share of the tensors only
+    (torch's ``ZeroRedundancyOptimizer``); after the step each owner broadcasts its updated tensors.
+
+    The parameters ``replicate`` gives are replicated DTensors; ZeroRedundancyOptimizer broadcasts
+    plain tensors. So it steps plain leaves over the same storage (``to_local()`` of a replicated
+    DTensor is its whole value), whose gradients are the DTensors' local gradients: what it writes,
+    the engine reads at the next forward.
+    """
+
+    def __init__(self, params: Mapping[str, nn.Parameter], config: TrainConfig, group: Any) -> None:
+        self.pairs = [(nn.Parameter(local(p.detach()), requires_grad=p.requires_grad), p) for p in params.values()]
+        plain = {n: proxy for n, (proxy, _) in zip(params, self.pairs)}
+        super().__init__(
+            param_groups(plain, config), optimizer_class=torch.optim.AdamW, process_group=group,
+            lr=config.lr, betas=config.betas, eps=config.eps, foreach=True,
+        )
+        self.names = {id(proxy): n for n, proxy in plain.items()}
+
+    def link_grads(self) -> None:
+        """Give each plain leaf the engine parameter's (reduced) gradient: a view, no copy."""
+        for proxy, p in self.pairs:
+            proxy.grad = local(p.grad) if p.grad is not None else None
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.link_grads()
+        return super().step(closure)
+
+    def preallocate_(self) -> None:
+        """The engine's gradients exist already; this replica's share of the state, as zeros."""
+        self.link_grads()
+        preallocate_(self.optim)
+
+    def owned_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Parameter name -> the AdamW state this replica keeps (its share)."""
+        return {self.names[id(p)]: s for p, s in self.optim.state.items() if s}
+
+
+def make_dp_optimizer(params: Mapping[str, nn.Parameter], config: TrainConfig, *, zero: int, dp_size: int,
+                      group: Any) -> torch.optim.Optimizer:
+    """AdamW for this rank: ``ZeroOneAdamW`` under ZeRO 1 with replicas, else torch's AdamW (whose
+    state follows the parameters: sharded DTensors under ZeRO 2/3)."""
+    from .optim import make_optimizer
+
+    if zero == 1 and dp_size > 1:
+        return ZeroOneAdamW(params, config, group)
+    return make_optimizer(params, config)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter]) -> dict[str, dict[str, Any]]:
+    """Parameter name -> the optimizer state this rank holds for it (all of it, or its share)."""
+    if isinstance(optimizer, ZeroOneAdamW):
+        return optimizer.owned_state()
+    return {n: optimizer.state[p] for n, p in params.items() if optimizer.state.get(p)}
+
+
+def full_values(params: Iterable[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """Each parameter's whole value as a plain tensor (a gather for sharded DTensors: collective
+    over the replicas, which call it in the same order)."""
+    out = {}
+    for name, p in params:
+        full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        out[name] = full.clone()
+    return out

@@ -1,0 +1,198 @@
+"""Data parallelism on torch's engines: dp 2 × pp 2 under each ZeRO stage equals one model on the global batch.
+
+Each run launches the generated train.py on 4 processes (gloo, CPU) and compares with
+ReferenceTrainer on the whole model: per-step losses, the logged gradient norm, the final weights,
+and every gradient of the first step (1e-5, fp32), taken before clipping and before AdamW.
+
+Why the gradients themselves: AdamW divides each update by the root of the running mean of the
+squared gradient, so a gradient multiplied by a constant (a sum over replicas where a mean belongs,
+a lost 1/M) gives the same update to within eps; weights after AdamW differed by 2.5e-7 for a
+gradient scaled by 8, far inside a 1e-5 tolerance. Clipping hides a scale as well (a clipped
+gradient has the clip's norm whatever its scale), so the gradients are taken when the trainer
+takes their norm, after the replicas' reduce and the tied sums, before clipping.
+
+The tiny GPT-2 ties wte and lm_head across the two stages, so every mode also syncs a tied
+gradient that is sharded (ZeRO 2/3) or replicated (0/1) over the replicas of each stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopipe.runtime import TokenData, TrainConfig, build_reference, build_stage, model_factory, write_train_script
+from autopipe.runtime.layout import even_boundaries
+from autopipe.runtime.reference import ReferenceTrainer
+
+STEPS, MICRO, ROWS, SEQ, LR = 3, 2, 2, 16, 1e-3
+CLIP = 1.0  # active on the first steps (the reference's norms are above it: asserted), so clipping is exercised
+TOL = 1e-5
+DP = 2
+PROBES = Path(__file__).parent / "probes"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2 HF folder (tied wte/lm_head, no dropout) and its train.py (2 stages, 1F1B)."""
+    from transformers import GPT2Config
+
+    root = tmp_path_factory.mktemp("zero")
+    GPT2Config(
+        architectures=["GPT2LMHeadModel"], n_layer=4, n_embd=32, n_head=2, vocab_size=128, n_positions=SEQ,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
+    ).save_pretrained(root / "tiny")
+    write_train_script(root / "train.py", model=str(root / "tiny"), stages=2, microbatches=MICRO, schedule="1f1b",
+                       batch_size=ROWS, seq_len=SEQ)
+    source = model_factory(str(root / "tiny"), batch_size=ROWS, seq_len=SEQ)
+    layers = len(build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1).seq.layers)
+    (root / "plan.json").write_text(json.dumps({"boundaries": even_boundaries(layers, 2)}))
+    # 4 chunks in a V: rank 0 holds the first (wte) and the last (lm_head), so the tie has a local alias
+    (root / "plan_v.json").write_text(json.dumps({"boundaries": even_boundaries(layers, 4)}))
+    return root
+
+
+_REF: dict[str, object] = {}
+
+
+def reference(job: Path) -> tuple[list[float], list[float], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
+    """(losses, norms before clipping, first-step gradients before clipping, final weights, tensor of
+    each name) of plain training of the whole model on the global batch of DP replicas."""
+    if not _REF:
+        source = model_factory(str(job / "tiny"), batch_size=ROWS, seq_len=SEQ)
+        data = TokenData(None, vocab_size=source.vocab_size, seq_len=SEQ, seed=0)
+        model = build_reference(source.factory, seed=0)
+        trainer = ReferenceTrainer(model, TrainConfig(steps=STEPS, microbatches=MICRO * DP, lr=LR, grad_clip=CLIP, seed=0))
+        rows = ROWS * MICRO * DP
+        losses, norms = [], []
+        for step in range(STEPS):
+            args, kwargs = source.batch(data.batch(step, rows), rows, step=step)
+            if step == 0:  # the same backward once more, to keep its gradients before clipping
+                trainer.forward_backward(args, kwargs)
+                grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+                trainer.optimizer.zero_grad(set_to_none=True)
+            losses.append(trainer.step(args, kwargs))
+            norms.append(trainer.last_grad_norm)
+        weights = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        tensor_of = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+        _REF.update(value=(losses, norms, grads, weights, tensor_of))
+    return _REF["value"]  # type: ignore[return-value]
+
+
+def launch(job: Path, name: str, nproc: int, *flags: str, ckpt: Path | None = None,
+           plan: str = "plan.json") -> tuple[Path, subprocess.CompletedProcess]:
+    run = job / name
+    run.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_GRADS_AT": "norm",
+           "PYTHONPATH": os.pathsep.join([str(PROBES), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
+           str(job / "train.py"), "--steps", str(STEPS), "--lr", str(LR), "--grad-clip", str(CLIP),
+           "--plan", str(job / plan), "--ckpt-dir", str(ckpt or run / "ckpt"), "--log-json", str(run / "log.json"), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=run)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run, proc
+
+
+def logged(run: Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in map(json.loads, (run / "log.json").read_text().splitlines())}
+
+
+@pytest.mark.parametrize("zero,schedule", [(0, "1f1b"), (1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (2, "zbv")])
+def test_dp2_x_pp2_equals_one_model_on_the_global_batch(job: Path, zero: int, schedule: str) -> None:
+    """--dp 2 --zero K on 2 stages: losses, gradient norms, every first-step gradient (before clipping)
+    and the final weights equal plain training on the global batch within 1e-5; ZeRO 0 under --check
+    (every collective on the rank's device); ZeRO 3 also exports weights from_pretrained loads; ZeRO 2
+    under ZBV (split backward, two FSDP chunks per rank, the tie's alias leaf on rank 0) too."""
+    flags = ["--dp", str(DP), "--zero", str(zero), "--ckpt-every", "1", "--ckpt-keep", "0", "--schedule", schedule]
+    if zero == 0:
+        flags.append("--check")
+    if zero == 3:
+        flags += ["--export", str(job / "exported3")]
+    name = f"zero{zero}" if schedule == "1f1b" else f"zero{zero}-{schedule}"
+    run, proc = launch(job, name, 2 * DP, *flags, plan="plan.json" if schedule == "1f1b" else "plan_v.json")
+    assert f"ZeRO {zero}" in proc.stdout
+    ref_losses, ref_norms, ref_grads, ref_weights, tensor_of = reference(job)
+    assert max(ref_norms) > CLIP  # clipping took part
+    losses, norms = logged(run, "loss"), logged(run, "grad_norm")
+    assert [losses[s + 1] for s in range(STEPS)] == pytest.approx(ref_losses, abs=TOL)
+    assert [norms[s + 1] for s in range(STEPS)] == pytest.approx(ref_norms, rel=TOL)
+    covered = set()
+    for rank in range(2 * DP):  # every replica's gradients: each equals the global batch's
+        grads = torch.load(run / f"grads_rank{rank}.pt", weights_only=True)
+        assert len(grads) >= 4
+        for param, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[param], atol=TOL, rtol=0, msg=f"zero {zero}, rank {rank}: {param}")
+            covered.add(tensor_of[param])
+    assert covered == set(tensor_of.values())
+    newest = sorted((run / "ckpt").glob("step_*"))[-1]
+    for shard in sorted(newest.glob("rank*.pt")):
+        for name, value in torch.load(shard, weights_only=False)["params"].items():
+            torch.testing.assert_close(value, ref_weights[name], atol=TOL, rtol=0, msg=f"zero {zero}: {name}")
+    if zero == 3:
+        from transformers import GPT2LMHeadModel
+
+        model = GPT2LMHeadModel.from_pretrained(job / "exported3")
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), ref_weights[name], atol=TOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_sharded_checkpoint_resumes_on_one_replica(job: Path, zero: int) -> None:
+    """A checkpoint of step 1 saved by dp 2 under ZeRO K (sharded AdamW state, and parameters for 3)
+    resumes on dp 1 (the same global batch as twice the micro-batches) to steps 2-3 of the uninterrupted run."""
+    saved = job / f"zero{zero}" / "ckpt"
+    if not saved.is_dir():
+        launch(job, f"zero{zero}", 2 * DP, "--dp", str(DP), "--zero", str(zero), "--ckpt-every", "1", "--ckpt-keep", "0")
+    ckpt = job / f"resume{zero}-ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    ckpt.mkdir()
+    shutil.copytree(saved / "step_00000001", ckpt / "step_00000001")
+    run, proc = launch(job, f"resume{zero}", 2, "--dp", "1", "--zero", str(zero), "--microbatches", str(MICRO * DP),
+                       "--resume", ckpt=ckpt)
+    assert "resumed from" in proc.stdout and "at step 1" in proc.stdout
+    ref_losses, ref_norms, *_ = reference(job)
+    losses, norms = logged(run, "loss"), logged(run, "grad_norm")
+    assert [losses[2], losses[3]] == pytest.approx(ref_losses[1:], abs=TOL)
+    assert [norms[2], norms[3]] == pytest.approx(ref_norms[1:], rel=TOL)
+
+
+def _one_line(proc: subprocess.CompletedProcess, expected: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_bad_zero_is_one_line(job: Path, tmp_path: Path) -> None:
+    """--zero 5, and --zero 2 on DeepSpeed's pipeline engine: one line each, exit 1."""
+    base = [sys.executable, str(job / "train.py"), "--steps", "1", "--plan", str(job / "plan.json"), "--ckpt-dir", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    _one_line(subprocess.run([*base, "--zero", "5"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path),
+              "--zero 5: use 0")
+    _one_line(subprocess.run([*base, "--zero", "2", "--engine", "deepspeed"], capture_output=True, text=True, timeout=120,
+                             env=env, cwd=tmp_path), "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only")
+
+
+def test_the_job_takes_dp_and_zero_from_the_plan(tmp_path: Path) -> None:
+    """convert's train.py defaults to the plan's replicas and ZeRO stage; explicit values win; a bad one is refused."""
+    from types import SimpleNamespace
+
+    from autopipe.errors import AutopipeError
+
+    plan = SimpleNamespace(dp=2, zero=3)
+    text = write_train_script(tmp_path / "a.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", plan=plan).read_text()
+    assert "DP = 2 " in text and "ZERO = 3 " in text
+    text = write_train_script(tmp_path / "b.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", plan=plan,
+                              zero=1).read_text()
+    assert "ZERO = 1 " in text
+    text = write_train_script(tmp_path / "c.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b").read_text()
+    assert "DP = 1 " in text and "ZERO = 0 " in text
+    with pytest.raises(AutopipeError, match="--zero 4"):
+        write_train_script(tmp_path / "d.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", zero=4)
