@@ -128,7 +128,7 @@ def profile_command(
 @handle_errors
 def plan_command(
     profile: Annotated[Path, typer.Argument(help="A profile JSON from `autopipe profile` (or Profile.save).")],
-    stages: Annotated[int, typer.Option("--stages", "-s", help="Pipeline stages (ranks).")],
+    stages: Annotated[Optional[int], typer.Option("--stages", "-s", help="Pipeline stages (ranks); or --gpus to search the layout.")] = None,
     microbatches: Annotated[Optional[int], typer.Option("--microbatches", "-m", help="Micro-batches per step (default 2 x stages).")] = None,
     schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved1f1b or zbv.")] = "1f1b",
     memory_limit: Annotated[str, typer.Option("--memory-limit", help="Memory per device, like 80GiB or 512MB; 'device': the profile's GPU memory (no limit for a CPU profile); 'none': no limit.")] = "device",
@@ -138,7 +138,13 @@ def plan_command(
     method: Annotated[str, typer.Option(help="autopipe, uniform, parameters, type:REGEX, torchtitan or greedy.")] = "autopipe",
     recompute: Annotated[str, typer.Option(help="Activation recompute per chunk: auto (the fastest that fits the limit), none, selective or full.")] = "auto",
     dp: Annotated[int, typer.Option("--dp", help="Data-parallel replicas of each stage (world = stages x dp); memory is per rank.")] = 1,
-    zero: Annotated[str, typer.Option("--zero", help="ZeRO stage over the replicas: 0 (replicate), 1 (+ shard optimizer state), 2 (+ gradients), 3 (+ parameters), or auto (the fastest that fits).")] = "0",
+    zero: Annotated[Optional[str], typer.Option("--zero", help="ZeRO stage over the replicas: 0 (replicate), 1 (+ shard optimizer state), 2 (+ gradients), 3 (+ parameters), or auto (the fastest that fits; the default with --gpus).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Search the whole layout (stages x replicas, micro-batches, schedule, recompute, ZeRO) for this many devices.")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", help="Devices per node (default: 8 for known GPUs; CPU: all on one host).")] = None,
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Samples per step, all replicas together (with --gpus).")] = None,
+    bandwidth_intra: Annotated[Optional[str], typer.Option("--bandwidth-intra", help="Bytes/s per device inside a node, like 450GB (default per known GPU).")] = None,
+    bandwidth_inter: Annotated[Optional[str], typer.Option("--bandwidth-inter", help="Bytes/s per device between nodes, like 50GB (default per known GPU).")] = None,
+    top: Annotated[int, typer.Option("--top", help="Layouts shown (and kept exact) by the search.")] = 3,
     boundaries: Annotated[Optional[str], typer.Option(help="Your own cut as layer indices, like 0,7,14,21,26.")] = None,
     stage_names: Annotated[Optional[str], typer.Option("--stage-names", help="Your own cut as module names per stage: stages split by ';', names by ',', like 'wte,h.0,h.1;h.2,h.3,ln_f'. A name covers the layers it prefixes.")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Show the baseline partitioners beside autopipe.")] = False,
@@ -158,6 +164,19 @@ def plan_command(
 
     if out is not None and out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it.")
+    if gpus is not None:
+        fixed = [name for name, value in (("--stages", stages), ("--microbatches", microbatches), ("--boundaries", boundaries),
+                                          ("--stage-names", stage_names), ("--virtual-stages", virtual_stages),
+                                          ("--bandwidth", bandwidth)) if value is not None] + (["--dp"] if dp != 1 else [])
+        if fixed:
+            raise PartitionError(f"{fixed[0]} fixes what --gpus searches; give one or the other.")
+        return _plan_search(profile, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                            bandwidth_intra=bandwidth_intra, bandwidth_inter=bandwidth_inter, memory_limit=memory_limit,
+                            optimizer=optimizer, recompute=recompute, zero=zero, top=top, out=out, force=force,
+                            json_output=json_output)
+    if stages is None:
+        raise PartitionError("give --stages N (the cut for N stages) or --gpus N (search the whole layout).")
+    zero = zero or "0"
     bw = DEFAULT_BANDWIDTH if bandwidth is None else parse_bandwidth(bandwidth)
     cut = None
     if boundaries is not None:
@@ -189,3 +208,46 @@ def plan_command(
         console.print(compare_table(others))
     if out is not None:
         console.print(f"saved {out}", highlight=False)
+
+
+def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], global_batch: Optional[int],
+                 bandwidth_intra: Optional[str], bandwidth_inter: Optional[str], memory_limit: str,
+                 optimizer: Optional[str], recompute: str, zero: Optional[str], top: int, out: Optional[Path],
+                 force: bool, json_output: bool) -> None:  # fmt: skip
+    """`autopipe plan --gpus N`: search the layouts, print the best few, save the best plan (and the layouts)."""
+    import json
+
+    from .errors import PartitionError
+    from .layouts import search_path
+    from .memory import ZERO_STAGES
+    from .plan_view import plan_summary, plan_table
+    from .records import Profile
+    from .search import search
+    from .search_view import search_summary, search_table
+    from .topology import cluster_for
+    from .units import parse_bandwidth
+
+    if global_batch is None or global_batch < 1:
+        raise PartitionError("--gpus needs --global-batch N: the samples per step that the layouts divide among replicas.")
+    if out is not None and search_path(out).exists() and not force:
+        raise FileExistsError(f"{search_path(out)} exists; pass --force to overwrite it.")
+    prof = Profile.load(profile)
+    z = zero_option(zero or "auto")
+    cluster = cluster_for(prof.device.name if prof.device.type != "cpu" else "cpu", gpus, gpus_per_node,
+                          parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
+                          parse_bandwidth(bandwidth_inter) if bandwidth_inter else None)  # fmt: skip
+    result = search(prof, cluster, global_batch=global_batch, memory_limit=memory_limit, optimizer=optimizer,
+                    recompute=recompute, zeros=ZERO_STAGES if z == "auto" else (int(z),), top=max(top, 1))  # fmt: skip
+    assert result.plan is not None
+    if out is not None:
+        result.plan.save(out)
+        result.save(str(search_path(out)))
+    if json_output:
+        typer.echo(json.dumps({"search": result.to_dict(), "plan": result.plan.to_dict()}, indent=1))
+        return
+    console.print(search_table(result))
+    console.print(search_summary(result), highlight=False, soft_wrap=True)
+    console.print(plan_table(result.plan, title=f"#1: {result.layouts[0].label}"))
+    console.print(plan_summary(result.plan), highlight=False)
+    if out is not None:
+        console.print(f"saved {out} and {search_path(out)}", highlight=False)

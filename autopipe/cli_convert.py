@@ -58,7 +58,7 @@ def _label(name: str) -> str:
 @handle_errors
 def convert_command(
     model: Annotated[str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, or module:function / file.py:function.")],
-    stages: Annotated[int, typer.Option("--stages", "-s", help="Pipeline stages (one process each).")],
+    stages: Annotated[Optional[int], typer.Option("--stages", "-s", help="Pipeline stages (one process each); or --gpus to search the layout.")] = None,
     microbatches: Annotated[Optional[int], typer.Option(help="Micro-batches per step (default 2 x stages).")] = None,
     schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved1f1b or zbv.")] = "1f1b",
     batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")] = 1,
@@ -68,7 +68,12 @@ def convert_command(
     memory_limit: Annotated[str, typer.Option(help="Memory per device, like 80GiB or 512MB; 'device': the GPU's memory (no limit on CPU); 'none': no limit.")] = "device",
     recompute: Annotated[str, typer.Option(help="Activation recompute per chunk: auto (the fastest that fits the limit), none, selective or full.")] = "auto",
     dp: Annotated[int, typer.Option("--dp", help="Data-parallel replicas of each stage (world = stages x dp); memory is per rank.")] = 1,
-    zero: Annotated[str, typer.Option("--zero", help="ZeRO stage over the replicas: 0, 1 (+ optimizer state sharded), 2 (+ gradients), 3 (+ parameters), or auto (the fastest that fits).")] = "0",
+    zero: Annotated[Optional[str], typer.Option("--zero", help="ZeRO stage over the replicas: 0, 1 (+ optimizer state sharded), 2 (+ gradients), 3 (+ parameters), or auto (the fastest that fits; the default with --gpus).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Search the whole layout (stages x replicas, micro-batches, schedule, recompute, ZeRO) for this many devices.")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", help="Devices per node (default: 8 for known GPUs; CPU: all on one host).")] = None,
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Samples per step, all replicas together (with --gpus).")] = None,
+    bandwidth_intra: Annotated[Optional[str], typer.Option("--bandwidth-intra", help="Bytes/s per device inside a node, like 450GB (default per known GPU).")] = None,
+    bandwidth_inter: Annotated[Optional[str], typer.Option("--bandwidth-inter", help="Bytes/s per device between nodes, like 50GB (default per known GPU).")] = None,
     estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: cost layers from FLOPs and bytes on the meta device.")] = False,
     engine: Annotated[str, typer.Option(help="torch (torch.distributed.pipelining) or deepspeed.")] = "torch",
     out: Annotated[Optional[Path], typer.Option(help="Job folder (default jobs/<model name>).")] = None,
@@ -81,7 +86,10 @@ def convert_command(
     """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
     from .convert import convert
     from .report import format_time
-    from .units import format_bytes
+    from .units import format_bytes, parse_bandwidth
+
+    if zero is None:  # the search chooses the stage unless told; one fixed cut replicates (ZeRO 0)
+        zero = "auto" if gpus is not None and engine == "torch" else "0"
 
     def say(name: str) -> None:
         err_console.print(f"[dim]{name}…[/]", highlight=False)
@@ -91,11 +99,20 @@ def convert_command(
         device=device, dtype=dtype, memory_limit=memory_limit, recompute=recompute, estimate=estimate, engine=engine,
         dp=dp, zero=zero_option(zero),
         out=out, force=force, repeats=repeats, reserve=reserve, loss=loss, data=data, on_pass=say,
+        gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
+        bandwidth_intra=parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
+        bandwidth_inter=parse_bandwidth(bandwidth_inter) if bandwidth_inter else None,
     )  # fmt: skip
     plan, prof = result.plan, result.profile
+    if result.search is not None:
+        from .search_view import search_summary, search_table
+
+        console.print(search_table(result.search))
+        console.print(search_summary(result.search), highlight=False, soft_wrap=True)
     for warning in prof.warnings:
         err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
-    console.print(stage_table(plan, prof, title=f"{model}: {plan.stages} stages, {plan.schedule}, "
+    replicas = f" x {plan.dp} replicas" if plan.dp > 1 else ""
+    console.print(stage_table(plan, prof, title=f"{model}: {plan.stages} stages{replicas}, {plan.schedule}, "
                                                 f"{plan.microbatches} micro-batches"))
     best = min(result.baselines.items(), key=lambda kv: kv[1].step_time, default=None)
     versus = ""
@@ -107,7 +124,8 @@ def convert_command(
                   f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
                   f"{sharding_phrase(plan)}{recompute_phrase(plan)}{versus}", highlight=False, soft_wrap=True)
     took = sum(result.seconds.values())
-    console.print(f"wrote {result.job.job_dir}/ (plan.json, profile.json, train.py, report.html, README.md) "
+    extra = ", plan.search.json" if result.search is not None else ""
+    console.print(f"wrote {result.job.job_dir}/ (plan.json, profile.json, train.py, report.html, README.md{extra}) "
                   f"in {took:.1f} s", highlight=False, soft_wrap=True)
     console.print("launch:", highlight=False)
     console.print(f"  {result.job.launch}", style="bold", highlight=False, soft_wrap=True)
@@ -142,7 +160,11 @@ def report_command(
     target = out or plan_path.parent / "report.html"
     if out is None and target.exists() and not force and not _is_autopipe_report(target):
         raise FileExistsError(f"{target} exists and is not an autopipe report; pass --force to overwrite it, or choose --out.")
-    write_report(target, plan, prof, measured=measured)
+    from .layouts import SearchResult, search_path
+
+    found = search_path(plan_path)
+    search = SearchResult.load(str(found)) if found.exists() else None
+    write_report(target, plan, prof, measured=measured, search=search)
     what = "" if prof is not None else " (no profile: per-layer charts and baselines left out)"
     console.print(f"wrote {target}{what}", highlight=False, soft_wrap=True)
     if measured is not None:

@@ -44,6 +44,7 @@ class ConvertResult:
     baselines: dict[str, Plan]
     job: JobFiles
     seconds: dict[str, float] = field(default_factory=dict)  # per pass, wall clock
+    search: Any = None  # the cluster search's SearchResult when convert searched the layout (gpus=)
 
 
 def default_job_dir(model: str) -> Path:
@@ -69,7 +70,7 @@ def default_job_dir(model: str) -> Path:
 def convert(
     model: str,
     *,
-    stages: int,
+    stages: int | None = None,
     microbatches: int | None = None,
     schedule: str = "1f1b",
     batch_size: int = 1,
@@ -92,6 +93,11 @@ def convert(
     data: str | os.PathLike[str] | None = None,
     progress: bool = True,
     on_pass: Callable[[str], None] | None = None,
+    gpus: int | None = None,
+    gpus_per_node: int | None = None,
+    global_batch: int | None = None,
+    bandwidth_intra: float | None = None,
+    bandwidth_inter: float | None = None,
 ) -> ConvertResult:
     """Trace, flatten, profile and partition ``model``, then write its job folder.
 
@@ -122,11 +128,24 @@ def convert(
             that cannot produce a scalar loss is refused after flatten, before profiling.
         data: the job's default ``--data`` (checked against the model's inputs before profiling).
         on_pass: called with each pass's name as it starts (the CLI prints it).
+        gpus, gpus_per_node, global_batch, bandwidth_intra, bandwidth_inter: instead of ``stages``,
+            search the whole layout for this cluster (autopipe.search): the job gets the best
+            layout's stages, replicas (``--dp`` in its launch command), micro-batch size and count,
+            schedule, recompute and ZeRO stage; ``batch_size`` is then the size profiled at.
 
     Raises:
         AutopipeError: with what was wrong and how to fix it; nothing is written then.
     """
     # ---- cheap checks first ----
+    if gpus is not None:
+        if stages is not None or microbatches is not None or dp != 1:
+            what = "--stages" if stages is not None else "--microbatches" if microbatches is not None else "--dp"
+            raise PartitionError(f"{what} fixes what --gpus searches; give one or the other.")
+        if global_batch is None or global_batch < 1:
+            raise PartitionError("--gpus needs --global-batch N: the samples per step that the layouts divide among replicas.")
+        stages = 1  # for the checks below; the search chooses
+    if stages is None:
+        raise PartitionError("give --stages N (the cut for N stages) or --gpus N (search the whole layout).")
     if stages < 1:
         raise PartitionError(f"--stages must be at least 1, got {stages}.")
     if microbatches is not None and microbatches < 1:
@@ -215,7 +234,7 @@ def convert(
                       factory_data=spec.data is not None)
     lap("flatten")
     chunks_per_rank = 2 if schedule in ("interleaved1f1b", "zbv") else 1
-    if stages * chunks_per_rank > len(seq.layers):
+    if gpus is None and stages * chunks_per_rank > len(seq.layers):
         most = len(seq.layers) // chunks_per_rank
         per = f" ({chunks_per_rank} chunks per stage under {schedule})" if chunks_per_rank > 1 else ""
         raise PartitionError(
@@ -238,21 +257,48 @@ def convert(
 
     # Interleaved schedules need chunks to interleave: two per rank, the smallest that helps.
     virtual = 2 if schedule == "interleaved1f1b" else None
-    plan = partition(prof, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
-                     virtual_stages=virtual, recompute=recompute, dp=dp, zero=zero)
+    found = None
+    if gpus is not None:
+        prof, found = _search(prof, device=device, engine=engine, gpus=gpus, gpus_per_node=gpus_per_node,
+                              global_batch=global_batch, intra=bandwidth_intra, inter=bandwidth_inter,
+                              memory_limit=memory_limit, recompute=recompute, zero=zero)  # type: ignore[arg-type]
+        plan, batch_size = found.plan, found.best.microbatch_size
+    else:
+        plan = partition(prof, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
+                         virtual_stages=virtual, recompute=recompute, dp=dp, zero=zero)
     baselines = compare_baselines(prof, plan)
     lap("partition")
 
     # ---- emit ----
     say("emit")
     settings = JobSettings(
-        model=job_model, stages=stages, microbatches=plan.microbatches, schedule=plan.schedule,
+        model=job_model, stages=plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
         batch_size=batch_size, seq_len=seq_len, dtype=train_dtype, engine=engine, device=device, seed=seed,
         loss=loss, data=os.path.abspath(data) if data is not None else None,
     )  # fmt: skip
-    job = emit(job_dir, settings=settings, profile=prof, plan=plan, baselines=baselines, force=force)
+    job = emit(job_dir, settings=settings, profile=prof, plan=plan, baselines=baselines, force=force, search=found)
     lap("emit")
-    return ConvertResult(settings, prof, plan, baselines, job, seconds)
+    return ConvertResult(settings, prof, plan, baselines, job, seconds, found)
+
+
+def _search(prof: Profile, *, device: str, engine: str, gpus: int, gpus_per_node: int | None, global_batch: int,
+            intra: float | None, inter: float | None, memory_limit: Any, recompute: str, zero: Any) -> tuple[Profile, Any]:  # fmt: skip
+    """The cluster search for convert: (the profile at the chosen micro-batch size, the SearchResult).
+    DeepSpeed's pipeline engine runs its own 1F1B (or GPipe-like) order and ZeRO 0/1 only."""
+    from .layouts import SEARCH_SCHEDULES
+    from .mbscale import scale_microbatch
+    from .memory import ZERO_STAGES
+    from .search import search
+    from .topology import cluster_for
+
+    cluster = cluster_for(prof.device.name if prof.device.type == "cuda" else device, gpus, gpus_per_node, intra, inter)
+    zeros = ZERO_STAGES if zero == "auto" else (int(zero),)
+    schedules = SEARCH_SCHEDULES
+    if engine == "deepspeed":
+        zeros, schedules = tuple(z for z in zeros if z <= 1), (("1f1b", 1),)
+    found = search(prof, cluster, global_batch=global_batch, memory_limit=memory_limit, recompute=recompute,
+                   zeros=zeros, schedules=schedules)  # fmt: skip
+    return scale_microbatch(prof, found.best.microbatch_size), found
 
 
 def _absolute_spec(model: str) -> str:

@@ -109,6 +109,7 @@ def emit(
     plan: Plan,
     baselines: Mapping[str, Plan] | None = None,
     force: bool = False,
+    search: Any = None,
 ) -> JobFiles:
     """Write the job folder for ``plan``: records, train.py, report.html and README.md.
 
@@ -118,6 +119,8 @@ def emit(
         profile, plan: the records of the profile and partition passes.
         baselines: other partitioners' plans for the report (default: computed from the profile).
         force: replace the job files of an existing folder (other files in it are left alone).
+        search: the cluster search's SearchResult when the plan came from one (autopipe.search):
+            saved as plan.search.json and shown in the report.
 
     Raises:
         JobExistsError: the folder holds files and ``force`` is False.
@@ -141,10 +144,13 @@ def emit(
         _write_train_script(staging, settings, plan)
         plan.save(staging / "plan.json")
         profile.save(staging / "profile.json")
-        write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model)
+        write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model, search=search)
         launch = launch_command(path, settings, int(getattr(plan, "dp", 1)))
         write_text_atomic(staging / "README.md", _readme(settings, profile, plan, launch))
         names = JOB_FILES
+        if search is not None:
+            names = (*names, "plan.search.json")
+            search.save(str(staging / "plan.search.json"))
         if settings.engine == "deepspeed":  # DeepSpeed's own settings file, for the user to edit
             names = (*JOB_FILES, "ds_config.json")
             write_text_atomic(staging / "ds_config.json", _ds_config(settings, plan))

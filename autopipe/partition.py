@@ -40,7 +40,7 @@ from .stepbound import fits, least_memory
 from .stepsolve import Infeasible, StepSolution, solve_step
 from .units import format_bytes, parse_size
 
-__all__ = ["partition", "DEFAULT_BANDWIDTH", "RECOMPUTE_POLICIES"]
+__all__ = ["partition", "fits_memory", "DEFAULT_BANDWIDTH", "RECOMPUTE_POLICIES"]
 
 RECOMPUTE_POLICIES = ("none", "auto", "selective", "full")
 
@@ -233,6 +233,22 @@ def partition(
         return next(p for p in fitting or plans if p.step_time <= best * (1 + 1e-9))
     # a cut the user or a baseline fixed: the lowest stage under which it fits, else the most sharded
     return fitting[0] if fitting else plans[-1]
+
+
+def fits_memory(profile: Profile, stages: int, *, microbatches: int, schedule: str = "1f1b",
+                virtual_stages: int = 1, memory_limit: int | str | None = "device", optimizer: str | None = None,
+                recompute: str = "auto", dp: int = 1, zero: int = 0) -> bool:  # fmt: skip
+    """Whether ``partition`` with these options finds a cut that fits (at one fixed ZeRO stage), without
+    searching for the fastest: the memory reachability the solver starts with (stepbound.fits). The
+    cluster search (autopipe/search.py) asks this before paying for a solve, or for an explanation."""
+    limit, _ = resolve_limit(profile, memory_limit)
+    if limit is None:
+        return True
+    model = _Model(profile, optimizer, None, schedule, microbatches, dp=dp, zero=zero)
+    chunk_limit = (limit - model.reserve) // virtual_stages
+    inflight = inflight_counts(schedule, stages, virtual_stages, microbatches)
+    return chunk_limit > 0 and fits(model.costs, stages * virtual_stages, inflight=inflight, limit=chunk_limit,
+                                    modes=model.allowed(recompute))  # fmt: skip
 
 
 def _with_zero_hint(err: InfeasibleMemoryError, attempt, zeros: list[int], dp: int) -> InfeasibleMemoryError:

@@ -86,11 +86,12 @@ def write_report(
     baselines: Mapping[str, Plan] | None = None,
     title: str | None = None,
     measured: Comparison | None = None,
+    search: object | None = None,
 ) -> Path:
     """Render the report and write it to ``path`` (via a temporary name, so no half-written file)."""
     if baselines is None and profile is not None:
         baselines = compare_baselines(profile, plan)
-    text = render_report(plan, profile, baselines=baselines, title=title, measured=measured)
+    text = render_report(plan, profile, baselines=baselines, title=title, measured=measured, search=search)
     return write_text_atomic(path, text)
 
 
@@ -101,9 +102,11 @@ def render_report(
     baselines: Mapping[str, Plan] | None = None,
     title: str | None = None,
     measured: Comparison | None = None,
+    search: object | None = None,
 ) -> str:
     """The report as one HTML string. Without a profile the per-layer charts and baselines are left out;
-    with ``measured`` (``autopipe.steplog.compare``) a section sets the run beside the predictions."""
+    with ``measured`` (``autopipe.steplog.compare``) a section sets the run beside the predictions; with
+    ``search`` (the SearchResult the plan came from) the layouts' throughput against peak memory."""
     if profile is not None and len(profile.layers) != plan.num_layers:
         raise AutopipeError(
             f"the profile has {len(profile.layers)} layers but the plan cuts {plan.num_layers}: they belong to "
@@ -116,6 +119,10 @@ def render_report(
         )
     name = title or (profile.model if profile is not None and profile.model else "model")
     parts = [_header(name, plan, profile), _stage_table(plan)]
+    if search is not None and getattr(search, "layouts", None):
+        from .report_search import search_section
+
+        parts.append(_section(*search_section(search)))  # type: ignore[arg-type]
     if measured is not None:
         parts.append(_section("Measured against predicted", _measured_table(plan, measured),
                               f"From the training run's step log ({measured.steps} steps after warm-up): the median "

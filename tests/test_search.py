@@ -1,0 +1,161 @@
+"""The cluster search (autopipe/search.py): exact against solving every layout, bounds that hold,
+the reduction overlapping the cooldown, micro-batch scaling, and what it says when nothing fits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autopipe import Profile
+from autopipe.errors import InfeasibleMemoryError
+from autopipe.layouts import Layout, SearchResult, enumerate_layouts
+from autopipe.mbscale import scale_microbatch
+from autopipe.search import _Bounds, evaluate, search
+from autopipe.topology import Cluster
+
+# Two nodes of two devices: intra-node links ten times the inter-node ones, so placement matters.
+CLUSTER = Cluster(gpus=4, gpus_per_node=2, intra=2000.0, inter=200.0)
+
+
+def _profile(seed: int) -> Profile:
+    rng = random.Random(seed)
+    n = 6
+    return Profile.from_costs(
+        [rng.uniform(0.5, 3.0) for _ in range(n)],
+        param_bytes=[rng.randrange(50, 400) for _ in range(n)],
+        activation_bytes=[rng.randrange(20, 120) for _ in range(n)],
+        output_bytes=[rng.randrange(10, 60) for _ in range(n - 1)] + [0],
+    )
+
+
+def _solve_all(prof: Profile, limit: int | None, cache: dict | None) -> list[Layout]:
+    """Every layout solved (no bound, no pruning), best first, by the search's own evaluator."""
+    out = []
+    for x in enumerate_layouts(len(prof.layers), CLUSTER, 8):
+        try:
+            done, _ = evaluate(prof, CLUSTER, x, memory_limit=limit, cache=cache)
+        except InfeasibleMemoryError:
+            continue
+        out.append(done)
+    return sorted(out, key=lambda x: -(x.throughput or 0.0))
+
+
+def _binding_limit(prof: Profile) -> int:
+    free = [x.peak_memory or 0 for x in _solve_all(prof, None, {})]
+    return int(min(free) + 0.3 * (max(free) - min(free)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_search_returns_the_best_layouts_of_brute_force(seed: int) -> None:
+    """With a binding memory limit, the pruned search's top layouts have exactly the throughputs of
+    the best of every layout solved (so pruning never drops the optimum); ZeRO 3, left out beside 2,
+    never steps faster than its ZeRO 2 twin."""
+    prof = _profile(seed)
+    limit = _binding_limit(prof)
+    brute = _solve_all(prof, limit, {})
+    assert brute and len(brute) < len(_solve_all(prof, None, {}))  # the limit binds
+    res = search(prof, CLUSTER, global_batch=8, memory_limit=limit, top=3)
+    by_key = {x.key(): x for x in brute}
+    for x in brute:
+        if x.dp > 1 and x.zero == 3:
+            twin = by_key[x.key()[:6] + (2,) + x.key()[7:]]
+            assert twin.throughput >= x.throughput, x
+    kept = [x for x in brute if x.dp == 1 or x.zero != 3]
+    got = [x.throughput for x in res.layouts[:3]]
+    assert got == pytest.approx([x.throughput for x in kept[:3]], rel=1e-9)
+    assert res.best is not None and res.best.peak_memory <= limit
+    assert res.plan is not None and res.plan.dp == res.best.dp and res.plan.zero == res.best.zero
+    assert res.plan.stages == res.best.stages and res.plan.microbatches == res.best.microbatches
+    assert res.solved < res.considered  # something was pruned
+    assert res.considered == res.pruned_memory + res.pruned_dominated + res.pruned_bound + res.solved
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shared_unlimited_cut_is_partitions_optimum(seed: int) -> None:
+    """The evaluator's shortcut (the cut solved without a limit, kept where it fits) gives every
+    layout the pipeline step partition gives it with the limit, and the same verdict on fitting."""
+    prof = _profile(seed)
+    limit = _binding_limit(prof)
+    cache: dict = {}
+    for x in enumerate_layouts(len(prof.layers), CLUSTER, 8):
+        got = want = None
+        try:
+            got, _ = evaluate(prof, CLUSTER, x, memory_limit=limit, cache=cache)
+        except InfeasibleMemoryError:
+            pass
+        try:
+            want, _ = evaluate(prof, CLUSTER, x, memory_limit=limit)
+        except InfeasibleMemoryError:
+            pass
+        assert (got is None) == (want is None), x
+        if got is not None and want is not None:
+            assert got.pipeline_time == pytest.approx(want.pipeline_time, rel=1e-9), x
+            assert got.peak_memory <= limit
+
+
+def test_bounds_hold_for_every_layout() -> None:
+    """The throughput bound is never below a layout's solved throughput, and every layout the memory
+    bound refuses has no cut that fits."""
+    prof = _profile(3)
+    limit = 2600
+    bounds = _Bounds(prof, None, limit, CLUSTER)
+    refused = 0
+    for x in enumerate_layouts(len(prof.layers), CLUSTER, 8):
+        try:
+            done, _ = evaluate(prof, CLUSTER, x, memory_limit=limit)
+        except InfeasibleMemoryError:
+            done = None
+        scale = float(x.microbatch_size)
+        if not bounds.fits(x, scale):
+            refused += 1
+            assert done is None, x
+        if done is not None:
+            assert done.throughput <= bounds.throughput(x, scale) * (1 + 1e-9), x
+    assert refused > 0
+
+
+def test_reduction_overlaps_the_cooldown() -> None:
+    """2 stages, 1 micro-batch, 2 replicas (a 1-second layer each, forward a third): rank 1 ends its
+    backward at 4/3 s and rank 0 at 2 s. Rank 0 reduces 10 B and rank 1 100 B over 100 B/s
+    (all-reduce over 2: 2·1/2 of the bytes): 0.1 s and 1 s, so the step is max(2.1, 4/3 + 1) = 7/3 s."""
+    prof = Profile.from_costs([1.0, 1.0], param_bytes=[10, 100])
+    cluster = Cluster(gpus=4, gpus_per_node=4, intra=100.0, inter=100.0)
+    x = Layout(2, 2, 1, 1, "1f1b", 1, 0, "pipeline-inner")
+    done, plan = evaluate(prof, cluster, x, memory_limit=None)
+    assert done.pipeline_time == pytest.approx(2.0)
+    assert done.reduce_time == pytest.approx(1.0)
+    assert done.step_time == pytest.approx(7 / 3)
+    assert done.throughput == pytest.approx(2 / (7 / 3))  # 1 sample per micro-batch x 1 x 2 replicas
+    assert plan is not None and plan.dp == 2
+
+
+def test_microbatch_scaling_is_linear_in_samples() -> None:
+    """Twice the samples: times, activations, outputs and temporaries double; weights, gradients and
+    optimizer state do not."""
+    prof = Profile.from_costs([3.0], param_bytes=[100], activation_bytes=[40], output_bytes=[8])
+    two = scale_microbatch(prof, 2)
+    a, b = prof.layers[0], two.layers[0]
+    assert (b.forward_time, b.backward_time) == (2 * a.forward_time, 2 * a.backward_time)
+    assert (b.activation_bytes, b.output_bytes) == (80, 16)
+    assert (b.param_bytes, b.grad_bytes, b.optimizer_bytes) == (a.param_bytes, a.grad_bytes, a.optimizer_bytes)
+    assert b.peak_backward_bytes - b.grad_bytes == 2 * max(a.peak_backward_bytes - a.grad_bytes, 0)
+
+
+def test_nothing_fits_says_what_would_in_one_line() -> None:
+    """A limit below every layout names a larger cluster or the memory per device that fits."""
+    prof = _profile(0)
+    with pytest.raises(InfeasibleMemoryError) as err:
+        search(prof, CLUSTER, global_batch=8, memory_limit=700)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("no layout of 4 devices fits")
+    assert "devices would fit" in msg or "per device would fit" in msg
+
+
+def test_result_saves_and_loads(tmp_path) -> None:
+    """search.json round-trips every layout and count (the Plan is saved apart, as plan.json)."""
+    res = search(_profile(1), CLUSTER, global_batch=8, memory_limit=None)
+    path = tmp_path / "search.json"
+    res.save(str(path))
+    back = SearchResult.load(str(path))
+    assert back.layouts == res.layouts and back.considered == res.considered and back.plan is None
