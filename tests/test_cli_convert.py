@@ -7,35 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
+from _factories import net_factory_source
 from typer.testing import CliRunner
 
 from autopipe.cli import app
 
 runner = CliRunner()
 
-# Four blocks of known shape: traces, profiles and partitions in about a second.
-FACTORY = '''
-import torch
-from torch import nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
-        self.out = nn.Linear(32, 4)
-
-    def forward(self, x, y):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        return nn.functional.cross_entropy(self.out(h), y)
-
-
-def build(batch_size=4):
-    return Net(), (torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,)))
-'''
+FACTORY = net_factory_source(batch_size=4)
 
 
 @pytest.fixture()
