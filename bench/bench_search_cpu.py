@@ -6,9 +6,9 @@ The model (8 blocks, width 256, vocabulary 8192, 64 tokens) is profiled here wit
 process, at one sample per micro-batch; the search plans 4 devices of one node (the CPU's stated
 links, autopipe/topology.py) for a global batch of 8 under a per-rank memory limit; then the chosen
 layout and the runners-up are each trained with the generated train.py under torchrun
-(--nproc-per-node 4, --dp as the layout has it), one after another in this same run, and the median
-step after warm-up is set beside the predicted step. ZeRO 0 only: until issue 12 lands the runtime's
---dp all-reduces gradients by hand, without sharding, so the search is told zeros=(0,).
+(--nproc-per-node 4, --dp as the layout has it; train.py runs the layout's ZeRO stage, written from
+its plan), one after another in this same run, and the median step after warm-up is set beside the
+predicted step. Every ZeRO stage is searched (the runtime runs 0-3 since issue 12).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main() -> None:
         folder = make_folder(job)
         prof = profile_model(folder)
         cluster = cluster_for("cpu", GPUS, GPUS)
-        res = search(prof, cluster, global_batch=GLOBAL_BATCH, memory_limit=LIMIT, zeros=(0,), top=RUNS)
+        res = search(prof, cluster, global_batch=GLOBAL_BATCH, memory_limit=LIMIT, top=RUNS)
         rows = []
         for i, x in enumerate(res.layouts[:RUNS]):
             load_before = os.getloadavg()[0]

@@ -188,8 +188,8 @@ def write_md() -> None:
         c, s = d["config"], d["search"]
         lines += ["", "## Measured: GPT-2-shaped model on this CPU, 4 processes (gloo, 1 thread each)", "",
                   f"Model {{n_layer {c['n_layer']}, n_embd {c['n_embd']}, vocab {c['vocab_size']}}}, {c['seq_len']} tokens, "
-                  f"global batch {c['global_batch']}, {c['gpus']} processes on one node, {c['memory_limit']} per rank, ZeRO 0 "
-                  f"(the runtime's --dp until issue 12). Search: {s['considered']} layouts, {s['solved']} solved "
+                  f"global batch {c['global_batch']}, {c['gpus']} processes on one node, {c['memory_limit']} per rank, every "
+                  f"ZeRO stage searched. Search: {s['considered']} layouts, {s['solved']} solved "
                   f"({s['infeasible']} with no cut that fits), {s['seconds']:.1f} s. Each layout was then trained by the "
                   "generated train.py under torchrun in the same run, one after another; the step is the median after "
                   "warm-up (min–max beside it), with the load average before and after.", "",
