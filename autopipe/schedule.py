@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import PartitionError
-from .simrun import Program, TimelineEntry, compile_orders, fixed_durations, run_fixed, timeline_of, zbv_durations
+from .simrun import Program, TimelineEntry, compile_orders, durations, run_fixed, timeline_of
 
 __all__ = [
     "SCHEDULES",
@@ -184,12 +184,8 @@ def simulate(
     """
     schedule, k, virtual = _check_costs(schedule, forward, backward, comm, ranks, microbatches, weight_share)
     prog = _program(schedule, ranks, virtual, microbatches)
-    if schedule == "zbv":
-        fwd, bwd, wgt = (np.array(x) for x in zbv_durations(forward, backward, comm, weight_share))
-        start, end = run_fixed(prog, fwd, bwd, wgt)
-    else:
-        fwd, bwd = fixed_durations(forward, backward, comm)
-        start, end = run_fixed(prog, np.array(fwd), np.array(bwd))
+    arrays = (np.asarray(x, dtype=np.float64) for x in (forward, backward, comm))
+    start, end = run_fixed(prog, *durations(*arrays, split=weight_share if schedule == "zbv" else None))
     timeline = timeline_of(prog, start, end)
     step = max((tl[-1][1] for tl in timeline if tl), default=0.0)
     busy = tuple(sum(e - s for s, e, *_ in tl) for tl in timeline)
@@ -218,17 +214,12 @@ def step_times(
     n, k = fwd.shape
     schedule, k, virtual = _check_costs(schedule, fwd[0], bwd[0], com[0], ranks, microbatches, weight_share)
     prog = _program(schedule, ranks, virtual, microbatches)
-    # zbv splits the backward: B carries (1 - weight_share) of it and the send/recv, W the rest
-    # (the same sums zbv_durations makes, so a row equals simulate() exactly)
-    zb = schedule == "zbv"
+    split = weight_share if schedule == "zbv" else None
     rows = max(1, _BATCH // len(prog.ops))  # rows per pass: ops x rows floats stay in cache-sized blocks
     out = np.empty(n)
     for i in range(0, n, rows):
-        f, b, c = fwd[i : i + rows], bwd[i : i + rows], com[i : i + rows]
-        if zb:
-            end = run_fixed(prog, (f + c).T, (b * (1 - weight_share) + c).T, (b * weight_share).T, starts=False)[1]
-        else:
-            end = run_fixed(prog, (f + c).T, (b + c).T, starts=False)[1]
+        cols = (x[i : i + rows].T for x in (fwd, bwd, com))
+        end = run_fixed(prog, *durations(*cols, split=split), starts=False)[1]
         out[i : i + rows] = end[prog.last].max(axis=0)
     return out
 

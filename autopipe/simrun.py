@@ -14,11 +14,10 @@ event loop did, in the same order, so the floats are identical.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Program", "compile_orders", "run_fixed", "timeline_of", "fixed_durations", "zbv_durations"]
+__all__ = ["Program", "compile_orders", "durations", "run_fixed", "timeline_of"]
 
 # An entry of a rank's timeline: (start, end, kind "F"/"B"/"W", micro-batch, chunk).
 TimelineEntry = tuple[float, float, str, int, int]
@@ -87,10 +86,15 @@ def compile_orders(orders: list[list[tuple[str, int, int]]], k: int) -> Program:
     )
 
 
-def fixed_durations(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float]) -> tuple[list[float], list[float]]:
-    """Per chunk, F and B seconds: the same sums as the op durations of the event loop."""
-    k = len(forward)
-    return [float(forward[c] + comm[c]) for c in range(k)], [float(backward[c] + comm[c]) for c in range(k)]
+def durations(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray, *, split: float | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:  # fmt: skip
+    """F, B and W seconds per chunk (arrays of (chunks,) or (chunks, rows)): send/recv is charged to F
+    and B; with ``split`` (zero-bubble's weight share) B keeps (1 - split) of the backward and W, which
+    sends nothing, the rest; else there is no W. One function for simulate and step_times, so their
+    floats agree."""
+    if split is None:
+        return forward + comm, backward + comm, None
+    return forward + comm, backward * (1 - split) + comm, backward * split
 
 
 def run_fixed(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray | None = None, *,
@@ -118,12 +122,3 @@ def timeline_of(prog: Program, start: np.ndarray, end: np.ndarray) -> list[list[
     s, e = start.tolist(), end.tolist()
     ops, b = prog.ops, prog.bounds
     return [[(s[i], e[i], *ops[i]) for i in range(b[r], b[r + 1])] for r in range(len(b) - 1)]
-
-
-def zbv_durations(forward: Sequence[float], backward: Sequence[float], comm: Sequence[float],
-                   weight_share: float) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
-    k = len(forward)
-    f = [float(forward[c] + comm[c]) for c in range(k)]
-    b = [float(backward[c] * (1 - weight_share) + comm[c]) for c in range(k)]
-    w = [float(backward[c] * weight_share) for c in range(k)]
-    return f, b, w
