@@ -37,7 +37,7 @@ from .plan import Plan
 from .records import Profile
 from .schedule import check_schedule, check_weight_share, chunk_ranks, inflight_counts, normalize_schedule, simulate
 from .stepbound import fits, least_memory
-from .stepsolve import Infeasible, StepSolution, solve_step
+from .stepsolve import TIE, Infeasible, StepSolution, solve_step
 from .units import format_bytes, parse_size
 
 __all__ = ["partition", "fits_memory", "DEFAULT_BANDWIDTH", "RECOMPUTE_POLICIES"]
@@ -230,7 +230,7 @@ def partition(
     if method == "autopipe" and boundaries is None and stage_names is None:
         # the fastest step; on a tie the lowest stage (the least communication and state to gather)
         best = min(p.step_time for p in fitting or plans)
-        return next(p for p in fitting or plans if p.step_time <= best * (1 + 1e-9))
+        return next(p for p in fitting or plans if p.step_time <= best * (1 + TIE))
     # a cut the user or a baseline fixed: the lowest stage under which it fits, else the most sharded
     return fitting[0] if fitting else plans[-1]
 
@@ -423,7 +423,6 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     ranks = chunk_ranks(schedule, stages, v)
     per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,
                            recompute=[c.modes[int(x)] for x in md], reserve=model.reserve)  # fmt: skip
-    # the plan's zero is what the job runs: with one replica nothing is sharded whatever was asked
     rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=weight_share)
     slowest = int(np.argmax(times))
@@ -462,7 +461,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
         step_lower_bound=bound,
         rank_memory_breakdown=tuple(r.to_dict() for r in per_rank),
         dp=model.dp,
-        zero=model.zero,
+        zero=model.zero,  # what the job runs; with one replica it shards nothing (memory.zero_share)
         zero_policy=str(zero_policy),
     )
 

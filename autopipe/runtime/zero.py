@@ -31,11 +31,10 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import AutopipeError
+from ..memory import ZERO_STAGES  # the stages the plan's memory model knows
 from .optim import TrainConfig, param_groups, preallocate_
 
 __all__ = ["ZERO_STAGES", "ZeroOneAdamW", "check_zero", "local", "shard_chunks_", "sharded_grads"]
-
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 def check_zero(zero: Any) -> int:
