@@ -110,7 +110,10 @@ def profile_command(
     seq = flatten(m, args, kwargs)
     prof = profile(seq, args, kwargs, device=device, estimate=estimate, dtype=dtype,
                    mixed_precision=mixed_precision, autocast=autocast, optimizer=optimizer, repeats=repeats, warmup=warmup,
-                   progress=not json_output, reserve=reserve_for(device, estimate=estimate, given=reserve))
+                   progress=not json_output,
+                   reserve=reserve_for(device, estimate=estimate, given=reserve,
+                                       dtype={"bfloat16": "bf16", "float16": "fp16"}.get(autocast or "", "fp32"),
+                                       config=getattr(m, "config", None)))
     prof = dataclasses.replace(prof, model=model)
     prof.save(out)
     if json_output:

@@ -246,7 +246,8 @@ def convert(
 
     prof = run_profile(seq, args, kwargs, device=device, estimate=estimate, repeats=repeats, warmup=warmup,
                        autocast=DTYPES[train_dtype] if train_dtype != "fp32" else None, progress=progress,
-                       reserve=reserve_for(device, estimate=estimate, given=reserve))  # fmt: skip
+                       reserve=reserve_for(device, estimate=estimate, given=reserve, dtype=train_dtype,
+                                           config=getattr(spec.model, "config", None)))  # fmt: skip
     prof = _named(prof, model)
     lap("profile")
 

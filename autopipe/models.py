@@ -142,6 +142,7 @@ def _from_builtin(name: str, device: torch.device, b: int, t: int, dropout: floa
 
     entry = BUILTINS[name]
     config = getattr(transformers, entry.config)(**entry.settings)
+    config.architectures = config.architectures or [entry.model]  # as a saved folder would name it
     return _from_config(config, getattr(transformers, entry.model), entry.task, name, "builtin", device, b, t, dropout)
 
 

@@ -104,7 +104,7 @@ def make_job(root: Path, folder: Path, cfg: Config, profiles: dict) -> tuple[Pat
         seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)
         autocast = DTYPES[cfg.dtype] if cfg.dtype != "fp32" else None
         profiles[key] = autopipe.profile(seq, spec.args, spec.kwargs, threads=1, progress=False, autocast=autocast,
-                                         reserve=runtime_reserve("cpu"))  # fmt: skip
+                                         reserve=runtime_reserve("cpu", dtype=cfg.dtype, config=spec.model.config))  # fmt: skip
     prof = profiles[key]
     plan = autopipe.partition(prof, stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule,
                               recompute=cfg.recompute)  # fmt: skip
@@ -141,18 +141,20 @@ def main() -> None:
         root = Path(tmp)
         folders = {m: make_folder(root, m) for m in {c.model for c in wanted}}
         for cfg in wanted:
-            t0 = time.perf_counter()
+            t0, load0 = time.perf_counter(), os.getloadavg()[0]
             job, plan = make_job(root, folders[cfg.model], cfg, profiles)
             records = run_job(job, cfg)
             cmp = compare(plan, records, warmup=WARMUP)
             row = {**asdict(cfg), "name": cfg.name, **asdict(cmp), "step_ratio": cmp.step_ratio,
                    "memory_ratios": list(cmp.memory_ratios), "boundaries": list(plan.boundaries),
                    "stage_recompute": list(getattr(plan, "stage_recompute", ()) or ()),
-                   "shared_cores": cfg.stages > (os.cpu_count() or 1), "seconds": time.perf_counter() - t0}  # fmt: skip
+                   "shared_cores": cfg.stages > (os.cpu_count() or 1), "seconds": time.perf_counter() - t0,
+                   "load": [load0, os.getloadavg()[0]]}  # fmt: skip
             rows.append(row)
             mem = " ".join(f"{r:.2f}" for r in cmp.memory_ratios)
             print(f"{cfg.name:<40} step {cmp.measured_step_time:.3f}s (iqr {cmp.step_time_spread:.3f}) / "
-                  f"{cmp.predicted_step_time:.3f}s = {cmp.step_ratio:.2f}   memory {mem}", flush=True)
+                  f"{cmp.predicted_step_time:.3f}s = {cmp.step_ratio:.2f}   memory {mem}   load {row['load'][0]:.1f}-{row['load'][1]:.1f}",
+                  flush=True)  # fmt: skip
     if not opts.no_write:
         write_results(rows)
 
@@ -168,18 +170,19 @@ def write_results(rows: list[dict]) -> None:
         "",
         f"`python bench/bench_accuracy.py`; {meta['cpus']} CPUs, one thread per rank, {STEPS} steps "
         f"(the first {WARMUP} skipped), micro-batch {ROWS}×{SEQ}; load average at the end {meta['load_average_end']:.1f}.",
-        "Step: measured median (IQR) / predicted. Memory: measured peak / predicted, per pipeline rank.",
+        "Step: measured median (IQR) / predicted. Memory: measured peak / predicted, per pipeline rank. "
+        "Load: the 1-minute load average as the configuration started and ended (2 cores; above 2 the ranks wait).",
         f"{within} of {len(rows)} configurations within ±10 % on both.",
         "",
-        "| configuration | recompute per stage | measured step | predicted | ratio | memory ratio per rank |",
-        "| --- | --- | ---: | ---: | ---: | --- |",
+        "| configuration | recompute per stage | measured step | predicted | ratio | memory ratio per rank | load |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- |",
     ]
     for r in rows:
         shared = " (ranks share cores)" if r["shared_cores"] else ""
         lines.append(
             f"| {r['name']}{shared} | {' '.join(r['stage_recompute']) or '-'} | {r['measured_step_time']:.3f} s "
             f"({r['step_time_spread']:.3f}) | {r['predicted_step_time']:.3f} s | {r['step_ratio']:.2f} | "
-            f"{' '.join(f'{m:.2f}' for m in r['memory_ratios'])} |"
+            f"{' '.join(f'{m:.2f}' for m in r['memory_ratios'])} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
         )
     (RESULTS / "accuracy.md").write_text("\n".join(lines) + "\n")
 

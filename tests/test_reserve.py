@@ -22,7 +22,7 @@ def test_the_cpu_reserve_is_measured_once_then_read_from_the_cache(monkeypatch: 
     cache = Path(os.environ["AUTOPIPE_CACHE"]) / "reserve.json"
     assert first in json.loads(cache.read_text()).values()
 
-    def no_probe(device: str):  # noqa: ANN202
+    def no_probe(device: str, **kwargs: object):  # noqa: ANN202
         raise AssertionError("measured again despite the cache")
 
     monkeypatch.setattr("autopipe.reserve.measure_reserve", no_probe)
@@ -37,3 +37,53 @@ def test_reserve_for_a_profile() -> None:
     assert reserve_for("cpu", estimate=True) == runtime_reserve("cpu")
     with pytest.raises(AutopipeError, match="measured on cpu or cuda"):
         runtime_reserve("tpu")
+
+
+
+def test_each_precision_and_architecture_has_a_reserve_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a rank holds beyond the counted tensors depends on the precision (bf16's per-micro-batch
+    weight copies fragment the CPU heap) and the architecture (measured here: GPT-2-shaped fp32 28-29
+    MiB, bf16 36-38; Llama-shaped fp32 35-38, bf16 45-52). So the probe runs in the profile's mode on
+    the profile's architecture, and the cache keeps one figure for each."""
+    from transformers import LlamaConfig
+
+    fp32 = runtime_reserve("cpu")
+    asked: list[tuple[str, str]] = []
+
+    def fake_probe(device: str, *, dtype: str = "fp32", config: object = None) -> dict[str, int]:
+        asked.append((dtype, getattr(config, "model_type", "gpt2")))
+        return {"reserve_bytes": fp32 + (len(asked) + 1) * MIB}
+
+    monkeypatch.setattr("autopipe.reserve.measure_reserve", fake_probe)
+    llama = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1376,
+                        num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    bf16 = runtime_reserve("cpu", dtype="bf16")
+    llama32 = reserve_for("cpu", estimate=False, config=llama)
+    llama16 = reserve_for("cpu", estimate=False, config=llama, dtype="bf16")
+    assert asked == [("bf16", "gpt2"), ("fp32", "llama"), ("bf16", "llama")]
+    assert len({fp32, bf16, llama32, llama16}) == 4
+    # cached: asking again measures nothing
+    assert (runtime_reserve("cpu", dtype="bf16"), runtime_reserve("cpu", config=llama)) == (bf16, llama32)
+    assert runtime_reserve("cpu") == fp32 and len(asked) == 3
+    with pytest.raises(AutopipeError, match="fp32, bf16 or fp16"):
+        runtime_reserve("cpu", dtype="int8")
+
+
+def test_the_probe_takes_the_architecture_at_probe_size() -> None:
+    """A Llama config shrinks to the probe's size with its shape ratios; what the probe cannot shrink
+    (not a decoder-only LM, or GPT-2 itself) gets the GPT-2 probe."""
+    from transformers import BertConfig, GPT2Config, LlamaConfig, T5Config
+
+    from autopipe.reserve import probe_config
+
+    big = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=8192, intermediate_size=28672,
+                      num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, num_hidden_layers=80,
+                      head_dim=128, bos_token_id=128000, eos_token_id=128001)  # fmt: skip
+    small = probe_config(big)
+    assert (small.num_hidden_layers, small.hidden_size, small.num_attention_heads) == (4, 256, 4)
+    assert (small.intermediate_size, small.num_key_value_heads, small.head_dim) == (896, 1, 64)
+    assert small.vocab_size == 4096 and small.bos_token_id == 0 and small.eos_token_id == 0
+    assert big.hidden_size == 8192  # the user's config is not touched
+    for other in (GPT2Config(architectures=["GPT2LMHeadModel"]), BertConfig(architectures=["BertForMaskedLM"]),
+                  T5Config(architectures=["T5ForConditionalGeneration"]), LlamaConfig()):
+        assert probe_config(other) is None
