@@ -148,3 +148,32 @@ def test_total_grows_by_one_micro_batch_of_activations_per_micro_batch_in_flight
     (a,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(inflight,), microbatches=4)
     (b,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(inflight + 1,), microbatches=4)
     assert b.total - a.total == 4 * 100 + 10
+
+
+class _Embed(nn.Module):
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.emb(ids))
+
+
+def test_a_backward_s_fresh_gradient_is_a_transient_on_top_of_the_held_one() -> None:
+    """The trainer holds ``.grad`` from the start, so a backward computes each gradient into a new
+    tensor and adds it in: an embedding's dense gradient (vocab x d x 4 bytes) exists twice for a
+    moment. The profile's backward peak is taken that way, so the embedding layer's transient is at
+    least one more embedding-sized gradient (taken with autograd.grad it read ~0: the fresh gradient
+    was counted as the held one)."""
+    vocab, d = 4096, 64
+    torch.manual_seed(0)
+    model = _Embed(vocab, d)
+    ids = torch.randint(0, vocab, (8, 16))
+    seq = autopipe.flatten(model, (ids,))
+    prof = autopipe.profile(seq, (ids,), repeats=1, warmup=0, progress=False)
+    lm = layer_memory(prof)
+    emb = next(i for i, layer in enumerate(seq.layers) if any(p.shape == (vocab, d) for p in layer.parameters()))
+    assert lm.transient["none"][emb] >= vocab * d * 4
+    # and no .grad is left behind by the profiler
+    assert all(p.grad is None for p in model.parameters())
