@@ -57,9 +57,25 @@ from dataclasses import asdict, dataclass
 
 from .records import Profile, optimizer_state_factor
 
-__all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "layer_memory", "rank_memory", "zero_share"]
+__all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "layer_memory", "rank_memory",
+           "zero_share"]
 
 ZERO_STAGES = (0, 1, 2, 3)
+# schedules that split the backward into input and weight passes (the partitioner's and torch's spellings)
+_SPLIT_BACKWARD = {"zbv", "zerobubble", "zbvzerobubble", "interleavedzb", "interleavedzerobubble", "dualpipev"}
+
+
+def ddp_schedule(schedule: str) -> bool:
+    """Whether ZeRO 0/1 run on DistributedDataParallel under ``schedule`` (else on ``replicate``).
+
+    DDP reduces from autograd hooks that a whole ``backward()`` fires; zero-bubble schedules
+    compute weight gradients with ``torch.autograd.grad`` and set ``.grad`` by hand, which fires
+    none, so there DDP would never reduce (autopipe.runtime.zero).
+
+    >>> ddp_schedule("1f1b"), ddp_schedule("Interleaved1F1B"), ddp_schedule("zbv")
+    (True, True, False)
+    """
+    return schedule.lower().replace("-", "").replace("_", "") not in _SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)

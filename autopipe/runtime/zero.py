@@ -31,10 +31,14 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import AutopipeError
-from ..memory import ZERO_STAGES  # the stages the plan's memory model knows
+from ..memory import ZERO_STAGES, ddp_schedule  # the plan's memory model decides with the same rule
 from .optim import TrainConfig, param_groups, preallocate_
 
-__all__ = ["ZERO_STAGES", "ZeroOneAdamW", "check_zero", "local", "shard_chunks_", "sharded_grads"]
+__all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "ZeroOneAdamW", "bucket_bytes", "check_zero", "ddp_schedule", "local",
+           "shard_chunks_", "sharded_grads"]
+
+DDP_BUCKET_CAP = 25 * 2**20  # DistributedDataParallel's default bucket cap, bytes
+DDP_BUCKETS_PER_CHUNK = 4
 
 
 def check_zero(zero: Any) -> int:
@@ -66,13 +70,21 @@ def _slots(chunks: Sequence[nn.Module], wanted: Mapping[int, str]) -> list[tuple
     return out
 
 
-def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int) -> None:
+def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int, *,
+                  schedule: str = "1F1B") -> list[nn.Module]:
     """Wrap ``chunks`` (the modules the pipeline stages run) for data parallelism over ``mesh``
-    (the 1-D data-parallel mesh) and point ``build.params`` / ``build.aliases`` at the engine's
-    parameters (DTensors from now on). Each layer is its own unit (a bucket of ``replicate``, a
-    gather/reduce unit of FSDP), except one that shares a parameter with another layer of its
-    chunk (a tied tensor used twice on one rank): the chunk itself manages that one.
+    (the 1-D data-parallel mesh) and return the modules the stages must run, in order.
+
+    ZeRO 0/1 under a schedule that runs whole backwards (``ddp_schedule``): each chunk inside its
+    own ``DistributedDataParallel``; the parameters stay the chunk's own tensors. Otherwise the
+    chunks are wrapped in place (``replicate``, ``fully_shard``) and ``build.params`` /
+    ``build.aliases`` point at the engine's parameters (DTensors from then on). Each layer is its
+    own unit (a bucket of ``replicate``, a gather/reduce unit of FSDP), except one that shares a
+    parameter with another layer of its chunk (a tied tensor used twice on one rank): the chunk
+    itself manages that one.
     """
+    if zero <= 1 and ddp_schedule(schedule):
+        return [_ddp(chunk, mesh.get_group()) for chunk in chunks]
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -109,21 +121,66 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int)
         raise AutopipeError(f"data parallelism lost parameters {sorted(set(build.params) - set(params))[:3]}: report this model.")
     build.params = dict(sorted(params.items()))
     build.aliases = aliases
+    return list(chunks)
+
+
+def bucket_bytes(chunk_bytes: int) -> int:
+    """DDP's bucket cap for a chunk of ``chunk_bytes`` of trainable parameters: a quarter of the
+    chunk, at most 25 MiB (DDP's own default).
+
+    Why not DDP's default alone: a pipeline chunk is a slice of a model, often under 25 MiB, and a
+    chunk in one bucket reduces only once its whole backward is done, so nothing overlaps. Four
+    buckets let the first three reduce while the rest of the backward runs.
+
+    >>> bucket_bytes(400), bucket_bytes(2**30) // 2**20
+    (100, 25)
+    """
+    return max(1, min(DDP_BUCKET_CAP, -(-chunk_bytes // DDP_BUCKETS_PER_CHUNK)))
+
+
+def _ddp(chunk: nn.Module, group: Any) -> nn.Module:
+    """``chunk`` inside DistributedDataParallel over ``group``, its gradients DDP's bucket views."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    if not params:  # nothing to reduce (DDP refuses a module without trainable parameters)
+        return chunk
+    # Gradients made now become views of DDP's buckets when it builds them (a gradient made later,
+    # by autograd, lives apart until DDP copies it in at the first reduce): one copy, allocated
+    # before any activation, which the trainer's preallocate_ then leaves alone.
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    device = params[0].device
+    return DistributedDataParallel(
+        chunk,
+        device_ids=[device] if device.type == "cuda" else None,
+        process_group=group,
+        bucket_cap_mb=bucket_bytes(sum(p.numel() * p.element_size() for p in params)) / 2**20,
+        gradient_as_bucket_view=True,
+        # the chunks' buffers (causal masks, position ids) are built alike on every replica and
+        # training never changes them; the default would broadcast them before every micro-batch
+        broadcast_buffers=False,
+    )
 
 
 class ZeroOneAdamW(ZeroRedundancyOptimizer):
     """ZeRO 1: AdamW whose state each replica keeps for its share of the tensors only
     (torch's ``ZeroRedundancyOptimizer``); after the step each owner broadcasts its updated tensors.
 
-    The parameters ``replicate`` gives are replicated DTensors; ZeroRedundancyOptimizer broadcasts
-    plain tensors. So it steps plain leaves over the same storage (``to_local()`` of a replicated
-    DTensor is its whole value), whose gradients are the DTensors' local gradients: what it writes,
-    the engine reads at the next forward.
+    Beside DDP (ZeRO 0's engine) it steps the parameters themselves: the classic pairing. The
+    parameters ``replicate`` gives (zero-bubble schedules) are replicated DTensors, and
+    ZeroRedundancyOptimizer broadcasts plain tensors; so for those it steps plain leaves over the
+    same storage (``to_local()`` of a replicated DTensor is its whole value), whose gradients are
+    the DTensors' local gradients: what it writes, the engine reads at the next forward.
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], config: TrainConfig, group: Any) -> None:
-        self.pairs = [(nn.Parameter(local(p.detach()), requires_grad=p.requires_grad), p) for p in params.values()]
-        plain = {n: proxy for n, (proxy, _) in zip(params, self.pairs)}
+        # DDP's parameters are plain tensors already: they step as they are
+        self.pairs = [(nn.Parameter(local(p.detach()), requires_grad=p.requires_grad), p)
+                      for p in params.values() if hasattr(p, "to_local")]
+        proxies = iter(proxy for proxy, _ in self.pairs)
+        plain = {n: next(proxies) if hasattr(p, "to_local") else p for n, p in params.items()}
         super().__init__(
             param_groups(plain, config), optimizer_class=torch.optim.AdamW, process_group=group,
             lr=config.lr, betas=config.betas, eps=config.eps, foreach=True,
