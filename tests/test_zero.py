@@ -167,7 +167,8 @@ def _assert_reduced_during_backward(run: Path) -> None:
         for step in range(2, STEPS + 1):
             counts = []
             for stage in stages:
-                buckets = [launch["bucket"] for launch in record["launches"] if launch["step"] == step and launch["stage"] == stage]
+                buckets = [launch["bucket"] for launch in record["launches"]
+                           if launch["step"] == step and launch["stage"] == stage]
                 assert sorted(buckets) == list(range(len(buckets))) and buckets, (rank, step, stage, buckets)
                 counts.append(len(buckets))
             assert max(counts) >= 2, (rank, step, counts)

@@ -86,7 +86,9 @@ class Trainer:
         wrap = None
         if env.dp_size > 1:
             dp_mesh = env.mesh["dp"]
-            wrap = lambda chunks, schedule: shard_chunks_(build, chunks, dp_mesh, config.zero, schedule=schedule)  # noqa: E731
+
+            def wrap(chunks: list[Any], schedule: str) -> list[Any]:
+                return shard_chunks_(build, chunks, dp_mesh, config.zero, schedule=schedule)
         self.engine = PipelineEngine(
             build,
             pp_group=env.pp_group,
