@@ -1,22 +1,38 @@
 """Data parallelism across the replicas of each pipeline stage: ZeRO 0-3 on torch's own engines.
 
-Each pipeline chunk is wrapped, layer by layer and then as a whole (as torchtitan composes FSDP2
-with pipelining), over the data-parallel dimension of the (dp, pp) DeviceMesh:
+Each pipeline chunk is wrapped over the data-parallel dimension of the (dp, pp) DeviceMesh. Which
+engine runs ZeRO 0/1 depends on the schedule (``ddp_schedule``): schedules that run whole
+backwards (GPipe, 1F1B, Interleaved1F1B, LoopedBFS) use DistributedDataParallel; zero-bubble ones
+(ZBVZeroBubble, InterleavedZeroBubble, DualPipeV) keep ``replicate``:
 
-| ``--zero`` | engine | parameters | gradients | AdamW state |
+| ``--zero`` | schedule | engine | overlap with backward | held beside weights, gradients, AdamW |
 | --- | --- | --- | --- | --- |
-| 0 | ``replicate`` (FSDP-based DDP) | replicated | all-reduced (mean), one bucket per layer | replicated |
-| 1 | ``replicate`` + ``ZeroRedundancyOptimizer`` | replicated | all-reduced (mean) | 1/R per replica (whole tensors) |
-| 2 | ``fully_shard(reshard_after_forward=False)`` | 1/R at rest, gathered once per step | reduce-scattered (mean) | 1/R |
-| 3 | ``fully_shard(reshard_after_forward=True)`` | 1/R, gathered for each forward and backward | reduce-scattered (mean) | 1/R |
+| 0 | whole backward | ``DistributedDataParallel`` (one per chunk, ``gradient_as_bucket_view``) | yes: buckets all-reduce from autograd hooks in the last micro-batch's backward | nothing (the gradients are its buckets) |
+| 1 | whole backward | DDP + ``ZeroRedundancyOptimizer`` | yes | AdamW state 1/R (whole tensors; owners broadcast updates) |
+| 0 | zero-bubble | ``replicate`` (FSDP2 over a shard dim of one), per layer | no: one reduce after the stage's last backward | its own weight copy + an accumulated gradient |
+| 1 | zero-bubble | ``replicate`` + ``ZeroRedundancyOptimizer`` | no | the same; AdamW state 1/R |
+| 2 | any | ``fully_shard(reshard_after_forward=False)``, per layer | no | weights, gradients, AdamW 1/R at rest; whole weights + gradients during the step |
+| 3 | any | ``fully_shard(reshard_after_forward=True)`` | no | the same, weights re-gathered for each micro-batch |
 
-``PipelineStage`` drives both engines: it turns gradient sync off for every micro-batch's backward
-and reduces once after the stage's last one (``perform_reduce_grad``), then divides by the
-micro-batch count; the engines divide by the replica count. So 1/M and 1/R each happen once,
-inside torch. Under FSDP2 that also means, during the step, a stage holds its parameters
-unsharded (``set_reshard_after_backward(False)``) and its gradients unsharded and accumulated
-until the reduce-scatter: ZeRO 2/3 shrink what a rank holds between steps (parameters, sharded
-gradients, optimizer state), not the step's peak of parameters and gradients.
+Why DDP where it can: ``PipelineStage`` runs a DDP submodule's forwards and all backwards but the
+last under ``no_sync`` and arms DDP's reducer (``prepare_for_backward``) for the last micro-batch's
+backward, so each bucket's all-reduce is launched as soon as its gradients are ready, while the
+rest of that backward runs. A ``replicate``/FSDP module instead reduces once after the stage's
+last backward (``perform_reduce_grad``), with nothing left to overlap, and ``replicate`` computes
+with its own weight copy and accumulates an unsharded gradient beside the parameter's.
+
+Why not DDP under zero-bubble schedules: their weight pass computes parameter gradients with
+``torch.autograd.grad`` and sets ``.grad`` by hand (``stage_backward_weight``), which fires none of
+DDP's hooks; only the first stage, whose weight pass is a whole backward, would be reduced.
+Measured (dp 2 x pp 2, ZBV, DDP forced): the replicas of every other stage kept different
+gradients, silently. ``replicate``'s explicit reduce after the last backward works there.
+
+Scaling: DDP (and replicate, FSDP2) divide by the replica count inside the reduce; the stage then
+divides by the micro-batch count (``scale_grads``): 1/R and 1/M each once, inside torch. Under
+FSDP2 that also means, during the step, a stage holds its parameters unsharded
+(``set_reshard_after_backward(False)``) and its gradients unsharded and accumulated until the
+reduce-scatter: ZeRO 2/3 shrink what a rank holds between steps (parameters, sharded gradients,
+optimizer state), not the step's peak of parameters and gradients.
 
 With one replica there is nothing to shard: every ``--zero`` runs the plain stage (same numbers).
 """
