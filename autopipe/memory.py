@@ -25,13 +25,15 @@ The plan's ``rank_memory`` is this module's ``RankMemory.total``; the step log's
   the step. Under a pipeline schedule ``PipelineStage`` turns resharding and gradient sync off for
   every backward but the step's last, so from a parameter's first use to the step's end its whole
   (unsharded) weight and its whole accumulated gradient live next to the activations.
-- ``data_parallel``: with ZeRO 0 or 1 over dp > 1 replicas, what torch's ``replicate`` holds beside
-  the replicated parameters and their reduced gradients: it is FSDP2 with a shard dimension of one,
-  so it computes with its own copy of the weights (the "all-gather" output over one rank) and
-  accumulates the micro-batches' gradients in an unsharded buffer until the step's one all-reduce:
-  weights + gradients once more, alive beside the activations. Measured (live tensor bytes,
-  dp 2 x pp 2, bench/bench_zero.py): ZeRO 0 holds exactly weights + gradients more than the
-  hand-written flat all-reduce it replaced, on both ranks.
+- ``data_parallel``: with ZeRO 0 or 1 over dp > 1 replicas, what the engine holds beside the
+  replicated parameters and their reduced gradients. Under schedules that run whole backwards
+  (``ddp_schedule``) the engine is DistributedDataParallel with ``gradient_as_bucket_view``: the
+  gradients are its buckets, all-reduced in place, so nothing (measured: bench/bench_zero.py).
+  Under zero-bubble schedules it is torch's ``replicate``, FSDP2 with a shard dimension of one: it
+  computes with its own copy of the weights (the "all-gather" output over one rank) and accumulates
+  the micro-batches' gradients in an unsharded buffer until the step's one all-reduce: weights +
+  gradients once more, alive beside the activations (measured: exactly that, on both ranks, against
+  a flat all-reduce).
 - ``reduce_scatter``: with ZeRO 2 or 3, one layer's whole gradient copied into the reduce-scatter
   input (FSDP2 reduces a unit at a time): at most the largest layer's gradient, counted like a
   transient (the larger of it and the heaviest one-layer peak).
@@ -57,9 +59,25 @@ from dataclasses import asdict, dataclass
 
 from .records import Profile, optimizer_state_factor
 
-__all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "layer_memory", "rank_memory", "zero_share"]
+__all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "layer_memory", "rank_memory",
+           "zero_share"]
 
 ZERO_STAGES = (0, 1, 2, 3)
+# schedules that split the backward into input and weight passes (the partitioner's and torch's spellings)
+_SPLIT_BACKWARD = {"zbv", "zerobubble", "zbvzerobubble", "interleavedzb", "interleavedzerobubble", "dualpipev"}
+
+
+def ddp_schedule(schedule: str) -> bool:
+    """Whether ZeRO 0/1 run on DistributedDataParallel under ``schedule`` (else on ``replicate``).
+
+    DDP reduces from autograd hooks that a whole ``backward()`` fires; zero-bubble schedules
+    compute weight gradients with ``torch.autograd.grad`` and set ``.grad`` by hand, which fires
+    none, so there DDP would never reduce (autopipe.runtime.zero).
+
+    >>> ddp_schedule("1f1b"), ddp_schedule("Interleaved1F1B"), ddp_schedule("zbv")
+    (True, True, False)
+    """
+    return schedule.lower().replace("-", "").replace("_", "") not in _SPLIT_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -70,14 +88,17 @@ class ZeroShare:
     gradients: float = 1.0
     optimizer: float = 1.0
     gathered: bool = False  # whole weights and gradients live during the step (FSDP2 under pipelining)
-    buckets: bool = False  # replicate's own weights + accumulated gradients (else FSDP's gathered ones)
+    buckets: bool = False  # replicate's own weights + accumulated gradients (DDP's buckets are the gradients)
 
 
-def zero_share(zero: int, dp: int) -> ZeroShare:
-    """The ZERO_TERMS row for stage ``zero`` over ``dp`` replicas (dp 1: nothing is sharded or reduced).
+def zero_share(zero: int, dp: int, *, schedule: str = "1f1b") -> ZeroShare:
+    """The ZERO_TERMS row for stage ``zero`` over ``dp`` replicas (dp 1: nothing is sharded or reduced)
+    under ``schedule``, which picks ZeRO 0/1's engine (``ddp_schedule``).
 
     >>> zero_share(1, 4).optimizer, zero_share(3, 4).weights, zero_share(3, 1).weights
     (0.25, 0.25, 1.0)
+    >>> zero_share(0, 2).buckets, zero_share(0, 2, schedule="zbv").buckets
+    (False, True)
     """
     if zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
@@ -87,7 +108,7 @@ def zero_share(zero: int, dp: int) -> ZeroShare:
         return ZeroShare()
     part = 1.0 / dp
     if zero <= 1:
-        return ZeroShare(optimizer=part if zero == 1 else 1.0, buckets=True)
+        return ZeroShare(optimizer=part if zero == 1 else 1.0, buckets=not ddp_schedule(schedule))
     return ZeroShare(weights=part, gradients=part, optimizer=part, gathered=True)
 
 
@@ -146,14 +167,15 @@ class LayerMemory:
             self.weights, self.gradients, self.optimizer, self.gathered or (0,) * n, self.buckets or (0,) * n))  # fmt: skip
 
 
-def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1, zero: int = 0) -> LayerMemory:
+def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1, zero: int = 0,
+                 schedule: str = "1f1b") -> LayerMemory:
     """The profile's per-layer bytes, with optimizer state recounted for ``optimizer`` if given and
     this rank's shares under ZeRO stage ``zero`` over ``dp`` data-parallel replicas.
 
     Recompute modes a layer was not profiled for are derived: ``full`` keeps the layer's input (the
     previous layer's output) and rematerialises its activations in backward.
     """
-    share = zero_share(zero, dp)
+    share = zero_share(zero, dp, schedule=schedule)
     layers = profile.layers
     old = optimizer_state_factor(profile.optimizer)
     new = old if optimizer is None else optimizer_state_factor(optimizer)
@@ -226,12 +248,14 @@ def rank_memory(
     zero: int = 0,
     reserve: int | None = None,
     optimizer: str | None = None,
+    schedule: str = "1f1b",
 ) -> list[RankMemory]:
     """Each pipeline rank's peak for a cut: chunk c is ``boundaries[c]:boundaries[c+1]`` on rank
     ``stage_ranks[c]`` with ``inflight[c]`` micro-batches held and recompute mode ``recompute[c]``
-    (default none), each stage replicated ``dp`` times with ZeRO stage ``zero`` (ignored when
-    ``profile`` is a LayerMemory: it carries its own). ``reserve`` defaults to the profile's."""
-    lm = profile if isinstance(profile, LayerMemory) else layer_memory(profile, optimizer, dp=dp, zero=zero)
+    (default none), each stage replicated ``dp`` times with ZeRO stage ``zero`` under ``schedule``
+    (ignored when ``profile`` is a LayerMemory: it carries its own). ``reserve`` defaults to the profile's."""
+    lm = profile if isinstance(profile, LayerMemory) else layer_memory(profile, optimizer, dp=dp, zero=zero,
+                                                                        schedule=schedule)
     if reserve is None:
         reserve = profile.reserve_bytes if isinstance(profile, Profile) else 0
     n = len(lm.weights)

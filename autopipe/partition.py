@@ -61,7 +61,8 @@ class _Model:
         self.names = [layer.name or f"layer{i}" for i, layer in enumerate(layers)]
         self.optimizer = (optimizer or profile.optimizer).lower()
         self.dp, self.zero = dp, zero
-        lm = layer_memory(profile, optimizer, dp=dp, zero=zero)
+        # the schedule picks ZeRO 0/1's engine, and so what it holds (autopipe.memory.ddp_schedule)
+        lm = layer_memory(profile, optimizer, dp=dp, zero=zero, schedule=schedule)
         self.memory = lm
         static = list(lm.static)
         tied = []

@@ -70,6 +70,7 @@ class _Bounds:
     def _memory(self, dp: int, zero: int) -> tuple[int, int]:
         """(static bytes of the whole model, least activation bytes per micro-batch) under (dp, zero)."""
         if (dp, zero) not in self._static:
+            # DDP's terms (the default schedule's): no more than replicate's, so still a lower bound under zbv
             lm = layer_memory(self.profile, self.optimizer, dp=dp, zero=zero)
             static = sum(lm.static) - sum((len(u) - 1) * size for size, u, *_ in lm.tied)
             acts = sum(min(col) for col in zip(*lm.activations.values()))
@@ -176,7 +177,7 @@ def _peak_if_fits(prof: Profile, free: Plan, x: Layout, optimizer: str | None, l
     chunks fits (limit − reserve) / v as partition requires; else None."""
     from .memory import rank_memory
 
-    lm = layer_memory(prof, optimizer, dp=x.dp, zero=x.zero)
+    lm = layer_memory(prof, optimizer, dp=x.dp, zero=x.zero, schedule=x.schedule)
     common = dict(inflight=free.stage_inflight, microbatches=free.microbatches, recompute=free.stage_recompute,
                   reserve=prof.reserve_bytes)  # fmt: skip
     ranks = rank_memory(lm, free.boundaries, stage_ranks=free.stage_ranks, **common)  # type: ignore[arg-type]

@@ -9,7 +9,11 @@ and trained by the generated train.py on 4 processes (gloo, one thread each) for
 
 - ``hand-written``: the runtime as it was before issue 12 (``BASE``, extracted from git into a
   temporary folder): one flat all-reduce of every gradient after the backward, AdamW foreach=False;
-- ``zero0`` .. ``zero3``: this tree's runtime with ``--zero K``.
+- ``zero0`` .. ``zero3``: this tree's runtime with ``--zero K`` (ZeRO 0/1 on DistributedDataParallel
+  under 1F1B, ZeRO 2/3 on FSDP2);
+- ``zero0-replicate``: ZeRO 0 on torch's ``replicate``, the engine ZeRO 0/1 keep for zero-bubble
+  schedules (and ran everywhere before), forced here under 1F1B by the probe (bench-side) so DDP and
+  replicate are measured in the same run, against the plan's terms for replicate.
 
 For each: the median step time after WARMUP steps and its spread (IQR), the ratio to the
 hand-written path measured in the same run, and each pipeline rank's peak memory (replica 0;
@@ -45,6 +49,10 @@ PROBED = STEPS - 1  # 0-based step whose live tensor bytes are sampled (slow: a 
 
 PROBE = '''
 import gc, json, os
+if os.environ.get("BENCH_REPLICATE"):
+    import autopipe.runtime.zero as _zero
+
+    _zero.ddp_schedule = lambda schedule: False
 if os.environ.get("BENCH_PROBE_DIR"):
     import torch
     from torch.distributed.pipelining import stage as _stage
@@ -97,8 +105,9 @@ def make_folder(root: Path) -> Path:
     return root / "gpt2"
 
 
-def make_plans(root: Path, folder: Path) -> dict[int, object]:
-    """Profile once; one plan per ZeRO stage (no memory limit, so the cut is the fastest: the same)."""
+def make_plans(root: Path, folder: Path) -> tuple[dict[int, object], object]:
+    """Profile once; one plan per ZeRO stage (no memory limit, so the cut is the fastest: the same),
+    and the profile."""
     import torch
 
     import autopipe
@@ -115,7 +124,7 @@ def make_plans(root: Path, folder: Path) -> dict[int, object]:
                                   memory_limit=None, dp=DP, zero=zero)  # fmt: skip
         plan.save(root / f"plan{zero}.json")
         plans[zero] = plan
-    return plans
+    return plans, prof
 
 
 def write_script(src: Path, target: Path, folder: Path) -> None:
@@ -127,7 +136,8 @@ def write_script(src: Path, target: Path, folder: Path) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(src)}, cwd=target.parent)
 
 
-def run(src: Path, script: Path, plan: Path, log: Path, *flags: str) -> tuple[list[dict], list[int]]:
+def run(src: Path, script: Path, plan: Path, log: Path, *flags: str,
+        replicate: bool = False) -> tuple[list[dict], list[int]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={2 * DP}", str(script),
            "--steps", str(STEPS), "--plan", str(plan), "--dp", str(DP), "--log-json", str(log),
            "--ckpt-dir", str(log.parent / f"{log.stem}-ckpt"), *flags]  # fmt: skip
@@ -136,6 +146,8 @@ def run(src: Path, script: Path, plan: Path, log: Path, *flags: str) -> tuple[li
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONPATH": os.pathsep.join([str(log.parent / "probe"), str(src)]),
            "BENCH_PROBE_DIR": str(probes), "BENCH_PROBE_STEP": str(PROBED)}  # fmt: skip
+    if replicate:
+        env["BENCH_REPLICATE"] = "1"
     done = subprocess.run(cmd, cwd=log.parent, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{log.stem} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
@@ -176,27 +188,38 @@ def main() -> None:
         (root / "probe").mkdir()
         (root / "probe" / "sitecustomize.py").write_text(PROBE)
         folder = make_folder(root)
-        plans = make_plans(root, folder)
+        plans, prof = make_plans(root, folder)
         cut = root / "cut.json"  # the old runtime reads a plan without dp/zero: give it the same cut
         cut.write_text(json.dumps({"boundaries": list(plans[0].boundaries)}))
         write_script(base, root / "train_base.py", folder)
         write_script(ROOT, root / "train.py", folder)
         t0 = time.perf_counter()
-        runs: dict[str, list] = {name: [] for name in ("hand-written", "zero0", "zero1", "zero2", "zero3")}
+        names = ("hand-written", "zero0", "zero0-replicate", "zero1", "zero2", "zero3")
+        runs: dict[str, list] = {name: [] for name in names}
         for i in range(ROUNDS):
             runs["hand-written"].append(run(base, root / "train_base.py", cut, root / f"hand-written-{i}.json"))
             for zero in (0, 1, 2, 3):
                 runs[f"zero{zero}"].append(run(ROOT, root / "train.py", root / f"plan{zero}.json",
                                                root / f"zero{zero}-{i}.json", "--zero", str(zero)))  # fmt: skip
+                if zero == 0:
+                    runs["zero0-replicate"].append(run(ROOT, root / "train.py", root / "plan0.json",
+                                                       root / f"zero0-replicate-{i}.json", "--zero", "0", replicate=True))
             print(f"round {i + 1} of {ROUNDS} done, load {os.getloadavg()[0]:.1f}", flush=True)
         rows["hand-written"] = summarise(runs["hand-written"])
-        for zero in (0, 1, 2, 3):
-            name = f"zero{zero}"
+        from autopipe.memory import rank_memory
+
+        for name in names[1:]:
+            zero = int(name[4])
+            plan = plans[zero]
+            terms = [dict(m) for m in plan.rank_memory_breakdown]
+            if name.endswith("replicate"):  # the memory model's terms for replicate (a zero-bubble schedule's), same cut
+                terms = [m.to_dict() for m in rank_memory(
+                    prof, plan.boundaries, stage_ranks=plan.stage_ranks, inflight=plan.stage_inflight,
+                    microbatches=plan.microbatches, recompute=plan.stage_recompute, dp=DP, zero=zero, schedule="zbv")]
             rows[name] = summarise(runs[name])
-            rows[name]["predicted"] = [int(m) for m in plans[zero].rank_memory]
-            rows[name]["predicted_tensors"] = [int(m) - int(plans[zero].rank_memory_breakdown[i]["reserve"])
-                                               for i, m in enumerate(plans[zero].rank_memory)]  # fmt: skip
-            rows[name]["predicted_terms"] = [dict(m) for m in plans[zero].rank_memory_breakdown]
+            rows[name]["predicted"] = [int(t["total"]) for t in terms]
+            rows[name]["predicted_tensors"] = [int(t["total"]) - int(t["reserve"]) for t in terms]
+            rows[name]["predicted_terms"] = terms
             print(name, rows[name], flush=True)
         seconds = time.perf_counter() - t0
     base_time = rows["hand-written"]["step_time"]
@@ -206,6 +229,7 @@ def main() -> None:
             "load_before": load_before, "load_after": os.getloadavg()[0], "steps": STEPS, "warmup": WARMUP,
             "rows": ROWS, "seq": SEQ, "microbatches": MICRO, "rounds": ROUNDS, "dp": DP, "model": MODEL, "base": BASE,
             "boundaries": list(plans[0].boundaries), "seconds": seconds}  # fmt: skip
+    print(f"load {meta['load_before']:.1f} before, {meta['load_after']:.1f} after", flush=True)
     if not opts.no_write:
         write_results(meta, rows)
 
@@ -228,7 +252,9 @@ def write_results(meta: dict, rows: dict[str, dict]) -> None:
         "pipeline rank's (replica 0) peak resident memory above its baseline as the step log measures it, MiB, "
         "against the plan's `rank_memory` for that ZeRO stage. Live: the most tensor bytes the rank held at a "
         f"stage-op boundary of step {PROBED + 1}, against the plan's tensor terms (`rank_memory` less its "
-        "runtime reserve). The hand-written path has no prediction (the old plan charged a flat gradient buffer).",
+        "runtime reserve). The hand-written path has no prediction (the old plan charged a flat gradient buffer). "
+        "ZeRO 0/1 run on DistributedDataParallel (1F1B runs whole backwards); `zero0-replicate` is ZeRO 0 on "
+        "torch's `replicate` (the zero-bubble schedules' engine), planned with replicate's terms.",
         "",
         "| run | step | vs hand-written | peak r0 / plan | peak r1 / plan | live r0 / plan | live r1 / plan |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -60,23 +60,28 @@ def test_recompute_keeps_what_its_mode_keeps_and_rematerialises_one_layer() -> N
 
 
 @pytest.mark.parametrize(
-    "zero, weights, grads, state, gathered, buckets, scatter",
+    "zero, schedule, weights, grads, state, gathered, buckets, scatter",
     [
         # 4 layers of 1000 B weights, 1000 B gradients, 2000 B AdamW state, over 4 replicas
-        (0, 4000, 4000, 8000, 0, 8000, 0),  # replicated; replicate's own weight copy + accumulated gradients
-        (1, 4000, 4000, 2000, 0, 8000, 0),  # optimizer state sharded
-        (2, 1000, 1000, 2000, 8000, 0, 1000),  # everything sharded at rest; under pipelining the whole
-        (3, 1000, 1000, 2000, 8000, 0, 1000),  # weights and gradients are gathered for the step
+        (0, "1f1b", 4000, 4000, 8000, 0, 0, 0),  # replicated; DDP's buckets are the gradients themselves
+        (1, "1f1b", 4000, 4000, 2000, 0, 0, 0),  # optimizer state sharded
+        (0, "zbv", 4000, 4000, 8000, 0, 8000, 0),  # replicate's own weight copy + accumulated gradients
+        (1, "zbv", 4000, 4000, 2000, 0, 8000, 0),
+        (2, "1f1b", 1000, 1000, 2000, 8000, 0, 1000),  # everything sharded at rest; under pipelining the
+        (3, "1f1b", 1000, 1000, 2000, 8000, 0, 1000),  # whole weights and gradients are gathered for the step
+        (3, "zbv", 1000, 1000, 2000, 8000, 0, 1000),
     ],
 )
-def test_zero_stages_shard_what_they_shard(zero, weights, grads, state, gathered, buckets, scatter) -> None:
+def test_zero_stages_shard_what_they_shard(zero, schedule, weights, grads, state, gathered, buckets, scatter) -> None:
     """ZeRO K over 4 replicas, from first principles: K >= 1 divides the optimizer state by 4, K >= 2
     weights and gradients at rest (and gathers them whole for the step, as FSDP2 under
-    PipelineStage does); K <= 1 (torch's replicate: FSDP2 over a shard dimension of one) computes with
-    its own copy of the weights and accumulates whole gradients until the all-reduce, K >= 2
+    PipelineStage does); K <= 1 holds nothing more under DDP (gradient_as_bucket_view: the gradients
+    are its buckets), while under zbv torch's replicate (FSDP2 over a shard dimension of one) computes
+    with its own copy of the weights and accumulates whole gradients until the all-reduce; K >= 2
     reduce-scatters one layer at a time (a one-off like a transient)."""
     prof = _profile()
-    (m,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1, dp=4, zero=zero)
+    (m,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1, dp=4, zero=zero,
+                       schedule=schedule)
     assert (m.weights, m.gradients, m.optimizer, m.gathered, m.data_parallel, m.reduce_scatter) == (
         weights, grads, state, gathered, buckets, scatter)
     assert m.total == weights + grads + state + gathered + buckets + m.buffers + m.reserve + m.activations + m.outputs + max(

@@ -39,6 +39,19 @@ def test_the_plan_charges_each_rank_its_shards() -> None:
     assert totals[2] == totals[3]  # pipelining keeps ZeRO 3's parameters gathered for the whole step
 
 
+def test_zero_0_and_1_charge_replicate_s_copies_under_zbv_only() -> None:
+    """ZeRO 0/1 run on DDP under 1f1b (its buckets are the gradients: nothing more) and on replicate
+    under zbv (its own weights + accumulated gradients: 400 + 400 B per layer more, on the rank's layers)."""
+    prof = _profile()
+    for zero in (0, 1):
+        plain = partition(prof, 2, dp=4, zero=zero, memory_limit=None, bandwidth=None, schedule="1f1b")
+        zbv = partition(prof, 2, dp=4, zero=zero, memory_limit=None, bandwidth=None, schedule="zbv")
+        assert [m["data_parallel"] for m in plain.rank_memory_breakdown] == [0, 0]
+        layers = [sum(b - a for a, b, r in zip(zbv.boundaries, zbv.boundaries[1:], zbv.stage_ranks) if r == rank)
+                  for rank in (0, 1)]
+        assert [m["data_parallel"] for m in zbv.rank_memory_breakdown] == [800 * n for n in layers]
+
+
 def test_auto_takes_the_lowest_stage_that_fits() -> None:
     """No limit: ZeRO 0 (nothing to gain by sharding); a limit only ZeRO 1 meets: ZeRO 1; one replica: 0."""
     prof = _profile()

@@ -13,6 +13,9 @@ takes their norm, after the replicas' reduce and the tied sums, before clipping.
 
 The tiny GPT-2 ties wte and lm_head across the two stages, so every mode also syncs a tied
 gradient that is sharded (ZeRO 2/3) or replicated (0/1) over the replicas of each stage.
+
+The ZeRO 0 run also proves the overlap: each DDP bucket's all-reduce was launched from inside the
+backward (a probe's comm hook records it), not after it as ``replicate`` reduces.
 """
 
 from __future__ import annotations
@@ -86,11 +89,13 @@ def reference(job: Path) -> tuple[list[float], list[float], dict[str, torch.Tens
 
 
 def launch(job: Path, name: str, nproc: int, *flags: str, ckpt: Path | None = None,
-           plan: str = "plan.json") -> tuple[Path, subprocess.CompletedProcess]:
+           plan: str = "plan.json", ddp_probe: bool = False) -> tuple[Path, subprocess.CompletedProcess]:
     run = job / name
     run.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_GRADS_AT": "norm",
            "PYTHONPATH": os.pathsep.join([str(PROBES), os.environ.get("PYTHONPATH", "")])}
+    if ddp_probe:  # record each DDP bucket's all-reduce (tests/probes): the same all-reduce, through a comm hook
+        env["AUTOPIPE_TEST_DDP"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
            str(job / "train.py"), "--steps", str(STEPS), "--lr", str(LR), "--grad-clip", str(CLIP),
            "--plan", str(job / plan), "--ckpt-dir", str(ckpt or run / "ckpt"), "--log-json", str(run / "log.json"), *flags]
@@ -103,19 +108,23 @@ def logged(run: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in map(json.loads, (run / "log.json").read_text().splitlines())}
 
 
-@pytest.mark.parametrize("zero,schedule", [(0, "1f1b"), (1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (2, "zbv")])
+# ZeRO 0/1 run on DistributedDataParallel under whole-backward schedules (0 on interleaved1f1b: two
+# DDP chunks per rank; 1 on 1f1b: DDP + ZeroRedundancyOptimizer) and on replicate under zbv (1:
+# replicate + ZeroRedundancyOptimizer over its DTensors); ZeRO 2/3 on FSDP2 (3 on 1f1b, 2 on zbv)
+@pytest.mark.parametrize("zero,schedule", [(0, "interleaved1f1b"), (1, "1f1b"), (3, "1f1b"), (1, "zbv"), (2, "zbv")])
 def test_dp2_x_pp2_equals_one_model_on_the_global_batch(job: Path, zero: int, schedule: str) -> None:
     """--dp 2 --zero K on 2 stages: losses, gradient norms, every first-step gradient (before clipping)
     and the final weights equal plain training on the global batch within 1e-5; ZeRO 0 under --check
-    (every collective on the rank's device); ZeRO 3 also exports weights from_pretrained loads; ZeRO 2
-    under ZBV (split backward, two FSDP chunks per rank, the tie's alias leaf on rank 0) too."""
+    (every collective on the rank's device); ZeRO 3 also exports weights from_pretrained loads; the
+    zbv runs split the backward, hold two chunks per rank and the tie's alias leaf on rank 0."""
     flags = ["--dp", str(DP), "--zero", str(zero), "--ckpt-every", "1", "--ckpt-keep", "0", "--schedule", schedule]
     if zero == 0:
         flags.append("--check")
     if zero == 3:
         flags += ["--export", str(job / "exported3")]
     name = f"zero{zero}" if schedule == "1f1b" else f"zero{zero}-{schedule}"
-    run, proc = launch(job, name, 2 * DP, *flags, plan="plan.json" if schedule == "1f1b" else "plan_v.json")
+    run, proc = launch(job, name, 2 * DP, *flags, plan="plan.json" if schedule == "1f1b" else "plan_v.json",
+                       ddp_probe=zero == 0)
     assert f"ZeRO {zero}" in proc.stdout
     ref_losses, ref_norms, ref_grads, ref_weights, tensor_of = reference(job)
     assert max(ref_norms) > CLIP  # clipping took part
@@ -134,12 +143,35 @@ def test_dp2_x_pp2_equals_one_model_on_the_global_batch(job: Path, zero: int, sc
     for shard in sorted(newest.glob("rank*.pt")):
         for name, value in torch.load(shard, weights_only=False)["params"].items():
             torch.testing.assert_close(value, ref_weights[name], atol=TOL, rtol=0, msg=f"zero {zero}: {name}")
+    if zero == 0:
+        _assert_reduced_during_backward(run)
     if zero == 3:
         from transformers import GPT2LMHeadModel
 
         model = GPT2LMHeadModel.from_pretrained(job / "exported3")
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.detach(), ref_weights[name], atol=TOL, rtol=0, msg=name)
+
+
+def _assert_reduced_during_backward(run: Path) -> None:
+    """Every stage ran inside DistributedDataParallel, and from step 2 (DDP's first step reduces one
+    bucket, then re-buckets in the order gradients came) each stage's buckets were each all-reduced
+    once per step from inside the last micro-batch's backward: the overlap. Some stage of each rank
+    has several buckets (a chunk of one tensor, the tied lm_head alone, has one)."""
+    for rank in range(2 * DP):
+        record = json.loads((run / f"ddp_rank{rank}.json").read_text())
+        assert record["stages"] == ["DistributedDataParallel"] * 2, record["stages"]
+        assert all(launch["in_backward"] for launch in record["launches"]), record["launches"]
+        stages = {launch["stage"] for launch in record["launches"]}
+        assert len(stages) == 2, record["launches"]
+        for step in range(2, STEPS + 1):
+            counts = []
+            for stage in stages:
+                buckets = [launch["bucket"] for launch in record["launches"]
+                           if launch["step"] == step and launch["stage"] == stage]
+                assert sorted(buckets) == list(range(len(buckets))) and buckets, (rank, step, stage, buckets)
+                counts.append(len(buckets))
+            assert max(counts) >= 2, (rank, step, counts)
 
 
 @pytest.mark.parametrize("zero", [1, 3])

@@ -9,8 +9,9 @@ its ``.loss`` (a HuggingFace model given ``labels``) or applies a user loss to i
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -89,18 +90,12 @@ def _stage_class() -> type:
         def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
             # the shape-inference forward on placeholders is not a micro-batch: it must not advance
             # the chunk's micro-batch count, which picks each layer's RNG seed
-            self.submod.shape_inference = True
-            try:
+            with _placeholder_pass(self.submod):
                 return super()._forward_metadata_inference(*args, **kwargs)
-            finally:
-                self.submod.shape_inference = False
 
         def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:  # the same pass in torch < 2.12
-            self.submod.shape_inference = True
-            try:
+            with _placeholder_pass(self.submod):
                 return super()._shape_inference(*args, **kwargs)
-            finally:
-                self.submod.shape_inference = False
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
             # A zero-bubble weight pass makes one autograd call per weight group; under recompute
@@ -110,6 +105,21 @@ def _stage_class() -> type:
                 return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
     return ZeroInitStage
+
+
+@contextlib.contextmanager
+def _placeholder_pass(submod: nn.Module) -> Iterator[None]:
+    """The stage's shape-inference forward: the chunk marks it (no micro-batch count, no seeds), and
+    a DistributedDataParallel around the chunk runs it under ``no_sync``; outside it, DDP's forward
+    (grad enabled) arms the reducer, and the first micro-batch's backward then all-reduced and
+    recorded a bucket order twice the parameter count (torch's internal assert at step 2)."""
+    chunk = getattr(submod, "module", submod)  # inside DistributedDataParallel or not
+    chunk.shape_inference = True
+    try:
+        with submod.no_sync() if hasattr(submod, "no_sync") else contextlib.nullcontext():
+            yield
+    finally:
+        chunk.shape_inference = False
 
 
 # schedules that split backward into input and weight parts (and detach outputs in place)
@@ -134,10 +144,11 @@ class PipelineEngine:
         autocast_dtype: torch.dtype | None = None,
         loss_scale: Callable[[], float] = lambda: 1.0,
         comm: Comm | None = None,
-        wrap: Callable[[list[PipeChunk]], None] | None = None,
+        wrap: Callable[[list[PipeChunk], str], Sequence[nn.Module]] | None = None,
     ) -> None:
-        """``wrap`` receives the chunks the stages will run, before any stage exists: data
-        parallelism wraps them there (``autopipe.runtime.zero.shard_chunks_``)."""
+        """``wrap`` receives the chunks the stages will run and the schedule's name, before any
+        stage exists, and returns the modules the stages run: data parallelism wraps them there
+        (``autopipe.runtime.zero.shard_chunks_``)."""
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         PipelineStage = _stage_class()
@@ -159,17 +170,16 @@ class PipelineEngine:
             chunk.unview_outputs = layout.schedule in _SPLIT_BACKWARD
             chunk.register_forward_pre_hook(self._tic)
             chunk.register_forward_hook(self._toc)
-        if wrap is not None:
-            wrap(chunks)
+        name = layout.schedule if (layout.pp_size > 1 or not layout.multi) else "GPipe"
+        modules: Sequence[nn.Module] = chunks if wrap is None else wrap(chunks, name)
         self.stages = [
-            PipelineStage(c, c.index if num_stages > 1 else 0, num_stages, device, group=pp_group)
-            for c in chunks
+            PipelineStage(m, c.index if num_stages > 1 else 0, num_stages, device, group=pp_group)
+            for m, c in zip(modules, chunks)
         ]
         self.is_first = any(s.is_first for s in self.stages)
         self.is_last = any(s.is_last for s in self.stages)
         self._user_loss = loss_fn
         self._loss_scale = loss_scale
-        name = layout.schedule if (layout.pp_size > 1 or not layout.multi) else "GPipe"
         cls = get_schedule_class(name)
         if layout.pp_size > 1 and layout.multi:
             self.schedule = cls(self.stages, microbatches, loss_fn=self._loss, scale_grads=True)

@@ -1,7 +1,7 @@
 """After the schedule's backward: tied-gradient sums, global norm clipping.
 
 Averaging over data-parallel replicas is not here: the engines of :mod:`autopipe.runtime.zero`
-(``replicate``, FSDP2) reduce inside the schedule, bucket by bucket. What is here works on each
+(DDP, ``replicate``, FSDP2) reduce inside the schedule, bucket by bucket. What is here works on each
 rank's local part of a gradient (a sharded DTensor's shard), so it holds in every ZeRO stage.
 
 torch.distributed.pipelining gives each stage its own copy of a tied tensor (GPT-2's wte/lm_head)

@@ -86,7 +86,9 @@ class Trainer:
         wrap = None
         if env.dp_size > 1:
             dp_mesh = env.mesh["dp"]
-            wrap = lambda chunks: shard_chunks_(build, chunks, dp_mesh, config.zero)  # noqa: E731
+
+            def wrap(chunks: list[Any], schedule: str) -> list[Any]:
+                return shard_chunks_(build, chunks, dp_mesh, config.zero, schedule=schedule)
         self.engine = PipelineEngine(
             build,
             pp_group=env.pp_group,
@@ -99,7 +101,7 @@ class Trainer:
             wrap=wrap,
         )
         env.make_tied_groups(build.tied)
-        self.params = build.params  # the engine's parameters (DTensors under data parallelism)
+        self.params = build.params  # the engine's parameters (DTensors under replicate and FSDP2, plain under DDP)
         # the norm sums squares over the pipeline; over the replicas too when each holds a shard
         self._norm_group = None if sharded_grads(config.zero, env.dp_size) else env.pp_group
         # a tied tensor's norm is counted by its first holder only

@@ -1,22 +1,38 @@
 """Data parallelism across the replicas of each pipeline stage: ZeRO 0-3 on torch's own engines.
 
-Each pipeline chunk is wrapped, layer by layer and then as a whole (as torchtitan composes FSDP2
-with pipelining), over the data-parallel dimension of the (dp, pp) DeviceMesh:
+Each pipeline chunk is wrapped over the data-parallel dimension of the (dp, pp) DeviceMesh. Which
+engine runs ZeRO 0/1 depends on the schedule (``ddp_schedule``): schedules that run whole
+backwards (GPipe, 1F1B, Interleaved1F1B, LoopedBFS) use DistributedDataParallel; zero-bubble ones
+(ZBVZeroBubble, InterleavedZeroBubble, DualPipeV) keep ``replicate``:
 
-| ``--zero`` | engine | parameters | gradients | AdamW state |
+| ``--zero`` | schedule | engine | overlap with backward | held beside weights, gradients, AdamW |
 | --- | --- | --- | --- | --- |
-| 0 | ``replicate`` (FSDP-based DDP) | replicated | all-reduced (mean), one bucket per layer | replicated |
-| 1 | ``replicate`` + ``ZeroRedundancyOptimizer`` | replicated | all-reduced (mean) | 1/R per replica (whole tensors) |
-| 2 | ``fully_shard(reshard_after_forward=False)`` | 1/R at rest, gathered once per step | reduce-scattered (mean) | 1/R |
-| 3 | ``fully_shard(reshard_after_forward=True)`` | 1/R, gathered for each forward and backward | reduce-scattered (mean) | 1/R |
+| 0 | whole backward | ``DistributedDataParallel`` (one per chunk, ``gradient_as_bucket_view``) | yes: buckets all-reduce from autograd hooks in the last micro-batch's backward | nothing (the gradients are its buckets) |
+| 1 | whole backward | DDP + ``ZeroRedundancyOptimizer`` | yes | AdamW state 1/R (whole tensors; owners broadcast updates) |
+| 0 | zero-bubble | ``replicate`` (FSDP2 over a shard dim of one), per layer | no: one reduce after the stage's last backward | its own weight copy + an accumulated gradient |
+| 1 | zero-bubble | ``replicate`` + ``ZeroRedundancyOptimizer`` | no | the same; AdamW state 1/R |
+| 2 | any | ``fully_shard(reshard_after_forward=False)``, per layer | no | weights, gradients, AdamW 1/R at rest; whole weights + gradients during the step |
+| 3 | any | ``fully_shard(reshard_after_forward=True)`` | no | the same, weights re-gathered for each micro-batch |
 
-``PipelineStage`` drives both engines: it turns gradient sync off for every micro-batch's backward
-and reduces once after the stage's last one (``perform_reduce_grad``), then divides by the
-micro-batch count; the engines divide by the replica count. So 1/M and 1/R each happen once,
-inside torch. Under FSDP2 that also means, during the step, a stage holds its parameters
-unsharded (``set_reshard_after_backward(False)``) and its gradients unsharded and accumulated
-until the reduce-scatter: ZeRO 2/3 shrink what a rank holds between steps (parameters, sharded
-gradients, optimizer state), not the step's peak of parameters and gradients.
+Why DDP where it can: ``PipelineStage`` runs a DDP submodule's forwards and all backwards but the
+last under ``no_sync`` and arms DDP's reducer (``prepare_for_backward``) for the last micro-batch's
+backward, so each bucket's all-reduce is launched as soon as its gradients are ready, while the
+rest of that backward runs. A ``replicate``/FSDP module instead reduces once after the stage's
+last backward (``perform_reduce_grad``), with nothing left to overlap, and ``replicate`` computes
+with its own weight copy and accumulates an unsharded gradient beside the parameter's.
+
+Why not DDP under zero-bubble schedules: their weight pass computes parameter gradients with
+``torch.autograd.grad`` and sets ``.grad`` by hand (``stage_backward_weight``), which fires none of
+DDP's hooks; only the first stage, whose weight pass is a whole backward, would be reduced.
+Measured (dp 2 x pp 2, ZBV, DDP forced): the replicas of every other stage kept different
+gradients, silently. ``replicate``'s explicit reduce after the last backward works there.
+
+Scaling: DDP (and replicate, FSDP2) divide by the replica count inside the reduce; the stage then
+divides by the micro-batch count (``scale_grads``): 1/R and 1/M each once, inside torch. Under
+FSDP2 that also means, during the step, a stage holds its parameters unsharded
+(``set_reshard_after_backward(False)``) and its gradients unsharded and accumulated until the
+reduce-scatter: ZeRO 2/3 shrink what a rank holds between steps (parameters, sharded gradients,
+optimizer state), not the step's peak of parameters and gradients.
 
 With one replica there is nothing to shard: every ``--zero`` runs the plain stage (same numbers).
 """
@@ -31,10 +47,14 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import AutopipeError
-from ..memory import ZERO_STAGES  # the stages the plan's memory model knows
+from ..memory import ZERO_STAGES, ddp_schedule  # the plan's memory model decides with the same rule
 from .optim import TrainConfig, param_groups, preallocate_
 
-__all__ = ["ZERO_STAGES", "ZeroOneAdamW", "check_zero", "local", "shard_chunks_", "sharded_grads"]
+__all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "ZeroOneAdamW", "bucket_bytes", "check_zero", "ddp_schedule", "local",
+           "shard_chunks_", "sharded_grads"]
+
+DDP_BUCKET_CAP = 25 * 2**20  # DistributedDataParallel's default bucket cap, bytes
+DDP_BUCKETS_PER_CHUNK = 4
 
 
 def check_zero(zero: Any) -> int:
@@ -66,13 +86,21 @@ def _slots(chunks: Sequence[nn.Module], wanted: Mapping[int, str]) -> list[tuple
     return out
 
 
-def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int) -> None:
+def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int, *,
+                  schedule: str = "1F1B") -> list[nn.Module]:
     """Wrap ``chunks`` (the modules the pipeline stages run) for data parallelism over ``mesh``
-    (the 1-D data-parallel mesh) and point ``build.params`` / ``build.aliases`` at the engine's
-    parameters (DTensors from now on). Each layer is its own unit (a bucket of ``replicate``, a
-    gather/reduce unit of FSDP), except one that shares a parameter with another layer of its
-    chunk (a tied tensor used twice on one rank): the chunk itself manages that one.
+    (the 1-D data-parallel mesh) and return the modules the stages must run, in order.
+
+    ZeRO 0/1 under a schedule that runs whole backwards (``ddp_schedule``): each chunk inside its
+    own ``DistributedDataParallel``; the parameters stay the chunk's own tensors. Otherwise the
+    chunks are wrapped in place (``replicate``, ``fully_shard``) and ``build.params`` /
+    ``build.aliases`` point at the engine's parameters (DTensors from then on). Each layer is its
+    own unit (a bucket of ``replicate``, a gather/reduce unit of FSDP), except one that shares a
+    parameter with another layer of its chunk (a tied tensor used twice on one rank): the chunk
+    itself manages that one.
     """
+    if zero <= 1 and ddp_schedule(schedule):
+        return [_ddp(chunk, mesh.get_group()) for chunk in chunks]
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -109,21 +137,66 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int)
         raise AutopipeError(f"data parallelism lost parameters {sorted(set(build.params) - set(params))[:3]}: report this model.")
     build.params = dict(sorted(params.items()))
     build.aliases = aliases
+    return list(chunks)
+
+
+def bucket_bytes(chunk_bytes: int) -> int:
+    """DDP's bucket cap for a chunk of ``chunk_bytes`` of trainable parameters: a quarter of the
+    chunk, at most 25 MiB (DDP's own default).
+
+    Why not DDP's default alone: a pipeline chunk is a slice of a model, often under 25 MiB, and a
+    chunk in one bucket reduces only once its whole backward is done, so nothing overlaps. Four
+    buckets let the first three reduce while the rest of the backward runs.
+
+    >>> bucket_bytes(400), bucket_bytes(2**30) // 2**20
+    (100, 25)
+    """
+    return max(1, min(DDP_BUCKET_CAP, -(-chunk_bytes // DDP_BUCKETS_PER_CHUNK)))
+
+
+def _ddp(chunk: nn.Module, group: Any) -> nn.Module:
+    """``chunk`` inside DistributedDataParallel over ``group``, its gradients DDP's bucket views."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    if not params:  # nothing to reduce (DDP refuses a module without trainable parameters)
+        return chunk
+    # Gradients made now become views of DDP's buckets when it builds them (a gradient made later,
+    # by autograd, lives apart until DDP copies it in at the first reduce): one copy, allocated
+    # before any activation, which the trainer's preallocate_ then leaves alone.
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    device = params[0].device
+    return DistributedDataParallel(
+        chunk,
+        device_ids=[device] if device.type == "cuda" else None,
+        process_group=group,
+        bucket_cap_mb=bucket_bytes(sum(p.numel() * p.element_size() for p in params)) / 2**20,
+        gradient_as_bucket_view=True,
+        # the chunks' buffers (causal masks, position ids) are built alike on every replica and
+        # training never changes them; the default would broadcast them before every micro-batch
+        broadcast_buffers=False,
+    )
 
 
 class ZeroOneAdamW(ZeroRedundancyOptimizer):
     """ZeRO 1: AdamW whose state each replica keeps for its share of the tensors only
     (torch's ``ZeroRedundancyOptimizer``); after the step each owner broadcasts its updated tensors.
 
-    The parameters ``replicate`` gives are replicated DTensors; ZeroRedundancyOptimizer broadcasts
-    plain tensors. So it steps plain leaves over the same storage (``to_local()`` of a replicated
-    DTensor is its whole value), whose gradients are the DTensors' local gradients: what it writes,
-    the engine reads at the next forward.
+    Beside DDP (ZeRO 0's engine) it steps the parameters themselves: the classic pairing. The
+    parameters ``replicate`` gives (zero-bubble schedules) are replicated DTensors, and
+    ZeroRedundancyOptimizer broadcasts plain tensors; so for those it steps plain leaves over the
+    same storage (``to_local()`` of a replicated DTensor is its whole value), whose gradients are
+    the DTensors' local gradients: what it writes, the engine reads at the next forward.
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], config: TrainConfig, group: Any) -> None:
-        self.pairs = [(nn.Parameter(local(p.detach()), requires_grad=p.requires_grad), p) for p in params.values()]
-        plain = {n: proxy for n, (proxy, _) in zip(params, self.pairs)}
+        # DDP's parameters are plain tensors already: they step as they are
+        self.pairs = [(nn.Parameter(local(p.detach()), requires_grad=p.requires_grad), p)
+                      for p in params.values() if hasattr(p, "to_local")]
+        proxies = iter(proxy for proxy, _ in self.pairs)
+        plain = {n: next(proxies) if hasattr(p, "to_local") else p for n, p in params.items()}
         super().__init__(
             param_groups(plain, config), optimizer_class=torch.optim.AdamW, process_group=group,
             lr=config.lr, betas=config.betas, eps=config.eps, foreach=True,

@@ -9,6 +9,12 @@ With ``AUTOPIPE_TEST_GRADS_AT=norm`` the torch engine's gradients are saved earl
 trainer takes their global norm (after the data-parallel reduce and the tied sums, before clipping,
 which would hide a scale too). Sharded gradients (ZeRO 2/3 DTensors) are saved whole: every
 replica gathers them, in the same order.
+
+With ``AUTOPIPE_TEST_DDP=1`` as well, each stage's module type is recorded, and a stage run by
+DistributedDataParallel gets a comm hook that launches the same all-reduce as DDP's own (torch's
+``allreduce_hook``: divide by the replica count, sum) and records, for each bucket, the step and
+whether it was launched from inside an autograd backward: ``DIR/ddp_rank{RANK}.json``, rewritten
+at each step's norm.
 """
 
 import os
@@ -21,12 +27,41 @@ if _DIR:
         g = g.detach()
         return (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
 
+    _ddp = {"stages": [], "launches": [], "step": 1}
+
     def _dump(named):  # noqa: ANN001, ANN202
         path = os.path.join(_DIR, f"grads_rank{os.environ.get('RANK', '0')}.pt")
         if not os.path.exists(path):
             torch.save({n: _whole(p.grad) for n, p in named if p.grad is not None}, path)
+        if os.environ.get("AUTOPIPE_TEST_DDP"):
+            import json
+
+            with open(os.path.join(_DIR, f"ddp_rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+                json.dump(_ddp, f)
+            _ddp["step"] += 1
 
     import autopipe.runtime.trainer as _trainer
+
+    if os.environ.get("AUTOPIPE_TEST_DDP"):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        _init_ddp = _trainer.Trainer.__init__
+
+        def _init_then_hook(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            _init_ddp(self, *args, **kwargs)
+            for stage in self.engine.stages:
+                _ddp["stages"].append(type(stage.submod).__name__)
+                if isinstance(stage.submod, DistributedDataParallel):
+
+                    def hook(group, bucket, index=stage.stage_index):  # noqa: ANN001, ANN202
+                        _ddp["launches"].append({"step": _ddp["step"], "stage": index, "bucket": bucket.index(),
+                                                 "in_backward": torch._C._current_graph_task_id() >= 0})
+                        return allreduce_hook(group, bucket)
+
+                    stage.submod.register_comm_hook(stage.submod.process_group, hook)
+
+        _trainer.Trainer.__init__ = _init_then_hook
 
     if os.environ.get("AUTOPIPE_TEST_GRADS_AT") == "norm":
         _norm = _trainer.global_grad_norm
