@@ -228,3 +228,46 @@ def test_the_job_takes_dp_and_zero_from_the_plan(tmp_path: Path) -> None:
     assert "DP = 1 " in text and "ZERO = 0 " in text
     with pytest.raises(AutopipeError, match="--zero 4"):
         write_train_script(tmp_path / "d.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", zero=4)
+
+
+_UNUSED = """
+import os, torch, torch.distributed as dist
+from torch import nn
+from autopipe.runtime.zero import explain_ddp_error
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+class Chunk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+    def forward(self, x):
+        return self.used(x)
+ddp = nn.parallel.DistributedDataParallel(Chunk())
+try:
+    for _ in range(2):
+        ddp(torch.randn(2, 4)).sum().backward()
+except RuntimeError as e:
+    print(explain_ddp_error(e, 0))
+dist.destroy_process_group()
+"""
+
+
+def test_a_parameter_no_forward_uses_is_one_line_under_ddp(tmp_path: Path) -> None:
+    """DDP runs without find_unused_parameters (it breaks non-reentrant recompute), so a chunk holding
+    a parameter its forward never reads fails at the next forward with DDP's paragraph; the trainer
+    turns exactly that error into one line saying what to do (torch's real error, from a real DDP)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORT": str(port)}
+    done = subprocess.run([sys.executable, "-c", _UNUSED], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and "never uses" in lines[0] and "--zero 2" in lines[0], done.stdout
+    from autopipe.runtime.zero import explain_ddp_error
+
+    other = RuntimeError("something else")
+    assert explain_ddp_error(other, 0) is other

@@ -27,7 +27,16 @@ from .distenv import DistEnv
 from .engine import PipelineEngine, Stopwatch, pack_batch
 from .grads import clip_grads_, global_grad_norm, sync_tied_grads
 from .optim import LossScaler, TrainConfig, make_lr_scheduler, preallocate_
-from .zero import ZeroOneAdamW, full_values, local, make_dp_optimizer, optimizer_state, shard_chunks_, sharded_grads
+from .zero import (
+    ZeroOneAdamW,
+    explain_ddp_error,
+    full_values,
+    local,
+    make_dp_optimizer,
+    optimizer_state,
+    shard_chunks_,
+    sharded_grads,
+)
 
 __all__ = ["StepStats", "Trainer"]
 
@@ -139,7 +148,13 @@ class Trainer:
             if self.engine.is_first:
                 packed = pack_batch(self.build.seq, args, dict(kwargs or {}), self.config.microbatches)
                 inputs = env.to_device(packed)
-            loss = self.engine.run(inputs, env.to_device(target) if self.engine.is_last else None, self.seeds())
+            try:
+                loss = self.engine.run(inputs, env.to_device(target) if self.engine.is_last else None, self.seeds())
+            except RuntimeError as e:
+                explained = explain_ddp_error(e, self.config.zero)
+                if explained is e:
+                    raise
+                raise explained from None
             self._run_clock.stop()
 
             params = list(self.params.values())

@@ -50,8 +50,8 @@ from ..errors import AutopipeError
 from ..memory import ZERO_STAGES, ddp_schedule  # the plan's memory model decides with the same rule
 from .optim import TrainConfig, param_groups, preallocate_
 
-__all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "ZeroOneAdamW", "bucket_bytes", "check_zero", "ddp_schedule", "local",
-           "shard_chunks_", "sharded_grads"]
+__all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "ZeroOneAdamW", "bucket_bytes", "check_zero", "ddp_schedule",
+           "explain_ddp_error", "local", "shard_chunks_", "sharded_grads"]
 
 DDP_BUCKET_CAP = 25 * 2**20  # DistributedDataParallel's default bucket cap, bytes
 DDP_BUCKETS_PER_CHUNK = 4
@@ -138,6 +138,22 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int,
     build.params = dict(sorted(params.items()))
     build.aliases = aliases
     return list(chunks)
+
+
+def explain_ddp_error(error: BaseException, zero: int) -> BaseException:
+    """DistributedDataParallel's multi-line complaint about parameters no loss used, as one line
+    that says what to do; any other error unchanged.
+
+    DDP runs without ``find_unused_parameters`` (it breaks non-reentrant recompute), so a chunk
+    holding a parameter its forward never reads fails at the next step's forward.
+    """
+    if isinstance(error, RuntimeError) and "Expected to have finished reduction in the prior iteration" in str(error):
+        return AutopipeError(
+            f"--zero {zero}: a pipeline chunk has parameters its forward never uses, which "
+            "DistributedDataParallel cannot all-reduce; use --zero 2 (FSDP2 reduces what it has), or freeze "
+            "them (requires_grad=False) or remove them from the model."
+        )
+    return error
 
 
 def bucket_bytes(chunk_bytes: int) -> int:
