@@ -56,6 +56,7 @@ def scale_microbatch(profile: Profile, samples: int) -> Profile:
     def layer(l: LayerCost) -> LayerCost:
         return replace(
             l, forward_time=l.forward_time * k, backward_time=l.backward_time * k,
+            backward_input_time=l.backward_input_time * k, backward_weight_time=l.backward_weight_time * k,
             forward_spread=l.forward_spread * k, backward_spread=l.backward_spread * k,
             activation_bytes=per_mb(l.activation_bytes), peak_forward_bytes=per_mb(l.peak_forward_bytes),
             # the backward peak holds the layer's gradients (which do not grow) and temporaries (which do)

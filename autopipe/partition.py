@@ -82,9 +82,17 @@ class _Model:
         passes = 2 if schedule == "zbv" else 1
         modes = {name: ([passes * x for x in extra], list(lm.activations[name]))
                  for name, extra in _recompute_times(profile).items()}  # fmt: skip
+        backward = [l.backward_time for l in layers]
+        split = profile.split_backward if schedule == "zbv" else None
+        if split is not None:
+            # zbv runs each backward as two passes, which take longer together than the whole one
+            # (measured per layer; a layer without a timed split at the timed layers' ratio)
+            backward = [l.backward_input_time + l.backward_weight_time
+                        if l.backward_input_time > 0 and l.backward_weight_time > 0 else l.backward_time * split[1]
+                        for l in layers]  # fmt: skip
         self.costs = ChunkCosts(
             [l.forward_time for l in layers],
-            [l.backward_time for l in layers],
+            backward,
             self.one_way,
             static,
             list(lm.activations["none"]),
@@ -140,7 +148,7 @@ def partition(
     boundaries: Sequence[int] | None = None,
     stage_names: Sequence[Sequence[str]] | None = None,
     method: str = "autopipe",
-    weight_share: float = 0.5,
+    weight_share: float | None = None,
     recompute: str = "auto",
     dp: int = 1,
     zero: int | str = 0,
@@ -165,7 +173,8 @@ def partition(
             prefixes, e.g. "transformer.h.0").
         method: "autopipe" (the step-time search), or a baseline: uniform, parameters, type:REGEX,
             torchtitan, greedy.
-        weight_share: part of the backward that zero-bubble schedules split off as W.
+        weight_share: part of the backward that zero-bubble schedules split off as W (default: the
+            profile's measured split, ``Profile.split_backward``; 0.5 when it was not measured).
         recompute: "none", "full", "selective" (that mode in every chunk) or "auto" (the default:
             each chunk the fastest mode that fits the memory limit, so none where nothing binds).
         dp: data-parallel replicas of each stage (the job's ``--dp``); memory is per rank.
@@ -195,6 +204,9 @@ def partition(
     v = virtual_stages if virtual_stages is not None else (2 if schedule in ("interleaved1f1b", "zbv") else 1)
     m = microbatches if microbatches is not None else 2 * max(stages, 1)
     schedule = check_schedule(schedule, stages, v, m)
+    if weight_share is None:
+        split = profile.split_backward
+        weight_share = split[0] if split is not None else 0.5
     check_weight_share(weight_share)
     if recompute not in RECOMPUTE_POLICIES:
         raise PartitionError(f"recompute={recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")

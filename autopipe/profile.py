@@ -38,6 +38,7 @@ from .measure import (
     storage_key,
     tensor_bytes,
     time_layer,
+    time_split,
 )
 from .records import RECOMPUTE_MODES, LayerCost, Profile, RecomputeCost, optimizer_state_factor
 from .units import format_bytes
@@ -379,8 +380,10 @@ def _cost_layer(work: nn.Module, x: Value, *, estimate: bool, spec: Any, dtype: 
                   - t.backward)
         for mode in RECOMPUTE_MODES[1:]
     }
+    split = time_split(work, x, device=device, warmup=warmup, repeats=repeats) or (0.0, 0.0)
     return dict(forward_time=t.forward, backward_time=t.backward,
-                forward_spread=t.forward_spread, backward_spread=t.backward_spread, recompute_time=extra)
+                forward_spread=t.forward_spread, backward_spread=t.backward_spread, recompute_time=extra,
+                backward_input_time=split[0], backward_weight_time=split[1])
 
 
 class _ParamSizer:

@@ -65,6 +65,10 @@ class LayerCost:
     source: str = "measured"  # measured | reused | estimated | given
     # mode ("selective", "full") -> its cost; a mode absent here was not measured for this layer
     recompute: dict[str, RecomputeCost] = field(default_factory=dict)
+    # the backward as zero-bubble schedules split it: input gradients, then weight gradients
+    # (seconds; both 0 when not measured: estimated, given, or no split to time)
+    backward_input_time: float = 0.0
+    backward_weight_time: float = 0.0
 
     @property
     def time(self) -> float:
@@ -204,6 +208,17 @@ class Profile:
             )
         return cls(layers=tuple(layers), optimizer=optimizer, mode="given")
 
+    @property
+    def split_backward(self) -> tuple[float, float] | None:
+        """The measured split of the backward zero-bubble schedules run, over the layers it was timed
+        on: (W / (B + W), (B + W) / the whole backward). None when no layer's split was timed."""
+        timed = [l for l in self.layers if l.backward_input_time > 0 and l.backward_weight_time > 0 and l.backward_time > 0]
+        if not timed:
+            return None
+        b = sum(l.backward_input_time for l in timed)
+        w = sum(l.backward_weight_time for l in timed)
+        return w / (b + w), (b + w) / sum(l.backward_time for l in timed)
+
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -237,7 +252,8 @@ class Profile:
         return replace(self, layers=tuple(layers))
 
 
-_TIMES = ("forward_time", "backward_time", "forward_spread", "backward_spread", "flops")
+_TIMES = ("forward_time", "backward_time", "forward_spread", "backward_spread", "flops", "backward_input_time",
+          "backward_weight_time")
 _BYTES = ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_forward_bytes",
           "peak_backward_bytes", "output_bytes")
 

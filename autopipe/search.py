@@ -107,7 +107,7 @@ def step_bound(x: Layout, work: float, grads: float, weights: float, cluster: Cl
 
 def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int | str | None = "device",
              optimizer: str | None = None, recompute: str = "auto", method: str = "autopipe",
-             boundaries: Sequence[int] | None = None, weight_share: float = 0.5,
+             boundaries: Sequence[int] | None = None, weight_share: float | None = None,
              cache: dict | None = None) -> tuple[Layout, Plan | None]:  # fmt: skip
     """Solve layout ``x`` (or price a given cut / baseline method on it): the Layout with its
     predictions filled in, and its Plan. Raises InfeasibleMemoryError when no cut fits.
@@ -199,7 +199,7 @@ def _rank(x: Layout) -> tuple:
 def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limit: int | str | None = "device",
            optimizer: str | None = None, recompute: str = "auto", zeros: Sequence[int] = ZERO_STAGES,
            schedules: Sequence[tuple[str, int]] = SEARCH_SCHEDULES, microbatch_sizes: Sequence[int] | None = None,
-           top: int = 3, prune: bool = True, weight_share: float = 0.5) -> SearchResult:  # fmt: skip
+           top: int = 3, prune: bool = True, weight_share: float | None = None) -> SearchResult:  # fmt: skip
     """The layouts of ``cluster`` for ``global_batch`` samples per step, best predicted throughput first.
 
     ``prune=False`` solves every layout (what the tests compare the pruned search with). Raises

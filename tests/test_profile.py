@@ -311,3 +311,32 @@ def test_timings_that_stay_noisy_are_reported(monkeypatch: pytest.MonkeyPatch) -
     x = torch.randn(B, 8)
     prof = autopipe.profile(_flatten(nn.Sequential(nn.Linear(8, 8)), x), (x,), warmup=0, repeats=3, progress=False)
     assert any("stayed noisy" in w for w in prof.warnings)
+
+
+def test_zero_bubble_split_is_timed_as_torch_runs_it_and_zbv_plans_use_it() -> None:
+    """Each layer's backward is also timed as zero-bubble schedules split it (torch's own
+    stage_backward_input, then stage_backward_weight); .grad is left alone; the profile's measured
+    W share replaces the 0.5 guess and zbv's backward is the two passes' sum (a plan on zbv equals
+    the simulator run on those figures)."""
+    from autopipe.schedule import simulate
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[_Block(64) for _ in range(4)])
+    x = torch.randn(32, 64, requires_grad=True)
+    seq = _flatten(blocks, x)
+    prof = autopipe.profile(seq, (x,), repeats=3, warmup=1, progress=False)
+    assert all(p.grad is None for p in blocks.parameters())
+    for layer in prof.layers:
+        assert layer.backward_input_time > 0 and layer.backward_weight_time > 0, layer
+    share, cost = prof.split_backward
+    assert 0 < share < 1 and cost > 0
+    plan = autopipe.partition(prof, 2, microbatches=4, schedule="zbv", bandwidth=None, memory_limit=None)
+    assert plan.weight_share == share
+    bounds = plan.boundaries
+    fwd = [sum(l.forward_time for l in prof.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    bwd = [sum(l.backward_input_time + l.backward_weight_time for l in prof.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    sim = simulate("zbv", forward=fwd, backward=bwd, comm=[0.0] * len(fwd), ranks=2, microbatches=4, weight_share=share)
+    assert plan.step_time == pytest.approx(sim.step_time, rel=1e-9)
+    # a profile without the split (estimated, given, older) keeps the 0.5 guess
+    assert Profile.from_costs([1, 2, 3, 4]).split_backward is None
+    assert autopipe.partition(Profile.from_costs([1, 2, 3, 4]), 2, schedule="zbv", bandwidth=None).weight_share == 0.5

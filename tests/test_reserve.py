@@ -40,31 +40,31 @@ def test_reserve_for_a_profile() -> None:
 
 
 
-def test_each_precision_and_architecture_has_a_reserve_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_precision_and_architecture_has_a_reserve_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """What a rank holds beyond the counted tensors depends on the precision (bf16's per-micro-batch
     weight copies fragment the CPU heap) and the architecture (measured here: GPT-2-shaped fp32 28-29
     MiB, bf16 36-38; Llama-shaped fp32 35-38, bf16 45-52). So the probe runs in the profile's mode on
     the profile's architecture, and the cache keeps one figure for each."""
     from transformers import LlamaConfig
 
-    fp32 = runtime_reserve("cpu")
+    monkeypatch.setenv("AUTOPIPE_CACHE", str(tmp_path))  # a cache of its own: other tests fill the session's
     asked: list[tuple[str, str]] = []
 
     def fake_probe(device: str, *, dtype: str = "fp32", config: object = None) -> dict[str, int]:
         asked.append((dtype, getattr(config, "model_type", "gpt2")))
-        return {"reserve_bytes": fp32 + (len(asked) + 1) * MIB}
+        return {"reserve_bytes": len(asked) * MIB}
 
     monkeypatch.setattr("autopipe.reserve.measure_reserve", fake_probe)
     llama = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1376,
                         num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
-    bf16 = runtime_reserve("cpu", dtype="bf16")
-    llama32 = reserve_for("cpu", estimate=False, config=llama)
-    llama16 = reserve_for("cpu", estimate=False, config=llama, dtype="bf16")
-    assert asked == [("bf16", "gpt2"), ("fp32", "llama"), ("bf16", "llama")]
-    assert len({fp32, bf16, llama32, llama16}) == 4
+    got = [runtime_reserve("cpu"), runtime_reserve("cpu", dtype="bf16"), reserve_for("cpu", estimate=False, config=llama),
+           reserve_for("cpu", estimate=False, config=llama, dtype="bf16")]  # fmt: skip
+    assert asked == [("fp32", "gpt2"), ("bf16", "gpt2"), ("fp32", "llama"), ("bf16", "llama")]
+    assert got == [1 * MIB, 2 * MIB, 3 * MIB, 4 * MIB]
     # cached: asking again measures nothing
-    assert (runtime_reserve("cpu", dtype="bf16"), runtime_reserve("cpu", config=llama)) == (bf16, llama32)
-    assert runtime_reserve("cpu") == fp32 and len(asked) == 3
+    again = [runtime_reserve("cpu"), runtime_reserve("cpu", dtype="bf16"), runtime_reserve("cpu", config=llama),
+             runtime_reserve("cpu", dtype="bf16", config=llama)]  # fmt: skip
+    assert again == got and len(asked) == 4
     with pytest.raises(AutopipeError, match="fp32, bf16 or fp16"):
         runtime_reserve("cpu", dtype="int8")
 
