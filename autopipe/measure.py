@@ -156,7 +156,7 @@ def time_layer(
         tb = 0.0
         if outs and targets:
             tb, _ = clock(lambda: torch.autograd.grad(outs, targets, grads, allow_unused=True))
-        del out, outs
+        out = outs = None  # free this run's graph before the next forward
         if i >= warmup:
             fwd.append(tf)
             bwd.append(tb)
@@ -204,7 +204,7 @@ def time_split(layer: nn.Module, x: Value, *, device: torch.device, warmup: int,
             for o in outs:
                 o.detach_()  # as the stage does: only what W needs stays alive
             tw, _ = clock(lambda: stage_backward_weight(iter(params), groups))
-            del out, outs, groups
+            out = outs = groups = None  # free this run's graph before the next forward
             if i >= warmup:
                 b_times.append(tb)
                 w_times.append(tw)
