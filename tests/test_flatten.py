@@ -6,10 +6,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from archs import ALL, build
 from torch.utils import _pytree as pytree
 
 import autopipe
-from archs import ALL, build
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

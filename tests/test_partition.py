@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import autopipe
 from autopipe import Profile
 from autopipe.errors import InfeasibleMemoryError, PartitionError, RecordError
 from autopipe.partition import partition

@@ -115,17 +115,16 @@ def test_real_valued_times_never_beaten_by_brute_force(compute, data) -> None:
 # ---- the step-time partitioner: simulated step, every cut and every recompute mode by brute force ----
 
 import numpy as np  # noqa: E402
+from _event_sim import simulate_events  # noqa: E402
 
 from autopipe import Profile as _Profile  # noqa: E402
 from autopipe.chunkcost import ChunkCosts  # noqa: E402
 from autopipe.partition import partition  # noqa: E402
 from autopipe.records import LayerCost  # noqa: E402
 from autopipe.schedule import inflight_counts  # noqa: E402
-from autopipe.stepsolve import Infeasible as StepInfeasible  # noqa: E402
 from autopipe.stepbound import dwell_forms  # noqa: E402
+from autopipe.stepsolve import Infeasible as StepInfeasible  # noqa: E402
 from autopipe.stepsolve import solve_step  # noqa: E402
-
-from _event_sim import simulate_events  # noqa: E402
 
 STEP_SETTINGS = settings(max_examples=120, deadline=None)
 

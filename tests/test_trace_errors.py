@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from archs import build
 from torch import nn
 
 import autopipe
 from autopipe.errors import InputMismatchError, PartitionError, TraceError, TraceMismatchError
-from archs import build
 
 
 class Gate(nn.Module):
