@@ -105,6 +105,7 @@ def profile_command(
         # Trace where it will be measured: traced graphs keep their device.
         m = m.to(device)
         args, kwargs = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+    from .convert import _DTYPE_ALIASES
     from .reserve import reserve_for
 
     seq = flatten(m, args, kwargs)
@@ -112,7 +113,7 @@ def profile_command(
                    mixed_precision=mixed_precision, autocast=autocast, optimizer=optimizer, repeats=repeats, warmup=warmup,
                    progress=not json_output,
                    reserve=reserve_for(device, estimate=estimate, given=reserve,
-                                       dtype={"bfloat16": "bf16", "float16": "fp16"}.get(autocast or "", "fp32"),
+                                       dtype=_DTYPE_ALIASES.get(autocast or "", "fp32"),
                                        config=getattr(m, "config", None)))
     prof = dataclasses.replace(prof, model=model)
     prof.save(out)

@@ -184,7 +184,7 @@ def time_split(layer: nn.Module, x: Value, *, device: torch.device, warmup: int,
     if not params or not inputs:
         return None
     clock = _Clock(device)
-    before = [p.grad for p in params]
+    before = [t.grad for t in params + inputs]
     for p in params:
         p.grad = None  # W adds into an existing .grad in place: keep the caller's out of reach
     b_times: list[float] = []
@@ -211,10 +211,8 @@ def time_split(layer: nn.Module, x: Value, *, device: torch.device, warmup: int,
     except RuntimeError:
         return None  # a layer torch cannot split this way: zbv plans keep the 0.5 guess for it
     finally:
-        for p, g in zip(params, before):
-            p.grad = g
-        for t in inputs:
-            t.grad = None
+        for t, g in zip(params + inputs, before):
+            t.grad = g
     return statistics.median(b_times), statistics.median(w_times)
 
 

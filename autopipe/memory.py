@@ -60,11 +60,21 @@ from dataclasses import asdict, dataclass
 from .records import Profile, optimizer_state_factor
 
 __all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "layer_memory", "rank_memory",
-           "zero_share"]
+           "splits_backward", "zero_share"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 # schedules that split the backward into input and weight passes (the partitioner's and torch's spellings)
 _SPLIT_BACKWARD = {"zbv", "zerobubble", "zbvzerobubble", "interleavedzb", "interleavedzerobubble", "dualpipev"}
+
+
+def splits_backward(schedule: str) -> bool:
+    """Whether ``schedule`` (the partitioner's name or torch's class name) runs each backward as an
+    input pass and a deferred weight pass (zero-bubble schedules).
+
+    >>> splits_backward("zbv"), splits_backward("ZBVZeroBubble"), splits_backward("1f1b")
+    (True, True, False)
+    """
+    return schedule.lower().replace("-", "").replace("_", "") in _SPLIT_BACKWARD
 
 
 def ddp_schedule(schedule: str) -> bool:
@@ -77,7 +87,7 @@ def ddp_schedule(schedule: str) -> bool:
     >>> ddp_schedule("1f1b"), ddp_schedule("Interleaved1F1B"), ddp_schedule("zbv")
     (True, True, False)
     """
-    return schedule.lower().replace("-", "").replace("_", "") not in _SPLIT_BACKWARD
+    return not splits_backward(schedule)
 
 
 @dataclass(frozen=True)

@@ -87,8 +87,7 @@ class _Model:
         if split is not None:
             # zbv runs each backward as two passes, which take longer together than the whole one
             # (measured per layer; a layer without a timed split at the timed layers' ratio)
-            backward = [l.backward_input_time + l.backward_weight_time
-                        if l.backward_input_time > 0 and l.backward_weight_time > 0 else l.backward_time * split[1]
+            backward = [l.backward_input_time + l.backward_weight_time if l.split_timed else l.backward_time * split[1]
                         for l in layers]  # fmt: skip
         self.costs = ChunkCosts(
             [l.forward_time for l in layers],

@@ -76,6 +76,11 @@ class LayerCost:
         return self.forward_time + self.backward_time
 
     @property
+    def split_timed(self) -> bool:
+        """Whether the zero-bubble split of this layer's backward was measured."""
+        return self.backward_input_time > 0 and self.backward_weight_time > 0 and self.backward_time > 0
+
+    @property
     def static_bytes(self) -> int:
         """Memory held for the whole step: parameters, gradients, optimizer state."""
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
@@ -212,7 +217,7 @@ class Profile:
     def split_backward(self) -> tuple[float, float] | None:
         """The measured split of the backward zero-bubble schedules run, over the layers it was timed
         on: (W / (B + W), (B + W) / the whole backward). None when no layer's split was timed."""
-        timed = [l for l in self.layers if l.backward_input_time > 0 and l.backward_weight_time > 0 and l.backward_time > 0]
+        timed = [l for l in self.layers if l.split_timed]
         if not timed:
             return None
         b = sum(l.backward_input_time for l in timed)

@@ -50,10 +50,9 @@ __all__ = ["ASSUMED_CUDA_RESERVE", "measure_reserve", "probe_config", "reserve_f
 # workspaces: a common allowance, used for estimates of GPUs nobody measured here.
 ASSUMED_CUDA_RESERVE = 1 << 30
 
-_PROBE = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=4096, n_positions=128)
 _ROWS, _SEQ, _MICRO, _STEPS = 4, 128, 4, 6
-_LAYERS, _WIDTH, _HEADS, _VOCAB = 4, 256, 4, 4096
-DTYPES = ("fp32", "bf16", "fp16")
+_LAYERS, _WIDTH, _HEADS, _VOCAB = 4, 256, 4, 4096  # the probe's size, GPT-2 or the user's architecture
+_PROBE = dict(n_layer=_LAYERS, n_embd=_WIDTH, n_head=_HEADS, vocab_size=_VOCAB, n_positions=_SEQ)
 
 
 def _cache_file() -> Path:
@@ -134,6 +133,8 @@ def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
     config; None for the GPT-2 probe): cached, else measured by the probe."""
     if device not in ("cpu", "cuda"):
         raise AutopipeError(f"the runtime reserve is measured on cpu or cuda, not {device!r}.")
+    from .runtime.optim import DTYPES  # the precisions train.py runs
+
     if dtype not in DTYPES:
         raise AutopipeError(f"the runtime reserve is measured for fp32, bf16 or fp16 training, not {dtype!r}.")
     arch = _arch(config)
@@ -197,7 +198,9 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
         try:
             spec = load_model(str(root / "model"), device=device, batch_size=_ROWS, seq_len=_SEQ, dropout=0.0)
             seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)
-            autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+            from .runtime.optim import DTYPES
+
+            autocast = DTYPES[dtype]  # None for fp32: no autocast
             prof = autopipe.profile(seq, spec.args, spec.kwargs, repeats=1, warmup=0, progress=False, reserve=0,
                                     autocast=autocast)  # fmt: skip
         finally:
@@ -245,6 +248,8 @@ def _worker(root: Path, dtype: str) -> None:
 
 
 def main() -> None:
+    from .runtime.optim import DTYPES
+
     parser = argparse.ArgumentParser(description="Measure the training runtime's memory reserve on this device.")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="the precision training runs in")

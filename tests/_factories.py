@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 # Four blocks of known shape: traces, profiles and partitions in about a second.
 _NET = '''
 import torch
@@ -30,3 +32,19 @@ def build(batch_size={batch_size}):
 def net_factory_source(batch_size: int) -> str:
     """A factory file's text: ``build(batch_size)`` returns a 6-layer MLP with its own loss and inputs."""
     return _NET.format(batch_size=batch_size)
+
+
+def tiny_gpt2_job(root: Path, *, layers: int, microbatches: int, rows: int, seq: int) -> Path:
+    """``root/tiny``: a GPT-2 HF folder (config only: random init, tied wte/lm_head, no dropout) of
+    ``layers`` blocks, width 32; and ``root/train.py`` for it, 2 stages on 1F1B. Returns the folder."""
+    from transformers import GPT2Config
+
+    from autopipe.runtime import write_train_script
+
+    GPT2Config(
+        architectures=["GPT2LMHeadModel"], n_layer=layers, n_embd=32, n_head=2, vocab_size=128, n_positions=seq,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
+    ).save_pretrained(root / "tiny")
+    write_train_script(root / "train.py", model=str(root / "tiny"), stages=2, microbatches=microbatches,
+                       schedule="1f1b", batch_size=rows, seq_len=seq)  # fmt: skip
+    return root / "tiny"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _factories import tiny_gpt2_job
 
 from autopipe.runtime import (
     TokenData,
@@ -22,7 +23,6 @@ from autopipe.runtime import (
     build_reference,
     build_stage,
     model_factory,
-    write_train_script,
 )
 from autopipe.runtime.checkpoint import latest_checkpoint
 from autopipe.runtime.layout import even_boundaries
@@ -36,15 +36,8 @@ RUN_TIMEOUT = 240
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A job folder: a tiny GPT-2 HF folder (config only, tied wte/lm_head, no dropout) + train.py."""
-    from transformers import GPT2Config
-
     root = tmp_path_factory.mktemp("job")
-    GPT2Config(
-        architectures=["GPT2LMHeadModel"], n_layer=6, n_embd=32, n_head=2, vocab_size=128, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
-    ).save_pretrained(root / "tiny")
-    write_train_script(root / "train.py", model=str(root / "tiny"), stages=2, microbatches=MICRO,
-                       schedule="1f1b", batch_size=ROWS, seq_len=SEQ)
+    tiny_gpt2_job(root, layers=6, microbatches=MICRO, rows=ROWS, seq=SEQ)
     return root
 
 

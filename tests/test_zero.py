@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _factories import tiny_gpt2_job
 
 from autopipe.runtime import TokenData, TrainConfig, build_reference, build_stage, model_factory, write_train_script
 from autopipe.runtime.layout import even_boundaries
@@ -44,15 +45,8 @@ PROBES = Path(__file__).parent / "probes"
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny GPT-2 HF folder (tied wte/lm_head, no dropout) and its train.py (2 stages, 1F1B)."""
-    from transformers import GPT2Config
-
     root = tmp_path_factory.mktemp("zero")
-    GPT2Config(
-        architectures=["GPT2LMHeadModel"], n_layer=4, n_embd=32, n_head=2, vocab_size=128, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
-    ).save_pretrained(root / "tiny")
-    write_train_script(root / "train.py", model=str(root / "tiny"), stages=2, microbatches=MICRO, schedule="1f1b",
-                       batch_size=ROWS, seq_len=SEQ)
+    tiny_gpt2_job(root, layers=4, microbatches=MICRO, rows=ROWS, seq=SEQ)
     source = model_factory(str(root / "tiny"), batch_size=ROWS, seq_len=SEQ)
     layers = len(build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1).seq.layers)
     (root / "plan.json").write_text(json.dumps({"boundaries": even_boundaries(layers, 2)}))

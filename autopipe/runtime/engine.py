@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
+from ..memory import splits_backward
 from ..recompute import shared_recompute
 from .build import MicrobatchSeeds, PipeChunk, StageBuild
 from .comm import Comm
@@ -122,9 +123,6 @@ def _placeholder_pass(submod: nn.Module) -> Iterator[None]:
         chunk.shape_inference = False
 
 
-# schedules that split backward into input and weight parts (and detach outputs in place)
-_SPLIT_BACKWARD = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
-
 
 class PipelineEngine:
     """This rank's PipelineStages and the schedule that runs them.
@@ -167,7 +165,8 @@ class PipelineEngine:
         self._clock = Stopwatch(self.device)
         for chunk in chunks:
             chunk.autocast_dtype = autocast_dtype
-            chunk.unview_outputs = layout.schedule in _SPLIT_BACKWARD
+            # a split backward detaches stage outputs in place, which torch refuses for views
+            chunk.unview_outputs = splits_backward(layout.schedule)
             chunk.register_forward_pre_hook(self._tic)
             chunk.register_forward_hook(self._toc)
         name = layout.schedule if (layout.pp_size > 1 or not layout.multi) else "GPipe"
