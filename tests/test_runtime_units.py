@@ -246,6 +246,43 @@ def test_peak_memory_window_sees_what_the_step_allocates() -> None:
     held.close()
 
 
+def test_grad_norm_is_torch_s_and_never_holds_a_float64_copy_of_a_large_gradient() -> None:
+    """global_grad_norm (one process) equals torch's clip_grad_norm_ total and the exact float64 norm
+    on a plain model, leaves out what another rank counts, and clipping by it gives torch's clipped
+    gradients. Its float64 sums go a slice at a time: summing a whole 1M-element gradient at once
+    allocated 4x its bytes (a float64 copy and its square), 48 MiB of resident peak at rank 0's norm
+    for the showcase's 16384 x 192 tied embedding, which no term of the plan charges."""
+    import copy
+
+    from autopipe.measure import peak_bytes
+    from autopipe.runtime.comm import Comm
+    from autopipe.runtime.grads import clip_grads_, global_grad_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8192, 128), nn.Linear(128, 64), nn.LayerNorm(64))
+    model(torch.randint(0, 8192, (4, 32))).pow(2).mean().backward()
+    plain = copy.deepcopy(model)  # deepcopy leaves .grad behind
+    for p, q in zip(model.parameters(), plain.parameters()):
+        q.grad = p.grad.clone()
+    params = dict(model.named_parameters())
+    cpu = torch.device("cpu")
+    comm = Comm(cpu)
+
+    peak, norm = peak_bytes(lambda: global_grad_norm(params, set(), None, comm), cpu)
+    exact = torch.cat([p.grad.double().reshape(-1) for p in plain.parameters()]).norm()
+    assert norm.dtype == torch.float64 and norm.item() == pytest.approx(exact.item(), rel=1e-12)
+    rest = global_grad_norm(params, {"0.weight"}, None, comm)
+    assert rest.item() == pytest.approx(torch.cat([p.grad.double().reshape(-1) for p in plain[1:].parameters()]).norm().item(), rel=1e-12)
+    big = params["0.weight"].grad
+    assert big.numel() == 1 << 20 and peak < big.nbytes // 2, peak  # at once: 4 * big.nbytes
+
+    total = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)  # torch's own, in float32
+    assert norm.item() == pytest.approx(total.item(), rel=1e-6)
+    clip_grads_(params.values(), norm, 0.5)
+    for (name, p), q in zip(params.items(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=name)
+
+
 def test_step_log_carries_the_plan_s_predictions_only_for_the_planned_run(tmp_path: Path) -> None:
     """--log-json lines hold predicted step time and per-rank memory beside the measured ones, when
     the run uses the plan's schedule, micro-batches and stage count; otherwise none."""
