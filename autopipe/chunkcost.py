@@ -9,6 +9,7 @@ seconds added to the backward. "none" is the layer's own figures. The memory fol
 (one source for the plan's figures and the partitioner's):
 
     memory(a, b) = static(a, b) - tied repeats + inflight * kept_m(a, b) + max(transient_m[a:b])
+                   + waiting * (hold_m(a, b) - kept_m(a, b))   (zero-bubble: units past B, before W)
                    + inflight * held   (the model's last output, held until its backward; b = L only)
                    + M * cut(a - 1) + M * cut(b - 1)   (torch's receive buffers; a > 0, b < L only)
 
@@ -56,6 +57,8 @@ class ChunkCosts:
         transient: mode name -> one-layer peak per layer (default: 0 for none, a layer's plain
             activations under a recompute mode).
         held: bytes per micro-batch the last chunk holds until its backward (the model's output).
+        hold: mode name -> bytes per layer a unit holds between its input and weight passes
+            (zero-bubble schedules; default: what the mode keeps, as a unit before its backward).
         buffers: micro-batches M of torch's receive buffers at each cut facing another chunk
             (each holds the bytes crossing that cut, ``cut_bytes``).
         cut_bytes: bytes crossing the cut after layer i (L-1 values; default none).
@@ -73,6 +76,7 @@ class ChunkCosts:
         *,
         transient: Mapping[str, Sequence[int]] | None = None,
         held: int = 0,
+        hold: Mapping[str, Sequence[int]] | None = None,
         buffers: int = 0,
         cut_bytes: Sequence[int] | None = None,
     ) -> None:
@@ -106,6 +110,13 @@ class ChunkCosts:
             extra.append(_prefix(np.asarray(x, dtype=np.float64)))
             kept.append(_prefix(np.asarray(k, dtype=np.int64)))
         self.modes = tuple(names)
+        # a waiting unit's bytes beyond a held one's, per layer: a chunk's units are ``inflight``,
+        # ``waiting`` of them past their B, so it holds (inflight - waiting) * kept + waiting * hold
+        hold = hold or {}
+        self.hold_extra = [
+            _prefix(np.asarray(hold[name], dtype=np.int64) - np.diff(k)) if name in hold else _prefix(np.zeros(n, dtype=np.int64))
+            for name, k in zip(names, kept)
+        ]  # fmt: skip
         self.extra = extra  # prefix sums per mode
         self.kept = kept
         if transient is None:  # a layer's plain activations while it is recomputed; nothing otherwise
@@ -148,16 +159,19 @@ class ChunkCosts:
         return self.pt[b] - self.pt[a] + self.extra_of(a, b, mode) + 2 * self.comm(a, b)
 
     # ---- memory ---------------------------------------------------------------------------------
-    def memory(self, a, b, inflight, mode=0):
-        """Bytes chunk [a, b) holds with ``inflight`` micro-batches in flight (vectorises over a, b)."""
+    def memory(self, a, b, inflight, mode=0, waiting=0):
+        """Bytes chunk [a, b) holds with ``inflight`` micro-batches in flight, ``waiting`` of them
+        past their input pass (zero-bubble), vectorises over a, b."""
         a, b = np.asarray(a), np.asarray(b)
-        held = np.where(b == self.n, inflight * self.held, 0)
-        return self._core(a, b, inflight, mode) + self.buf_in[a] + self.buf_out[b] + held
+        held = np.where(b == self.n, (inflight - waiting) * self.held, 0)
+        return self._core(a, b, inflight, mode, waiting) + self.buf_in[a] + self.buf_out[b] + held
 
-    def _core(self, a, b, inflight, mode):
+    def _core(self, a, b, inflight, mode, waiting=0):
         """Memory without the terms of the chunk's two ends (receive buffers, the held output)."""
         a, b = np.asarray(a), np.asarray(b)
         m = (self.static_prefix[b] - self.static_prefix[a]) + inflight * self._kept(a, b, mode)
+        if np.any(waiting):
+            m = m + waiting * self._of(self.hold_extra, a, b, mode)
         for w, count in self.tied:
             m = m - w * np.maximum(count[b] - count[a] - 1, 0)
         if np.isscalar(mode):
@@ -165,12 +179,17 @@ class ChunkCosts:
         return m + np.choose(np.asarray(mode), [t.query(a, b) for t in self._tables])
 
     def _kept(self, a, b, mode):
-        if np.isscalar(mode):
-            k = self.kept[int(mode)]
-            return k[b] - k[a]
-        return np.choose(mode, [k[b] - k[a] for k in self.kept])
+        return self._of(self.kept, a, b, mode)
 
-    def window_start(self, mode: int, inflight: int, limit: int, position: str = "middle") -> np.ndarray:
+    @staticmethod
+    def _of(prefixes, a, b, mode):
+        if np.isscalar(mode):
+            k = prefixes[int(mode)]
+            return k[b] - k[a]
+        return np.choose(mode, [k[b] - k[a] for k in prefixes])
+
+    def window_start(self, mode: int, inflight: int, limit: int, position: str = "middle",
+                     waiting: int = 0) -> np.ndarray:
         """For every b in 0..L: the first a with memory(a, b) <= limit (b itself when none fits). Cached.
 
         ``position`` says which chunk asks, because the ends' terms depend on it: the ``first`` chunk
@@ -180,23 +199,23 @@ class ChunkCosts:
         conservative envelope (see the module docstring); a middle chunk's end terms likewise, as a
         running maximum over ends, so its window never moves left as b grows.
         """
-        key = (mode, inflight, limit, position)
+        key = (mode, inflight, limit, position, waiting)
         window = self._windows.get(key)
         if window is None:
             if limit != self._window_limit:  # a search holds one limit at a time: keep only its windows
                 self._windows.clear()
                 self._window_limit = limit
-            window = self._windows[key] = self._window_start(mode, inflight, limit, position)
+            window = self._windows[key] = self._window_start(mode, inflight, limit, position, waiting)
         return window
 
-    def _window_start(self, mode: int, inflight: int, limit: int, position: str) -> np.ndarray:
+    def _window_start(self, mode: int, inflight: int, limit: int, position: str, waiting: int) -> np.ndarray:
         n = self.n
         b = np.arange(n + 1)
-        held = np.where(b == n, inflight * self.held, 0)
+        held = np.where(b == n, (inflight - waiting) * self.held, 0)
         if position in ("first", "only"):
-            fits = self.memory(np.zeros_like(b), b, inflight, mode) <= limit
+            fits = self.memory(np.zeros_like(b), b, inflight, mode, waiting) <= limit
             return np.where(fits & (b > 0), 0, b)
-        q = self.static_prefix + inflight * self.kept[mode]
+        q = self.static_prefix + inflight * self.kept[mode] + waiting * self.hold_extra[mode]
         # a-term: memory = q[b] - (q[a] - buf_in[a]) + ...; replacing q[a] - buf_in[a] by its running
         # minimum from the right over a >= 1 charges at least the real buffer and never rises in a
         g = (q - self.buf_in).astype(np.float64)
@@ -216,15 +235,16 @@ class ChunkCosts:
         while open_.size:  # bisect where the bracket is open; the window memory only shrinks as a grows
             mid = (lo[open_] + hi[open_]) // 2
             bb = b[open_]
-            ok = self._core(mid, bb, inflight, mode) + in_env[mid] + out[bb] <= limit
+            ok = self._core(mid, bb, inflight, mode, waiting) + in_env[mid] + out[bb] <= limit
             hi[open_] = np.where(ok, mid, hi[open_])
             lo[open_] = np.where(ok, lo[open_], mid + 1)
             open_ = open_[lo[open_] < hi[open_]]
         # hi's bracket assumed the window fits from hi on; check it, else nothing fits
-        fits = (self._core(np.minimum(lo, b), b, inflight, mode) + in_env[np.minimum(lo, b)] + out <= limit) & (lo < b)
+        fits = (self._core(np.minimum(lo, b), b, inflight, mode, waiting) + in_env[np.minimum(lo, b)] + out
+                <= limit) & (lo < b)
         return np.where(fits, lo, b)
 
-    def fastest_modes(self, a, b, inflight, limit: int | None, allowed: Sequence[int]) -> np.ndarray:
+    def fastest_modes(self, a, b, inflight, limit: int | None, allowed: Sequence[int], waiting=0) -> np.ndarray:
         """Per chunk, the allowed mode with the least backward that fits ``limit``; -1 where none fits.
 
         Recompute only adds time, so for a fixed cut this choice is optimal chunk by chunk. Ties go
@@ -235,7 +255,7 @@ class ChunkCosts:
         best_time = np.full(best.shape, np.inf)
         for m in allowed:
             extra = self.extra_of(a, b, m)
-            ok = np.ones(best.shape, dtype=bool) if limit is None else self.memory(a, b, inflight, m) <= limit
+            ok = np.ones(best.shape, dtype=bool) if limit is None else self.memory(a, b, inflight, m, waiting) <= limit
             better = ok & (extra < best_time)
             best = np.where(better, m, best)
             best_time = np.where(better, extra, best_time)

@@ -63,6 +63,7 @@ def scale_microbatch(profile: Profile, samples: int) -> Profile:
             peak_backward_bytes=l.grad_bytes + per_mb(max(l.peak_backward_bytes - l.grad_bytes, 0)),
             output_bytes=per_mb(l.output_bytes), flops=l.flops * k,
             recompute={m: RecomputeCost(per_mb(r.activation_bytes), r.extra_backward_time * k) for m, r in l.recompute.items()},
+            weight_hold_bytes={m: per_mb(b) for m, b in l.weight_hold_bytes.items()},
         )  # fmt: skip
 
     shapes = {name: [samples, *shape[1:]] if shape else shape for name, shape in profile.microbatch.items()}

@@ -157,6 +157,8 @@ class LayerMemory:
     gradients: tuple[int, ...]
     optimizer: tuple[int, ...]
     activations: dict[str, tuple[int, ...]]  # recompute mode -> saved bytes per micro-batch
+    # recompute mode -> bytes per micro-batch held between the input and the weight pass (zero-bubble)
+    waiting: dict[str, tuple[int, ...]]
     transient: dict[str, tuple[int, ...]]  # recompute mode -> one-layer peak on top
     outputs: tuple[int, ...]  # bytes leaving each layer (what crosses a cut after it)
     input_bytes: int  # bytes entering layer 0
@@ -195,6 +197,7 @@ def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1,
         max(l.peak_forward_bytes - l.activation_bytes, l.peak_backward_bytes - l.grad_bytes, 0) for l in layers
     ]
     acts: dict[str, tuple[int, ...]] = {"none": tuple(l.activation_bytes for l in layers)}
+    waits: dict[str, tuple[int, ...]] = {}
     trans: dict[str, tuple[int, ...]] = {"none": tuple(base_transient)}
     for mode in ("selective", "full"):
         kept, extra = [], []
@@ -210,6 +213,8 @@ def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1,
             # backward rematerialises what the mode did not keep, for one micro-batch at a time
             extra.append(t + max(l.activation_bytes - rc_bytes, 0))
         acts[mode], trans[mode] = tuple(kept), tuple(extra)
+    for mode, kept_bytes in acts.items():  # not profiled: a waiting unit holds what a held one does
+        waits[mode] = tuple(l.weight_hold_bytes.get(mode, k) for l, k in zip(layers, kept_bytes))
     tied = []
     for name, size in profile.tied_static_bytes.items():
         size = int(size * (2 + new) / (2 + old))  # param + grad + state of one copy, for this optimizer
@@ -229,6 +234,7 @@ def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1,
         gradients=tuple(_shard(l.grad_bytes, share.gradients) for l in layers),
         optimizer=tuple(_shard(o, share.optimizer) for o in opt),
         activations=acts,
+        waiting=waits,
         transient=trans,
         outputs=tuple(l.output_bytes for l in layers),
         input_bytes=profile.input_bytes,
@@ -259,11 +265,16 @@ def rank_memory(
     reserve: int | None = None,
     optimizer: str | None = None,
     schedule: str = "1f1b",
+    waiting: Sequence[int] = (),
 ) -> list[RankMemory]:
     """Each pipeline rank's peak for a cut: chunk c is ``boundaries[c]:boundaries[c+1]`` on rank
     ``stage_ranks[c]`` with ``inflight[c]`` micro-batches held and recompute mode ``recompute[c]``
     (default none), each stage replicated ``dp`` times with ZeRO stage ``zero`` under ``schedule``
-    (ignored when ``profile`` is a LayerMemory: it carries its own). ``reserve`` defaults to the profile's."""
+    (ignored when ``profile`` is a LayerMemory: it carries its own). ``reserve`` defaults to the profile's.
+
+    Each chunk counts ``inflight[c]`` micro-batches, ``waiting[c]`` of them past their input pass and
+    holding ``LayerMemory.waiting`` until their weight pass (zero-bubble; default none): the sum of
+    the chunks' own peaks (``schedule.peak_units``), which never falls below the rank's."""
     lm = profile if isinstance(profile, LayerMemory) else layer_memory(profile, optimizer, dp=dp, zero=zero,
                                                                         schedule=schedule)
     if reserve is None:
@@ -288,13 +299,16 @@ def rank_memory(
             extra = sum(1 for i in layers if i in users) - 1
             if extra > 0:
                 w, g, o, x, dpb = w - extra * tw, g - extra * tg, o - extra * to, x - extra * tx, dpb - extra * tb
-        act = outs = buf = trans = 0
+        buf = trans = 0
+        act = outs = 0
+        for c in mine:  # held units keep the forward's bytes, waiting ones what their weight pass needs
+            held, late = inflight[c] - (waiting[c] if waiting else 0), (waiting[c] if waiting else 0)
+            act += sum(held * lm.activations[modes[c]][i] + late * lm.waiting[modes[c]][i] for i in range(*chunks[c]))
+            if chunks[c][1] == n:
+                outs += held * lm.outputs[n - 1]  # the model's output lives until its B
         for c in mine:
             a, b = chunks[c]
-            act += inflight[c] * sum(lm.activations[modes[c]][i] for i in range(a, b))
             trans = max([trans, *(lm.transient[modes[c]][i] for i in range(a, b))])
-            if b == n:
-                outs += inflight[c] * lm.outputs[n - 1]
             # one buffer per micro-batch for each cut facing another rank
             if a > 0 and stage_ranks[c - 1] != r:
                 buf += microbatches * lm.outputs[a - 1]

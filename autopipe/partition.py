@@ -35,7 +35,14 @@ from .errors import InfeasibleMemoryError, PartitionError
 from .memory import ZERO_STAGES, layer_memory, rank_memory
 from .plan import Plan
 from .records import Profile
-from .schedule import check_schedule, check_weight_share, chunk_ranks, inflight_counts, normalize_schedule, simulate
+from .schedule import (
+    check_schedule,
+    check_weight_share,
+    chunk_ranks,
+    normalize_schedule,
+    peak_units,
+    simulate,
+)
 from .stepbound import fits, least_memory
 from .stepsolve import TIE, Infeasible, StepSolution, solve_step
 from .units import format_bytes, parse_size
@@ -101,12 +108,23 @@ class _Model:
             transient={name: [max(x, r) for x, r in zip(t, lm.reduce_scatter or (0,) * len(t))]
                        for name, t in lm.transient.items()},  # fmt: skip
             held=lm.outputs[-1] if lm.outputs else 0,
+            hold=lm.waiting,
             buffers=microbatches,
             cut_bytes=list(lm.outputs[:-1]),
         )
         self.reserve = profile.reserve_bytes
         self.params = [l.params or l.param_bytes for l in layers]
         self.tied = tied
+        # what a unit waiting for its weight pass holds per unit before it, over the layers measured
+        measured = [i for i, l in enumerate(layers) if "none" in l.weight_hold_bytes]
+        kept = sum(lm.activations["none"][i] for i in measured)
+        self.hold_ratio = sum(lm.waiting["none"][i] for i in measured) / kept if kept else 1.0
+
+    def units(self, schedule: str, stages: int, v: int, m: int) -> tuple[list[int], list[int]]:
+        """Per chunk, the micro-batches it holds at its peak and how many of them wait for their
+        weight pass (zero-bubble schedules; 0 otherwise): ``schedule.peak_units``."""
+        pairs = peak_units(schedule, stages, v, m, self.hold_ratio)
+        return [u for u, _ in pairs], [w for _, w in pairs]
 
     def allowed(self, recompute: str) -> tuple[int, ...]:
         """Indices (into costs.modes) of the modes a chunk may use under a recompute policy."""
@@ -258,9 +276,9 @@ def fits_memory(profile: Profile, stages: int, *, microbatches: int, schedule: s
         return True
     model = _Model(profile, optimizer, None, schedule, microbatches, dp=dp, zero=zero)
     chunk_limit = (limit - model.reserve) // virtual_stages
-    inflight = inflight_counts(schedule, stages, virtual_stages, microbatches)
+    inflight, waiting = model.units(schedule, stages, virtual_stages, microbatches)
     return chunk_limit > 0 and fits(model.costs, stages * virtual_stages, inflight=inflight, limit=chunk_limit,
-                                    modes=model.allowed(recompute))  # fmt: skip
+                                    modes=model.allowed(recompute), waiting=waiting)  # fmt: skip
 
 
 def _with_zero_hint(err: InfeasibleMemoryError, attempt, zeros: list[int], dp: int) -> InfeasibleMemoryError:
@@ -305,7 +323,7 @@ def _partition_one(profile: Profile, model: _Model, *, stages: int, v: int, m: i
             f"holds {format_bytes(model.reserve)} per rank on this device (the profile's reserve). Raise the limit."
         )
     allowed = model.allowed(recompute)
-    inflight = inflight_counts(schedule, stages, v, m)
+    inflight, waiting = model.units(schedule, stages, v, m)
 
     chosen: tuple[int, ...] | None = None
     if boundaries is not None or stage_names is not None:
@@ -314,33 +332,35 @@ def _partition_one(profile: Profile, model: _Model, *, stages: int, v: int, m: i
     elif method != "autopipe":
         chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
 
-    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight,
+    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight, waiting=waiting,
                   weight_share=weight_share, signature=profile.signature, recompute=recompute,
                   limit_source=limit_source, zero_policy=zero_policy)  # fmt: skip
     best: StepSolution | None = None
     try:
         best = solve_step(model.costs, schedule, ranks=stages, virtual=v, microbatches=m, inflight=inflight,
-                          limit=chunk_limit, modes=allowed, weight_share=weight_share)  # fmt: skip
+                          waiting=waiting, limit=chunk_limit, modes=allowed, weight_share=weight_share)  # fmt: skip
     except Infeasible:
         if chosen is None:
             what = (f"the {profile.device.name}'s {format_bytes(limit)} (its memory, the default limit)"
                     if limit_source == "device" else f"{format_bytes(limit)} per device")  # fmt: skip
-            raise _explain(model, stages, v, m, schedule, inflight, limit, chunk_limit, recompute, what) from None
+            raise _explain(model, stages, v, m, schedule, limit, chunk_limit, recompute, what) from None
     if chosen is None:
         assert best is not None
         return _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
-    modes = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), chunk_limit, allowed)
+    modes = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), chunk_limit, allowed,
+                                      np.array(waiting))  # fmt: skip
     if method == "manual" and chunk_limit is not None and np.any(modes < 0):
         c = int(np.flatnonzero(modes < 0)[0])
         a, b = chosen[c], chosen[c + 1]
-        need = min(int(model.costs.memory(a, b, inflight[c], md)) for md in allowed)
-        hint = _recompute_hint(model, recompute, [(a, b, inflight[c])], chunk_limit)
+        need = min(int(model.costs.memory(a, b, inflight[c], md, waiting[c])) for md in allowed)
+        hint = _recompute_hint(model, recompute, [(a, b, inflight[c], waiting[c])], chunk_limit)
         raise InfeasibleMemoryError(
             f"your chunk {c} (layers {a}..{b - 1}) needs {format_bytes(need)}, more than the "
             f"{format_bytes(chunk_limit)} it may use; move layers out of it, raise the memory limit{hint}."
         )
     # A baseline that breaks the limit is still shown (marked over it), in its fastest allowed mode.
-    fastest = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), None, allowed)
+    fastest = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), None, allowed,
+                                        np.array(waiting))  # fmt: skip
     plan = _make_plan(model, chosen, method=method, modes=np.where(modes < 0, fastest, modes).tolist(), bound=None, **common)
     if best is not None:
         opt = _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
@@ -419,7 +439,7 @@ def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str],
 
 def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequence[int], bound: float | None,
                stages: int, v: int, m: int, schedule: str, limit: int | None, inflight: list[int],
-               weight_share: float, signature: str, recompute: str, limit_source: str = "",
+               waiting: list[int], weight_share: float, signature: str, recompute: str, limit_source: str = "",
                zero_policy: int | str = 0) -> Plan:  # fmt: skip
     c = model.costs
     a = np.asarray(bounds[:-1])
@@ -430,11 +450,15 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     comm = c.comm(a, b).tolist()
     times = c.time(a, b, md).tolist()
     extra = c.extra_of(a, b, md).tolist()
-    mems = [int(x) for x in c.memory(a, b, np.asarray(inflight), md)]
+    mems = [int(x) for x in c.memory(a, b, np.asarray(inflight), md, np.asarray(waiting))]
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
+    # Each chunk at its own peak, as the partitioner held it under the limit. The chunks of one rank
+    # do not peak together (schedule.unit_states), but on CPU the resident peak measured at least
+    # this sum on interleaved and 2-rank zbv runs (bench/results/accuracy.md), not the live tensors'
+    # joint peak, which read 1.08-1.14 of it.
     per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,
-                           recompute=[c.modes[int(x)] for x in md], reserve=model.reserve)  # fmt: skip
+                           recompute=[c.modes[int(x)] for x in md], reserve=model.reserve, waiting=waiting)  # fmt: skip
     rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=weight_share)
     slowest = int(np.argmax(times))
@@ -457,6 +481,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
         stage_comm=tuple(comm),
         stage_memory=tuple(mems),
         stage_inflight=tuple(inflight),
+        stage_waiting=tuple(waiting),
         rank_times=tuple(sum(times[s] for s in range(len(pairs)) if ranks[s] == r) for r in range(stages)),
         rank_memory=tuple(rank_mem),
         bottleneck_stage=slowest,
@@ -478,10 +503,11 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     )
 
 
-def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight: list[int], limit: int | None,
+def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, limit: int | None,
              chunk_limit: int | None, recompute: str, what: str) -> InfeasibleMemoryError:  # fmt: skip
     """Why nothing fits: the layer too big on its own, else what would fit (recompute, stages, ZeRO, memory)."""
     assert limit is not None and chunk_limit is not None
+    inflight, waiting = model.units(schedule, stages, v, m)
     c, n = model.costs, model.costs.n
     allowed = model.allowed(recompute)
     everything = tuple(range(len(c.modes)))
@@ -498,9 +524,10 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight
             f"{format_bytes(int(alone[worst]) * v)} or use a lighter optimizer."
         )
     hints = []
-    if set(allowed) != set(everything) and fits(c, stages * v, inflight=inflight, limit=chunk_limit, modes=everything):
+    if set(allowed) != set(everything) and fits(c, stages * v, inflight=inflight, limit=chunk_limit, modes=everything,
+                                                waiting=waiting):
         hints.append("recompute auto (--recompute auto) would fit")
-    need = least_memory(c, stages * v, inflight=inflight, modes=allowed) * v
+    need = least_memory(c, stages * v, inflight=inflight, modes=allowed, waiting=waiting) * v
     more = None
     tried = min(n // v, 8 * stages)  # each try is a feasibility test: stay within a second or so
     for s in range(stages + 1, tried + 1):
@@ -508,7 +535,8 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight
             sched_ok = check_schedule(schedule, s, v, m)
         except PartitionError:
             continue  # e.g. interleaved needs M to be a multiple of the stages
-        if fits(c, s * v, inflight=inflight_counts(sched_ok, s, v, m), limit=chunk_limit, modes=allowed):
+        more_inflight, more_waiting = model.units(sched_ok, s, v, m)
+        if fits(c, s * v, inflight=more_inflight, limit=chunk_limit, modes=allowed, waiting=more_waiting):
             more = s
             break
     hints.append(f"{more} stages would fit" if more else f"no number of stages up to {tried} fits")
@@ -528,10 +556,11 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, inflight
     )
 
 
-def _recompute_hint(model: _Model, recompute: str, chunks: list[tuple[int, int, int]], chunk_limit: int) -> str:
-    """', or use recompute='auto'' when some mode the policy excludes would make these chunks fit."""
+def _recompute_hint(model: _Model, recompute: str, chunks: list[tuple[int, int, int, int]], chunk_limit: int) -> str:
+    """', or use recompute='auto'' when some mode the policy excludes would make these chunks fit
+    (each chunk: start, end, micro-batches held, how many of them wait for their weight pass)."""
     c = model.costs
     others = [md for md in range(len(c.modes)) if md not in model.allowed(recompute)]
-    if all(any(int(c.memory(a, b, infl, md)) <= chunk_limit for md in others) for a, b, infl in chunks) and others:
+    if all(any(int(c.memory(a, b, infl, md, wait)) <= chunk_limit for md in others) for a, b, infl, wait in chunks) and others:
         return ", or use recompute auto (--recompute auto: it fits with recompute)"
     return ""

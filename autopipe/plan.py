@@ -76,6 +76,9 @@ class Plan:
     # Per rank: what rank_memory adds up (autopipe.memory.RankMemory: weights, gradients, optimizer,
     # activations, outputs, buffers, transient, data_parallel, reserve, total); () in older plans.
     rank_memory_breakdown: tuple[dict[str, int], ...] = ()
+    # Per chunk: of stage_inflight, the micro-batches past their input pass and waiting for their
+    # weight pass at the chunk's peak (zero-bubble schedules; 0 otherwise); () in older plans.
+    stage_waiting: tuple[int, ...] = ()
     # Where memory_limit came from: "given", "device" (the profile's GPU memory, the default) or ""
     # (no limit, or plans before this field).
     memory_limit_source: str = ""
@@ -171,7 +174,7 @@ class Plan:
 
 _CHUNK_FIELDS = ("stage_ranks", "stage_times", "stage_forward", "stage_backward", "stage_comm", "stage_memory",
                  "stage_inflight")
-_CHUNK_OPTIONAL = ("stage_first_layers", "stage_recompute")  # () in older plans
+_CHUNK_OPTIONAL = ("stage_first_layers", "stage_recompute", "stage_waiting")  # () in older plans
 _RANK_FIELDS = ("rank_times", "rank_memory")
 
 
@@ -210,7 +213,7 @@ def _check_plan(plan: Plan) -> None:
     for f in ("stage_times", "stage_forward", "stage_backward", "stage_comm", "rank_times"):
         for i, v in enumerate(getattr(plan, f)):
             number(v, f"{f}[{i}]")
-    for f in ("stage_memory", "stage_inflight", "rank_memory"):
+    for f in ("stage_memory", "stage_inflight", "stage_waiting", "rank_memory"):
         for i, v in enumerate(getattr(plan, f)):
             number(v, f"{f}[{i}]", whole=True)
     for f in ("bottleneck_time", "peak_memory", "step_time", "weight_share"):

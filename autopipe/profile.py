@@ -39,6 +39,7 @@ from .measure import (
     tensor_bytes,
     time_layer,
     time_split,
+    weight_hold_change,
 )
 from .records import RECOMPUTE_MODES, LayerCost, Profile, RecomputeCost, optimizer_state_factor
 from .units import format_bytes
@@ -359,11 +360,14 @@ class _Ledger:
 def _layer_cost(c: dict[str, Any], ledgers: Mapping[str, _Ledger]) -> LayerCost:
     i = c["index"]
     extra = c.pop("recompute_time", {})
+    change = c.pop("hold_change", {})
     recompute = {
         mode: RecomputeCost(activation_bytes=ledgers[mode].bytes[i], extra_backward_time=extra.get(mode, 0.0))
         for mode in RECOMPUTE_MODES[1:]
     }
-    return LayerCost(activation_bytes=ledgers["none"].bytes[i], recompute=recompute, **c)
+    # on the same ledger as the activations: what the layer keeps, plus what waiting for W changes
+    hold = {mode: max(0, ledgers[mode].bytes[i] + d) for mode, d in change.items()}
+    return LayerCost(activation_bytes=ledgers["none"].bytes[i], recompute=recompute, weight_hold_bytes=hold, **c)
 
 
 def _cost_layer(work: nn.Module, x: Value, *, estimate: bool, spec: Any, dtype: str, device: torch.device,
@@ -381,9 +385,12 @@ def _cost_layer(work: nn.Module, x: Value, *, estimate: bool, spec: Any, dtype: 
         for mode in RECOMPUTE_MODES[1:]
     }
     split = time_split(work, x, device=device, warmup=warmup, repeats=repeats) or (0.0, 0.0)
+    # what a unit waiting for its weight pass holds beyond its forward's bytes, per mode (zbv's memory)
+    hold = {mode: weight_hold_change(work, x, mode=mode) for mode in RECOMPUTE_MODES}
     return dict(forward_time=t.forward, backward_time=t.backward,
                 forward_spread=t.forward_spread, backward_spread=t.backward_spread, recompute_time=extra,
-                backward_input_time=split[0], backward_weight_time=split[1])
+                backward_input_time=split[0], backward_weight_time=split[1],
+                hold_change={m: d for m, d in hold.items() if d is not None})
 
 
 class _ParamSizer:

@@ -69,6 +69,9 @@ class LayerCost:
     # (seconds; both 0 when not measured: estimated, given, or no split to time)
     backward_input_time: float = 0.0
     backward_weight_time: float = 0.0
+    # recompute mode -> bytes a micro-batch holds between those two passes, waiting for its weight
+    # gradients (on the same ledger as activation_bytes); a mode absent here was not measured
+    weight_hold_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def time(self) -> float:
@@ -288,6 +291,10 @@ def _check_layers(layers: Sequence[LayerCost]) -> None:
                 raise RecordError(f"{where} has recompute mode {mode!r}; use one of selective, full.")
             _check_number(rc.activation_bytes, f"{where} recompute[{mode!r}].activation_bytes", integer=True)
             _check_number(rc.extra_backward_time, f"{where} recompute[{mode!r}].extra_backward_time")
+        for mode, nbytes in layer.weight_hold_bytes.items():
+            if mode not in RECOMPUTE_MODES:
+                raise RecordError(f"{where} has weight_hold_bytes for mode {mode!r}; use none, selective or full.")
+            _check_number(nbytes, f"{where} weight_hold_bytes[{mode!r}]", integer=True)
 
 
 def optimizer_state_factor(optimizer: str) -> float:

@@ -57,22 +57,30 @@ class Infeasible(Exception):
     """No cut into the asked number of chunks fits the memory limit under any allowed mode."""
 
 
-def fits(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], limit: int | None, modes: Sequence[int] = (0,)) -> bool:
-    """Whether some cut into ``chunks`` non-empty chunks fits ``limit`` with some allowed mode each."""
+def fits(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], limit: int | None, modes: Sequence[int] = (0,),
+         waiting: Sequence[int] | None = None) -> bool:
+    """Whether some cut into ``chunks`` non-empty chunks fits ``limit`` with some allowed mode each
+    (``waiting``: per chunk, the units past their input pass; see ChunkCosts.memory)."""
     if not 1 <= chunks <= costs.n:
         return False
-    return reach(costs.n, chunks, lambda s, b, first: _memory_start(costs, inflight[s], limit, modes, b, position(s, chunks))) is not None
+    wait = list(waiting) if waiting is not None else [0] * chunks
+    return reach(costs.n, chunks, lambda s, b, first: _memory_start(costs, inflight[s], limit, modes, b, position(s, chunks),
+                                                                    wait[s])) is not None
 
 
-def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], modes: Sequence[int] = (0,)) -> int:
+def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], modes: Sequence[int] = (0,),
+                 waiting: Sequence[int] | None = None) -> int:
     """The smallest per-chunk limit some cut into ``chunks`` chunks meets (bisection over bytes)."""
     idx = np.arange(costs.n)
+    wait = list(waiting) if waiting is not None else [0] * chunks
     alone = np.min([costs.memory(idx, idx + 1, min(inflight), m) for m in modes], axis=0)
     lo = int(alone.max()) - 1  # some chunk holds the layer that needs the most alone: never fits
-    hi = int(min(costs.memory(0, costs.n, max(inflight), m) for m in modes))  # any chunk fits under it
+    # any chunk fits under the whole model with the most units, each of them at the larger of its two charges
+    hi = int(min(max(costs.memory(0, costs.n, max(inflight), m), costs.memory(0, costs.n, max(inflight), m, max(inflight)))
+                 for m in modes))  # fmt: skip
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits(costs, chunks, inflight=inflight, limit=mid, modes=modes):
+        if fits(costs, chunks, inflight=inflight, limit=mid, modes=modes, waiting=wait):
             hi = mid
         else:
             lo = mid
@@ -82,10 +90,10 @@ def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], mod
 
 
 def _memory_start(costs: ChunkCosts, inflight: int, limit: int | None, modes: Sequence[int], b: np.ndarray,
-                  where: str = "middle") -> np.ndarray:  # fmt: skip
+                  where: str = "middle", waiting: int = 0) -> np.ndarray:  # fmt: skip
     if limit is None:
         return np.zeros_like(b)
-    return np.min([costs.window_start(m, inflight, limit, where)[b] for m in modes], axis=0)
+    return np.min([costs.window_start(m, inflight, limit, where, waiting)[b] for m in modes], axis=0)
 
 
 def reach(n: int, k: int, lo_of, span=None, finish=None) -> list[np.ndarray] | None:

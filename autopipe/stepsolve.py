@@ -82,6 +82,7 @@ def solve_step(
     virtual: int = 1,
     microbatches: int,
     inflight: Sequence[int] | None = None,
+    waiting: Sequence[int] | None = None,
     limit: int | None = None,
     modes: Sequence[int] = (0,),
     weight_share: float = 0.5,
@@ -89,7 +90,8 @@ def solve_step(
 ) -> StepSolution:
     """The cut of ``costs`` into ``ranks * virtual`` chunks with the shortest simulated step.
 
-    ``inflight`` per chunk defaults to what the schedule holds; ``limit`` caps each chunk's bytes;
+    ``inflight`` per chunk defaults to what the schedule holds, ``waiting`` of them past their input
+    pass (zero-bubble; default none, ``schedule.peak_units``); ``limit`` caps each chunk's bytes;
     ``modes`` are the recompute modes (indices into ``costs.modes``) a chunk may use.
     ``enumerate_work`` bounds the brute force (0: bounds and candidates only).
     Raises :class:`Infeasible` when no cut fits and ValueError when there are too few layers.
@@ -99,7 +101,9 @@ def solve_step(
     if not 1 <= k <= costs.n:
         raise ValueError(f"cannot cut {costs.n} layers into {k} non-empty chunks")
     infl = list(inflight) if inflight is not None else inflight_counts(schedule, ranks, virtual, microbatches)
-    return _Search(costs, schedule, ranks, virtual, microbatches, infl, limit, tuple(modes), weight_share).run(enumerate_work)
+    wait = list(waiting) if waiting is not None else [0] * k
+    return _Search(costs, schedule, ranks, virtual, microbatches, infl, limit, tuple(modes), weight_share,
+                   wait).run(enumerate_work)
 
 
 # ---- the search ----------------------------------------------------------------------------------------
@@ -119,12 +123,14 @@ class _Search:
     """One search: the costs, the schedule's shape, the limit and modes, the best cut seen, the counters."""
 
     def __init__(self, costs: ChunkCosts, schedule: str, ranks: int, virtual: int, m: int, inflight: list[int],
-                 limit: int | None, modes: tuple[int, ...], weight_share: float) -> None:  # fmt: skip
+                 limit: int | None, modes: tuple[int, ...], weight_share: float,
+                 waiting: list[int] | None = None) -> None:  # fmt: skip
         self.c = costs
         self.schedule = schedule
         self.ranks, self.virtual, self.m = ranks, virtual, m
         self.k = ranks * virtual
         self.inflight = inflight
+        self.waiting = waiting or [0] * self.k
         self.limit = limit
         self.modes = modes
         self.weight_share = weight_share
@@ -174,7 +180,8 @@ class _Search:
         c = self.c
         a, b = cuts[:, :-1], cuts[:, 1:]
         infl = np.asarray(self.inflight)[None, :]
-        mode = c.fastest_modes(a, b, infl, self.limit, self.modes)
+        wait = np.asarray(self.waiting)[None, :]
+        mode = c.fastest_modes(a, b, infl, self.limit, self.modes, wait)
         ok = np.all(mode >= 0, axis=1)
         if ok.any():
             a, b, md = a[ok], b[ok], mode[ok]
@@ -182,10 +189,11 @@ class _Search:
                                    comm=c.comm(a, b), ranks=self.ranks, microbatches=self.m,
                                    weight_share=self.weight_share)  # fmt: skip
             self.simulated += int(ok.sum())
-            self._offer(steps, cuts, mode, infl)
+            self._offer(steps, cuts, mode, infl, wait)
         return steps
 
-    def _offer(self, steps: np.ndarray, cuts: np.ndarray, mode: np.ndarray, infl: np.ndarray) -> None:
+    def _offer(self, steps: np.ndarray, cuts: np.ndarray, mode: np.ndarray, infl: np.ndarray,
+               wait: np.ndarray) -> None:
         """Keep the shortest step. Steps within TIE of it are equal (sums in another order differ in the
         last bits): among those the lowest peak chunk memory, then the lowest bottleneck, then the first."""
         low = float(steps.min())
@@ -195,7 +203,7 @@ class _Search:
         if rows.size == 0:
             return
         a, b, md = cuts[rows, :-1], cuts[rows, 1:], mode[rows]
-        peak = np.max(self.c.memory(a, b, infl, md), axis=1)
+        peak = np.max(self.c.memory(a, b, infl, md, wait), axis=1)
         slow = np.max(self.c.time(a, b, md), axis=1)
         keys = sorted(zip(peak.tolist(), slow.tolist(), range(rows.size)))
         j = keys[0][2]
@@ -254,7 +262,7 @@ class _Search:
         top = int(b.max()) if b.size else first
         for i, md in enumerate(self.modes[:only]):
             lo = (np.zeros_like(b) if self.limit is None
-                  else c.window_start(md, self.inflight[s], self.limit, position(s, self.k))[b])  # fmt: skip
+                  else c.window_start(md, self.inflight[s], self.limit, position(s, self.k), self.waiting[s])[b])  # fmt: skip
             if v is not None:
                 lo = np.maximum(lo, np.searchsorted(self.g[i], self.h[i][b] - v / self.scale, side="left"))
                 if self._arrays is not None:
@@ -298,7 +306,7 @@ class _Search:
         c = self.c
         out = b
         for i, md in enumerate(self.modes[:only]):
-            lo = 0 if self.limit is None else int(c.window_start(md, self.inflight[s], self.limit, position(s, self.k))[b])
+            lo = 0 if self.limit is None else int(c.window_start(md, self.inflight[s], self.limit, position(s, self.k), self.waiting[s])[b])
             if v is not None:
                 lo = max(lo, int(np.searchsorted(self.g[i], self.h_right[i][b] - v / self.scale, side="left")))
                 for g, _, right in self._arrays[s][i] if self._arrays is not None else ():

@@ -121,7 +121,7 @@ from autopipe import Profile as _Profile  # noqa: E402
 from autopipe.chunkcost import ChunkCosts  # noqa: E402
 from autopipe.partition import partition  # noqa: E402
 from autopipe.records import LayerCost  # noqa: E402
-from autopipe.schedule import inflight_counts  # noqa: E402
+from autopipe.schedule import inflight_counts, peak_units  # noqa: E402
 from autopipe.stepbound import dwell_forms  # noqa: E402
 from autopipe.stepsolve import Infeasible as StepInfeasible  # noqa: E402
 from autopipe.stepsolve import solve_step  # noqa: E402
@@ -167,6 +167,8 @@ def _brute_step(prof, opts, stages) -> float | None:
     inputs = [prof.input_bytes] + [l.output_bytes for l in layers[:-1]]
     modes = ["none", "full"] if opts["recompute"] == "auto" else ["none"]
     infl = inflight_counts(schedule, stages, v, m)
+    # zbv: of those, the units past their B at the chunk's peak (no hold figures: as heavy as held ones)
+    wait = [w for _, w in peak_units(schedule, stages, v, m)]
     best = None
     for inner in itertools.combinations(range(1, n), k - 1):
         bounds = (0, *inner, n)
@@ -174,7 +176,7 @@ def _brute_step(prof, opts, stages) -> float | None:
         if schedule == "zbv":
             # zbv's greedy order depends on the costs, so a longer op can reorder it and shorten the step;
             # recompute is never chosen for that: each chunk takes the fastest mode that fits, as planned.
-            assignments = [tuple(_fastest_fitting(layers, inputs, a, b, infl[c], limit, v, modes, m)
+            assignments = [tuple(_fastest_fitting(layers, inputs, a, b, infl[c], limit, v, modes, m, wait[c])
                                  for c, (a, b) in enumerate(zip(bounds, bounds[1:])))]  # fmt: skip
         for chosen in assignments:
             if None in chosen:
@@ -182,7 +184,7 @@ def _brute_step(prof, opts, stages) -> float | None:
             fwd, bwd, comm, fits_all = [], [], [], True
             for c, ((a, b), mode) in enumerate(zip(zip(bounds, bounds[1:]), chosen)):
                 part = layers[a:b]
-                mem = _chunk_memory(layers, inputs, a, b, mode, infl[c], m)
+                mem = _chunk_memory(layers, inputs, a, b, mode, infl[c], m, wait[c])
                 fits_all &= limit is None or mem <= limit // v
                 cc = (layers[a - 1].output_bytes / bw if a > 0 else 0.0) + (layers[b - 1].output_bytes / bw if b < n else 0.0)
                 fwd.append(sum(l.forward_time for l in part))
@@ -196,25 +198,26 @@ def _brute_step(prof, opts, stages) -> float | None:
     return best
 
 
-def _chunk_memory(layers, inputs, a, b, mode, inflight, m) -> int:
+def _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting=0) -> int:
     """Bytes chunk [a, b) holds, by hand (autopipe.memory's terms): parameters and gradients (SGD: no
     state), what each layer keeps per micro-batch in flight, the worst one-layer transient (under full
     recompute the activations it rebuilds beyond its input), the model's output held until its
-    backward (last chunk), and one receive buffer per micro-batch on each side facing another chunk."""
+    backward (last chunk; not by the ``waiting`` units past it), and one receive buffer per
+    micro-batch on each side facing another chunk."""
     part, n = layers[a:b], len(layers)
     kept = [l.activation_bytes for l in part] if mode == "none" else inputs[a:b]
     mem = sum(2 * l.param_bytes for l in part) + inflight * sum(kept)
     mem += max(max(l.activation_bytes - k, 0) for l, k in zip(part, kept)) if mode != "none" else 0
-    mem += inflight * layers[-1].output_bytes if b == n else 0
+    mem += (inflight - waiting) * layers[-1].output_bytes if b == n else 0
     mem += (m * layers[a - 1].output_bytes if a > 0 else 0) + (m * layers[b - 1].output_bytes if b < n else 0)
     return mem
 
 
-def _fastest_fitting(layers, inputs, a, b, inflight, limit, v, modes, m) -> str | None:
+def _fastest_fitting(layers, inputs, a, b, inflight, limit, v, modes, m, waiting=0) -> str | None:
     """The mode with the least added time among those whose memory fits (none first on ties)."""
     part = layers[a:b]
     for mode in sorted(modes, key=lambda md: sum(l.forward_time for l in part) if md == "full" else 0.0):
-        if limit is None or _chunk_memory(layers, inputs, a, b, mode, inflight, m) <= limit // v:
+        if limit is None or _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting) <= limit // v:
             return mode
     return None
 
@@ -238,7 +241,8 @@ def test_plans_never_exceed_the_limit(data) -> None:
             assert plan.peak_memory <= limit
     layers, inputs = prof.layers, [prof.input_bytes] + [l.output_bytes for l in prof.layers[:-1]]
     for c, (a, b) in enumerate(zip(plan.boundaries, plan.boundaries[1:])):
-        exact = _chunk_memory(layers, inputs, a, b, plan.recompute_of(c), plan.stage_inflight[c], plan.microbatches)
+        exact = _chunk_memory(layers, inputs, a, b, plan.recompute_of(c), plan.stage_inflight[c], plan.microbatches,
+                              plan.stage_waiting[c])
         assert plan.stage_memory[c] == exact
 
 
