@@ -454,7 +454,7 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
     # Each chunk at its own peak, as the partitioner held it under the limit. The chunks of one rank
-    # do not peak together (schedule.unit_states), but on CPU the resident peak measured at least
+    # do not peak together (schedule.peak_units), but on CPU the resident peak measured at least
     # this sum on interleaved and 2-rank zbv runs (bench/results/accuracy.md), not the live tensors'
     # joint peak, which read 1.08-1.14 of it.
     per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,

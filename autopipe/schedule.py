@@ -53,7 +53,6 @@ __all__ = [
     "simulate",
     "step_times",
     "inflight_counts",
-    "unit_states",
     "peak_units",
 ]
 
@@ -269,64 +268,44 @@ def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) 
     return peak
 
 
-def unit_states(schedule: str, ranks: int, virtual: int, microbatches: int) -> list[list[tuple[tuple[int, int], ...]]]:
-    """Per rank, every state its op order passes through, as (held, waiting) per chunk of that rank
-    (chunks in ``chunk_ranks`` order): ``held`` units are between their F and their B (they hold the
-    forward's saved activations), ``waiting`` units between their B and their W (zero-bubble only;
-    they hold what the weight gradients need). States one of the others dominates are dropped.
-
-    The rank's peak is the largest of ``sum(held * act + waiting * hold)`` over its states; the
-    chunks of one rank do not peak together (zbv at 4 ranks x 8 micro-batches: rank 0 holds 8
-    shallow units, then 7 with 1 deep one, never 8 + 1).
-
-    >>> unit_states("1f1b", 2, 1, 4)
-    [[((2, 0),)], [((1, 0),)]]
-    """
-    schedule = check_schedule(schedule, ranks, virtual, microbatches)
-    owner = chunk_ranks(schedule, ranks, virtual)
-    out = []
-    for r, order in enumerate(_fixed_orders(schedule, ranks, virtual, microbatches)):
-        mine = [c for c, o in enumerate(owner) if o == r]
+@lru_cache(maxsize=64)
+def _peak_units(schedule: str, ranks: int, virtual: int, m: int, hold_ratio: float) -> tuple[tuple[int, int], ...]:
+    best = [(-1.0, 0, 0)] * (ranks * virtual)  # per chunk: (weight, units, waiting) at its peak so far
+    for order in _fixed_orders(schedule, ranks, virtual, m):
+        held: dict[int, int] = {}
+        waiting: dict[int, int] = {}
         split = any(kind == "W" for kind, _, _ in order)
-        held = dict.fromkeys(mine, 0)
-        waiting = dict.fromkeys(mine, 0)
-        seen: set[tuple[tuple[int, int], ...]] = set()
         for kind, _, c in order:
             if kind == "F":
-                held[c] += 1
+                held[c] = held.get(c, 0) + 1
             elif kind == "B":
                 held[c] -= 1
-                waiting[c] += split
+                waiting[c] = waiting.get(c, 0) + split
             else:
                 waiting[c] -= 1
-            seen.add(tuple((held[c], waiting[c]) for c in mine))
-        flat = {st: tuple(x for pair in st for x in pair) for st in seen}
-        out.append(sorted(st for st in seen if not any(
-            o != st and all(x >= y for x, y in zip(flat[o], flat[st])) for o in seen)))  # fmt: skip
-    return out
+            h, w = held[c], waiting.get(c, 0)
+            weight = h + hold_ratio * w
+            if weight > best[c][0] or (weight == best[c][0] and h + w > best[c][1]):
+                best[c] = (weight, h + w, w)
+    return tuple((units, w) for _, units, w in best)
 
 
 def peak_units(schedule: str, ranks: int, virtual: int, microbatches: int, hold_ratio: float = 1.0) -> list[tuple[int, int]]:
-    """Per chunk, (units, waiting) at that chunk's own peak: the state of its rank's order where
-    ``held + hold_ratio * waiting`` of the chunk is largest (``units = held + waiting``). For the
-    partitioner, which weighs each chunk alone: a unit waiting for its weight pass holds
-    ``hold_ratio`` times a held one (profiled: 1.3-1.5 on transformer blocks). Without a split
-    backward ``waiting`` is 0 and ``units`` is ``inflight_counts``.
+    """Per chunk, (units, waiting) at that chunk's own peak along its rank's op order: ``held``
+    units are between their F and their B (they keep the forward's saved activations), ``waiting``
+    ones between their B and their W (zero-bubble only: they keep what the weight gradients need),
+    ``units = held + waiting``, and the peak is the state where ``held + hold_ratio * waiting`` is
+    largest, a waiting unit weighing ``hold_ratio`` held ones (profiled: 1.3-1.5 on transformer
+    blocks). Without a split backward ``waiting`` is 0 and ``units`` is ``inflight_counts``.
+
+    A rank's chunks do not peak together (zbv at 4 ranks x 8 micro-batches: rank 0 holds 8 shallow
+    units, then 7 and 1 deep one, never 8 + 1); the plan charges each at its own peak.
 
     >>> peak_units("zbv", 4, 2, 8, hold_ratio=1.4)[3], peak_units("zbv", 4, 2, 8, hold_ratio=1.4)[4]
     ((4, 4), (4, 1))
     """
-    owner = chunk_ranks(check_schedule(schedule, ranks, virtual, microbatches), ranks, virtual)
-    states = unit_states(schedule, ranks, virtual, microbatches)
-    best: list[tuple[float, tuple[int, int]]] = [(-1.0, (0, 0))] * len(owner)
-    for r, rank_states in enumerate(states):
-        mine = [c for c, o in enumerate(owner) if o == r]
-        for st in rank_states:
-            for c, (held, waiting) in zip(mine, st):
-                weight = held + hold_ratio * waiting
-                if weight > best[c][0] or (weight == best[c][0] and held + waiting > sum(best[c][1])):
-                    best[c] = (weight, (held + waiting, waiting))
-    return [pair for _, pair in best]
+    schedule = check_schedule(schedule, ranks, virtual, microbatches)
+    return list(_peak_units(schedule, ranks, virtual, microbatches, float(hold_ratio)))
 
 
 def zbv_order(ranks: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:

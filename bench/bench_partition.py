@@ -136,14 +136,16 @@ def compare_profile(path: Path) -> dict:
     for stages in (2, 4, 8):
         if stages > n:
             continue
+        # no memory limit: this compares the cuts' step times (a GPU profile would otherwise be held
+        # to its device's memory by default, which a 13B or 70B model does not fit on 2 stages)
         t0 = time.perf_counter()
-        best = partition(prof, stages)
+        best = partition(prof, stages, memory_limit=None)
         seconds = time.perf_counter() - t0
         row = {"stages": stages, "autopipe_step_s": best.step_time, "autopipe_bottleneck_s": best.bottleneck_time,
                "autopipe_gap": best.step_gap, "autopipe_seconds": seconds, "autopipe_boundaries": list(best.boundaries),
                "baselines": {}}  # fmt: skip
         for method in BASELINES:
-            p = partition(prof, stages, method=method)
+            p = partition(prof, stages, method=method, memory_limit=None)
             row["baselines"][method] = {"step_ratio": p.step_time / best.step_time,
                                         "bottleneck_ratio": p.bottleneck_time / best.bottleneck_time,
                                         "boundaries": list(p.boundaries)}  # fmt: skip
