@@ -119,6 +119,16 @@ class Plan:
         """Chunk ``chunk``'s recompute mode ("none" for plans made before recompute was planned)."""
         return self.stage_recompute[chunk] if self.stage_recompute else "none"
 
+    def waiting_of(self, chunk: int) -> int:
+        """Of chunk ``chunk``'s micro-batches in flight at its peak, those waiting for their weight
+        pass (zero-bubble schedules; 0 otherwise and in plans made before this was planned)."""
+        return self.stage_waiting[chunk] if self.stage_waiting else 0
+
+    def inflight_text(self, chunk: int) -> str:
+        """'8' or, with units waiting for their weight pass, '8 (1 awaiting W)'."""
+        w = self.waiting_of(chunk)
+        return f"{self.stage_inflight[chunk]}" + (f" ({w} awaiting W)" if w else "")
+
     def layers_of(self, chunk: int) -> range:
         """Layer indices of chunk ``chunk``."""
         return range(self.boundaries[chunk], self.boundaries[chunk + 1])

@@ -36,7 +36,7 @@ def plan_table(plan: Plan, title: str = "") -> Table:
             _ms(plan.stage_backward[c]),
             _ms(2 * plan.stage_comm[c]),
             format_bytes(plan.stage_memory[c]),
-            str(plan.stage_inflight[c]),
+            plan.inflight_text(c),
             *((plan.recompute_of(c),) if recompute else ()),
             style="bold" if slow else None,
         )

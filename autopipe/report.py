@@ -234,7 +234,7 @@ def _stage_table(plan: Plan) -> str:
             f"<td>{format_time(plan.stage_backward[c])}</td><td>{format_time(2 * plan.stage_comm[c])}</td>"
             f"<td>{format_time(plan.stage_times[c])}</td><td>{share:.0%}</td>"
             f"<td{' class=over' if over else ''}>{format_bytes(plan.stage_memory[c])}</td>"
-            f"<td>{plan.stage_inflight[c]}</td><td class=\"l recompute\">{_e(_recompute_cell(plan, c))}</td></tr>"
+            f"<td>{_e(plan.inflight_text(c))}</td><td class=\"l recompute\">{_e(_recompute_cell(plan, c))}</td></tr>"
         )
     head = ("<tr><th class=\"l\">stage</th><th>rank</th><th>layers</th><th>#</th><th class=\"l\">first layer</th>"
             "<th>forward</th><th>backward</th><th>send/recv</th><th>total</th><th>of slowest</th><th>memory</th>"
@@ -425,7 +425,10 @@ def _layer_memory_chart(plan: Plan, profile: Profile) -> str:
     owner = _stage_of_layers(plan)
     names = [c.name for c in profile.layers]
     static = [float(c.static_bytes) for c in profile.layers]
-    acts = [float(c.activation_bytes * plan.stage_inflight[owner[i]]) for i, c in enumerate(profile.layers)]
+    # a unit awaiting its weight pass (zbv) holds what the profile measured for that state
+    acts = [float(c.activation_bytes * (plan.stage_inflight[owner[i]] - plan.waiting_of(owner[i]))
+                  + c.weight_hold_bytes.get("none", c.activation_bytes) * plan.waiting_of(owner[i]))
+            for i, c in enumerate(profile.layers)]  # fmt: skip
     return _layer_bars(plan, names, static, acts, format_bytes, "memory", "params+grads+optimizer",
                        "activations in flight", high_light=True)
 

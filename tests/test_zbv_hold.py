@@ -165,6 +165,30 @@ def test_a_zbv_plan_charges_its_waiting_units_and_old_profiles_keep_the_old_char
     assert [r.activations for r in again] == [d["activations"] for d in before.rank_memory_breakdown]
 
 
+def test_the_plan_table_and_report_say_how_many_units_await_their_weight_pass(tmp_path) -> None:
+    """What a person reads: the in-flight column says how many of a zbv chunk's units wait for W,
+    and the report's activation chart charges them their hold; 1F1B says nothing of it."""
+    from rich.console import Console
+
+    from autopipe.plan_view import plan_table
+    from autopipe.report import render_report
+
+    layers = tuple(LayerCost(index=i, name=f"l{i}", forward_time=1.0, backward_time=2.0, activation_bytes=1000,
+                             output_bytes=10, weight_hold_bytes={"none": 1500}) for i in range(8))  # fmt: skip
+    prof = Profile(layers=layers, input_bytes=8)
+    plan = autopipe.partition(prof, 2, microbatches=4, schedule="zbv", bandwidth=None, recompute="none")
+    console = Console(record=True, width=200)
+    console.print(plan_table(plan))
+    text = console.export_text()
+    for c in range(plan.num_chunks):
+        w = plan.stage_waiting[c]
+        assert plan.inflight_text(c) == (f"{plan.stage_inflight[c]} ({w} awaiting W)" if w else str(plan.stage_inflight[c]))
+        assert plan.inflight_text(c) in text
+    assert "awaiting W" in render_report(plan, prof)
+    flat = autopipe.partition(prof, 2, microbatches=4, schedule="1f1b", bandwidth=None, recompute="none")
+    assert "awaiting W" not in render_report(flat, prof) and flat.inflight_text(0) == str(flat.stage_inflight[0])
+
+
 def test_hold_figures_survive_json_and_bad_ones_are_refused(tmp_path) -> None:
     layer = LayerCost(index=0, name="l0", forward_time=1.0, backward_time=1.0, weight_hold_bytes={"none": 5, "full": 2})
     prof = Profile(layers=(layer,))
