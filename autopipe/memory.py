@@ -18,6 +18,15 @@ The plan's ``rank_memory`` is this module's ``RankMemory.total``; the step log's
 - ``buffers``: torch's PipelineStage allocates one receive buffer per micro-batch for the tensors
   entering a chunk (forward) and for the gradients of those leaving it (backward), once, and keeps
   them across steps: M × the cut's bytes on each side that faces another rank.
+- ``sends``: torch's runtime-driven schedules (Interleaved1F1B, ZBVZeroBubble and the other
+  ``_PipelineScheduleRuntime`` ones, ``holds_sends``) wait every send only at the step's end, and
+  a gloo or NCCL send keeps its tensor alive until then: each micro-batch's chunk output after its
+  backward, each input gradient after it is sent. M × the cut's bytes on each side that faces
+  another rank, once more. Where zbv hands a tip chunk's output to its neighbour on the same rank,
+  torch keeps the hand-off (the input and, after B, its gradient) until the next step: 2 M × the
+  cut's bytes. Measured (4 ranks on gloo, the helper's probe of 2026-11-22): an interleaved rank's
+  live tensors grow by one cut per F and per B and fall to 0 only at the step's end (16 MiB = 32
+  sends x 0.5 MiB); zbv's tip rank holds 4 + 4 MiB of hand-off at the step's end.
 - ``transient``: the heaviest one-layer peak the rank sees on top (a layer's temporaries in forward
   or backward, beyond what it saves and the gradients it writes; under recompute, the layer's whole
   activation set rematerialised for one micro-batch).
@@ -59,8 +68,8 @@ from dataclasses import asdict, dataclass
 
 from .records import Profile, optimizer_state_factor
 
-__all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "layer_memory", "rank_memory",
-           "splits_backward", "zero_share"]
+__all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "holds_sends", "layer_memory",
+           "rank_memory", "splits_backward", "zero_share"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 # schedules that split the backward into input and weight passes (the partitioner's and torch's spellings)
@@ -75,6 +84,20 @@ def splits_backward(schedule: str) -> bool:
     (True, True, False)
     """
     return schedule.lower().replace("-", "").replace("_", "") in _SPLIT_BACKWARD
+
+
+_RUNTIME_DRIVEN = {"interleaved1f1b", "zbv", "zbvzerobubble", "loopedbfs", "interleavedzerobubble", "dualpipev"}
+
+
+def holds_sends(schedule: str) -> bool:
+    """Whether torch runs ``schedule`` (the partitioner's name or torch's class name) by its action
+    runtime (``_PipelineScheduleRuntime``), which waits every send only at the step's end: the sent
+    tensors live until then (``RankMemory.sends``). GPipe and 1F1B wait theirs within the step.
+
+    >>> holds_sends("interleaved1f1b"), holds_sends("ZBVZeroBubble"), holds_sends("1f1b"), holds_sends("gpipe")
+    (True, True, False, False)
+    """
+    return schedule.lower().replace("-", "").replace("_", "").removeprefix("schedule") in _RUNTIME_DRIVEN
 
 
 def ddp_schedule(schedule: str) -> bool:
@@ -132,6 +155,7 @@ class RankMemory:
     activations: int = 0
     outputs: int = 0
     buffers: int = 0
+    sends: int = 0
     transient: int = 0
     data_parallel: int = 0
     reserve: int = 0
@@ -141,7 +165,7 @@ class RankMemory:
     @property
     def total(self) -> int:
         """The peak: what lives all step, the activations in flight and the heaviest one-off on top."""
-        steady = (self.weights + self.gradients + self.optimizer + self.buffers + self.reserve + self.gathered
+        steady = (self.weights + self.gradients + self.optimizer + self.buffers + self.sends + self.reserve + self.gathered
                   + self.data_parallel)  # fmt: skip
         return steady + self.activations + self.outputs + max(self.transient, self.reduce_scatter)
 
@@ -270,7 +294,8 @@ def rank_memory(
     """Each pipeline rank's peak for a cut: chunk c is ``boundaries[c]:boundaries[c+1]`` on rank
     ``stage_ranks[c]`` with ``inflight[c]`` micro-batches held and recompute mode ``recompute[c]``
     (default none), each stage replicated ``dp`` times with ZeRO stage ``zero`` under ``schedule``
-    (ignored when ``profile`` is a LayerMemory: it carries its own). ``reserve`` defaults to the profile's.
+    (which also says whether sends are held to the step's end, ``holds_sends``; its ZeRO engine is
+    ignored when ``profile`` is a LayerMemory: it carries its own). ``reserve`` defaults to the profile's.
 
     Each chunk counts ``inflight[c]`` micro-batches, ``waiting[c]`` of them past their input pass and
     holding ``LayerMemory.waiting`` until their weight pass (zero-bubble; default none): the sum of
@@ -299,7 +324,7 @@ def rank_memory(
             extra = sum(1 for i in layers if i in users) - 1
             if extra > 0:
                 w, g, o, x, dpb = w - extra * tw, g - extra * tg, o - extra * to, x - extra * tx, dpb - extra * tb
-        buf = trans = 0
+        buf = trans = sent = 0
         act = outs = 0
         for c in mine:  # held units keep the forward's bytes, waiting ones what their weight pass needs
             held, late = inflight[c] - (waiting[c] if waiting else 0), (waiting[c] if waiting else 0)
@@ -314,8 +339,12 @@ def rank_memory(
                 buf += microbatches * lm.outputs[a - 1]
             if b < n and stage_ranks[c + 1] != r:
                 buf += microbatches * lm.outputs[b - 1]
+            if holds_sends(schedule) and b < n and stage_ranks[c + 1] == r:  # a hand-off on this rank
+                sent += 2 * microbatches * lm.outputs[b - 1]
+        if holds_sends(schedule):
+            sent += buf  # every send of the step, alive until its end
         out.append(RankMemory(
-            weights=w, gradients=g, optimizer=o, activations=act, outputs=outs, buffers=buf,
+            weights=w, gradients=g, optimizer=o, activations=act, outputs=outs, buffers=buf, sends=sent,
             transient=trans, data_parallel=dpb, reserve=int(reserve), gathered=x,
             reduce_scatter=max((scatter[i] for i in layers), default=0),
         ))  # fmt: skip

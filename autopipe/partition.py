@@ -32,7 +32,7 @@ import numpy as np
 from .baselines import baseline
 from .chunkcost import ChunkCosts
 from .errors import InfeasibleMemoryError, PartitionError
-from .memory import ZERO_STAGES, layer_memory, rank_memory
+from .memory import ZERO_STAGES, holds_sends, layer_memory, rank_memory
 from .plan import Plan
 from .records import Profile
 from .schedule import (
@@ -109,7 +109,8 @@ class _Model:
                        for name, t in lm.transient.items()},  # fmt: skip
             held=lm.outputs[-1] if lm.outputs else 0,
             hold=lm.waiting,
-            buffers=microbatches,
+            # receive buffers, and under torch's runtime-driven schedules the sends held to the step's end
+            buffers=microbatches * (2 if holds_sends(schedule) else 1),
             cut_bytes=list(lm.outputs[:-1]),
         )
         self.reserve = profile.reserve_bytes
@@ -458,7 +459,8 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     # this sum on interleaved and 2-rank zbv runs (bench/results/accuracy.md), not the live tensors'
     # joint peak, which read 1.08-1.14 of it.
     per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,
-                           recompute=[c.modes[int(x)] for x in md], reserve=model.reserve, waiting=waiting)  # fmt: skip
+                           recompute=[c.modes[int(x)] for x in md], reserve=model.reserve, waiting=waiting,
+                           schedule=schedule)  # fmt: skip
     rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=weight_share)
     slowest = int(np.argmax(times))

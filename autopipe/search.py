@@ -179,7 +179,7 @@ def _peak_if_fits(prof: Profile, free: Plan, x: Layout, optimizer: str | None, l
 
     lm = layer_memory(prof, optimizer, dp=x.dp, zero=x.zero, schedule=x.schedule)
     common = dict(inflight=free.stage_inflight, microbatches=free.microbatches, recompute=free.stage_recompute,
-                  reserve=prof.reserve_bytes, waiting=free.stage_waiting)  # fmt: skip
+                  reserve=prof.reserve_bytes, waiting=free.stage_waiting, schedule=x.schedule)  # fmt: skip
     ranks = rank_memory(lm, free.boundaries, stage_ranks=free.stage_ranks, **common)  # type: ignore[arg-type]
     peak = max(r.total for r in ranks)
     if limit is None:

@@ -182,3 +182,24 @@ def test_a_backward_s_fresh_gradient_is_a_transient_on_top_of_the_held_one() -> 
     assert lm.transient["none"][emb] >= vocab * d * 4
     # and no .grad is left behind by the profiler
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_runtime_driven_schedules_hold_every_send_to_the_step_s_end() -> None:
+    """torch's action runtime (interleaved, zbv) waits its sends at the step's end: each cut facing
+    another rank holds M sent tensors beside its M receive buffers; zbv's hand-off between its two
+    tip chunks on one rank holds M inputs and M gradients. 1F1B and GPipe wait theirs at once."""
+    prof = _profile(8)  # 10 bytes cross every cut
+    m = 4
+    inter = rank_memory(prof, (0, 2, 4, 6, 8), stage_ranks=(0, 1, 0, 1), inflight=(4, 3, 2, 1), microbatches=m,
+                        schedule="interleaved1f1b")  # fmt: skip
+    assert [r.buffers for r in inter] == [3 * m * 10, 3 * m * 10]  # rank 0: chunk 0 out; chunk 2 in and out
+    assert [r.sends for r in inter] == [r.buffers for r in inter]
+    zbv = rank_memory(prof, (0, 2, 4, 6, 8), stage_ranks=(0, 1, 1, 0), inflight=(4, 3, 2, 1), microbatches=m,
+                      schedule="zbv")  # fmt: skip
+    assert [r.buffers for r in zbv] == [2 * m * 10, 2 * m * 10]
+    assert [r.sends for r in zbv] == [2 * m * 10, 2 * m * 10 + 2 * m * 10]  # rank 1 also keeps the hand-off
+    for schedule in ("1f1b", "gpipe"):
+        flat = rank_memory(prof, (0, 4, 8), stage_ranks=(0, 1), inflight=(2, 1), microbatches=m, schedule=schedule)
+        assert [r.sends for r in flat] == [0, 0]
+    assert inter[0].total - inter[0].sends == rank_memory(
+        prof, (0, 2, 4, 6, 8), stage_ranks=(0, 1, 0, 1), inflight=(4, 3, 2, 1), microbatches=m)[0].total

@@ -176,7 +176,7 @@ def _brute_step(prof, opts, stages) -> float | None:
         if schedule == "zbv":
             # zbv's greedy order depends on the costs, so a longer op can reorder it and shorten the step;
             # recompute is never chosen for that: each chunk takes the fastest mode that fits, as planned.
-            assignments = [tuple(_fastest_fitting(layers, inputs, a, b, infl[c], limit, v, modes, m, wait[c])
+            assignments = [tuple(_fastest_fitting(layers, inputs, a, b, infl[c], limit, v, modes, m, wait[c], schedule)
                                  for c, (a, b) in enumerate(zip(bounds, bounds[1:])))]  # fmt: skip
         for chosen in assignments:
             if None in chosen:
@@ -184,7 +184,7 @@ def _brute_step(prof, opts, stages) -> float | None:
             fwd, bwd, comm, fits_all = [], [], [], True
             for c, ((a, b), mode) in enumerate(zip(zip(bounds, bounds[1:]), chosen)):
                 part = layers[a:b]
-                mem = _chunk_memory(layers, inputs, a, b, mode, infl[c], m, wait[c])
+                mem = _chunk_memory(layers, inputs, a, b, mode, infl[c], m, wait[c], schedule)
                 fits_all &= limit is None or mem <= limit // v
                 cc = (layers[a - 1].output_bytes / bw if a > 0 else 0.0) + (layers[b - 1].output_bytes / bw if b < n else 0.0)
                 fwd.append(sum(l.forward_time for l in part))
@@ -198,26 +198,28 @@ def _brute_step(prof, opts, stages) -> float | None:
     return best
 
 
-def _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting=0) -> int:
+def _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting=0, schedule="1f1b") -> int:
     """Bytes chunk [a, b) holds, by hand (autopipe.memory's terms): parameters and gradients (SGD: no
     state), what each layer keeps per micro-batch in flight, the worst one-layer transient (under full
     recompute the activations it rebuilds beyond its input), the model's output held until its
     backward (last chunk; not by the ``waiting`` units past it), and one receive buffer per
-    micro-batch on each side facing another chunk."""
+    micro-batch on each side facing another chunk, twice under the schedules torch runs by its action
+    runtime (interleaved, zbv), whose sends keep their tensors to the step's end."""
     part, n = layers[a:b], len(layers)
     kept = [l.activation_bytes for l in part] if mode == "none" else inputs[a:b]
     mem = sum(2 * l.param_bytes for l in part) + inflight * sum(kept)
     mem += max(max(l.activation_bytes - k, 0) for l, k in zip(part, kept)) if mode != "none" else 0
     mem += (inflight - waiting) * layers[-1].output_bytes if b == n else 0
-    mem += (m * layers[a - 1].output_bytes if a > 0 else 0) + (m * layers[b - 1].output_bytes if b < n else 0)
+    per_cut = m * (2 if schedule in ("interleaved1f1b", "zbv") else 1)
+    mem += (per_cut * layers[a - 1].output_bytes if a > 0 else 0) + (per_cut * layers[b - 1].output_bytes if b < n else 0)
     return mem
 
 
-def _fastest_fitting(layers, inputs, a, b, inflight, limit, v, modes, m, waiting=0) -> str | None:
+def _fastest_fitting(layers, inputs, a, b, inflight, limit, v, modes, m, waiting=0, schedule="1f1b") -> str | None:
     """The mode with the least added time among those whose memory fits (none first on ties)."""
     part = layers[a:b]
     for mode in sorted(modes, key=lambda md: sum(l.forward_time for l in part) if md == "full" else 0.0):
-        if limit is None or _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting) <= limit // v:
+        if limit is None or _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting, schedule) <= limit // v:
             return mode
     return None
 
@@ -242,7 +244,7 @@ def test_plans_never_exceed_the_limit(data) -> None:
     layers, inputs = prof.layers, [prof.input_bytes] + [l.output_bytes for l in prof.layers[:-1]]
     for c, (a, b) in enumerate(zip(plan.boundaries, plan.boundaries[1:])):
         exact = _chunk_memory(layers, inputs, a, b, plan.recompute_of(c), plan.stage_inflight[c], plan.microbatches,
-                              plan.stage_waiting[c])
+                              plan.stage_waiting[c], plan.schedule)
         assert plan.stage_memory[c] == exact
 
 
