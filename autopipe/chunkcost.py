@@ -35,7 +35,16 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["ChunkCosts", "position"]
+__all__ = ["ChunkCosts", "position", "state_arrays"]
+
+
+def state_arrays(states) -> tuple[np.ndarray, np.ndarray]:
+    """Per chunk, the (units, waiting) states that can be its peak, as two (P, 1, k) arrays for
+    ``ChunkCosts.memory`` (a chunk with fewer than P states repeats its first)."""
+    p = max(len(st) for st in states)
+    units = np.array([[st[min(i, len(st) - 1)][0] for st in states] for i in range(p)], dtype=np.int64)
+    waiting = np.array([[st[min(i, len(st) - 1)][1] for st in states] for i in range(p)], dtype=np.int64)
+    return units[:, None, :], waiting[:, None, :]
 
 
 def position(s: int, k: int) -> str:
@@ -248,7 +257,8 @@ class ChunkCosts:
         """Per chunk, the allowed mode with the least backward that fits ``limit``; -1 where none fits.
 
         Recompute only adds time, so for a fixed cut this choice is optimal chunk by chunk. Ties go
-        to the earlier mode (none before selective before full).
+        to the earlier mode (none before selective before full). ``inflight`` and ``waiting`` may
+        carry a leading axis of states (``state_arrays``): a mode fits when it fits in all of them.
         """
         a, b = np.asarray(a), np.asarray(b)
         best = np.full(np.broadcast(a, b).shape, -1, dtype=np.int64)
@@ -256,6 +266,8 @@ class ChunkCosts:
         for m in allowed:
             extra = self.extra_of(a, b, m)
             ok = np.ones(best.shape, dtype=bool) if limit is None else self.memory(a, b, inflight, m, waiting) <= limit
+            while ok.ndim > best.ndim:
+                ok = ok.all(axis=0)
             better = ok & (extra < best_time)
             best = np.where(better, m, best)
             best_time = np.where(better, extra, best_time)

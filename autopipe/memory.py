@@ -299,7 +299,8 @@ def rank_memory(
 
     Each chunk counts ``inflight[c]`` micro-batches, ``waiting[c]`` of them past their input pass and
     holding ``LayerMemory.waiting`` until their weight pass (zero-bubble; default none): the sum of
-    the chunks' own peaks (``schedule.peak_units``), which never falls below the rank's."""
+    the chunks' own peaks (each in its heaviest state, ``schedule.peak_states``), which never falls
+    below the rank's."""
     lm = profile if isinstance(profile, LayerMemory) else layer_memory(profile, optimizer, dp=dp, zero=zero,
                                                                         schedule=schedule)
     if reserve is None:
@@ -327,7 +328,8 @@ def rank_memory(
         buf = trans = sent = 0
         act = outs = 0
         for c in mine:  # held units keep the forward's bytes, waiting ones what their weight pass needs
-            held, late = inflight[c] - (waiting[c] if waiting else 0), (waiting[c] if waiting else 0)
+            late = int(waiting[c]) if len(waiting) else 0
+            held = inflight[c] - late
             act += sum(held * lm.activations[modes[c]][i] + late * lm.waiting[modes[c]][i] for i in range(*chunks[c]))
             if chunks[c][1] == n:
                 outs += held * lm.outputs[n - 1]  # the model's output lives until its B

@@ -10,7 +10,9 @@ plus, at each cut it touches, the tuple crossing that cut once forward (activati
 backward (their gradients) at ``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer
 state (a tied tensor once per chunk holding it) plus its activation bytes times the micro-batches the
 schedule keeps in flight there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for
-interleaved and for zbv (torch's ZBVZeroBubble order; see schedule.inflight_counts). With v
+interleaved and for zbv (torch's ZBVZeroBubble order; see schedule.inflight_counts; a zbv unit
+past its input pass holds its measured hold until its weight pass, and each chunk is held under
+the limit in every state that can be its peak, schedule.peak_states). With v
 virtual stages per rank each chunk must fit ``memory_limit / v`` (sufficient for the rank).
 
 Recompute, per chunk: "none" keeps every activation; "full" keeps each layer's input and runs its
@@ -30,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from .baselines import baseline
-from .chunkcost import ChunkCosts
+from .chunkcost import ChunkCosts, state_arrays
 from .errors import InfeasibleMemoryError, PartitionError
 from .memory import ZERO_STAGES, holds_sends, layer_memory, rank_memory
 from .plan import Plan
@@ -40,7 +42,7 @@ from .schedule import (
     check_weight_share,
     chunk_ranks,
     normalize_schedule,
-    peak_units,
+    peak_states,
     simulate,
 )
 from .stepbound import fits, least_memory
@@ -116,16 +118,7 @@ class _Model:
         self.reserve = profile.reserve_bytes
         self.params = [l.params or l.param_bytes for l in layers]
         self.tied = tied
-        # what a unit waiting for its weight pass holds per unit before it, over the layers measured
-        measured = [i for i, l in enumerate(layers) if "none" in l.weight_hold_bytes]
-        kept = sum(lm.activations["none"][i] for i in measured)
-        self.hold_ratio = sum(lm.waiting["none"][i] for i in measured) / kept if kept else 1.0
 
-    def units(self, schedule: str, stages: int, v: int, m: int) -> tuple[list[int], list[int]]:
-        """Per chunk, the micro-batches it holds at its peak and how many of them wait for their
-        weight pass (zero-bubble schedules; 0 otherwise): ``schedule.peak_units``."""
-        pairs = peak_units(schedule, stages, v, m, self.hold_ratio)
-        return [u for u, _ in pairs], [w for _, w in pairs]
 
     def allowed(self, recompute: str) -> tuple[int, ...]:
         """Indices (into costs.modes) of the modes a chunk may use under a recompute policy."""
@@ -277,9 +270,9 @@ def fits_memory(profile: Profile, stages: int, *, microbatches: int, schedule: s
         return True
     model = _Model(profile, optimizer, None, schedule, microbatches, dp=dp, zero=zero)
     chunk_limit = (limit - model.reserve) // virtual_stages
-    inflight, waiting = model.units(schedule, stages, virtual_stages, microbatches)
-    return chunk_limit > 0 and fits(model.costs, stages * virtual_stages, inflight=inflight, limit=chunk_limit,
-                                    modes=model.allowed(recompute), waiting=waiting)  # fmt: skip
+    states = unit_states(schedule, stages, virtual_stages, microbatches)
+    return chunk_limit > 0 and fits(model.costs, stages * virtual_stages, limit=chunk_limit,
+                                    modes=model.allowed(recompute), states=states)  # fmt: skip
 
 
 def _with_zero_hint(err: InfeasibleMemoryError, attempt, zeros: list[int], dp: int) -> InfeasibleMemoryError:
@@ -324,7 +317,7 @@ def _partition_one(profile: Profile, model: _Model, *, stages: int, v: int, m: i
             f"holds {format_bytes(model.reserve)} per rank on this device (the profile's reserve). Raise the limit."
         )
     allowed = model.allowed(recompute)
-    inflight, waiting = model.units(schedule, stages, v, m)
+    states = unit_states(schedule, stages, v, m)
 
     chosen: tuple[int, ...] | None = None
     if boundaries is not None or stage_names is not None:
@@ -333,13 +326,13 @@ def _partition_one(profile: Profile, model: _Model, *, stages: int, v: int, m: i
     elif method != "autopipe":
         chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
 
-    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, inflight=inflight, waiting=waiting,
+    common = dict(stages=stages, v=v, m=m, schedule=schedule, limit=limit, states=states,
                   weight_share=weight_share, signature=profile.signature, recompute=recompute,
                   limit_source=limit_source, zero_policy=zero_policy)  # fmt: skip
     best: StepSolution | None = None
     try:
-        best = solve_step(model.costs, schedule, ranks=stages, virtual=v, microbatches=m, inflight=inflight,
-                          waiting=waiting, limit=chunk_limit, modes=allowed, weight_share=weight_share)  # fmt: skip
+        best = solve_step(model.costs, schedule, ranks=stages, virtual=v, microbatches=m, states=states,
+                          limit=chunk_limit, modes=allowed, weight_share=weight_share)  # fmt: skip
     except Infeasible:
         if chosen is None:
             what = (f"the {profile.device.name}'s {format_bytes(limit)} (its memory, the default limit)"
@@ -348,20 +341,21 @@ def _partition_one(profile: Profile, model: _Model, *, stages: int, v: int, m: i
     if chosen is None:
         assert best is not None
         return _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
-    modes = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), chunk_limit, allowed,
-                                      np.array(waiting))  # fmt: skip
+    units, waits = state_arrays(states)
+    modes = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), units[:, 0], chunk_limit, allowed,
+                                      waits[:, 0])  # fmt: skip
     if method == "manual" and chunk_limit is not None and np.any(modes < 0):
         c = int(np.flatnonzero(modes < 0)[0])
         a, b = chosen[c], chosen[c + 1]
-        need = min(int(model.costs.memory(a, b, inflight[c], md, waiting[c])) for md in allowed)
-        hint = _recompute_hint(model, recompute, [(a, b, inflight[c], waiting[c])], chunk_limit)
+        need = min(_need(model.costs, a, b, states[c], md) for md in allowed)
+        hint = _recompute_hint(model, recompute, [(a, b, states[c])], chunk_limit)
         raise InfeasibleMemoryError(
             f"your chunk {c} (layers {a}..{b - 1}) needs {format_bytes(need)}, more than the "
             f"{format_bytes(chunk_limit)} it may use; move layers out of it, raise the memory limit{hint}."
         )
     # A baseline that breaks the limit is still shown (marked over it), in its fastest allowed mode.
-    fastest = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), np.array(inflight), None, allowed,
-                                        np.array(waiting))  # fmt: skip
+    fastest = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), units[:, 0], None, allowed,
+                                        waits[:, 0])  # fmt: skip
     plan = _make_plan(model, chosen, method=method, modes=np.where(modes < 0, fastest, modes).tolist(), bound=None, **common)
     if best is not None:
         opt = _make_plan(model, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound, **common)
@@ -439,8 +433,8 @@ def _names_to_bounds(stage_names: Sequence[Sequence[str]], names: Sequence[str],
 
 
 def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequence[int], bound: float | None,
-               stages: int, v: int, m: int, schedule: str, limit: int | None, inflight: list[int],
-               waiting: list[int], weight_share: float, signature: str, recompute: str, limit_source: str = "",
+               stages: int, v: int, m: int, schedule: str, limit: int | None,
+               states: list[tuple[tuple[int, int], ...]], weight_share: float, signature: str, recompute: str, limit_source: str = "",
                zero_policy: int | str = 0) -> Plan:  # fmt: skip
     c = model.costs
     a = np.asarray(bounds[:-1])
@@ -451,11 +445,17 @@ def _make_plan(model: _Model, bounds: Sequence[int], *, method: str, modes: Sequ
     comm = c.comm(a, b).tolist()
     times = c.time(a, b, md).tolist()
     extra = c.extra_of(a, b, md).tolist()
-    mems = [int(x) for x in c.memory(a, b, np.asarray(inflight), md, np.asarray(waiting))]
+    # each chunk in the state that is its peak for this cut and mode
+    units, waits = state_arrays(states)
+    per_state = c.memory(a, b, units[:, 0], md, waits[:, 0])  # (states, chunks)
+    peak_at = per_state.argmax(axis=0)
+    mems = [int(x) for x in per_state.max(axis=0)]
+    inflight = [int(units[p, 0, s]) for s, p in enumerate(peak_at)]
+    waiting = [int(waits[p, 0, s]) for s, p in enumerate(peak_at)]
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
     # Each chunk at its own peak, as the partitioner held it under the limit. The chunks of one rank
-    # do not peak together (schedule.peak_units), but on CPU the resident peak measured at least
+    # do not peak together (schedule.peak_states), but on CPU the resident peak measured at least
     # this sum on interleaved and 2-rank zbv runs (bench/results/accuracy.md), not the live tensors'
     # joint peak, which read 1.08-1.14 of it.
     per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,
@@ -509,27 +509,27 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, limit: i
              chunk_limit: int | None, recompute: str, what: str) -> InfeasibleMemoryError:  # fmt: skip
     """Why nothing fits: the layer too big on its own, else what would fit (recompute, stages, ZeRO, memory)."""
     assert limit is not None and chunk_limit is not None
-    inflight, waiting = model.units(schedule, stages, v, m)
+    states = unit_states(schedule, stages, v, m)
+    fewest = min(u for st in states for u, _ in st)
     c, n = model.costs, model.costs.n
     allowed = model.allowed(recompute)
     everything = tuple(range(len(c.modes)))
     idx = np.arange(n)
-    alone = np.min([c.memory(idx, idx + 1, min(inflight), md) for md in everything], axis=0)
+    alone = np.min([c.memory(idx, idx + 1, u, md, w) for md in everything for st in states for u, w in st], axis=0)
     where = f"{stages} stages ({schedule}, {m} micro-batches{f', {v} virtual' if v > 1 else ''})"
     head = f"no cut into {where} fits {what}"
     worst = int(np.argmax(alone))
     if alone[worst] > chunk_limit:
         return InfeasibleMemoryError(
             f"{head}: layer {worst} ({model.names[worst]}) alone needs {format_bytes(int(alone[worst]))} "
-            f"(parameters, gradients, optimizer state and {min(inflight)} micro-batch of activations, recomputed "
+            f"(parameters, gradients, optimizer state and {fewest} micro-batch of activations, recomputed "
             f"or not), so no number of stages fits; raise the memory limit to at least "
             f"{format_bytes(int(alone[worst]) * v)} or use a lighter optimizer."
         )
     hints = []
-    if set(allowed) != set(everything) and fits(c, stages * v, inflight=inflight, limit=chunk_limit, modes=everything,
-                                                waiting=waiting):
+    if set(allowed) != set(everything) and fits(c, stages * v, limit=chunk_limit, modes=everything, states=states):
         hints.append("recompute auto (--recompute auto) would fit")
-    need = least_memory(c, stages * v, inflight=inflight, modes=allowed, waiting=waiting) * v
+    need = least_memory(c, stages * v, modes=allowed, states=states) * v
     more = None
     tried = min(n // v, 8 * stages)  # each try is a feasibility test: stay within a second or so
     for s in range(stages + 1, tried + 1):
@@ -537,8 +537,7 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, limit: i
             sched_ok = check_schedule(schedule, s, v, m)
         except PartitionError:
             continue  # e.g. interleaved needs M to be a multiple of the stages
-        more_inflight, more_waiting = model.units(sched_ok, s, v, m)
-        if fits(c, s * v, inflight=more_inflight, limit=chunk_limit, modes=allowed, waiting=more_waiting):
+        if fits(c, s * v, limit=chunk_limit, modes=allowed, states=unit_states(sched_ok, s, v, m)):
             more = s
             break
     hints.append(f"{more} stages would fit" if more else f"no number of stages up to {tried} fits")
@@ -558,11 +557,23 @@ def _explain(model: _Model, stages: int, v: int, m: int, schedule: str, limit: i
     )
 
 
-def _recompute_hint(model: _Model, recompute: str, chunks: list[tuple[int, int, int, int]], chunk_limit: int) -> str:
+def unit_states(schedule: str, stages: int, v: int, m: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per chunk, the (micro-batches held, of them waiting for their weight pass) states that can be
+    its peak: ``schedule.peak_states`` as ChunkCosts counts them (units = held + waiting)."""
+    return [tuple((h + w, w) for h, w in st) for st in peak_states(schedule, stages, v, m)]
+
+
+def _need(c: ChunkCosts, a: int, b: int, states: Sequence[tuple[int, int]], mode: int) -> int:
+    """Bytes chunk [a, b) needs under ``mode``: its heaviest state."""
+    return max(int(c.memory(a, b, u, mode, w)) for u, w in states)
+
+
+def _recompute_hint(model: _Model, recompute: str, chunks: list[tuple[int, int, tuple[tuple[int, int], ...]]],
+                    chunk_limit: int) -> str:  # fmt: skip
     """', or use recompute='auto'' when some mode the policy excludes would make these chunks fit
-    (each chunk: start, end, micro-batches held, how many of them wait for their weight pass)."""
+    (each chunk: start, end, the (units, waiting) states that can be its peak)."""
     c = model.costs
     others = [md for md in range(len(c.modes)) if md not in model.allowed(recompute)]
-    if all(any(int(c.memory(a, b, infl, md, wait)) <= chunk_limit for md in others) for a, b, infl, wait in chunks) and others:
+    if all(any(_need(c, a, b, st, md) <= chunk_limit for md in others) for a, b, st in chunks) and others:
         return ", or use recompute auto (--recompute auto: it fits with recompute)"
     return ""

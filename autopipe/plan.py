@@ -226,6 +226,9 @@ def _check_plan(plan: Plan) -> None:
     for f in ("stage_memory", "stage_inflight", "stage_waiting", "rank_memory"):
         for i, v in enumerate(getattr(plan, f)):
             number(v, f"{f}[{i}]", whole=True)
+    for c, (u, w) in enumerate(zip(plan.stage_inflight, plan.stage_waiting)):
+        if w > u:
+            raise RecordError(f"plan stage_waiting[{c}] is {w}, more than the {u} micro-batches in flight there; {again}")
     for f in ("bottleneck_time", "peak_memory", "step_time", "weight_share"):
         number(getattr(plan, f), f, whole=f == "peak_memory")
     number(plan.dp, "dp", whole=True, least=1)

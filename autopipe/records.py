@@ -291,6 +291,9 @@ def _check_layers(layers: Sequence[LayerCost]) -> None:
                 raise RecordError(f"{where} has recompute mode {mode!r}; use one of selective, full.")
             _check_number(rc.activation_bytes, f"{where} recompute[{mode!r}].activation_bytes", integer=True)
             _check_number(rc.extra_backward_time, f"{where} recompute[{mode!r}].extra_backward_time")
+        if not isinstance(layer.weight_hold_bytes, dict):
+            raise RecordError(f"{where} weight_hold_bytes is {layer.weight_hold_bytes!r}, not a mode -> bytes mapping; "
+                              "profile the model again rather than edit it.")
         for mode, nbytes in layer.weight_hold_bytes.items():
             if mode not in RECOMPUTE_MODES:
                 raise RecordError(f"{where} has weight_hold_bytes for mode {mode!r}; use none, selective or full.")

@@ -53,7 +53,7 @@ __all__ = [
     "simulate",
     "step_times",
     "inflight_counts",
-    "peak_units",
+    "peak_states",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv")
@@ -269,43 +269,63 @@ def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) 
 
 
 @lru_cache(maxsize=64)
-def _peak_units(schedule: str, ranks: int, virtual: int, m: int, hold_ratio: float) -> tuple[tuple[int, int], ...]:
-    best = [(-1.0, 0, 0)] * (ranks * virtual)  # per chunk: (weight, units, waiting) at its peak so far
+def _peak_states(schedule: str, ranks: int, virtual: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    seen: list[set[tuple[int, int]]] = [set() for _ in range(ranks * virtual)]
     for order in _fixed_orders(schedule, ranks, virtual, m):
         held: dict[int, int] = {}
         waiting: dict[int, int] = {}
         split = any(kind == "W" for kind, _, _ in order)
         for kind, _, c in order:
+            # torch never splits the first stage's backward (nothing upstream waits for its input
+            # gradients): its B does nothing and its W is the whole backward, so its units stay held
+            first = c == 0
             if kind == "F":
                 held[c] = held.get(c, 0) + 1
-            elif kind == "B":
+            elif kind == "B" and not (split and first):
                 held[c] -= 1
                 waiting[c] = waiting.get(c, 0) + split
-            else:
+            elif kind == "W" and first:
+                held[c] -= 1
+            elif kind == "W":
                 waiting[c] -= 1
-            h, w = held[c], waiting.get(c, 0)
-            weight = h + hold_ratio * w
-            if weight > best[c][0] or (weight == best[c][0] and h + w > best[c][1]):
-                best[c] = (weight, h + w, w)
-    return tuple((units, w) for _, units, w in best)
+            seen[c].add((held.get(c, 0), waiting.get(c, 0)))
+    return tuple(_upper_hull(states) for states in seen)
 
 
-def peak_units(schedule: str, ranks: int, virtual: int, microbatches: int, hold_ratio: float = 1.0) -> list[tuple[int, int]]:
-    """Per chunk, (units, waiting) at that chunk's own peak along its rank's op order: ``held``
-    units are between their F and their B (they keep the forward's saved activations), ``waiting``
-    ones between their B and their W (zero-bubble only: they keep what the weight gradients need),
-    ``units = held + waiting``, and the peak is the state where ``held + hold_ratio * waiting`` is
-    largest, a waiting unit weighing ``hold_ratio`` held ones (profiled: 1.3-1.5 on transformer
-    blocks). Without a split backward ``waiting`` is 0 and ``units`` is ``inflight_counts``.
+def _upper_hull(states: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The states some ``x * held + y * waiting`` (x, y >= 0) is largest at: the vertices of the
+    upper-right hull, from most held to most waiting."""
+    pts = sorted(states, key=lambda p: (-p[0], -p[1]))
+    front: list[tuple[int, int]] = []
+    for p in pts:  # most held first; keep each that waits more than every one before it
+        if not front or p[1] > front[-1][1]:
+            front.append(p)
+    hull: list[tuple[int, int]] = []
+    for p in front:
+        # drop the last vertex while it lies on or under the segment from the one before it to p
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) <= 0:  # fmt: skip
+            hull.pop()
+        hull.append(p)
+    return tuple(hull)
 
-    A rank's chunks do not peak together (zbv at 4 ranks x 8 micro-batches: rank 0 holds 8 shallow
-    units, then 7 and 1 deep one, never 8 + 1); the plan charges each at its own peak.
 
-    >>> peak_units("zbv", 4, 2, 8, hold_ratio=1.4)[3], peak_units("zbv", 4, 2, 8, hold_ratio=1.4)[4]
-    ((4, 4), (4, 1))
+def peak_states(schedule: str, ranks: int, virtual: int, microbatches: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per chunk, the (held, waiting) states along its rank's op order that can be its peak:
+    ``held`` micro-batches are between their F and their B and keep the forward's saved activations
+    (and, on the last chunk, the model's output), ``waiting`` ones are between their B and their W
+    (zero-bubble only) and keep what the weight gradients need. A chunk holds
+    ``held * (kept + output) + waiting * hold`` with ``kept``, ``output``, ``hold`` >= 0 that depend
+    on its cut and recompute mode, so its peak is at one of these: the vertices of the upper hull
+    of the states it passes through (one state without a split backward: ``inflight_counts``).
+
+    Torch never splits the first stage (chunk 0): its units stay held until their W.
+
+    >>> peak_states("zbv", 4, 2, 8)[3], peak_states("1f1b", 2, 1, 4)
+    (((5, 0), (4, 1), (0, 4)), [((2, 0),), ((1, 0),)])
     """
     schedule = check_schedule(schedule, ranks, virtual, microbatches)
-    return list(_peak_units(schedule, ranks, virtual, microbatches, float(hold_ratio)))
+    return list(_peak_states(schedule, ranks, virtual, microbatches))
 
 
 def zbv_order(ranks: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:

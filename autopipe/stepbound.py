@@ -57,43 +57,54 @@ class Infeasible(Exception):
     """No cut into the asked number of chunks fits the memory limit under any allowed mode."""
 
 
-def fits(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], limit: int | None, modes: Sequence[int] = (0,),
-         waiting: Sequence[int] | None = None) -> bool:
-    """Whether some cut into ``chunks`` non-empty chunks fits ``limit`` with some allowed mode each
-    (``waiting``: per chunk, the units past their input pass; see ChunkCosts.memory)."""
+def fits(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int] = (), limit: int | None, modes: Sequence[int] = (0,),
+         waiting: Sequence[int] | None = None, states: Sequence[Sequence[tuple[int, int]]] | None = None) -> bool:
+    """Whether some cut into ``chunks`` non-empty chunks fits ``limit`` with some allowed mode each.
+    Per chunk, ``states`` are the (units, waiting) that can be its peak (``schedule.peak_states``),
+    each held under the limit; without them, ``inflight`` units of which ``waiting`` are past their
+    input pass (see ChunkCosts.memory)."""
     if not 1 <= chunks <= costs.n:
         return False
-    wait = list(waiting) if waiting is not None else [0] * chunks
-    return reach(costs.n, chunks, lambda s, b, first: _memory_start(costs, inflight[s], limit, modes, b, position(s, chunks),
-                                                                    wait[s])) is not None
+    st = _states(chunks, inflight, waiting, states)
+    return reach(costs.n, chunks, lambda s, b, first: _memory_start(costs, st[s], limit, modes, b,
+                                                                    position(s, chunks))) is not None
 
 
-def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int], modes: Sequence[int] = (0,),
-                 waiting: Sequence[int] | None = None) -> int:
+def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int] = (), modes: Sequence[int] = (0,),
+                 waiting: Sequence[int] | None = None, states: Sequence[Sequence[tuple[int, int]]] | None = None) -> int:
     """The smallest per-chunk limit some cut into ``chunks`` chunks meets (bisection over bytes)."""
     idx = np.arange(costs.n)
-    wait = list(waiting) if waiting is not None else [0] * chunks
-    alone = np.min([costs.memory(idx, idx + 1, min(inflight), m) for m in modes], axis=0)
-    lo = int(alone.max()) - 1  # some chunk holds the layer that needs the most alone: never fits
-    # any chunk fits under the whole model with the most units, each of them at the larger of its two charges
-    hi = int(min(max(costs.memory(0, costs.n, max(inflight), m), costs.memory(0, costs.n, max(inflight), m, max(inflight)))
-                 for m in modes))  # fmt: skip
+    st = _states(chunks, inflight, waiting, states)
+    every = {x for chunk in st for x in chunk}
+    # some chunk holds the layer that needs the most alone, in some state: below that nothing fits
+    alone = np.min([costs.memory(idx, idx + 1, u, m, w) for m in modes for u, w in every], axis=0)
+    lo = int(alone.max()) - 1
+    # the whole model in its heaviest state fits any chunk
+    hi = int(min(max(costs.memory(0, costs.n, u, m, w) for u, w in every) for m in modes))
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits(costs, chunks, inflight=inflight, limit=mid, modes=modes, waiting=wait):
+        if fits(costs, chunks, limit=mid, modes=modes, states=st):
             hi = mid
         else:
             lo = mid
     return hi
 
 
+def _states(chunks: int, inflight: Sequence[int], waiting: Sequence[int] | None,
+            states: Sequence[Sequence[tuple[int, int]]] | None) -> list[tuple[tuple[int, int], ...]]:
+    if states is not None:
+        return [tuple(x) for x in states]
+    wait = list(waiting) if waiting is not None else [0] * chunks
+    return [((u, w),) for u, w in zip(inflight, wait)]
 
 
-def _memory_start(costs: ChunkCosts, inflight: int, limit: int | None, modes: Sequence[int], b: np.ndarray,
-                  where: str = "middle", waiting: int = 0) -> np.ndarray:  # fmt: skip
+def _memory_start(costs: ChunkCosts, states: Sequence[tuple[int, int]], limit: int | None, modes: Sequence[int],
+                  b: np.ndarray, where: str = "middle") -> np.ndarray:  # fmt: skip
+    """The first start that fits ``limit`` in every state, under the best mode."""
     if limit is None:
         return np.zeros_like(b)
-    return np.min([costs.window_start(m, inflight, limit, where, waiting)[b] for m in modes], axis=0)
+    return np.min([np.max([costs.window_start(m, u, limit, where, w)[b] for u, w in states], axis=0) for m in modes],
+                  axis=0)
 
 
 def reach(n: int, k: int, lo_of, span=None, finish=None) -> list[np.ndarray] | None:

@@ -49,7 +49,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .chunkcost import ChunkCosts, position
+from .chunkcost import ChunkCosts, position, state_arrays
 from .schedule import check_schedule, inflight_counts, step_times
 from .stepbound import Form, Infeasible, count_cuts, dwell_forms, enumerate_cuts, reach, walk
 
@@ -84,6 +84,7 @@ def solve_step(
     inflight: Sequence[int] | None = None,
     waiting: Sequence[int] | None = None,
     limit: int | None = None,
+    states: Sequence[Sequence[tuple[int, int]]] | None = None,
     modes: Sequence[int] = (0,),
     weight_share: float = 0.5,
     enumerate_work: int = ENUMERATE_WORK,
@@ -91,7 +92,8 @@ def solve_step(
     """The cut of ``costs`` into ``ranks * virtual`` chunks with the shortest simulated step.
 
     ``inflight`` per chunk defaults to what the schedule holds, ``waiting`` of them past their input
-    pass (zero-bubble; default none, ``schedule.peak_units``); ``limit`` caps each chunk's bytes;
+    pass (zero-bubble; default none); ``states`` instead gives per chunk every (units, waiting) that can
+    be its peak (``schedule.peak_states``), each held under the limit; ``limit`` caps each chunk's bytes;
     ``modes`` are the recompute modes (indices into ``costs.modes``) a chunk may use.
     ``enumerate_work`` bounds the brute force (0: bounds and candidates only).
     Raises :class:`Infeasible` when no cut fits and ValueError when there are too few layers.
@@ -101,9 +103,11 @@ def solve_step(
     if not 1 <= k <= costs.n:
         raise ValueError(f"cannot cut {costs.n} layers into {k} non-empty chunks")
     infl = list(inflight) if inflight is not None else inflight_counts(schedule, ranks, virtual, microbatches)
-    wait = list(waiting) if waiting is not None else [0] * k
-    return _Search(costs, schedule, ranks, virtual, microbatches, infl, limit, tuple(modes), weight_share,
-                   wait).run(enumerate_work)
+    if states is None:
+        wait = list(waiting) if waiting is not None else [0] * k
+        states = [((u, w),) for u, w in zip(infl, wait)]
+    return _Search(costs, schedule, ranks, virtual, microbatches, [tuple(st) for st in states], limit, tuple(modes),
+                   weight_share).run(enumerate_work)
 
 
 # ---- the search ----------------------------------------------------------------------------------------
@@ -122,15 +126,15 @@ REACH_WORK = 80_000_000  # position x chunk x form steps spent on bisection test
 class _Search:
     """One search: the costs, the schedule's shape, the limit and modes, the best cut seen, the counters."""
 
-    def __init__(self, costs: ChunkCosts, schedule: str, ranks: int, virtual: int, m: int, inflight: list[int],
-                 limit: int | None, modes: tuple[int, ...], weight_share: float,
-                 waiting: list[int] | None = None) -> None:  # fmt: skip
+    def __init__(self, costs: ChunkCosts, schedule: str, ranks: int, virtual: int, m: int,
+                 states: list[tuple[tuple[int, int], ...]], limit: int | None, modes: tuple[int, ...],
+                 weight_share: float) -> None:  # fmt: skip
         self.c = costs
         self.schedule = schedule
         self.ranks, self.virtual, self.m = ranks, virtual, m
         self.k = ranks * virtual
-        self.inflight = inflight
-        self.waiting = waiting or [0] * self.k
+        self.states = states  # per chunk: the (units, waiting) that can be its peak
+        self.units, self.waits = state_arrays(states)
         self.limit = limit
         self.modes = modes
         self.weight_share = weight_share
@@ -179,8 +183,7 @@ class _Search:
             return steps
         c = self.c
         a, b = cuts[:, :-1], cuts[:, 1:]
-        infl = np.asarray(self.inflight)[None, :]
-        wait = np.asarray(self.waiting)[None, :]
+        infl, wait = self.units, self.waits
         mode = c.fastest_modes(a, b, infl, self.limit, self.modes, wait)
         ok = np.all(mode >= 0, axis=1)
         if ok.any():
@@ -203,7 +206,7 @@ class _Search:
         if rows.size == 0:
             return
         a, b, md = cuts[rows, :-1], cuts[rows, 1:], mode[rows]
-        peak = np.max(self.c.memory(a, b, infl, md, wait), axis=1)
+        peak = np.max(self.c.memory(a, b, infl, md, wait).max(axis=0), axis=1)
         slow = np.max(self.c.time(a, b, md), axis=1)
         keys = sorted(zip(peak.tolist(), slow.tolist(), range(rows.size)))
         j = keys[0][2]
@@ -254,6 +257,13 @@ class _Search:
         most = c.pf[-1] + c.pb[-1] + max(float(x[-1]) for x in c.extra) + 4 * float(c.comm_out.sum())
         return self.m * self.virtual * most * 2 + 1.0
 
+    def _window(self, md: int, s: int) -> np.ndarray:
+        """Chunk s's first start that fits the limit under mode md, for every end: in every state
+        that can be its peak."""
+        where = position(s, self.k)
+        wins = [self.c.window_start(md, u, self.limit, where, w) for u, w in self.states[s]]
+        return wins[0] if len(wins) == 1 else np.maximum.reduce(wins)
+
     def lo(self, s: int, b: np.ndarray, v: float | None, first: int = 0, only: int | None = None) -> np.ndarray:
         """First admissible start of stage s for each end b (all >= first): memory, and every bound <= v,
         under some mode (some of the first ``only`` modes)."""
@@ -262,7 +272,7 @@ class _Search:
         top = int(b.max()) if b.size else first
         for i, md in enumerate(self.modes[:only]):
             lo = (np.zeros_like(b) if self.limit is None
-                  else c.window_start(md, self.inflight[s], self.limit, position(s, self.k), self.waiting[s])[b])  # fmt: skip
+                  else self._window(md, s)[b])  # fmt: skip
             if v is not None:
                 lo = np.maximum(lo, np.searchsorted(self.g[i], self.h[i][b] - v / self.scale, side="left"))
                 if self._arrays is not None:
@@ -303,10 +313,9 @@ class _Search:
 
     def _lo_monotone(self, s: int, b: int, v: float | None, only: int | None) -> int:
         """lo(s, b, v) with every bound term replaced by its running minimum from the right."""
-        c = self.c
         out = b
         for i, md in enumerate(self.modes[:only]):
-            lo = 0 if self.limit is None else int(c.window_start(md, self.inflight[s], self.limit, position(s, self.k), self.waiting[s])[b])
+            lo = 0 if self.limit is None else int(self._window(md, s)[b])
             if v is not None:
                 lo = max(lo, int(np.searchsorted(self.g[i], self.h_right[i][b] - v / self.scale, side="left")))
                 for g, _, right in self._arrays[s][i] if self._arrays is not None else ():

@@ -121,7 +121,7 @@ from autopipe import Profile as _Profile  # noqa: E402
 from autopipe.chunkcost import ChunkCosts  # noqa: E402
 from autopipe.partition import partition  # noqa: E402
 from autopipe.records import LayerCost  # noqa: E402
-from autopipe.schedule import inflight_counts, peak_units  # noqa: E402
+from autopipe.schedule import inflight_counts, peak_states  # noqa: E402
 from autopipe.stepbound import dwell_forms  # noqa: E402
 from autopipe.stepsolve import Infeasible as StepInfeasible  # noqa: E402
 from autopipe.stepsolve import solve_step  # noqa: E402
@@ -149,6 +149,9 @@ def pipelines(draw, memory: bool, comm: bool):
         for i in range(n)
     )
     layers = tuple(replace(l, grad_bytes=l.param_bytes) for l in layers)  # sgd: no optimizer state
+    if memory and schedule == "zbv":  # what a unit waiting for its weight pass holds, per mode: any size
+        layers = tuple(replace(l, weight_hold_bytes={"none": draw(st.integers(0, 8)), "full": draw(st.integers(0, 8))})
+                       for l in layers)  # fmt: skip
     prof = _Profile(layers=layers, optimizer="sgd", input_bytes=draw(st.integers(0, 3)))
     limit = draw(st.one_of(st.none(), st.integers(4, 60))) if memory else None
     recompute = draw(st.sampled_from(["none", "auto"])) if memory else "none"
@@ -166,9 +169,9 @@ def _brute_step(prof, opts, stages) -> float | None:
     bw = opts["bandwidth"] or float("inf")
     inputs = [prof.input_bytes] + [l.output_bytes for l in layers[:-1]]
     modes = ["none", "full"] if opts["recompute"] == "auto" else ["none"]
-    infl = inflight_counts(schedule, stages, v, m)
-    # zbv: of those, the units past their B at the chunk's peak (no hold figures: as heavy as held ones)
-    wait = [w for _, w in peak_units(schedule, stages, v, m)]
+    # per chunk, the (held, waiting) states that can be its peak (zbv: waiting units are past their
+    # B; without hold figures as heavy as held ones, but the model's output is gone)
+    states = peak_states(schedule, stages, v, m)
     best = None
     for inner in itertools.combinations(range(1, n), k - 1):
         bounds = (0, *inner, n)
@@ -176,7 +179,7 @@ def _brute_step(prof, opts, stages) -> float | None:
         if schedule == "zbv":
             # zbv's greedy order depends on the costs, so a longer op can reorder it and shorten the step;
             # recompute is never chosen for that: each chunk takes the fastest mode that fits, as planned.
-            assignments = [tuple(_fastest_fitting(layers, inputs, a, b, infl[c], limit, v, modes, m, wait[c], schedule)
+            assignments = [tuple(_fastest_fitting(layers, inputs, a, b, states[c], limit, v, modes, m, schedule)
                                  for c, (a, b) in enumerate(zip(bounds, bounds[1:])))]  # fmt: skip
         for chosen in assignments:
             if None in chosen:
@@ -184,7 +187,7 @@ def _brute_step(prof, opts, stages) -> float | None:
             fwd, bwd, comm, fits_all = [], [], [], True
             for c, ((a, b), mode) in enumerate(zip(zip(bounds, bounds[1:]), chosen)):
                 part = layers[a:b]
-                mem = _chunk_memory(layers, inputs, a, b, mode, infl[c], m, wait[c], schedule)
+                mem = max(_chunk_memory(layers, inputs, a, b, mode, h + w, m, w, schedule) for h, w in states[c])
                 fits_all &= limit is None or mem <= limit // v
                 cc = (layers[a - 1].output_bytes / bw if a > 0 else 0.0) + (layers[b - 1].output_bytes / bw if b < n else 0.0)
                 fwd.append(sum(l.forward_time for l in part))
@@ -207,7 +210,8 @@ def _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting=0, schedule="
     runtime (interleaved, zbv), whose sends keep their tensors to the step's end."""
     part, n = layers[a:b], len(layers)
     kept = [l.activation_bytes for l in part] if mode == "none" else inputs[a:b]
-    mem = sum(2 * l.param_bytes for l in part) + inflight * sum(kept)
+    hold = [l.weight_hold_bytes.get(mode, k) for l, k in zip(part, kept)]  # a waiting unit's bytes
+    mem = sum(2 * l.param_bytes for l in part) + (inflight - waiting) * sum(kept) + waiting * sum(hold)
     mem += max(max(l.activation_bytes - k, 0) for l, k in zip(part, kept)) if mode != "none" else 0
     mem += (inflight - waiting) * layers[-1].output_bytes if b == n else 0
     per_cut = m * (2 if schedule in ("interleaved1f1b", "zbv") else 1)
@@ -215,11 +219,12 @@ def _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting=0, schedule="
     return mem
 
 
-def _fastest_fitting(layers, inputs, a, b, inflight, limit, v, modes, m, waiting=0, schedule="1f1b") -> str | None:
+def _fastest_fitting(layers, inputs, a, b, states, limit, v, modes, m, schedule="1f1b") -> str | None:
     """The mode with the least added time among those whose memory fits (none first on ties)."""
     part = layers[a:b]
     for mode in sorted(modes, key=lambda md: sum(l.forward_time for l in part) if md == "full" else 0.0):
-        if limit is None or _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting, schedule) <= limit // v:
+        need = max(_chunk_memory(layers, inputs, a, b, mode, h + w, m, w, schedule) for h, w in states)
+        if limit is None or need <= limit // v:
             return mode
     return None
 

@@ -21,7 +21,7 @@ from autopipe.errors import RecordError
 from autopipe.measure import LiveBytes, storage_key, weight_hold_change
 from autopipe.memory import rank_memory
 from autopipe.records import LayerCost, Profile
-from autopipe.schedule import _fixed_orders, chunk_ranks, inflight_counts, peak_units
+from autopipe.schedule import _fixed_orders, chunk_ranks, inflight_counts, peak_states
 
 
 def test_a_waiting_mlp_holds_the_gradients_of_its_weight_ops_outputs() -> None:
@@ -38,28 +38,33 @@ def test_a_waiting_mlp_holds_the_gradients_of_its_weight_ops_outputs() -> None:
     assert all(g is None for g in before)  # .grad put back as it was
 
 
-def test_schedule_peak_units_bound_every_state_of_each_chunk() -> None:
-    """Walking torch's zbv order by hand: at the chosen (units, waiting) each chunk weighs at least
-    as much as in any state it passes through; with a waiting unit as heavy as a held one the units
-    are the old in-flight counts; schedules without a split backward have nothing waiting."""
+def test_peak_states_hold_every_chunk_s_peak_whatever_it_weighs() -> None:
+    """Walking torch's zbv order by hand: for any weights (a held unit x, a waiting one y >= 0) the
+    heaviest state a chunk passes through weighs what the heaviest of its peak_states weighs; chunk
+    0 (the first stage, which torch never splits) has no waiting state; without a split backward a
+    chunk has one state, the old in-flight count, nothing waiting."""
+    rng = np.random.default_rng(0)
     for s, m in [(2, 4), (2, 8), (3, 6), (4, 8), (4, 12)]:
         orders = _fixed_orders("zbv", s, 2, m)
         owner = chunk_ranks("zbv", s, 2)
-        for ratio in (0.5, 1.0, 1.4, 3.0):
-            pairs = peak_units("zbv", s, 2, m, ratio)
-            for c in range(2 * s):
-                held = waiting = 0
-                for kind, _, chunk in orders[owner[c]]:
-                    if chunk != c:
-                        continue
-                    held += {"F": 1, "B": -1, "W": 0}[kind]
-                    waiting += {"F": 0, "B": 1, "W": -1}[kind]
-                    units, late = pairs[c]
-                    assert (units - late) + ratio * late >= held + ratio * waiting - 1e-9
-        assert [u for u, _ in peak_units("zbv", s, 2, m, 1.0)] == inflight_counts("zbv", s, 2, m)
+        peaks = peak_states("zbv", s, 2, m)
+        for c in range(2 * s):
+            walked, held, waiting = set(), 0, 0
+            for kind, _, chunk in orders[owner[c]]:
+                if chunk == c:
+                    if c == 0:  # its B does nothing, its W is the whole backward
+                        held += {"F": 1, "B": 0, "W": -1}[kind]
+                    else:
+                        held += {"F": 1, "B": -1, "W": 0}[kind]
+                        waiting += {"F": 0, "B": 1, "W": -1}[kind]
+                walked.add((held, waiting))
+            for x, y in [(1.0, 0.0), (0.0, 1.0), (1.0, 1.4), *rng.uniform(0, 5, (20, 2)).tolist()]:
+                assert max(h * x + w * y for h, w in peaks[c]) == pytest.approx(max(h * x + w * y for h, w in walked))
+            assert set(peaks[c]) <= walked
+        assert all(w == 0 for _, w in peaks[0])
+        assert [max(h + w for h, w in st) for st in peaks][1:] == inflight_counts("zbv", s, 2, m)[1:]
     for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved1f1b", 2)):
-        pairs = peak_units(schedule, 2, v, 4, 1.4)
-        assert [u for u, _ in pairs] == inflight_counts(schedule, 2, v, 4) and all(w == 0 for _, w in pairs)
+        assert peak_states(schedule, 2, v, 4) == [((u, 0),) for u in inflight_counts(schedule, 2, v, 4)]
 
 
 def test_chunk_memory_charges_waiting_units_their_hold_by_brute_force() -> None:
@@ -149,13 +154,15 @@ def test_a_zbv_plan_charges_its_waiting_units_and_old_profiles_keep_the_old_char
     prof = Profile(layers=layers, input_bytes=8)
     plan = autopipe.partition(prof, 2, microbatches=4, schedule="zbv", bandwidth=None, recompute="none")
     assert any(plan.stage_waiting)
-    assert list(plan.stage_waiting) == [w for _, w in peak_units("zbv", 2, 2, 4, 1.5)]
+    peaks = peak_states("zbv", 2, 2, 4)
     for r, got in enumerate(plan.rank_memory_breakdown):
         mine = [c for c, o in enumerate(plan.stage_ranks) if o == r]
         size = [plan.boundaries[c + 1] - plan.boundaries[c] for c in mine]
-        want = sum(((plan.stage_inflight[c] - plan.stage_waiting[c]) * 1000 + plan.stage_waiting[c] * 1500) * k
-                   for c, k in zip(mine, size))  # fmt: skip
+        # each chunk in its heaviest state (no chunk here holds the model's output at its peak)
+        want = sum(max((h * 1000 + w * 1500) * k for h, w in peaks[c]) for c, k in zip(mine, size))
         assert got["activations"] == want
+        assert got["activations"] == sum(((plan.stage_inflight[c] - plan.stage_waiting[c]) * 1000
+                                          + plan.stage_waiting[c] * 1500) * k for c, k in zip(mine, size))  # fmt: skip
     old = Profile(layers=tuple(LayerCost(**{**l.__dict__, "weight_hold_bytes": {}}) for l in layers), input_bytes=8)
     before = autopipe.partition(old, 2, microbatches=4, schedule="zbv", bandwidth=None, recompute="none")
     assert list(before.stage_inflight) == inflight_counts("zbv", 2, 2, 4)
@@ -199,3 +206,21 @@ def test_hold_figures_survive_json_and_bad_ones_are_refused(tmp_path) -> None:
     (tmp_path / "bad.json").write_text(json.dumps(d))
     with pytest.raises(RecordError, match="weight_hold_bytes"):
         Profile.load(tmp_path / "bad.json")
+    d["layers"][0]["weight_hold_bytes"] = None
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(RecordError, match="weight_hold_bytes"):
+        Profile.load(tmp_path / "bad.json")
+
+
+def test_a_plan_waiting_more_than_it_holds_is_refused(tmp_path) -> None:
+    layers = tuple(LayerCost(index=i, name=f"l{i}", forward_time=1.0, backward_time=2.0, activation_bytes=1000,
+                             output_bytes=10, weight_hold_bytes={"none": 1500}) for i in range(8))  # fmt: skip
+    plan = autopipe.partition(Profile(layers=layers, input_bytes=8), 2, microbatches=4, schedule="zbv", bandwidth=None)
+    plan.save(tmp_path / "plan.json")
+    d = json.loads((tmp_path / "plan.json").read_text())
+    d["stage_waiting"] = [u + 1 for u in d["stage_inflight"]]
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(RecordError, match="stage_waiting"):
+        autopipe.Plan.load(tmp_path / "bad.json")
+    p = json.loads((tmp_path / "plan.json").read_text())
+    assert autopipe.Plan.load(tmp_path / "plan.json").stage_waiting == tuple(p["stage_waiting"])
