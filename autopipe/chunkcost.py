@@ -187,6 +187,18 @@ class ChunkCosts:
             return m + self._tables[int(mode)].query(a, b)
         return m + np.choose(np.asarray(mode), [t.query(a, b) for t in self._tables])
 
+    def hold_range(self, mode: int) -> tuple[float, float]:
+        """The least and the largest ratio of a waiting unit's bytes to a held one's that any chunk
+        can have under ``mode``: a chunk's ratio (sums over its layers) lies between its layers'."""
+        kept = np.diff(self.kept[mode])
+        hold = kept + np.diff(self.hold_extra[mode])
+        some = (kept > 0) | (hold > 0)
+        if not some.any():
+            return 1.0, 1.0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(kept[some] > 0, hold[some] / np.maximum(kept[some], 1), np.inf)
+        return float(ratio.min()), float(ratio.max())
+
     def _kept(self, a, b, mode):
         return self._of(self.kept, a, b, mode)
 

@@ -110,6 +110,25 @@ def solve_step(
                    weight_share).run(enumerate_work)
 
 
+def _binding(states: Sequence[tuple[int, int]], ratio: tuple[float, float]) -> list[tuple[int, int]]:
+    """Of a chunk's (units, waiting) states, in order from most held to most waiting (the hull
+    vertices of ``schedule.peak_states``), those that are its heaviest for some ratio of a waiting
+    unit's bytes to a held one's within ``ratio``: state i is heaviest between the ratios where it
+    overtakes state i - 1 and where state i + 1 overtakes it. (The last chunk also holds the
+    model's output per held unit, so it keeps them all.)"""
+    lo, hi = ratio
+    held = [u - w for u, w in states]
+    wait = [w for _, w in states]
+    cross = [(held[i] - held[i + 1]) / max(wait[i + 1] - wait[i], 1e-12) for i in range(len(states) - 1)]
+    keep = []
+    for i, st in enumerate(states):
+        left = cross[i - 1] if i > 0 else 0.0
+        right = cross[i] if i < len(cross) else np.inf
+        if left <= hi and right >= lo:
+            keep.append(st)
+    return keep or list(states)
+
+
 # ---- the search ----------------------------------------------------------------------------------------
 
 # Local search: boundary moves of these sizes, while the simulated work stays under LOCAL_WORK ops.
@@ -135,6 +154,7 @@ class _Search:
         self.k = ranks * virtual
         self.states = states  # per chunk: the (units, waiting) that can be its peak
         self.units, self.waits = state_arrays(states)
+        self._wins: dict[tuple[int, int], np.ndarray] = {}  # (mode, chunk) -> its window, for this limit
         self.limit = limit
         self.modes = modes
         self.weight_share = weight_share
@@ -260,9 +280,14 @@ class _Search:
     def _window(self, md: int, s: int) -> np.ndarray:
         """Chunk s's first start that fits the limit under mode md, for every end: in every state
         that can be its peak."""
-        where = position(s, self.k)
-        wins = [self.c.window_start(md, u, self.limit, where, w) for u, w in self.states[s]]
-        return wins[0] if len(wins) == 1 else np.maximum.reduce(wins)
+        key = (md, s)
+        win = self._wins.get(key)
+        if win is None:
+            where = position(s, self.k)
+            states = self.states[s] if where in ("last", "only") else _binding(self.states[s], self.c.hold_range(md))
+            wins = [self.c.window_start(md, u, self.limit, where, w) for u, w in states]
+            win = self._wins[key] = wins[0] if len(wins) == 1 else np.maximum.reduce(wins)
+        return win
 
     def lo(self, s: int, b: np.ndarray, v: float | None, first: int = 0, only: int | None = None) -> np.ndarray:
         """First admissible start of stage s for each end b (all >= first): memory, and every bound <= v,
