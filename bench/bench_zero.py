@@ -206,16 +206,20 @@ def main() -> None:
                                                        root / f"zero0-replicate-{i}.json", "--zero", "0", replicate=True))
             print(f"round {i + 1} of {ROUNDS} done, load {os.getloadavg()[0]:.1f}", flush=True)
         rows["hand-written"] = summarise(runs["hand-written"])
-        from autopipe.memory import rank_memory
+        from autopipe.memory import layer_memory, rank_memory
 
         for name in names[1:]:
             zero = int(name[4])
             plan = plans[zero]
             terms = [dict(m) for m in plan.rank_memory_breakdown]
-            if name.endswith("replicate"):  # the memory model's terms for replicate (a zero-bubble schedule's), same cut
+            if name.endswith("replicate"):
+                # replicate's ZeRO terms (a zero-bubble schedule's engine) on the same 1F1B cut and run:
+                # the layers' shares as under zbv, the schedule's own terms (no held sends) as 1F1B's
+                lm = layer_memory(prof, dp=DP, zero=zero, schedule="zbv")
                 terms = [m.to_dict() for m in rank_memory(
-                    prof, plan.boundaries, stage_ranks=plan.stage_ranks, inflight=plan.stage_inflight,
-                    microbatches=plan.microbatches, recompute=plan.stage_recompute, dp=DP, zero=zero, schedule="zbv")]
+                    lm, plan.boundaries, stage_ranks=plan.stage_ranks, inflight=plan.stage_inflight,
+                    microbatches=plan.microbatches, recompute=plan.stage_recompute, reserve=prof.reserve_bytes,
+                    schedule="1f1b")]  # fmt: skip
             rows[name] = summarise(runs[name])
             rows[name]["predicted"] = [int(t["total"]) for t in terms]
             rows[name]["predicted_tensors"] = [int(t["total"]) - int(t["reserve"]) for t in terms]
