@@ -224,3 +224,22 @@ def test_a_plan_waiting_more_than_it_holds_is_refused(tmp_path) -> None:
         autopipe.Plan.load(tmp_path / "bad.json")
     p = json.loads((tmp_path / "plan.json").read_text())
     assert autopipe.Plan.load(tmp_path / "plan.json").stage_waiting == tuple(p["stage_waiting"])
+
+
+def test_an_estimated_profile_counts_the_hold_as_a_measured_one_does() -> None:
+    """Bytes need no device: profiling GPT-2 on meta (estimate=True) gives each block the hold
+    figures a real CPU run measures (same tensors, same sizes), without recompute and under full
+    recompute (selective is left to its kept bytes in estimates: on meta it counted a third more)."""
+    seq, prof, _, blocks = _two_blocks()
+    model, args, kwargs = gpt2()
+    with torch.device("meta"):
+        meta_model, _, _ = gpt2()
+    meta_args = tuple(a.to("meta") for a in args)
+    meta_kwargs = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    meta_seq = autopipe.flatten(meta_model, meta_args, meta_kwargs, validate=False)
+    est = autopipe.profile(meta_seq, meta_args, meta_kwargs, estimate=True, device="cpu", progress=False)
+    for i in blocks:
+        got, want = est.layers[i].weight_hold_bytes, prof.layers[i].weight_hold_bytes
+        assert set(got) == {"none", "full"} and set(want) == {"none", "selective", "full"}
+        for mode in got:
+            assert got[mode] == pytest.approx(want[mode], rel=0.05), (mode, got, want)
