@@ -83,7 +83,13 @@ def splits_backward(schedule: str) -> bool:
     >>> splits_backward("zbv"), splits_backward("ZBVZeroBubble"), splits_backward("1f1b")
     (True, True, False)
     """
-    return schedule.lower().replace("-", "").replace("_", "") in _SPLIT_BACKWARD
+    return _schedule_key(schedule) in _SPLIT_BACKWARD
+
+
+def _schedule_key(schedule: str) -> str:
+    """A schedule's name as the sets above spell it: lower case, no dashes or underscores, and no
+    "Schedule" prefix of torch's class names."""
+    return schedule.lower().replace("-", "").replace("_", "").removeprefix("schedule")
 
 
 _RUNTIME_DRIVEN = {"interleaved1f1b", "zbv", "zbvzerobubble", "loopedbfs", "interleavedzerobubble", "dualpipev"}
@@ -97,7 +103,7 @@ def holds_sends(schedule: str) -> bool:
     >>> holds_sends("interleaved1f1b"), holds_sends("ZBVZeroBubble"), holds_sends("1f1b"), holds_sends("gpipe")
     (True, True, False, False)
     """
-    return schedule.lower().replace("-", "").replace("_", "").removeprefix("schedule") in _RUNTIME_DRIVEN
+    return _schedule_key(schedule) in _RUNTIME_DRIVEN
 
 
 def ddp_schedule(schedule: str) -> bool:
@@ -311,6 +317,7 @@ def rank_memory(
     scatter = lm.reduce_scatter or (0,) * n
     chunks = list(zip(boundaries, boundaries[1:]))
     modes = list(recompute) or ["none"] * len(chunks)
+    sends = holds_sends(schedule)
     ranks = max(stage_ranks) + 1
     out: list[RankMemory] = []
     for r in range(ranks):
@@ -325,25 +332,24 @@ def rank_memory(
             extra = sum(1 for i in layers if i in users) - 1
             if extra > 0:
                 w, g, o, x, dpb = w - extra * tw, g - extra * tg, o - extra * to, x - extra * tx, dpb - extra * tb
-        buf = trans = sent = 0
-        act = outs = 0
-        for c in mine:  # held units keep the forward's bytes, waiting ones what their weight pass needs
-            late = int(waiting[c]) if len(waiting) else 0
-            held = inflight[c] - late
-            act += sum(held * lm.activations[modes[c]][i] + late * lm.waiting[modes[c]][i] for i in range(*chunks[c]))
-            if chunks[c][1] == n:
-                outs += held * lm.outputs[n - 1]  # the model's output lives until its B
+        act = outs = buf = trans = sent = 0
         for c in mine:
             a, b = chunks[c]
+            # held units keep the forward's bytes, waiting ones what their weight pass needs
+            late = int(waiting[c]) if len(waiting) else 0
+            held = inflight[c] - late
+            act += sum(held * lm.activations[modes[c]][i] + late * lm.waiting[modes[c]][i] for i in range(a, b))
+            if b == n:
+                outs += held * lm.outputs[n - 1]  # the model's output lives until its B
             trans = max([trans, *(lm.transient[modes[c]][i] for i in range(a, b))])
             # one buffer per micro-batch for each cut facing another rank
             if a > 0 and stage_ranks[c - 1] != r:
                 buf += microbatches * lm.outputs[a - 1]
             if b < n and stage_ranks[c + 1] != r:
                 buf += microbatches * lm.outputs[b - 1]
-            if holds_sends(schedule) and b < n and stage_ranks[c + 1] == r:  # a hand-off on this rank
+            if sends and b < n and stage_ranks[c + 1] == r:  # a hand-off on this rank
                 sent += 2 * microbatches * lm.outputs[b - 1]
-        if holds_sends(schedule):
+        if sends:
             sent += buf  # every send of the step, alive until its end
         out.append(RankMemory(
             weights=w, gradients=g, optimizer=o, activations=act, outputs=outs, buffers=buf, sends=sent,

@@ -119,7 +119,6 @@ class _Model:
         self.params = [l.params or l.param_bytes for l in layers]
         self.tied = tied
 
-
     def allowed(self, recompute: str) -> tuple[int, ...]:
         """Indices (into costs.modes) of the modes a chunk may use under a recompute policy."""
         modes = self.costs.modes
