@@ -50,7 +50,8 @@ import numpy as np
 from .chunkcost import ChunkCosts, position
 from .schedule import _fixed_orders
 
-__all__ = ["Form", "Infeasible", "dwell_forms", "fits", "least_memory", "reach", "walk", "count_cuts", "enumerate_cuts"]
+__all__ = ["Form", "Infeasible", "as_states", "dwell_forms", "fits", "least_memory", "reach", "states_window", "walk",
+           "count_cuts", "enumerate_cuts"]
 
 
 class Infeasible(Exception):
@@ -65,7 +66,7 @@ def fits(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int] = (), limit:
     input pass (see ChunkCosts.memory)."""
     if not 1 <= chunks <= costs.n:
         return False
-    st = _states(chunks, inflight, waiting, states)
+    st = as_states(chunks, inflight, waiting, states)
     return reach(costs.n, chunks, lambda s, b, first: _memory_start(costs, st[s], limit, modes, b,
                                                                     position(s, chunks))) is not None
 
@@ -74,7 +75,7 @@ def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int] = ()
                  waiting: Sequence[int] | None = None, states: Sequence[Sequence[tuple[int, int]]] | None = None) -> int:
     """The smallest per-chunk limit some cut into ``chunks`` chunks meets (bisection over bytes)."""
     idx = np.arange(costs.n)
-    st = _states(chunks, inflight, waiting, states)
+    st = as_states(chunks, inflight, waiting, states)
     every = {x for chunk in st for x in chunk}
     # some chunk holds the layer that needs the most alone, in some state: below that nothing fits
     alone = np.min([costs.memory(idx, idx + 1, u, m, w) for m in modes for u, w in every], axis=0)
@@ -90,8 +91,10 @@ def least_memory(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int] = ()
     return hi
 
 
-def _states(chunks: int, inflight: Sequence[int], waiting: Sequence[int] | None,
-            states: Sequence[Sequence[tuple[int, int]]] | None) -> list[tuple[tuple[int, int], ...]]:
+def as_states(chunks: int, inflight: Sequence[int], waiting: Sequence[int] | None,
+              states: Sequence[Sequence[tuple[int, int]]] | None) -> list[tuple[tuple[int, int], ...]]:
+    """Per chunk, the (units, waiting) states it is held under: ``states`` as given, else one state
+    each of ``inflight`` units, ``waiting`` of them past their input pass (default none)."""
     if states is not None:
         return [tuple(x) for x in states]
     wait = list(waiting) if waiting is not None else [0] * chunks
@@ -103,8 +106,37 @@ def _memory_start(costs: ChunkCosts, states: Sequence[tuple[int, int]], limit: i
     """The first start that fits ``limit`` in every state, under the best mode."""
     if limit is None:
         return np.zeros_like(b)
-    return np.min([np.max([costs.window_start(m, u, limit, where, w)[b] for u, w in states], axis=0) for m in modes],
-                  axis=0)
+    return np.min([states_window(costs, m, states, limit, where)[b] for m in modes], axis=0)
+
+
+def states_window(costs: ChunkCosts, mode: int, states: Sequence[tuple[int, int]], limit: int,
+                  where: str) -> np.ndarray:
+    """For every end: the first start from which a chunk at ``where`` fits ``limit`` under ``mode``
+    in every one of its states (ChunkCosts.window_start per state, the latest start), skipping the
+    states that no chunk's ratio of waiting to held bytes can make its heaviest (``_binding``)."""
+    if where not in ("last", "only"):
+        states = _binding(states, costs.hold_range(mode))
+    wins = [costs.window_start(mode, u, limit, where, w) for u, w in states]
+    return wins[0] if len(wins) == 1 else np.maximum.reduce(wins)
+
+
+def _binding(states: Sequence[tuple[int, int]], ratio: tuple[float, float]) -> list[tuple[int, int]]:
+    """Of a chunk's (units, waiting) states, in order from most held to most waiting (the hull
+    vertices of ``schedule.peak_states``), those that are its heaviest for some ratio of a waiting
+    unit's bytes to a held one's within ``ratio``: state i is heaviest between the ratios where it
+    overtakes state i - 1 and where state i + 1 overtakes it. (The last chunk also holds the
+    model's output per held unit, so it keeps them all.)"""
+    lo, hi = ratio
+    held = [u - w for u, w in states]
+    wait = [w for _, w in states]
+    cross = [(held[i] - held[i + 1]) / max(wait[i + 1] - wait[i], 1e-12) for i in range(len(states) - 1)]
+    keep = []
+    for i, st in enumerate(states):
+        left = cross[i - 1] if i > 0 else 0.0
+        right = cross[i] if i < len(cross) else np.inf
+        if left <= hi and right >= lo:
+            keep.append(st)
+    return keep or list(states)
 
 
 def reach(n: int, k: int, lo_of, span=None, finish=None) -> list[np.ndarray] | None:

@@ -51,7 +51,7 @@ import numpy as np
 
 from .chunkcost import ChunkCosts, position, state_arrays
 from .schedule import check_schedule, inflight_counts, step_times
-from .stepbound import Form, Infeasible, count_cuts, dwell_forms, enumerate_cuts, reach, walk
+from .stepbound import Form, Infeasible, as_states, count_cuts, dwell_forms, enumerate_cuts, reach, states_window, walk
 
 __all__ = ["StepSolution", "solve_step", "Infeasible"]
 
@@ -103,30 +103,8 @@ def solve_step(
     if not 1 <= k <= costs.n:
         raise ValueError(f"cannot cut {costs.n} layers into {k} non-empty chunks")
     infl = list(inflight) if inflight is not None else inflight_counts(schedule, ranks, virtual, microbatches)
-    if states is None:
-        wait = list(waiting) if waiting is not None else [0] * k
-        states = [((u, w),) for u, w in zip(infl, wait)]
-    return _Search(costs, schedule, ranks, virtual, microbatches, [tuple(st) for st in states], limit, tuple(modes),
-                   weight_share).run(enumerate_work)
-
-
-def _binding(states: Sequence[tuple[int, int]], ratio: tuple[float, float]) -> list[tuple[int, int]]:
-    """Of a chunk's (units, waiting) states, in order from most held to most waiting (the hull
-    vertices of ``schedule.peak_states``), those that are its heaviest for some ratio of a waiting
-    unit's bytes to a held one's within ``ratio``: state i is heaviest between the ratios where it
-    overtakes state i - 1 and where state i + 1 overtakes it. (The last chunk also holds the
-    model's output per held unit, so it keeps them all.)"""
-    lo, hi = ratio
-    held = [u - w for u, w in states]
-    wait = [w for _, w in states]
-    cross = [(held[i] - held[i + 1]) / max(wait[i + 1] - wait[i], 1e-12) for i in range(len(states) - 1)]
-    keep = []
-    for i, st in enumerate(states):
-        left = cross[i - 1] if i > 0 else 0.0
-        right = cross[i] if i < len(cross) else np.inf
-        if left <= hi and right >= lo:
-            keep.append(st)
-    return keep or list(states)
+    return _Search(costs, schedule, ranks, virtual, microbatches, as_states(k, infl, waiting, states), limit,
+                   tuple(modes), weight_share).run(enumerate_work)
 
 
 # ---- the search ----------------------------------------------------------------------------------------
@@ -283,10 +261,7 @@ class _Search:
         key = (md, s)
         win = self._wins.get(key)
         if win is None:
-            where = position(s, self.k)
-            states = self.states[s] if where in ("last", "only") else _binding(self.states[s], self.c.hold_range(md))
-            wins = [self.c.window_start(md, u, self.limit, where, w) for u, w in states]
-            win = self._wins[key] = wins[0] if len(wins) == 1 else np.maximum.reduce(wins)
+            win = self._wins[key] = states_window(self.c, md, self.states[s], self.limit, position(s, self.k))
         return win
 
     def lo(self, s: int, b: np.ndarray, v: float | None, first: int = 0, only: int | None = None) -> np.ndarray:
