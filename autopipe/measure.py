@@ -6,10 +6,11 @@ A layer's value is what the DeepSpeed layer format allows: a Tensor or a tuple o
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 from torch import Tensor, nn
@@ -73,6 +74,23 @@ def backward_targets(layer: nn.Module, x: Value) -> list[Tensor]:
 def _grad_outputs(out: Value) -> tuple[list[Tensor], list[Tensor]]:
     outs = [o for o in as_tuple(out) if isinstance(o, Tensor) and o.requires_grad]
     return outs, [torch.ones_like(o) for o in outs]
+
+
+def _unviewed(outs: list[Tensor]) -> list[Tensor]:
+    """The outputs as a pipeline stage can detach them in place, which torch refuses for views (the
+    runtime's chunks return them unviewed under zero-bubble schedules for the same reason)."""
+    return [o.clone() if o._base is not None else o for o in outs]
+
+
+@contextlib.contextmanager
+def _grads_put_back(tensors: list[Tensor]) -> Iterator[None]:
+    """``.grad`` of ``tensors`` as it was before, whatever the block sets or raises."""
+    before = [t.grad for t in tensors]
+    try:
+        yield
+    finally:
+        for t, g in zip(tensors, before):
+            t.grad = g
 
 
 class _Clock:
@@ -185,21 +203,18 @@ def time_split(layer: nn.Module, x: Value, *, device: torch.device, warmup: int,
     if not params or not inputs:
         return None
     clock = _Clock(device)
-    before = [t.grad for t in params + inputs]
-    for p in params:
-        p.grad = None  # W adds into an existing .grad in place: keep the caller's out of reach
     b_times: list[float] = []
     w_times: list[float] = []
     grads: list[Tensor] | None = None
-    try:
+    with _grads_put_back(params + inputs), contextlib.suppress(RuntimeError):
+        for p in params:
+            p.grad = None  # W adds into an existing .grad in place: keep the caller's out of reach
         for i in range(warmup + repeats):
             out = run_layer(layer, x, mode)
             outs, fresh = _grad_outputs(out)
             if not outs:
                 return None
-            # the stage detaches its outputs in place, which torch refuses for views (the runtime's
-            # chunks return them unviewed under zero-bubble schedules for the same reason)
-            outs = [o.clone() if o._base is not None else o for o in outs]
+            outs = _unviewed(outs)
             grads = grads if grads is not None and len(grads) == len(fresh) else fresh
             tb, (_, groups) = clock(lambda: stage_backward_input(outs, grads, inputs, iter(params)))
             for o in outs:
@@ -209,12 +224,8 @@ def time_split(layer: nn.Module, x: Value, *, device: torch.device, warmup: int,
             if i >= warmup:
                 b_times.append(tb)
                 w_times.append(tw)
-    except RuntimeError:
-        return None  # a layer torch cannot split this way: zbv plans keep the 0.5 guess for it
-    finally:
-        for t, g in zip(params + inputs, before):
-            t.grad = g
-    return statistics.median(b_times), statistics.median(w_times)
+        return statistics.median(b_times), statistics.median(w_times)
+    return None  # a layer torch cannot split this way (RuntimeError): zbv plans keep the 0.5 guess for it
 
 
 def weight_hold_change(layer: nn.Module, x: Value, *, mode: str = "none") -> int | None:
@@ -238,29 +249,21 @@ def weight_hold_change(layer: nn.Module, x: Value, *, mode: str = "none") -> int
     inputs = [t for t in as_tuple(x) if isinstance(t, Tensor) and t.requires_grad]
     if not inputs:
         return None
-    before = [t.grad for t in params + inputs]
     live = LiveBytes()
-    try:
-        with live:
-            out = run_layer(layer, x, mode)
-            outs, grads = _grad_outputs(out)
-            if not outs:
-                return None
-            outs = [o.clone() if o._base is not None else o for o in outs]  # as time_split: no views
-            out = None
-            kept = live.current(exclude={storage_key(o) for o in outs})
-            dinputs, groups = stage_backward_input(outs, grads, inputs, iter(params))
-            for o in outs:
-                o.detach_()
-            outs = grads = None
-            waiting = live.current(exclude={storage_key(t) for t in dinputs if isinstance(t, Tensor)})
-            dinputs = groups = None  # noqa: F841 (the unit is dropped: its W is not needed here)
-    except RuntimeError:
-        return None  # a layer torch cannot split: its unit counts as its forward's bytes
-    finally:
-        for t, g in zip(params + inputs, before):
-            t.grad = g
-    return waiting - kept
+    with _grads_put_back(params + inputs), contextlib.suppress(RuntimeError), live:
+        out = run_layer(layer, x, mode)
+        outs, grads = _grad_outputs(out)
+        if not outs:
+            return None
+        outs = _unviewed(outs)
+        out = None
+        kept = live.current(exclude={storage_key(o) for o in outs})
+        dinputs, _groups = stage_backward_input(outs, grads, inputs, iter(params))
+        for o in outs:
+            o.detach_()
+        outs = grads = None
+        return live.current(exclude={storage_key(t) for t in dinputs if isinstance(t, Tensor)}) - kept
+    return None  # a layer torch cannot split (RuntimeError): its unit counts as its forward's bytes
 
 
 class LiveBytes(TorchDispatchMode):
@@ -366,15 +369,11 @@ def _accumulating_backward_peak(layer: nn.Module, outs: list[Tensor], grads: lis
     ``.grad`` of every target is put back as it was."""
     own = {id(p) for p in layer.parameters()}
     params = [t for t in targets if id(t) in own]
-    before = [t.grad for t in targets]
-    try:
+    with _grads_put_back(targets):
         for t in targets:
             t.grad = torch.zeros_like(t) if id(t) in own else None
         held = sum(tensor_bytes(p.grad) for p in params)
         peak, _ = peak_bytes(lambda: torch.autograd.backward(outs, grads, inputs=targets), device)
-    finally:
-        for t, g in zip(targets, before):
-            t.grad = g
     return peak + held
 
 
