@@ -5,23 +5,39 @@
     prof = autopipe.profile(seq, example_args, example_kwargs)    # Profile
     plan = autopipe.partition(prof, stages=4)                     # Plan
     stages = seq.split(plan)                                      # one nn.Module per stage
+
+One folder per pass, each importing only the folders beneath it:
+
+    cli/      the typer commands
+    job/      convert (every pass in a row) and emit (the job folder, train.py)
+    report/   report.html, its SVG kit, the rich tables
+    cluster/  the layout search over N devices (torch-free)
+    runtime/  what a generated train.py calls
+    planner/  partition: the Plan, schedules and their simulator, the step solver (torch-free)
+    costs/    profile: measuring and estimating each layer; the Profile record (torch-free)
+    graph/    model sources, trace, flatten, the LayerSequence, recompute
+
+The names below are imported on first use: ``import autopipe`` loads no torch.
 """
 
 from __future__ import annotations
 
 from .errors import AutopipeError
-from .records import DeviceInfo, LayerCost, Profile
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-# The passes share names with their modules (autopipe.flatten is a function and a module). Importing
-# the functions here binds the package attributes to them once; a later `import autopipe.flatten`
-# finds the module already loaded and leaves the attribute alone.
-from .flatten import flatten
-from .partition import partition
-from .plan import Plan
-from .profile import profile
-from .sequence import LayerSequence
+_NAMES = {
+    "flatten": "graph.flattener",
+    "LayerSequence": "graph.sequence",
+    "profile": "costs.profiler",
+    "Profile": "costs.layer_costs",
+    "LayerCost": "costs.layer_costs",
+    "DeviceInfo": "costs.layer_costs",
+    "partition": "planner.partitioner",
+    "Plan": "planner.plan",
+}
+__getattr__ = lazy_exports(__name__, _NAMES, globals())
 
 __all__ = ["AutopipeError", "DeviceInfo", "LayerCost", "LayerSequence", "Plan", "Profile",
            "flatten", "partition", "profile"]

@@ -1,4 +1,5 @@
-"""Sizes in bytes (and bandwidths in bytes/s): read "80GiB" / "25GB" from the command line, write them for people.
+"""Sizes in bytes (and bandwidths in bytes/s): read "80GiB" / "25GB" from the command line; write sizes,
+seconds and micro-batch shapes for people.
 
 Example:
     >>> parse_size("1.5KiB"), format_bytes(1536)
@@ -8,10 +9,11 @@ Example:
 from __future__ import annotations
 
 import re
+from typing import Mapping, Sequence
 
 from .errors import PartitionError
 
-__all__ = ["format_bytes", "parse_bandwidth", "parse_size", "shorten"]
+__all__ = ["format_bytes", "format_microbatch", "format_time", "parse_bandwidth", "parse_size", "shorten"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -69,3 +71,18 @@ def format_bytes(n: float) -> str:
 def shorten(text: str, n: int) -> str:
     """``text`` cut to ``n`` characters with an ellipsis."""
     return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def format_time(seconds: float) -> str:
+    """0.0123 -> '12.3 ms'; picks µs, ms or s, three significant digits."""
+    if seconds == 0:
+        return "0"
+    for unit, scale in (("µs", 1e-6), ("ms", 1e-3)):
+        if seconds < 1000 * scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def format_microbatch(shapes: Mapping[str, Sequence[int]]) -> str:
+    """{'args[0]': [1, 64], 'labels': [1, 64]} -> 'args[0] 1×64, labels 1×64'."""
+    return ", ".join(f"{name} {'×'.join(map(str, shape)) or 'scalar'}" for name, shape in shapes.items())

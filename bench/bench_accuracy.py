@@ -8,7 +8,7 @@ one thread per process, in the mode train.py trains in (autocast for bf16), part
 stages / schedule / recompute, written with the generated train.py, and trained under torchrun
 (gloo, one thread per rank). The step log's measured step time (median after warm-up) and each
 rank's peak memory (``autopipe.runtime.peak``: peak RSS above the rank's baseline) are set against
-the plan's ``step_time`` and ``rank_memory`` (``autopipe.steplog.compare``). The goal is every
+the plan's ``step_time`` and ``rank_memory`` (``autopipe.report.steplog.compare``). The goal is every
 configuration within ±10 % on this CPU.
 
 The machine is shared and has 2 cores: the load average is recorded, each configuration's step-time
@@ -90,10 +90,10 @@ def make_folder(root: Path, model: str) -> Path:
 def make_job(root: Path, folder: Path, cfg: Config, profiles: dict) -> tuple[Path, object]:
     """Profile once per (model, dtype), then partition and write this configuration's job."""
     import autopipe
-    from autopipe.convert import DTYPES
-    from autopipe.emit import JobSettings, emit
-    from autopipe.models import load_model
-    from autopipe.reserve import runtime_reserve
+    from autopipe.choices import PRECISIONS
+    from autopipe.graph.sources import load_model
+    from autopipe.job.folder import JobSettings, emit
+    from autopipe.runtime.reserve import runtime_reserve
 
     key = (cfg.model, cfg.dtype)
     if key not in profiles:
@@ -102,7 +102,7 @@ def make_job(root: Path, folder: Path, cfg: Config, profiles: dict) -> tuple[Pat
         torch.set_num_threads(1)  # as each pipeline rank runs
         spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)
         seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)
-        autocast = DTYPES[cfg.dtype] if cfg.dtype != "fp32" else None
+        autocast = PRECISIONS[cfg.dtype] if cfg.dtype != "fp32" else None
         profiles[key] = autopipe.profile(seq, spec.args, spec.kwargs, threads=1, progress=False, autocast=autocast,
                                          reserve=runtime_reserve("cpu", dtype=cfg.dtype, config=spec.model.config))  # fmt: skip
     prof = profiles[key]
@@ -122,7 +122,7 @@ def run_job(job: Path, cfg: Config) -> list[dict]:
     done = subprocess.run(cmd, cwd=job, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{cfg.name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    from autopipe.steplog import read_step_log
+    from autopipe.report.steplog import read_step_log
 
     return read_step_log(log)
 
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/results alone")
     opts = parser.parse_args()
-    from autopipe.steplog import compare
+    from autopipe.report.steplog import compare
 
     wanted = [c for c in CONFIGS if not opts.only or c.name in opts.only.split(",")]
     rows = []

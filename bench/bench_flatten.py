@@ -26,7 +26,7 @@ _META_70B = r"""
 import json, resource, time
 t0 = time.perf_counter()
 import torch, autopipe
-from autopipe.models import load_model
+from autopipe.graph.sources import load_model
 t1 = time.perf_counter()
 spec = load_model("llama-70b", device="meta", batch_size=1, seq_len=2048)
 t2 = time.perf_counter()
@@ -50,7 +50,7 @@ def bench_overhead(repeats: int, threads: int) -> dict:
     import torch
 
     import autopipe
-    from autopipe.models import load_model
+    from autopipe.graph.sources import load_model
 
     torch.set_num_threads(threads)
     spec = load_model("gpt2", device="cpu", batch_size=2, seq_len=128, dropout=0.0)

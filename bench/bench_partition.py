@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT / "tests"))  # the former event loop, kept there as 
 
 from _event_sim import simulate_events  # noqa: E402
 
-from autopipe.baselines import BASELINES  # noqa: E402
-from autopipe.partition import _Model, partition  # noqa: E402
-from autopipe.records import LayerCost, Profile  # noqa: E402
-from autopipe.schedule import _program, simulate, step_times  # noqa: E402
-from autopipe.stepbound import least_memory  # noqa: E402
+from autopipe.costs.layer_costs import LayerCost, Profile  # noqa: E402
+from autopipe.planner.baselines import BASELINES  # noqa: E402
+from autopipe.planner.partitioner import _Model, partition  # noqa: E402
+from autopipe.planner.schedules import _program, simulate, step_times  # noqa: E402
+from autopipe.planner.step_bound import least_memory  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv")

@@ -24,9 +24,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import autopipe
-from autopipe.devices import keep_freed_memory
-from autopipe.measure import static_storage_keys, storage_key
-from autopipe.records import write_json_atomic
+from autopipe.costs.devices import keep_freed_memory
+from autopipe.costs.measure import static_storage_keys, storage_key
+from autopipe.files import write_json_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -41,7 +41,7 @@ def make_folder(root: Path) -> Path:
 
 def plans(folder: Path) -> dict:
     import autopipe
-    from autopipe.models import load_model
+    from autopipe.graph.sources import load_model
 
     torch.set_num_threads(1)  # as each pipeline rank runs
     spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)
@@ -54,7 +54,7 @@ def plans(folder: Path) -> dict:
 
 
 def run_plan(job: Path, name: str, plan) -> list[float]:
-    from autopipe.runtime import write_train_script
+    from autopipe.job.script import write_train_script
 
     run = job / name
     run.mkdir()

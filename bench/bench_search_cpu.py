@@ -4,7 +4,7 @@
 
 The model (8 blocks, width 256, vocabulary 8192, 64 tokens) is profiled here with one thread per
 process, at one sample per micro-batch; the search plans 4 devices of one node (the CPU's stated
-links, autopipe/topology.py) for a global batch of 8 under a per-rank memory limit; then the chosen
+links, autopipe/cluster/topology.py) for a global batch of 8 under a per-rank memory limit; then the chosen
 layout and the runners-up are each trained with the generated train.py under torchrun
 (--nproc-per-node 4, --dp as the layout has it; train.py runs the layout's ZeRO stage, written from
 its plan), one after another in this same run, and the median step after warm-up is set beside the
@@ -42,8 +42,8 @@ def profile_model(folder: Path):  # noqa: ANN201
     import torch
 
     import autopipe
-    from autopipe.models import load_model
-    from autopipe.reserve import runtime_reserve
+    from autopipe.graph.sources import load_model
+    from autopipe.runtime.reserve import runtime_reserve
 
     torch.set_num_threads(1)  # as each rank runs
     spec = load_model(str(folder), device="cpu", batch_size=1, seq_len=SEQ, dropout=0.0)
@@ -52,9 +52,9 @@ def profile_model(folder: Path):  # noqa: ANN201
 
 
 def train(job: Path, folder: Path, prof, layout, plan, name: str) -> tuple[list[float], float]:  # noqa: ANN001
-    from autopipe.emit import JobSettings, emit
-    from autopipe.mbscale import scale_microbatch
-    from autopipe.steplog import read_step_log
+    from autopipe.costs.rescale import scale_microbatch
+    from autopipe.job.folder import JobSettings, emit
+    from autopipe.report.steplog import read_step_log
 
     settings = JobSettings(model=str(folder), stages=plan.stages, microbatches=plan.microbatches,
                            schedule=plan.schedule, batch_size=layout.microbatch_size, seq_len=SEQ)  # fmt: skip
@@ -75,8 +75,9 @@ def train(job: Path, folder: Path, prof, layout, plan, name: str) -> tuple[list[
 
 
 def main() -> None:
-    from autopipe.search import evaluate, search
-    from autopipe.topology import cluster_for
+    from autopipe.cluster.evaluate import evaluate
+    from autopipe.cluster.layout_search import search
+    from autopipe.cluster.topology import cluster_for
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

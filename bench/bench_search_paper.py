@@ -16,7 +16,7 @@ Rules of thumb (each at the same GPU count and global batch), as their users set
   side, as Megatron's and torchtitan's meshes and DeepSpeed's topology number them); ZeRO 1 for
   Megatron (distributed optimizer) and DeepSpeed (its pipeline engine's most), ZeRO 2 for
   torchtitan (FSDP2 under a pipeline keeps parameters unsharded through the step).
-Every figure is predicted by the same model (autopipe/search.py's evaluate); nothing here runs on a GPU.
+Every figure is predicted by the same model (autopipe/cluster/layout_search.py's evaluate); nothing here runs on a GPU.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from autopipe.cluster.evaluate import evaluate
+from autopipe.cluster.layout_search import search  # noqa: E402
+from autopipe.cluster.layouts import Layout  # noqa: E402
+from autopipe.cluster.topology import cluster_for  # noqa: E402
+from autopipe.costs.layer_costs import Profile  # noqa: E402
 from autopipe.errors import AutopipeError, InfeasibleMemoryError  # noqa: E402
-from autopipe.layouts import Layout  # noqa: E402
-from autopipe.records import Profile  # noqa: E402
-from autopipe.search import evaluate, search  # noqa: E402
-from autopipe.topology import cluster_for  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 MODELS = ("llama-7b", "llama-13b", "llama-70b")

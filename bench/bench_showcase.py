@@ -34,8 +34,8 @@ def profile_model(folder: Path):  # noqa: ANN201
     import torch
 
     import autopipe
-    from autopipe.models import load_model
-    from autopipe.reserve import runtime_reserve
+    from autopipe.graph.sources import load_model
+    from autopipe.runtime.reserve import runtime_reserve
 
     torch.set_num_threads(1)  # as each rank runs
     spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)
@@ -81,8 +81,8 @@ def showcase_limit(prof) -> tuple[int, dict]:  # noqa: ANN001
 
 
 def train(job: Path, plan, name: str) -> list[dict]:  # noqa: ANN001
-    from autopipe.emit import JobSettings, emit
-    from autopipe.steplog import read_step_log
+    from autopipe.job.folder import JobSettings, emit
+    from autopipe.report.steplog import read_step_log
 
     settings = JobSettings(model=str(job / "model"), stages=STAGES, microbatches=MICRO, schedule="1f1b",
                            batch_size=ROWS, seq_len=SEQ)  # fmt: skip
@@ -103,7 +103,7 @@ def main() -> None:
     global PROFILE
     from transformers import GPT2Config
 
-    from autopipe.steplog import compare
+    from autopipe.report.steplog import compare
     from autopipe.units import format_bytes
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -111,8 +111,8 @@ def make_plans(root: Path, folder: Path) -> tuple[dict[int, object], object]:
     import torch
 
     import autopipe
-    from autopipe.models import load_model
-    from autopipe.reserve import runtime_reserve
+    from autopipe.graph.sources import load_model
+    from autopipe.runtime.reserve import runtime_reserve
 
     torch.set_num_threads(1)
     spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)
@@ -206,7 +206,7 @@ def main() -> None:
                                                        root / f"zero0-replicate-{i}.json", "--zero", "0", replicate=True))
             print(f"round {i + 1} of {ROUNDS} done, load {os.getloadavg()[0]:.1f}", flush=True)
         rows["hand-written"] = summarise(runs["hand-written"])
-        from autopipe.memory import layer_memory, rank_memory
+        from autopipe.planner.memory import layer_memory, rank_memory
 
         for name in names[1:]:
             zero = int(name[4])

@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     opts = parser.parse_args()
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="autopipe-digits-"))
-    from autopipe.convert import convert
+    from autopipe.job.converter import convert
 
     result = convert(f"{Path(__file__).resolve()}:build", stages=2, batch_size=16, microbatches=4, loss="cross_entropy",
                      out=work / "job", repeats=2, progress=False)

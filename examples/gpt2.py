@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autopipe.convert import convert
+from autopipe.job.converter import convert
 
 __all__ = ["small_gpt2_folder"]
 

@@ -66,7 +66,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     text = corpus(work / "corpus.txt")
     folder = model_folder(work / opts.task, opts.task, text.read_text())
-    from autopipe.convert import convert
+    from autopipe.job.converter import convert
 
     result = convert(str(folder), stages=2, batch_size=4, seq_len=32, microbatches=4, data=text, out=work / "job",
                      repeats=2, progress=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import autopipe
-from autopipe.reserve import ASSUMED_CUDA_RESERVE
+from autopipe.runtime.reserve import ASSUMED_CUDA_RESERVE
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,8 +1,8 @@
 """The event-loop schedule simulator as it was before the fast path: the reference the tests compare with.
 
 Kept verbatim (renamed to ``simulate_events``) so tests/test_schedule.py can check that
-autopipe.schedule.simulate gives identical results, timelines included. Not used by autopipe itself.
-One change since: zbv runs torch's fixed ZB-V order (``_fixed_orders``) like the other schedules,
+autopipe.planner.schedules.simulate gives identical results, timelines included. Not used by autopipe itself.
+One change since: zbv runs torch's fixed ZB-V order (``fixed_orders``) like the other schedules,
 where it ran a greedy order of its own; each op still waits for its inputs (``_deps``: a W for its B).
 """
 
@@ -12,7 +12,13 @@ import heapq
 from typing import Sequence
 
 from autopipe.errors import PartitionError
-from autopipe.schedule import Simulation, TimelineEntry, _fixed_orders, check_schedule, check_weight_share
+from autopipe.planner.schedules import (
+    Simulation,
+    TimelineEntry,
+    check_schedule,
+    check_weight_share,
+    fixed_orders,
+)
 
 
 def simulate_events(
@@ -43,7 +49,7 @@ def simulate_events(
         "B": [backward[c] * (1 - weight_share if zb else 1.0) + comm[c] for c in range(k)],
         "W": [backward[c] * weight_share for c in range(k)],
     }
-    chooser = _Fixed(_fixed_orders(schedule, ranks, virtual, microbatches))
+    chooser = _Fixed(fixed_orders(schedule, ranks, virtual, microbatches))
     end: dict[tuple[str, int, int], float] = {}
     timeline: list[list[TimelineEntry]] = [[] for _ in range(ranks)]
     free = [0.0] * ranks

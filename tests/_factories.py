@@ -39,7 +39,7 @@ def tiny_gpt2_job(root: Path, *, layers: int, microbatches: int, rows: int, seq:
     ``layers`` blocks, width 32; and ``root/train.py`` for it, 2 stages on 1F1B. Returns the folder."""
     from transformers import GPT2Config
 
-    from autopipe.runtime import write_train_script
+    from autopipe.job.script import write_train_script
 
     GPT2Config(
         architectures=["GPT2LMHeadModel"], n_layer=layers, n_embd=32, n_head=2, vocab_size=128, n_positions=seq,

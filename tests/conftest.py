@@ -8,7 +8,7 @@ torch.set_num_threads(1)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The runtime reserve is measured once per device and cached (autopipe.reserve); a session-wide
+# The runtime reserve is measured once per device and cached (autopipe.runtime.reserve); a session-wide
 # cache of its own makes the suite measure it once itself, on this machine, rather than trust a
 # figure left in the home folder by another torch or another machine.
 if "AUTOPIPE_CACHE" not in os.environ:

@@ -6,8 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopipe.baselines import baseline, by_type, greedy, parameters, torchtitan, uniform
 from autopipe.errors import PartitionError
+from autopipe.planner.baselines import (
+    baseline,
+    by_type,
+    greedy,
+    parameters,
+    torchtitan,
+    uniform,
+)
 
 
 def test_uniform_gives_the_remainder_to_the_first_stages() -> None:

@@ -10,6 +10,7 @@ import pytest
 from _factories import net_factory_source
 from typer.testing import CliRunner
 
+import autopipe.costs.profiler as profiler
 from autopipe.cli import app
 
 runner = CliRunner()
@@ -79,12 +80,10 @@ def test_unknown_model_is_one_line(factory: str):
 
 def test_more_stages_than_layers_is_one_line(factory: str, monkeypatch: pytest.MonkeyPatch):
     """More stages than layers is found right after flatten, before any profiling; nothing is written."""
-    import sys
-
     def no_profiling(*args, **kwargs):
         raise AssertionError("profiled although the stages cannot fit the layers")
 
-    monkeypatch.setattr(sys.modules["autopipe.profile"], "profile", no_profiling)
+    monkeypatch.setattr(profiler, "profile", no_profiling)
     _fails_cleanly(_convert(factory, "--stages", "7"), "flattens into 6 layers, too few for 7 stages")
     _fails_cleanly(_convert(factory, "--stages", "4", "--schedule", "zbv"), "6 layers, too few for 4 stages (2 chunks")
     assert not Path("jobs").exists()
@@ -152,22 +151,22 @@ def _fake_train_script(job_dir: Path, settings, plan) -> Path:
 
 def test_failure_while_writing_leaves_no_folder(factory: str, monkeypatch: pytest.MonkeyPatch):
     """If writing the job fails midway (the report here), the error is shown and the folders convert created are removed."""
-    import autopipe.emit
+    import autopipe.job.folder
 
     def broken(*args, **kwargs):
-        raise autopipe.emit.AutopipeError("disk full (simulated)")
+        raise autopipe.job.folder.AutopipeError("disk full (simulated)")
 
-    monkeypatch.setattr(autopipe.emit, "_write_train_script", _fake_train_script)
-    monkeypatch.setattr(autopipe.emit, "write_report", broken)
+    monkeypatch.setattr(autopipe.job.folder, "_write_train_script", _fake_train_script)
+    monkeypatch.setattr(autopipe.job.folder, "write_report", broken)
     _fails_cleanly(_convert(factory, "--stages", "2", "--out", "new/deep/job"), "disk full (simulated)")
     assert not Path("new").exists()
 
 
 def test_force_failing_midway_keeps_the_old_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """With force, a failure while writing leaves the old job files and the checkpoints as they were."""
-    import autopipe.emit
+    import autopipe.job.folder
     from autopipe import Profile, partition
-    from autopipe.emit import JOB_FILES, JobSettings, emit
+    from autopipe.job.folder import JOB_FILES, JobSettings, emit
 
     job = tmp_path / "jobs" / "tiny"
     (job / "checkpoints").mkdir(parents=True)
@@ -179,18 +178,18 @@ def test_force_failing_midway_keeps_the_old_job(tmp_path: Path, monkeypatch: pyt
     settings = JobSettings(model="tiny.py:build", stages=2, microbatches=plan.microbatches, schedule=plan.schedule)
 
     def broken(*args, **kwargs):
-        raise autopipe.emit.AutopipeError("disk full (simulated)")
+        raise autopipe.job.folder.AutopipeError("disk full (simulated)")
 
-    monkeypatch.setattr(autopipe.emit, "_write_train_script", _fake_train_script)
-    monkeypatch.setattr(autopipe.emit, "write_report", broken)
-    with pytest.raises(autopipe.emit.AutopipeError, match="disk full"):
+    monkeypatch.setattr(autopipe.job.folder, "_write_train_script", _fake_train_script)
+    monkeypatch.setattr(autopipe.job.folder, "write_report", broken)
+    with pytest.raises(autopipe.job.folder.AutopipeError, match="disk full"):
         emit(job, settings=settings, profile=prof, plan=plan, force=True)
     assert {name: (job / name).read_text() for name in JOB_FILES} == {name: f"old {name}" for name in JOB_FILES}
     assert (job / "checkpoints" / "step1.pt").read_text() == "weights"
     assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["tiny"]  # no staging folder left
 
     monkeypatch.undo()
-    monkeypatch.setattr(autopipe.emit, "_write_train_script", _fake_train_script)
+    monkeypatch.setattr(autopipe.job.folder, "_write_train_script", _fake_train_script)
     files = emit(job, settings=settings, profile=prof, plan=plan, force=True)
     assert json.loads((job / "plan.json").read_text())["kind"] == "autopipe.plan"
     assert sorted(p.name for p in files.files) == sorted(JOB_FILES)
@@ -212,7 +211,7 @@ def test_force_failing_midway_keeps_the_old_job(tmp_path: Path, monkeypatch: pyt
 )
 def test_default_job_dir_names(model: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """jobs/<name>: a folder's last component (dots kept), a module's last part, a factory file's stem."""
-    from autopipe.convert import default_job_dir
+    from autopipe.job.converter import default_job_dir
 
     monkeypatch.chdir(tmp_path)
     assert default_job_dir(model) == Path("jobs") / expected
@@ -223,11 +222,11 @@ def test_default_job_dir_names(model: str, expected: str, tmp_path: Path, monkey
 
 def test_readme_names_a_quoted_train_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A job folder with a space in its path gets a README whose commands quote it whole."""
-    import autopipe.emit
+    import autopipe.job.folder
     from autopipe import Profile, partition
-    from autopipe.emit import JobSettings, emit
+    from autopipe.job.folder import JobSettings, emit
 
-    monkeypatch.setattr(autopipe.emit, "_write_train_script", _fake_train_script)
+    monkeypatch.setattr(autopipe.job.folder, "_write_train_script", _fake_train_script)
     prof = Profile.from_costs([1.0, 2.0, 1.0, 2.0])
     plan = partition(prof, 2)
     settings = JobSettings(model="tiny.py:build", stages=2, microbatches=plan.microbatches, schedule=plan.schedule)
@@ -252,16 +251,14 @@ def build(batch_size=4):
 def test_a_job_without_a_loss_is_refused_before_profiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A model returning logits under --loss model (auto) is refused in one line naming the fix, before
     any profiling; --loss cross_entropy makes the job, with the loss and data in train.py's settings."""
-    import sys
-
     (tmp_path / "logits.py").write_text(LOGITS)
     monkeypatch.chdir(tmp_path)
-    real = sys.modules["autopipe.profile"].profile
+    real = profiler.profile
 
     def no_profiling(*args, **kwargs):
         raise AssertionError("profiled a job that cannot train")
 
-    monkeypatch.setattr(sys.modules["autopipe.profile"], "profile", no_profiling)
+    monkeypatch.setattr(profiler, "profile", no_profiling)
     _fails_cleanly(_convert("logits.py:build", "--stages", "2"), "no scalar loss: train it with --loss cross_entropy")
     _fails_cleanly(_convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "missing.npz"),
                    "--data 'missing.npz' does not exist")
@@ -271,7 +268,7 @@ def test_a_job_without_a_loss_is_refused_before_profiling(tmp_path: Path, monkey
     _fails_cleanly(_convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "wide.npz"),
                    "takes (16,) per row")
     assert not Path("jobs").exists()
-    monkeypatch.setattr(sys.modules["autopipe.profile"], "profile", real)
+    monkeypatch.setattr(profiler, "profile", real)
     np.savez("good.npz", x=np.zeros((8, 16), np.float32), y=np.zeros(8, np.int64))
     result = _convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "good.npz")
     assert result.exit_code == 0, result.output

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from autopipe import Profile
 from autopipe.cli import app
-from autopipe.plan import Plan
+from autopipe.planner.plan import Plan
 
 runner = CliRunner()
 
@@ -162,7 +162,7 @@ def test_plan_on_a_gpu_profile_holds_to_its_memory_and_says_what_recomputes(tmp_
     first stage and the summary names the limit's source and the recompute chosen, with its cost."""
     from dataclasses import replace
 
-    from autopipe.records import DeviceInfo
+    from autopipe.costs.layer_costs import DeviceInfo
 
     prof = replace(Profile.from_costs([1.0] * 4, activation_bytes=[100] * 4, output_bytes=[10] * 4), input_bytes=10,
                    device=DeviceInfo(name="Test GPU", type="cuda", memory_bytes=350))  # fmt: skip
@@ -228,7 +228,7 @@ def test_every_plan_the_partitioner_makes_loads_back(data) -> None:
     every schedule, a memory limit, baselines) round-trips through its JSON unchanged."""
     from autopipe import partition
     from autopipe.errors import InfeasibleMemoryError
-    from autopipe.report import compare_baselines
+    from autopipe.planner import compare_baselines
 
     schedule = data.draw(st.sampled_from(["gpipe", "1f1b", "interleaved1f1b", "zbv"]))
     v = 2 if schedule in ("interleaved1f1b", "zbv") else 1

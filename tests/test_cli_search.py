@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from autopipe import Profile
 from autopipe.cli import app
-from autopipe.layouts import SearchResult
-from autopipe.plan import Plan
+from autopipe.cluster.layouts import SearchResult
+from autopipe.planner.plan import Plan
 
 runner = CliRunner()
 

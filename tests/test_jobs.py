@@ -20,7 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from autopipe.runtime import JobData, TrainConfig, build_reference, make_loss, model_factory, write_train_script
+from autopipe.job.script import write_train_script
+from autopipe.runtime import (
+    JobData,
+    TrainConfig,
+    build_reference,
+    make_loss,
+    model_factory,
+)
 from autopipe.runtime.reference import ReferenceTrainer, SequenceModel
 
 ROOT = Path(__file__).resolve().parent.parent

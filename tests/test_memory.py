@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.memory import RankMemory, layer_memory, rank_memory
-from autopipe.records import LayerCost, Profile, RecomputeCost
+from autopipe.costs.layer_costs import LayerCost, Profile, RecomputeCost
+from autopipe.planner.memory import RankMemory, layer_memory, rank_memory
 
 MIB = 2**20
 

@@ -4,7 +4,7 @@ A GPT-2 config (not the reserve probe's model, so the reserve is not fitted to i
 as train.py trains it, cut into 2 stages for 1F1B, and trained by the generated train.py under
 torchrun. Each rank's logged ``peak_memory`` (peak RSS above its baseline) is set against the plan's
 ``rank_memory``, whose total carries the runtime reserve measured by a GPT-2 probe of another size
-(``autopipe.reserve``). Measured here (4 runs, each its own profile and so its own cut, after the
+(``autopipe.runtime.reserve``). Measured here (4 runs, each its own profile and so its own cut, after the
 runtime's allocator settings of ``devices.keep_freed_memory``): measured / predicted 0.85-1.00 per
 rank, and the growth from 1F1B to GPipe on the same cut (where the reserve cancels) 0.96-1.13 of the
 predicted growth. Bound ±20 % on both: catches activations not multiplied by the micro-batches in
@@ -29,8 +29,8 @@ BOUND = 0.20  # measured / predicted 0.85-1.00, growth 0.96-1.13 over 4 runs her
 
 
 def _run(root: Path, folder: Path, prof, plan, name: str):
-    from autopipe.emit import JobSettings, emit
-    from autopipe.steplog import compare, read_step_log
+    from autopipe.job.folder import JobSettings, emit
+    from autopipe.report.steplog import compare, read_step_log
 
     settings = JobSettings(model=str(folder), stages=2, microbatches=MICRO, schedule=plan.schedule, batch_size=ROWS,
                            seq_len=SEQ, dtype="fp32")  # fmt: skip
@@ -49,8 +49,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory):
     """One cut trained twice: 1F1B (2 and 1 micro-batches in flight) and GPipe (all 4 on both ranks)."""
     from transformers import GPT2Config
 
-    from autopipe.models import load_model
-    from autopipe.reserve import runtime_reserve
+    from autopipe.graph.sources import load_model
+    from autopipe.runtime.reserve import runtime_reserve
 
     root = tmp_path_factory.mktemp("measured")
     folder = root / "gpt2"

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import autopipe
 from autopipe.cli import app
 from autopipe.errors import ModelNotFoundError
-from autopipe.models import BUILTINS, load_model
+from autopipe.graph.sources import BUILTINS, load_model
 
 runner = CliRunner()
 

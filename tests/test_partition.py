@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from autopipe import Profile
 from autopipe.errors import InfeasibleMemoryError, PartitionError, RecordError
-from autopipe.partition import partition
-from autopipe.plan import Plan
+from autopipe.planner.partitioner import partition
+from autopipe.planner.plan import Plan
 from autopipe.units import parse_size
 
 MB = 10**6
@@ -252,7 +252,7 @@ def test_plan_simulate_draws_every_op() -> None:
 
 def test_public_names_after_submodule_import() -> None:
     """autopipe.partition stays callable after its submodule is imported; autopipe.Plan is the record."""
-    import autopipe.partition  # noqa: F401  (the submodule must not shadow the function)
+    import autopipe.planner.partitioner  # noqa: F401  (the submodule must not shadow the function)
 
     assert autopipe.partition is partition
     prof = Profile.from_costs([1.0, 1.0, 2.0])

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from autopipe import Profile
-from autopipe.chunkcost import ChunkCosts
+from autopipe.costs.layer_costs import RecomputeCost
 from autopipe.errors import InfeasibleMemoryError, PartitionError
-from autopipe.partition import partition
-from autopipe.plan import Plan
-from autopipe.records import RecomputeCost
+from autopipe.planner.chunk_costs import ChunkCosts
+from autopipe.planner.partitioner import partition
+from autopipe.planner.plan import Plan
 
 
 def four_layers() -> Profile:
@@ -140,7 +140,7 @@ def test_chunk_memory_holds_the_largest_recomputed_layer() -> None:
 
 
 def _on_gpu(prof: Profile, memory: int) -> Profile:
-    from autopipe.records import DeviceInfo
+    from autopipe.costs.layer_costs import DeviceInfo
 
     return replace(prof, device=DeviceInfo(name="Test GPU", type="cuda", memory_bytes=memory))
 

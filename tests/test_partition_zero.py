@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from autopipe import Profile, partition
 from autopipe.cli import app
-from autopipe.convert import convert
 from autopipe.errors import AutopipeError, InfeasibleMemoryError, PartitionError
-from autopipe.memory import rank_memory
-from autopipe.plan import Plan
+from autopipe.job.converter import convert
+from autopipe.planner.memory import rank_memory
+from autopipe.planner.plan import Plan
 
 
 def _profile(n: int = 8) -> Profile:
@@ -24,7 +24,7 @@ def _profile(n: int = 8) -> Profile:
 
 
 def test_the_plan_charges_each_rank_its_shards() -> None:
-    """The plan's per-rank memory is autopipe.memory's for its dp and ZeRO stage, and shrinks as it should."""
+    """The plan's per-rank memory is autopipe.planner.memory's for its dp and ZeRO stage, and shrinks as it should."""
     prof = _profile()
     totals = {}
     for zero in (0, 1, 2, 3):

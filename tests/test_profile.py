@@ -10,9 +10,9 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
+from autopipe.costs.layer_costs import Profile
+from autopipe.costs.profiler import check_signature
 from autopipe.errors import AutopipeError, StaleProfileError
-from autopipe.profile import check_signature
-from autopipe.records import Profile
 
 B = 8  # micro-batch rows
 
@@ -262,7 +262,7 @@ def test_autocast_needs_fp32_layers_when_measuring() -> None:
 def test_timing_repeats_until_the_spread_is_small(monkeypatch: pytest.MonkeyPatch) -> None:
     """A noisy start (every other run 10x slower) makes time_layer take more samples until the
     interquartile range is within 10% of the median; the median is the quiet figure."""
-    from autopipe import measure
+    from autopipe.costs import measure
 
     # (forward, backward) per run: the forwards read 10, 1, 10, then 1 from there on
     readings = iter([10.0, 1.0, 1.0, 1.0, 10.0, 1.0] + [1.0] * 1000)
@@ -281,11 +281,8 @@ def test_timing_repeats_until_the_spread_is_small(monkeypatch: pytest.MonkeyPatc
 def test_identical_layers_that_disagree_are_named_and_take_the_faster_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """The last of a kind of identical layers is timed again; 10x apart, the profile warns, naming both,
     and every layer of that kind takes the faster (less disturbed) figure."""
-    import importlib
-
-    from autopipe.measure import Timing
-
-    prof_mod = importlib.import_module("autopipe.profile")  # the module, not autopipe.profile the function
+    import autopipe.costs.profiler as prof_mod
+    from autopipe.costs.measure import Timing
 
     x = torch.randn(B, 32)
     seq = _flatten(nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]), x)
@@ -304,7 +301,7 @@ def test_identical_layers_that_disagree_are_named_and_take_the_faster_time(monke
 
 def test_timings_that_stay_noisy_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """If the spread never settles, the profile says which layers and how noisy, instead of staying silent."""
-    from autopipe import measure
+    from autopipe.costs import measure
 
     readings = iter([10.0, 1.0, 1.0] * 10_000)  # a cycle of 3: forwards and backwards both jump
     monkeypatch.setattr(measure._Clock, "__call__", lambda self, fn: (next(readings), fn()))
@@ -318,7 +315,7 @@ def test_zero_bubble_split_is_timed_as_torch_runs_it_and_zbv_plans_use_it() -> N
     stage_backward_input, then stage_backward_weight); .grad is left alone; the profile's measured
     W share replaces the 0.5 guess and zbv's backward is the two passes' sum (a plan on zbv equals
     the simulator run on those figures)."""
-    from autopipe.schedule import simulate
+    from autopipe.planner.schedules import simulate
 
     torch.manual_seed(0)
     blocks = nn.Sequential(*[_Block(64) for _ in range(4)])

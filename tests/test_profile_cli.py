@@ -7,7 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from autopipe.cli import app
-from autopipe.records import Profile
+from autopipe.costs.layer_costs import Profile
 
 runner = CliRunner()
 
@@ -55,7 +55,7 @@ def test_profile_table_formats_bytes_like_the_plan() -> None:
     """The profile table and the plan share one byte format (two decimals, up to TiB)."""
     from rich.console import Console
 
-    from autopipe.profile import profile_table
+    from autopipe.report.tables import profile_table
     from autopipe.units import format_bytes
 
     assert [format_bytes(n) for n in (512, 1536, 5 * 2**30, 3 * 2**40)] == ["512 B", "1.50 KiB", "5.00 GiB", "3.00 TiB"]

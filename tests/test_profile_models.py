@@ -9,9 +9,9 @@ import torch
 from torch import Tensor, nn
 
 import autopipe
-from autopipe.devices import KNOWN_DEVICES, device_spec
+from autopipe.costs.devices import KNOWN_DEVICES, device_spec
+from autopipe.costs.measure import static_storage_keys, storage_key
 from autopipe.errors import AutopipeError
-from autopipe.measure import static_storage_keys, storage_key
 
 B, T, V, D, LAYERS = 2, 16, 128, 64, 3
 

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.measure import LiveBytes, as_tuple
-from autopipe.profile import profile_table
-from autopipe.recompute import RecomputeError, chunk_modes, run_layer
-from autopipe.records import Profile
+from autopipe.costs.layer_costs import Profile
+from autopipe.costs.measure import LiveBytes, as_tuple
+from autopipe.graph.recompute import RecomputeError, chunk_modes, run_layer
+from autopipe.report.tables import profile_table
 from autopipe.runtime import build_stage
 from autopipe.runtime.build import PipeChunk
 from autopipe.runtime.layout import even_boundaries
@@ -300,7 +300,8 @@ def test_pipelined_runs_draw_the_same_dropout_masks_on_every_layout(pipelined: d
 def test_train_script_recompute_flag_trains_like_the_unpipelined_model(tmp_path: Path) -> None:
     """train.py --recompute selective on ZBV (split backward), 2 ranks: --verify passes (every gradient
     of step 1 against the unpipelined model), the log names the mode, losses equal plain training."""
-    from autopipe.runtime import TokenData, TrainConfig, build_reference, model_factory, write_train_script
+    from autopipe.job.script import write_train_script
+    from autopipe.runtime import TokenData, TrainConfig, build_reference, model_factory
     from autopipe.runtime.reference import ReferenceTrainer
 
     folder = _tiny_gpt2_folder(tmp_path, dropout=0.0)  # --verify compares with a reference: no dropout
@@ -434,9 +435,12 @@ def test_split_backward_recomputes_per_weight_group_unless_shared(mode: str) -> 
     """torch's zero-bubble backward (input pass, then one autograd call per weight group) gives the
     plain gradients under recompute; the layer's forward runs 1 + 3 times, or 2 with shared_recompute
     around the weight pass."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
 
-    from autopipe.recompute import shared_recompute
+    from autopipe.graph.recompute import shared_recompute
 
     torch.manual_seed(0)
     layer, x = NormMLP(D), torch.randn(ROWS, D, requires_grad=True)

@@ -10,9 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from autopipe import AutopipeError, Profile, partition
-from autopipe.baselines import BASELINES
 from autopipe.cli import app
-from autopipe.report import compare_baselines, format_time, render_report, write_report
+from autopipe.planner import compare_baselines
+from autopipe.planner.baselines import BASELINES
+from autopipe.report.page import render_report, write_report
+from autopipe.units import format_time
 
 runner = CliRunner()
 
@@ -156,7 +158,7 @@ def test_write_report_replaces_the_file_whole(tmp_path: Path):
 
 def test_atomic_writes_leave_no_temporary_file_when_the_target_is_a_folder(tmp_path: Path):
     """A plan, profile or report aimed at a folder fails with the target named, and leaves no temporary file."""
-    from autopipe.records import write_text_atomic
+    from autopipe.files import write_text_atomic
 
     (tmp_path / "taken").mkdir()
     prof = _profile()

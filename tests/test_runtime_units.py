@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from autopipe.errors import AutopipeError, PartitionError
-from autopipe.runtime import build_reference, build_stage, write_train_script
+from autopipe.job.script import write_train_script
+from autopipe.runtime import build_reference, build_stage
 from autopipe.runtime.checkpoint import latest_checkpoint
 from autopipe.runtime.data import TokenData
-from autopipe.runtime.layout import Layout, even_boundaries, schedule_name
+from autopipe.runtime.layout import ChunkLayout, even_boundaries, schedule_name
 from autopipe.runtime.weights import init_weights_, materialize_
 
 
@@ -34,9 +35,9 @@ IDS = torch.zeros(2, 16, dtype=torch.long)
 
 def test_layout_owners_loop_and_v() -> None:
     """Looped schedules deal chunks round-robin; V schedules go down and back up."""
-    loop = Layout.make([0, 1, 2, 3, 4, 5, 6, 7, 8], pp_size=4, schedule="interleaved1f1b")
+    loop = ChunkLayout.make([0, 1, 2, 3, 4, 5, 6, 7, 8], pp_size=4, schedule="interleaved1f1b")
     assert [loop.owner(c) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    v = Layout.make([0, 1, 2, 3, 4, 5, 6, 7, 8], pp_size=4, schedule="zbv")
+    v = ChunkLayout.make([0, 1, 2, 3, 4, 5, 6, 7, 8], pp_size=4, schedule="zbv")
     assert [v.owner(c) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
     assert v.chunks_of(0) == [0, 7]
     assert loop.ranks_holding([0, 7]) == [0, 3]
@@ -45,11 +46,11 @@ def test_layout_owners_loop_and_v() -> None:
 def test_layout_refuses_mismatched_plans() -> None:
     """Wrong chunk counts for a schedule fail with the fix in the message."""
     with pytest.raises(PartitionError, match="Interleaved1F1B"):
-        Layout.make([0, 1, 2, 3, 4], pp_size=2, schedule="1f1b")
+        ChunkLayout.make([0, 1, 2, 3, 4], pp_size=2, schedule="1f1b")
     with pytest.raises(PartitionError, match="virtual_stages=2"):
-        Layout.make([0, 1, 2, 3], pp_size=3, schedule="zbv")
+        ChunkLayout.make([0, 1, 2, 3], pp_size=3, schedule="zbv")
     with pytest.raises(PartitionError, match="evenly"):
-        Layout.make([0, 1, 2, 3], pp_size=2, schedule="interleaved1f1b")
+        ChunkLayout.make([0, 1, 2, 3], pp_size=2, schedule="interleaved1f1b")
 
 
 def test_even_boundaries_and_schedule_names() -> None:
@@ -254,7 +255,7 @@ def test_grad_norm_is_torch_s_and_never_holds_a_float64_copy_of_a_large_gradient
     for the showcase's 16384 x 192 tied embedding, which no term of the plan charges."""
     import copy
 
-    from autopipe.measure import peak_bytes
+    from autopipe.costs.measure import peak_bytes
     from autopipe.runtime.comm import Comm
     from autopipe.runtime.grads import clip_grads_, global_grad_norm
 

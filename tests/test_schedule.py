@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe.errors import PartitionError
-from autopipe.schedule import chunk_ranks, inflight_counts, normalize_schedule, simulate, step_times, zbv_order
+from autopipe.planner.schedules import (
+    chunk_ranks,
+    inflight_counts,
+    normalize_schedule,
+    simulate,
+    step_times,
+    zbv_order,
+)
 
 
 def _equal(schedule: str, ranks: int, virtual: int, m: int, f: float, b: float, c: float = 0.0):

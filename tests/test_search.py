@@ -1,4 +1,4 @@
-"""The cluster search (autopipe/search.py): exact against solving every layout, bounds that hold,
+"""The cluster search (autopipe/cluster/layout_search.py): exact against solving every layout, bounds that hold,
 the reduction overlapping the cooldown, micro-batch scaling, and what it says when nothing fits."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ import random
 import pytest
 
 from autopipe import Profile
+from autopipe.cluster.evaluate import SearchBounds, evaluate
+from autopipe.cluster.layout_search import search
+from autopipe.cluster.layouts import Layout, SearchResult, enumerate_layouts
+from autopipe.cluster.topology import Cluster
+from autopipe.costs.rescale import scale_microbatch
 from autopipe.errors import InfeasibleMemoryError
-from autopipe.layouts import Layout, SearchResult, enumerate_layouts
-from autopipe.mbscale import scale_microbatch
-from autopipe.search import _Bounds, evaluate, search
-from autopipe.topology import Cluster
 
 # Two nodes of two devices: intra-node links ten times the inter-node ones, so placement matters.
 CLUSTER = Cluster(gpus=4, gpus_per_node=2, intra=2000.0, inter=200.0)
@@ -99,7 +100,7 @@ def test_bounds_hold_for_every_layout() -> None:
     bound refuses has no cut that fits."""
     prof = _profile(3)
     limit = 2600
-    bounds = _Bounds(prof, None, limit, CLUSTER)
+    bounds = SearchBounds(prof, None, limit, CLUSTER)
     refused = 0
     for x in enumerate_layouts(len(prof.layers), CLUSTER, 8):
         try:

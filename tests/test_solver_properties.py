@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe.errors import InfeasibleMemoryError
-from autopipe.solver import Infeasible, StageCosts, solve
+from autopipe.planner.bottleneck import NoBottleneckCut, StageCosts, solve
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -62,7 +62,7 @@ def _check(inst) -> None:
     costs = StageCosts(compute, cut, static, act, tied)
     try:
         got = solve(costs, stages, inflight=inflight, limit=limit)
-    except Infeasible:
+    except NoBottleneckCut:
         assert expected is None
         return
     assert expected is not None
@@ -118,13 +118,13 @@ import numpy as np  # noqa: E402
 from _event_sim import simulate_events  # noqa: E402
 
 from autopipe import Profile as _Profile  # noqa: E402
-from autopipe.chunkcost import ChunkCosts  # noqa: E402
-from autopipe.partition import partition  # noqa: E402
-from autopipe.records import LayerCost  # noqa: E402
-from autopipe.schedule import inflight_counts, peak_states  # noqa: E402
-from autopipe.stepbound import dwell_forms  # noqa: E402
-from autopipe.stepsolve import Infeasible as StepInfeasible  # noqa: E402
-from autopipe.stepsolve import solve_step  # noqa: E402
+from autopipe.costs.layer_costs import LayerCost  # noqa: E402
+from autopipe.planner.chunk_costs import ChunkCosts  # noqa: E402
+from autopipe.planner.partitioner import partition  # noqa: E402
+from autopipe.planner.schedules import inflight_counts, peak_states  # noqa: E402
+from autopipe.planner.step_bound import dwell_forms  # noqa: E402
+from autopipe.planner.step_solver import NoCutFits as StepInfeasible  # noqa: E402
+from autopipe.planner.step_solver import solve_step  # noqa: E402
 
 STEP_SETTINGS = settings(max_examples=120, deadline=None)
 
@@ -202,7 +202,7 @@ def _brute_step(prof, opts, stages) -> float | None:
 
 
 def _chunk_memory(layers, inputs, a, b, mode, inflight, m, waiting=0, schedule="1f1b") -> int:
-    """Bytes chunk [a, b) holds, by hand (autopipe.memory's terms): parameters and gradients (SGD: no
+    """Bytes chunk [a, b) holds, by hand (autopipe.planner.memory's terms): parameters and gradients (SGD: no
     state), what each layer keeps per micro-batch in flight, the worst one-layer transient (under full
     recompute the activations it rebuilds beyond its input), the model's output held until its
     backward (last chunk; not by the ``waiting`` units past it), and one receive buffer per

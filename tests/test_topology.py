@@ -1,11 +1,10 @@
-"""Placement and collective costs of the cluster search (autopipe/topology.py), from first principles."""
+"""Placement and collective costs of the cluster search (autopipe/cluster/topology.py), from first principles."""
 
 from __future__ import annotations
 
 import pytest
 
-from autopipe.errors import PartitionError
-from autopipe.topology import (
+from autopipe.cluster.topology import (
     Cluster,
     all_gather_time,
     all_reduce_time,
@@ -15,6 +14,7 @@ from autopipe.topology import (
     placements,
     reduce_scatter_time,
 )
+from autopipe.errors import PartitionError
 
 C = Cluster(gpus=16, gpus_per_node=8, intra=100.0, inter=10.0)
 

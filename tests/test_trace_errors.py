@@ -8,7 +8,12 @@ from archs import build
 from torch import nn
 
 import autopipe
-from autopipe.errors import InputMismatchError, PartitionError, TraceError, TraceMismatchError
+from autopipe.errors import (
+    InputMismatchError,
+    PartitionError,
+    TraceError,
+    TraceMismatchError,
+)
 
 
 class Gate(nn.Module):

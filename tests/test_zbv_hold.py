@@ -16,12 +16,17 @@ from archs import gpt2
 from torch import nn
 
 import autopipe
-from autopipe.chunkcost import ChunkCosts
+from autopipe.costs.layer_costs import LayerCost, Profile
+from autopipe.costs.measure import LiveBytes, storage_key, weight_hold_change
 from autopipe.errors import RecordError
-from autopipe.measure import LiveBytes, storage_key, weight_hold_change
-from autopipe.memory import rank_memory
-from autopipe.records import LayerCost, Profile
-from autopipe.schedule import _fixed_orders, chunk_ranks, inflight_counts, peak_states
+from autopipe.planner.chunk_costs import ChunkCosts
+from autopipe.planner.memory import rank_memory
+from autopipe.planner.schedules import (
+    chunk_ranks,
+    fixed_orders,
+    inflight_counts,
+    peak_states,
+)
 
 
 def test_a_waiting_mlp_holds_the_gradients_of_its_weight_ops_outputs() -> None:
@@ -45,7 +50,7 @@ def test_peak_states_hold_every_chunk_s_peak_whatever_it_weighs() -> None:
     chunk has one state, the old in-flight count, nothing waiting."""
     rng = np.random.default_rng(0)
     for s, m in [(2, 4), (2, 8), (3, 6), (4, 8), (4, 12)]:
-        orders = _fixed_orders("zbv", s, 2, m)
+        orders = fixed_orders("zbv", s, 2, m)
         owner = chunk_ranks("zbv", s, 2)
         peaks = peak_states("zbv", s, 2, m)
         for c in range(2 * s):
@@ -177,8 +182,8 @@ def test_the_plan_table_and_report_say_how_many_units_await_their_weight_pass(tm
     and the report's activation chart charges them their hold; 1F1B says nothing of it."""
     from rich.console import Console
 
-    from autopipe.plan_view import plan_table
-    from autopipe.report import render_report
+    from autopipe.report.page import render_report
+    from autopipe.report.tables import plan_table
 
     layers = tuple(LayerCost(index=i, name=f"l{i}", forward_time=1.0, backward_time=2.0, activation_bytes=1000,
                              output_bytes=10, weight_hold_bytes={"none": 1500}) for i in range(8))  # fmt: skip

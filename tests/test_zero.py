@@ -31,7 +31,14 @@ import pytest
 import torch
 from _factories import tiny_gpt2_job
 
-from autopipe.runtime import TokenData, TrainConfig, build_reference, build_stage, model_factory, write_train_script
+from autopipe.job.script import write_train_script
+from autopipe.runtime import (
+    TokenData,
+    TrainConfig,
+    build_reference,
+    build_stage,
+    model_factory,
+)
 from autopipe.runtime.layout import even_boundaries
 from autopipe.runtime.reference import ReferenceTrainer
 

@@ -6,7 +6,8 @@ materialise just their tensors); ``JobData`` turns the data into each step's inp
 ``Trainer`` runs the plan's torch.distributed.pipelining schedule, syncs tied gradients, averages
 over replicas, clips the global norm and steps AdamW; ``save_checkpoint``/``load_checkpoint`` write
 and read per-stage shards atomically; ``export`` joins them into one safetensors file;
-``train_deepspeed`` does the same on DeepSpeed's engine; ``one_line_errors`` makes failures one line.
+``train_deepspeed`` does the same on DeepSpeed's engine; ``one_line_errors`` makes failures one line;
+``runtime_reserve`` (the ``reserve`` module) measures what a rank holds beyond the tensors.
 
     env = init_dist(dp=1)
     source = model_factory("gpt2", batch_size=2, seq_len=128)
@@ -20,11 +21,10 @@ Submodules are imported on first use, so ``import autopipe.runtime`` stays cheap
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from ..lazy import lazy_exports
 
 _LAZY = {
-    "Layout": "layout",
+    "ChunkLayout": "layout",
     "even_boundaries": "layout",
     "schedule_name": "layout",
     "load_plan": "layout",
@@ -62,15 +62,16 @@ _LAZY = {
     "predictions": "logs",
     "PeakMemory": "peak",
     "verify_step": "verify",
-    "model_factory": "models",
-    "write_train_script": "script",
+    "model_factory": "factory",
     "train_deepspeed": "ds",
     "check_zero": "zero",
     "ZERO_STAGES": "zero",
+    "runtime_reserve": "reserve",
 }
 
 __all__ = [
     "ZERO_STAGES",
+    "runtime_reserve",
     "check_zero",
     "Comm",
     "JobData",
@@ -84,7 +85,7 @@ __all__ = [
     "open_data",
     "resume",
     "DistEnv",
-    "Layout",
+    "ChunkLayout",
     "PipeChunk",
     "PeakMemory",
     "PipelineEngine",
@@ -112,15 +113,7 @@ __all__ = [
     "to_device",
     "train_deepspeed",
     "verify_step",
-    "write_train_script",
 ]
 
 
-def __getattr__(name: str) -> Any:
-    try:
-        module = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'autopipe.runtime' has no attribute {name!r}") from None
-    value = getattr(import_module(f"autopipe.runtime.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY, globals())

@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
-from ..recompute import RecomputeError, check_mode, chunk_modes, run_layer
-from ..sequence import retarget_device_
-from .layout import Layout, even_boundaries
+from ..graph.recompute import RecomputeError, check_mode, chunk_modes, run_layer
+from ..graph.sequence import retarget_device_
+from .layout import ChunkLayout, even_boundaries
 from .weights import (
     SafetensorsSource,
     init_weights_,
@@ -81,7 +81,7 @@ class PipeChunk(nn.Module):
     Under mixed precision the layers run in autocast; parameters stay fp32.
 
     ``recompute`` is the chunk's activation recompute mode (``none``, ``selective``, ``full``; see
-    :mod:`autopipe.recompute`), or one mode per layer; each layer is checkpointed on its own. None
+    :mod:`autopipe.graph.recompute`), or one mode per layer; each layer is checkpointed on its own. None
     keeps the modes an earlier chunk gave these layers (none for fresh ones).
     """
 
@@ -156,7 +156,7 @@ class StageBuild:
 
     seq: Any  # LayerSequence (on meta except for this rank's tensors)
     model: nn.Module  # the meta model; this rank's tensors are real
-    layout: Layout
+    layout: ChunkLayout
     pp_rank: int
     chunk_ids: list[int]
     chunks: list[PipeChunk]
@@ -200,7 +200,7 @@ def meta_model(model_fn: ModelFn) -> nn.Module:
     return model
 
 
-def _to_meta(tree: Any) -> Any:
+def to_meta(tree: Any) -> Any:
     return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, tree)
 
 
@@ -236,13 +236,13 @@ def build_stage(
         >>> [c.layer_range for c in b.chunks]
         [(3, 6)]
     """
-    from ..flatten import flatten
+    from ..graph.flattener import flatten
 
     model = meta_model(model_fn)
-    seq = flatten(model, _to_meta(tuple(example_args)), _to_meta(dict(example_kwargs or {})), validate=False, granularity=granularity)  # type: ignore[arg-type]
+    seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False, granularity=granularity)  # type: ignore[arg-type]
     if isinstance(boundaries, int):  # a chunk count: cut evenly (no plan yet)
         boundaries = even_boundaries(len(seq.layers), boundaries)
-    layout = Layout.make(boundaries, pp_size=pp_size, schedule=schedule)
+    layout = ChunkLayout.make(boundaries, pp_size=pp_size, schedule=schedule)
     if layout.num_layers != len(seq.layers):
         raise AutopipeError(
             f"the plan cuts {layout.num_layers} layers but this model flattens into {len(seq.layers)}; "
@@ -256,7 +256,7 @@ def build_stage(
             layer = seq.layers[i]
             needed += [n for n, _ in layer.named_parameters(remove_duplicate=False)]
             needed += [n for n, _ in layer.named_buffers(remove_duplicate=False)]
-    _fill(model, model_fn, needed, seed=seed, weights=weights, device=device)
+    fill_tensors(model, model_fn, needed, seed=seed, weights=weights, device=device)
     seq.rebind_(model)
     for c in chunk_ids:
         for i in layout.layers_of(c):
@@ -313,11 +313,11 @@ def build_reference(
     model = meta_model(model_fn)
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    _fill(model, model_fn, names, seed=seed, weights=weights, device=device)
+    fill_tensors(model, model_fn, names, seed=seed, weights=weights, device=device)
     return model
 
 
-def _fill(
+def fill_tensors(
     model: nn.Module,
     model_fn: ModelFn,
     names: Sequence[str],

@@ -99,7 +99,7 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return torch.randperm(n, generator=g).numpy()
 
 
-class _Order:
+class EpochOrder:
     """Which samples step ``s`` of a run takes: rows ``[s·R, (s+1)·R)`` of the concatenated epoch orders."""
 
     def __init__(self, n: int, seed: int) -> None:
@@ -130,7 +130,7 @@ class TokenStream:
 
     @classmethod
     def open(cls, path: Path, *, vocab_size: int, tokenizer_dir: str | None = None) -> "TokenStream":
-        _exists(path)
+        check_data_path(path)
         suffix = path.suffix.lower()
         if suffix == ".bin":
             if path.stat().st_size % 2:
@@ -244,14 +244,14 @@ def _torch_load(path: Path) -> Any:
             raise DataError(f"{path} could not be read as a torch file ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
 
 
-def _exists(path: Path) -> None:
+def check_data_path(path: Path) -> None:
     if not path.exists():
         raise DataError(f"--data {str(path)!r} does not exist.")
     if path.is_file() and path.stat().st_size == 0:
         raise DataError(f"--data {str(path)!r} is empty.")
 
 
-def _samples_from_mapping(path: Path, loaders: dict[str, Any], lengths: dict[str, int]) -> SampleData:
+def samples_from_mapping(path: Path, loaders: dict[str, Any], lengths: dict[str, int]) -> SampleData:
     if not loaders:
         raise DataError(f"{path} holds no arrays; save x (inputs) and y (targets), or arrays named after the model's inputs.")
     if len(set(lengths.values())) > 1:
@@ -270,13 +270,13 @@ def _open_samples(path: Path) -> SampleData | TokenStream:
         except Exception as e:
             raise DataError(f"{path} could not be read as a .npz file ({e}).") from None
         lengths = {k: int(f[k].shape[0]) if f[k].ndim else 0 for k in f.files}
-        return _samples_from_mapping(path, {k: (lambda k=k: f[k]) for k in f.files}, lengths)
+        return samples_from_mapping(path, {k: (lambda k=k: f[k]) for k in f.files}, lengths)
     obj = _torch_load(path)
     if isinstance(obj, torch.Tensor):
         return TokenStream.open(path, vocab_size=0)
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise DataError(f"{path} holds a {type(obj).__name__}; save a dict of tensors with 'x' and 'y', or a 1-D tensor of token ids.")
-    return _samples_from_mapping(path, {k: (lambda v=v: v) for k, v in obj.items()},
+    return samples_from_mapping(path, {k: (lambda v=v: v) for k, v in obj.items()},
                                  {k: int(v.shape[0]) if v.dim() else 0 for k, v in obj.items()})
 
 
@@ -340,7 +340,7 @@ def open_data(path: str | os.PathLike[str], *, tokenizer_dir: str | None = None)
     """Open ``--data``: a token stream or samples (see the module docstring). Nothing is read yet
     beyond what telling them apart needs; a missing or empty file is a one-line :class:`DataError`."""
     p = Path(path)
-    _exists(p)
+    check_data_path(p)
     suffix = p.suffix.lower()
     if p.is_dir() or suffix in DATASET_SUFFIXES:
         return _open_dataset(p, tokenizer_dir=tokenizer_dir)

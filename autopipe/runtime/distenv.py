@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from ..devices import keep_freed_memory
+from ..costs.devices import keep_freed_memory
 from ..errors import AutopipeError
 from .comm import Comm, checking_requested
 from .peak import PeakMemory

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from ..errors import AutopipeError
-from ..sequence import retarget_device_
-from .build import _fill, _to_meta, meta_model
+from ..graph.sequence import retarget_device_
+from .build import fill_tensors, meta_model, to_meta
 from .engine import model_loss, split_batch
 from .layout import even_boundaries, load_plan
 from .optim import TrainConfig, make_lr_scheduler, make_optimizer
@@ -42,16 +42,16 @@ class _Context:
 
     def __init__(self, model_fn: Any, example_args: Sequence[Any], example_kwargs: dict[str, Any], *, seed: int,
                  weights: str | None, device: torch.device) -> None:
-        from ..flatten import flatten
+        from ..graph.flattener import flatten
 
         self.model_fn = model_fn
         self.model = meta_model(model_fn)
-        self.seq = flatten(self.model, _to_meta(tuple(example_args)), _to_meta(dict(example_kwargs)), validate=False)
+        self.seq = flatten(self.model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs)), validate=False)
         self.seed, self.weights, self.device = seed, weights, device
         self.built: list[DSLayer] = []
 
     def materialize(self, names: Sequence[str]) -> None:
-        _fill(self.model, self.model_fn, list(names), seed=self.seed, weights=self.weights, device=self.device)
+        fill_tensors(self.model, self.model_fn, list(names), seed=self.seed, weights=self.weights, device=self.device)
         self.seq.rebind_(self.model)
         for layer in self.built:  # rebind_ re-registers the tied tensors the built layers gave away
             layer.detach_tied()

@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
-from ..memory import splits_backward
-from ..recompute import shared_recompute
+from ..graph.recompute import shared_recompute
+from ..planner.memory import splits_backward
 from .build import MicrobatchSeeds, PipeChunk, StageBuild
 from .comm import Comm
 

@@ -75,7 +75,7 @@ def global_grad_norm(
 
 
 # Elements summed at a time in float64 (see _sum_of_squares): on a CPU each temporary is 512 KiB,
-# under glibc's mmap threshold the runtime sets (autopipe.devices.MMAP_THRESHOLD), so the heap reuses
+# under glibc's mmap threshold the runtime sets (autopipe.costs.devices.MMAP_THRESHOLD), so the heap reuses
 # it; on a GPU 8 MiB, few enough launches for a 50k-token embedding (~40 per tensor).
 _SQUARES_CHUNK = {"cpu": 1 << 16}
 _SQUARES_CHUNK_DEFAULT = 1 << 20

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import PartitionError, RecordError
 
-__all__ = ["SCHEDULES", "Layout", "even_boundaries", "load_plan", "schedule_name", "schedule_style"]
+__all__ = ["SCHEDULES", "ChunkLayout", "even_boundaries", "load_plan", "schedule_name", "schedule_style"]
 
 # Canonical names of the schedules torch.distributed.pipelining provides, lower-case key -> name.
 SCHEDULES = {
@@ -32,7 +32,7 @@ SCHEDULES = {
     "interleavedzerobubble": "InterleavedZeroBubble",
     "zbvzerobubble": "ZBVZeroBubble",
     "dualpipev": "DualPipeV",
-    # the partitioner's spellings (autopipe.schedule)
+    # the partitioner's spellings (autopipe.planner.schedules)
     "interleaved": "Interleaved1F1B",
     "zbv": "ZBVZeroBubble",
     "zerobubble": "ZBVZeroBubble",
@@ -74,11 +74,11 @@ def schedule_style(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ChunkLayout:
     """Chunks of consecutive layers and their owner ranks.
 
     Example:
-        >>> lay = Layout.make([0, 2, 4, 5, 6], pp_size=2, schedule="Interleaved1F1B")
+        >>> lay = ChunkLayout.make([0, 2, 4, 5, 6], pp_size=2, schedule="Interleaved1F1B")
         >>> lay.chunks_of(1), lay.layers_of(3)
         ([1, 3], range(5, 6))
     """
@@ -88,7 +88,7 @@ class Layout:
     schedule: str  # canonical schedule name
 
     @classmethod
-    def make(cls, boundaries: Sequence[int] | Any, *, pp_size: int, schedule: str) -> Layout:
+    def make(cls, boundaries: Sequence[int] | Any, *, pp_size: int, schedule: str) -> ChunkLayout:
         """Check the boundaries (or ``plan.boundaries``) fit ``pp_size`` ranks and the schedule."""
         plan_ranks = tuple(getattr(boundaries, "stage_ranks", ()) or ())
         cuts = tuple(int(b) for b in getattr(boundaries, "boundaries", boundaries))
@@ -162,7 +162,7 @@ class Layout:
 
 
 def load_plan(path: str | os.PathLike[str]) -> Any:
-    """Read plan.json: a full ``autopipe.plan.Plan``, or a hand-written ``{"boundaries": [...]}``."""
+    """Read plan.json: a full ``autopipe.planner.plan.Plan``, or a hand-written ``{"boundaries": [...]}``."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
@@ -174,6 +174,6 @@ def load_plan(path: str | os.PathLike[str]) -> Any:
         if "boundaries" not in data:
             raise RecordError(f"{p} has no 'boundaries'.")
         return SimpleNamespace(boundaries=tuple(data["boundaries"]), stage_ranks=tuple(data.get("stage_ranks", ())))
-    from ..plan import Plan
+    from ..planner.plan import Plan
 
     return Plan.from_dict(data)

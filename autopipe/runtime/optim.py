@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..choices import PRECISIONS, ZERO_STAGES
 from ..errors import AutopipeError
 
-__all__ = ["DTYPES", "LossScaler", "TrainConfig", "make_lr_scheduler", "make_optimizer", "param_groups", "preallocate_"]
+__all__ = ["LossScaler", "TrainConfig", "make_lr_scheduler", "make_optimizer", "param_groups", "preallocate_"]
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -40,18 +40,18 @@ class TrainConfig:
     zero: int = 0  # ZeRO stage over data-parallel replicas (autopipe.runtime.zero): 0 1 2 3
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise AutopipeError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}.")
+        if self.dtype not in PRECISIONS:
+            raise AutopipeError(f"dtype must be one of {list(PRECISIONS)}, got {self.dtype!r}.")
         if self.microbatches < 1 or self.steps < 0:
             raise AutopipeError(
                 f"microbatches ({self.microbatches}) must be >= 1 and steps ({self.steps}) >= 0."
             )
-        if self.zero not in (0, 1, 2, 3):
+        if self.zero not in ZERO_STAGES:
             raise AutopipeError(f"--zero {self.zero}: use 0 (replicate), 1 (shard optimizer state), 2 (and gradients) or 3 (and parameters).")
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return DTYPES[self.dtype]
+        return None if self.dtype == "fp32" else getattr(torch, PRECISIONS[self.dtype])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

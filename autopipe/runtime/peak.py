@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from ..devices import release_freed_memory
+from ..costs.devices import release_freed_memory
 
 __all__ = ["PeakMemory", "resident_bytes"]
 

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
-from .data import DataError, TokenData, TokenStream, _Order, open_data
+from .data import DataError, EpochOrder, TokenData, TokenStream, open_data
 from .weights import module_seed
 
 __all__ = ["JobData", "LABEL_NAMES", "LOSSES", "LossError", "check_loss", "loss_name", "resolve_loss", "make_loss", "mlm_mask", "model_outputs_logits"]
@@ -210,11 +210,11 @@ class JobData:
             self.tokens = opened
             self.tokens.check(vocab_size=source.vocab_size if self._first_is_ids() else 0, span=self.span,
                               source=data or "the factory's data")
-            self.order = _Order(len(self.tokens) // self.span, seed)
+            self.order = EpochOrder(len(self.tokens) // self.span, seed)
         elif opened is not None:
             self.samples = opened
             self._check_samples()
-            self.order = _Order(self.samples.n, seed)
+            self.order = EpochOrder(self.samples.n, seed)
         elif self.task in TOKEN_TASKS:
             self.synthetic = TokenData(None, vocab_size=source.vocab_size, seq_len=self.span, seed=seed)
         if self.tokens is not None and self.task not in TOKEN_TASKS and not self._first_is_ids():
@@ -287,7 +287,7 @@ class JobData:
         return self._random(step, rows, replica, replicas)
 
     def _placeholder(self, per: int) -> tuple[tuple[Any, ...], dict[str, Any], None]:
-        args, kwargs = _fill(self.source, self.inputs, {}, per)
+        args, kwargs = fill_tensors(self.source, self.inputs, {}, per)
         return args, kwargs, None
 
     def _from_tokens(self, w: torch.Tensor, first_row: int) -> tuple[tuple[Any, ...], dict[str, Any], torch.Tensor | None]:
@@ -312,7 +312,7 @@ class JobData:
         given = {self.inputs[0].name: ids}
         if self.loss == "model" and (lab := self._label_input()) is not None:
             given[lab.name] = labels
-        args, kwargs = _fill(s, self.inputs, given, rows)
+        args, kwargs = fill_tensors(s, self.inputs, given, rows)
         return args, kwargs, target
 
     def _from_samples(self, index: np.ndarray, want_inputs: bool, want_target: bool) -> tuple[tuple, dict, torch.Tensor | None]:
@@ -334,7 +334,7 @@ class JobData:
                 given[inp.name] = self._column(src, index, inp)
         if self.loss != "model" and want_target:
             target = self._column(y_name, index, None)  # type: ignore[arg-type]
-        args, kwargs = _fill(self.source, self.inputs, given, len(index))
+        args, kwargs = fill_tensors(self.source, self.inputs, given, len(index))
         return args, kwargs, target
 
     def _column(self, name: str, index: np.ndarray, inp: _Input | None) -> torch.Tensor:
@@ -446,7 +446,7 @@ def _inputs_of(source: Any) -> list[_Input]:
     return out
 
 
-def _fill(source: Any, inputs: list[_Input], given: dict[str, torch.Tensor], rows: int) -> tuple[tuple, dict]:
+def fill_tensors(source: Any, inputs: list[_Input], given: dict[str, torch.Tensor], rows: int) -> tuple[tuple, dict]:
     """The model's arguments: ``given`` tensors where there are, zeros of the example's shape elsewhere
     (placeholders on ranks that do not read inputs), non-tensor arguments as in the example."""
     args = list(source.args)

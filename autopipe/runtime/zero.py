@@ -46,8 +46,11 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..choices import ZERO_STAGES
 from ..errors import AutopipeError
-from ..memory import ZERO_STAGES, ddp_schedule  # the plan's memory model decides with the same rule
+from ..planner.memory import (
+    ddp_schedule,  # the plan's memory model decides with the same rule
+)
 from .optim import TrainConfig, param_groups, preallocate_
 
 __all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "ZeroOneAdamW", "bucket_bytes", "check_zero", "ddp_schedule",

@@ -43,7 +43,9 @@ if _DIR:
     import autopipe.runtime.trainer as _trainer
 
     if os.environ.get("AUTOPIPE_TEST_DDP"):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
         from torch.nn.parallel import DistributedDataParallel
 
         _init_ddp = _trainer.Trainer.__init__

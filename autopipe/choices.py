@@ -1,0 +1,41 @@
+"""The names a user picks from, each table written once: training precisions, engines, recompute
+modes and policies, ZeRO stages. No torch: the planner, the CLI, convert and the runtime read the
+same tables, so a new choice is added in one place."""
+
+from __future__ import annotations
+
+from .errors import AutopipeError
+
+__all__ = ["PRECISIONS", "ENGINES", "RECOMPUTE_MODES", "RECOMPUTE_POLICIES", "ZERO_STAGES", "precision"]
+
+# Training precision -> the torch dtype its matmuls run in (autocast; weights and optimizer state
+# stay fp32). The profile measures the same.
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_PRECISION_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+# What trains the job: torch.distributed.pipelining, or DeepSpeed's PipelineModule.
+ENGINES = ("torch", "deepspeed")
+
+# Activation recompute, per layer: "full" keeps only the layer's inputs and runs its forward again
+# in backward; "selective" keeps the outputs of the expensive ops (matmuls, attention) and recomputes
+# the cheap ones (pointwise, norms, softmax) in backward. "none" is the layer's own figures.
+RECOMPUTE_MODES = ("none", "selective", "full")
+# What a plan may choose per chunk: one mode everywhere, or "auto" (the fastest that fits).
+RECOMPUTE_POLICIES = ("none", "auto", "selective", "full")
+
+# Data-parallel sharding across a stage's replicas: 0 replicate, 1 + optimizer state, 2 + gradients,
+# 3 + parameters.
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def precision(name: str) -> str:
+    """fp32, bf16 or fp16 from any common spelling.
+
+    >>> precision("bfloat16"), precision("FP16"), precision("float")
+    ('bf16', 'fp16', 'fp32')
+    """
+    key = str(name).strip().lower()
+    key = _PRECISION_ALIASES.get(key, key)
+    if key not in PRECISIONS:
+        raise AutopipeError(f"unknown dtype {name!r}; use fp32, bf16 or fp16.")
+    return key

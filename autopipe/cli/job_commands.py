@@ -1,0 +1,142 @@
+"""`autopipe convert` and `autopipe report`: parse, call autopipe.job.converter / autopipe.report, render."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..report.tables import limit_phrase, recompute_phrase, sharding_phrase, stage_table
+from .app import app, console, err_console, handle_errors, zero_option
+
+__all__ = ["convert_command", "report_command"]
+
+
+def _is_autopipe_report(path: Path) -> bool:
+    """Whether ``path`` is a report autopipe wrote (which `report` may rebuild in place)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "<title>autopipe report" in f.read(4096)
+    except OSError:
+        return False
+
+
+@app.command("convert")
+@handle_errors
+def convert_command(
+    model: Annotated[str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, or module:function / file.py:function.")],
+    stages: Annotated[Optional[int], typer.Option("--stages", "-s", help="Pipeline stages (one process each); or --gpus to search the layout.")] = None,
+    microbatches: Annotated[Optional[int], typer.Option(help="Micro-batches per step (default 2 x stages).")] = None,
+    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved1f1b or zbv.")] = "1f1b",
+    batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")] = 1,
+    seq_len: Annotated[int, typer.Option(help="Sequence length (language models); small keeps CPU runs quick.")] = 64,
+    device: Annotated[str, typer.Option(help="Profile on cpu or cuda; with --estimate also a100, h100, h200.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Training precision: fp32, bf16 or fp16 (fp32 master weights).")] = "fp32",
+    memory_limit: Annotated[str, typer.Option(help="Memory per device, like 80GiB or 512MB; 'device': the GPU's memory (no limit on CPU); 'none': no limit.")] = "device",
+    recompute: Annotated[str, typer.Option(help="Activation recompute per chunk: auto (the fastest that fits the limit), none, selective or full.")] = "auto",
+    dp: Annotated[int, typer.Option("--dp", help="Data-parallel replicas of each stage (world = stages x dp); memory is per rank.")] = 1,
+    zero: Annotated[Optional[str], typer.Option("--zero", help="ZeRO stage over the replicas: 0, 1 (+ optimizer state sharded), 2 (+ gradients), 3 (+ parameters), or auto (the fastest that fits; the default with --gpus).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Search the whole layout (stages x replicas, micro-batches, schedule, recompute, ZeRO) for this many devices.")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option("--gpus-per-node", help="Devices per node (default: 8 for known GPUs; CPU: all on one host).")] = None,
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", help="Samples per step, all replicas together (with --gpus).")] = None,
+    bandwidth_intra: Annotated[Optional[str], typer.Option("--bandwidth-intra", help="Bytes/s per device inside a node, like 450GB (default per known GPU).")] = None,
+    bandwidth_inter: Annotated[Optional[str], typer.Option("--bandwidth-inter", help="Bytes/s per device between nodes, like 50GB (default per known GPU).")] = None,
+    estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: cost layers from FLOPs and bytes on the meta device.")] = False,
+    engine: Annotated[str, typer.Option(help="torch (torch.distributed.pipelining) or deepspeed.")] = "torch",
+    out: Annotated[Optional[Path], typer.Option(help="Job folder (default jobs/<model name>).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace the job files of an existing folder.")] = False,
+    repeats: Annotated[int, typer.Option(help="Timed runs per measured layer.")] = 5,
+    reserve: Annotated[Optional[str], typer.Option(help="Memory the runtime holds per rank beyond the tensors, like 80MiB (default: measured once per device).")] = None,
+    loss: Annotated[str, typer.Option(help="auto (a factory's loss, else the model's own), model, cross_entropy or mse (against the data's targets).")] = "auto",
+    data: Annotated[Optional[Path], typer.Option(help="The job's training data: token file, text, .npz/.pt with x and y, or .parquet/.jsonl/.arrow (default: synthetic).")] = None,
+) -> None:
+    """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
+    from ..job.converter import convert
+    from ..units import format_bytes, format_time, parse_bandwidth
+
+    if zero is None:  # the search chooses the stage unless told; one fixed cut replicates (ZeRO 0)
+        zero = "auto" if gpus is not None and engine == "torch" else "0"
+
+    def say(name: str) -> None:
+        err_console.print(f"[dim]{name}…[/]", highlight=False)
+
+    result = convert(
+        model, stages=stages, microbatches=microbatches, schedule=schedule, batch_size=batch_size, seq_len=seq_len,
+        device=device, dtype=dtype, memory_limit=memory_limit, recompute=recompute, estimate=estimate, engine=engine,
+        dp=dp, zero=zero_option(zero),
+        out=out, force=force, repeats=repeats, reserve=reserve, loss=loss, data=data, on_pass=say,
+        gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
+        bandwidth_intra=parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
+        bandwidth_inter=parse_bandwidth(bandwidth_inter) if bandwidth_inter else None,
+    )  # fmt: skip
+    plan, prof = result.plan, result.profile
+    if result.search is not None:
+        from ..report.search_tables import search_summary, search_table
+
+        console.print(search_table(result.search))
+        console.print(search_summary(result.search), highlight=False, soft_wrap=True)
+    for warning in prof.warnings:
+        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    replicas = f" x {plan.dp} replicas" if plan.dp > 1 else ""
+    console.print(stage_table(plan, prof, title=f"{model}: {plan.stages} stages{replicas}, {plan.schedule}, "
+                                                f"{plan.microbatches} micro-batches"))
+    best = min(result.baselines.items(), key=lambda kv: kv[1].step_time, default=None)
+    versus = ""
+    if best is not None and plan.step_time > 0:
+        gain = best[1].step_time / plan.step_time - 1
+        versus = f"; best baseline ({best[0]}) {gain:+.1%}" if abs(gain) >= 0.0005 else f"; best baseline ({best[0]}) equal"
+    how = "measured on" if prof.mode == "measured" else "estimated for"
+    console.print(f"{how} {prof.device.name}: step {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%}, "
+                  f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
+                  f"{sharding_phrase(plan)}{recompute_phrase(plan)}{versus}", highlight=False, soft_wrap=True)
+    took = sum(result.seconds.values())
+    extra = ", plan.search.json" if result.search is not None else ""
+    console.print(f"wrote {result.job.job_dir}/ (plan.json, profile.json, train.py, report.html, README.md{extra}) "
+                  f"in {took:.1f} s", highlight=False, soft_wrap=True)
+    console.print("launch:", highlight=False)
+    console.print(f"  {result.job.launch}", style="bold", highlight=False, soft_wrap=True)
+
+
+@app.command("report")
+@handle_errors
+def report_command(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json (from convert or plan).")],
+    profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Its profile.json (default: beside the plan, if there).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Where to write the HTML (default: report.html beside the plan).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
+    log: Annotated[Optional[Path], typer.Option("--log", help="A train.py --log-json file: show what the run measured beside the predictions.")] = None,
+) -> None:
+    """Rebuild report.html from a plan (and its profile); --log adds a run's measurements beside it."""
+    from ..costs.layer_costs import Profile
+    from ..planner.partitioner import compare_baselines
+    from ..planner.plan import Plan
+    from ..report.page import write_report
+
+    # The plan's own report.html is what this command rebuilds; any other file is the user's to keep.
+    if out is not None and out.exists() and not force:
+        raise FileExistsError(f"{out} already exists; pass --force to overwrite it, or choose another --out.")
+    plan = Plan.load(plan_path)
+    if profile_path is None and (plan_path.parent / "profile.json").exists():
+        profile_path = plan_path.parent / "profile.json"
+    prof = Profile.load(profile_path) if profile_path is not None else None
+    measured = None
+    if log is not None:
+        from ..report.steplog import compare, read_step_log
+
+        measured = compare(plan, read_step_log(log))
+    target = out or plan_path.parent / "report.html"
+    if out is None and target.exists() and not force and not _is_autopipe_report(target):
+        raise FileExistsError(f"{target} exists and is not an autopipe report; pass --force to overwrite it, or choose --out.")
+    from ..cluster.layouts import SearchResult, search_path
+
+    found = search_path(plan_path)
+    search = SearchResult.load(str(found)) if found.exists() else None
+    baselines = compare_baselines(prof, plan) if prof is not None else None
+    write_report(target, plan, prof, baselines=baselines, measured=measured, search=search)
+    what = "" if prof is not None else " (no profile: per-layer charts and baselines left out)"
+    console.print(f"wrote {target}{what}", highlight=False, soft_wrap=True)
+    if measured is not None:
+        mem = " ".join(f"{x:.2f}" for x in measured.memory_ratios)
+        console.print(f"measured / predicted: step {measured.step_ratio:.2f}, peak memory per rank {mem}",
+                      highlight=False, soft_wrap=True)

@@ -1,0 +1,148 @@
+"""One layout of the cluster search solved, and the cheap bounds that decide which layouts are worth
+solving (autopipe/cluster/layout_search.py's method, steps 1 and 2). No torch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from ..costs.layer_costs import Profile
+from ..costs.rescale import scale_microbatch, tokens_per_sample
+from ..planner.memory import layer_memory, rank_memory
+from ..planner.partitioner import fits_memory, partition, resolve_limit
+from ..planner.plan import Plan
+from ..planner.schedules import chunk_ranks, inflight_counts
+from .layouts import Layout
+from .topology import Cluster, dp_reduce_time, place
+
+__all__ = ["SearchBounds", "evaluate", "step_bound"]
+
+
+class SearchBounds:
+    """The cheap bounds of the module docstring for one profile (at its own micro-batch size)."""
+
+    def __init__(self, profile: Profile, optimizer: str | None, limit: int | None, cluster: Cluster) -> None:
+        self.profile, self.optimizer, self.limit, self.cluster = profile, optimizer, limit, cluster
+        self.work = sum(profile.times)
+        base = layer_memory(profile, optimizer)
+        # a tied tensor's repeats may all sit on one rank: leave them out of what must be reduced
+        self.grads = sum(base.gradients) - sum((len(u) - 1) * tg for _s, u, _w, tg, *_ in base.tied)
+        self.weights = sum(base.weights) - sum((len(u) - 1) * tw for _s, u, tw, *_ in base.tied)
+        self._static: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def _memory(self, dp: int, zero: int) -> tuple[int, int]:
+        """(static bytes of the whole model, least activation bytes per micro-batch) under (dp, zero)."""
+        if (dp, zero) not in self._static:
+            # DDP's terms (the default schedule's): no more than replicate's, so still a lower bound under zbv
+            lm = layer_memory(self.profile, self.optimizer, dp=dp, zero=zero)
+            static = sum(lm.static) - sum((len(u) - 1) * size for size, u, *_ in lm.tied)
+            acts = sum(min(col) for col in zip(*lm.activations.values()))
+            self._static[(dp, zero)] = (static, acts)
+        return self._static[(dp, zero)]
+
+    def fits(self, x: Layout, scale: float) -> bool:
+        if self.limit is None:
+            return True
+        static, acts = self._memory(x.dp, x.zero)
+        least = min(inflight_counts(x.schedule, x.stages, x.virtual_stages, x.microbatches))
+        chunk = (self.limit - self.profile.reserve_bytes) // x.virtual_stages
+        return chunk > 0 and static + least * acts * scale <= x.stages * x.virtual_stages * chunk
+
+    def throughput(self, x: Layout, scale: float) -> float:
+        return x.global_batch / step_bound(x, self.work * scale, self.grads, self.weights, self.cluster)
+
+
+def step_bound(x: Layout, work: float, grads: float, weights: float, cluster: Cluster) -> float:
+    """A lower bound on the step of every cut of layout ``x`` (module docstring, step 2): ``work`` is
+    one micro-batch's forward + backward seconds through the whole model."""
+    bw = place(cluster, stages=x.stages, dp=x.dp, order=x.placement).dp_bandwidth
+    m, s = x.microbatches, x.stages
+    reduce = dp_reduce_time(grads, weights, x.dp, bw, x.zero)
+    chains = (m * work + reduce) / s
+    if x.virtual_stages > 1:
+        return chains
+    c = 1.0 / (1.0 - (1.0 - 1.0 / m) ** s)
+    # the weights' smallest, (c - 1)/(M - 1) on stage 0, times every rank's reduction after its last op
+    return max(chains, c * work + (0.0 if m == 1 else (c - 1.0) / (m - 1) * reduce))
+
+
+def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int | str | None = "device",
+             optimizer: str | None = None, recompute: str = "auto", method: str = "autopipe",
+             boundaries: Sequence[int] | None = None, weight_share: float | None = None,
+             cache: dict | None = None) -> tuple[Layout, Plan | None]:  # fmt: skip
+    """Solve layout ``x`` (or price a given cut / baseline method on it): the Layout with its
+    predictions filled in, and its Plan. Raises InfeasibleMemoryError when no cut fits.
+
+    With a ``cache`` (a dict the caller keeps across layouts) the cut is first solved without a
+    memory limit, once for every ZeRO stage and replica count that share the schedule, micro-batches
+    and link (the limit is the only thing they change in ``partition``); when that cut fits this
+    layout's memory, chunk by chunk as partition requires, it is this layout's optimum too and no
+    further solve is needed. The Plan is then None (``partition`` gives it again when wanted).
+    """
+    prof = scale_microbatch(profile, x.microbatch_size)
+    p = place(cluster, stages=x.stages, dp=x.dp, order=x.placement)
+    bw = None if x.stages == 1 else p.p2p_bandwidth
+    opts = dict(microbatches=x.microbatches, schedule=x.schedule, virtual_stages=x.virtual_stages, optimizer=optimizer,
+                recompute=recompute, bandwidth=bw, weight_share=weight_share)  # fmt: skip
+    plan: Plan | None = None
+    limit, _ = resolve_limit(profile, memory_limit)
+    plain = "none" if recompute == "auto" else recompute  # what the unlimited cut's chunks run
+    if cache is not None and limit is not None and not fits_memory(
+            prof, x.stages, microbatches=x.microbatches, schedule=x.schedule, virtual_stages=x.virtual_stages,
+            memory_limit=limit, optimizer=optimizer, recompute=plain, dp=x.dp, zero=x.zero):  # fmt: skip
+        cache = None  # no cut fits without recompute, so the unlimited cut cannot either: solve with the limit
+    source: Plan | None = None  # the plan whose cut and seconds this layout takes
+    peak: int | None = None
+    if cache is not None and method == "autopipe" and boundaries is None:
+        key = (x.stages, x.microbatch_size, x.microbatches, x.schedule, x.virtual_stages, bw)
+        if key not in cache:
+            cache[key] = partition(prof, x.stages, memory_limit=None, **opts)  # type: ignore[arg-type]
+        peak = _peak_if_fits(prof, cache[key], x, optimizer, limit)
+        source = cache[key] if peak is not None else None
+    if source is None:
+        plan = source = partition(prof, x.stages, memory_limit=memory_limit, dp=x.dp, zero=x.zero, method=method,
+                                  boundaries=boundaries, **opts)  # type: ignore[arg-type]
+        peak = plan.peak_memory
+    assert peak is not None
+    sim, cut, modes, rec = source.simulate(), source.boundaries, source.stage_recompute, source.stage_recompute_time
+    fwd, bwd, comm = source.stage_forward, source.stage_backward, source.stage_comm
+    ranks = sim.timeline
+    owners = chunk_ranks(x.schedule, x.stages, x.virtual_stages)
+    lm = layer_memory(prof, optimizer)
+    step = reduce_max = 0.0
+    for r, ops in enumerate(ranks):
+        held = sorted({i for c, owner in enumerate(owners) if owner == r for i in range(cut[c], cut[c + 1])})
+        g, w = sum(lm.gradients[i] for i in held), sum(lm.weights[i] for i in held)
+        for _size, users, tw, tg, *_ in lm.tied:  # a tied tensor is reduced once per rank
+            extra = max(sum(1 for i in held if i in users) - 1, 0)
+            g, w = g - extra * tg, w - extra * tw
+        red = dp_reduce_time(g, w, x.dp, p.dp_bandwidth, x.zero)
+        reduce_max = max(reduce_max, red)
+        step = max(step, (ops[-1][1] if ops else 0.0) + red)
+    m, s, k = x.microbatches, x.stages, len(cut) - 1
+    tokens = tokens_per_sample(profile)
+    done = replace(
+        x, step_time=step, pipeline_time=sim.step_time, reduce_time=reduce_max, throughput=x.global_batch / step,
+        tokens_per_second=None if tokens is None else x.global_batch * tokens / step, peak_memory=int(peak),
+        fits=limit is None or peak <= limit, recompute=tuple(modes), boundaries=tuple(cut),
+        ideal_time=m * sum(fwd[c] + bwd[c] - rec[c] for c in range(k)) / s, recompute_time=m * sum(rec) / s,
+        p2p_time=m * 2 * sum(comm) / s,
+    )  # fmt: skip
+    return done, plan
+
+
+def _peak_if_fits(prof: Profile, free: Plan, x: Layout, optimizer: str | None, limit: int | None) -> int | None:
+    """The rank peak of the unconstrained cut ``free`` under x's replicas and ZeRO stage, if each of its
+    chunks fits (limit − reserve) / v as partition requires; else None."""
+    lm = layer_memory(prof, optimizer, dp=x.dp, zero=x.zero, schedule=x.schedule)
+    common = dict(inflight=free.stage_inflight, microbatches=free.microbatches, recompute=free.stage_recompute,
+                  reserve=prof.reserve_bytes, waiting=free.stage_waiting, schedule=x.schedule)  # fmt: skip
+    ranks = rank_memory(lm, free.boundaries, stage_ranks=free.stage_ranks, **common)  # type: ignore[arg-type]
+    peak = max(r.total for r in ranks)
+    if limit is None:
+        return peak
+    if x.virtual_stages == 1:
+        return peak if peak <= limit else None
+    chunks = rank_memory(lm, free.boundaries, stage_ranks=tuple(range(free.num_chunks)), **common)  # type: ignore[arg-type]
+    share = (limit - prof.reserve_bytes) // x.virtual_stages
+    return peak if all(c.total - prof.reserve_bytes <= share for c in chunks) else None

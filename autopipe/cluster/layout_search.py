@@ -1,0 +1,189 @@
+"""Plan a cluster: the layout of N devices with the highest predicted throughput. No torch.
+
+A layout is pipeline stages S × data-parallel replicas R (S·R = N), a micro-batch size b and count M
+(b·M·R = the global batch), a schedule with its virtual stages v, a ZeRO stage and a placement of
+the ranks on the nodes (autopipe/cluster/topology.py). Recompute is not enumerated: ``partition`` with
+``recompute="auto"`` already gives each chunk the fastest mode that fits, which is optimal per cut.
+
+Objective. Throughput = global batch / step, where the step of a layout is its schedule's simulated
+step (``partition``'s exact step-time cut, p2p over the placement's pipeline link) plus the
+data-parallel reduction: rank r starts reducing its gradients when its last op ends and the step ends
+when the last rank is done, ``step = max_r(end_r + reduce_r)`` (topology.dp_reduce_time over the
+replicas' link). So a stage that finishes its backward early (the last stage under 1F1B) reduces
+while the first stages drain the pipeline: the reduction overlaps the cooldown, never a rank's own
+compute. Other micro-batch sizes come from the profile by mbscale.scale_microbatch.
+
+Method: branch and bound over the enumerated layouts.
+
+1. Memory bound. Over all S·v chunks a layout holds at least the whole model's weights, gradients
+   and optimizer state as sharded under (R, ZeRO) plus, in every chunk, the fewest in-flight
+   micro-batches of its least-keeping recompute mode; each chunk may use (limit − reserve) / v. A
+   layout whose total exceeds S·v chunk limits cannot fit: pruned without solving.
+2. Step bound. A rank's ops form a chain, so ``step >= M·(its work)``; with one chunk per rank its
+   first forward waits for micro-batch 0 through the stages before it and its last backward's
+   gradient goes back through them, ``step >= M·t_s + Σ_{j<s} t_j`` for every stage s. Averaging
+   those S bounds with weights that give every layer the same coefficient gives
+   ``step >= c·Σt`` with ``c = 1 / (1 − (1 − 1/M)^S)`` (M/S ≤ c ≤ (M + S − 1)/S; equal stages reach
+   (M + S − 1)·Σt/S); each rank's reduction follows its last op, and the smallest weight is
+   (c − 1)/(M − 1), so ``+ (c − 1)/(M − 1)·Σ_r reduce_r``. Every schedule: ``step >= (M·Σt +
+   Σ_r reduce_r)/S``, the mean of the ranks' chains plus their reductions. Send/recv and recompute
+   only add, so both hold for every cut; Σ_r reduce_r is at least the reduction of the whole model.
+3. Solve in order of the bound's throughput, best first; stop when the next layout's bound cannot
+   beat the ``top``-th best solved (ties are solved, not pruned). The bounds only ever overstate
+   throughput, so the best ``top`` layouts are exactly those of solving every layout.
+
+Complexity: enumeration O(d(N)·d(B)·schedules·ZeRO·2); each bound O(L); each solve one
+``partition`` call (see stepsolve.py) plus one simulation. Counts of considered, pruned and solved
+layouts are in the result.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Sequence
+
+from ..choices import ZERO_STAGES
+from ..costs.layer_costs import Profile
+from ..costs.rescale import profiled_microbatch, scale_microbatch
+from ..errors import AutopipeError, InfeasibleMemoryError
+from ..planner.partitioner import fits_memory, resolve_limit
+from ..units import format_bytes
+from .evaluate import SearchBounds, evaluate
+from .layouts import SEARCH_SCHEDULES, Layout, SearchResult, enumerate_layouts
+from .topology import Cluster
+
+__all__ = ["search", "why_nothing_fits"]
+
+
+def _rank(x: Layout) -> tuple:
+    """Best first: throughput, then the smaller peak, then the simpler layout (fewer stages, lower ZeRO)."""
+    return (-(x.throughput or 0.0), x.peak_memory or 0, x.stages, x.zero, x.virtual_stages, x.key())
+
+
+def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limit: int | str | None = "device",
+           optimizer: str | None = None, recompute: str = "auto", zeros: Sequence[int] = ZERO_STAGES,
+           schedules: Sequence[tuple[str, int]] = SEARCH_SCHEDULES, microbatch_sizes: Sequence[int] | None = None,
+           top: int = 3, prune: bool = True, weight_share: float | None = None) -> SearchResult:  # fmt: skip
+    """The layouts of ``cluster`` for ``global_batch`` samples per step, best predicted throughput first.
+
+    ``prune=False`` solves every layout (what the tests compare the pruned search with). Raises
+    InfeasibleMemoryError, with what would fit in one line (autopipe.cluster.layout_search), when none fits.
+
+    Example:
+        >>> from autopipe.cluster.topology import cluster_for
+        >>> prof = Profile.from_costs([1.0] * 8, param_bytes=[100] * 8, activation_bytes=[10] * 8)
+        >>> res = search(prof, cluster_for("cpu", 4, 4), global_batch=8, memory_limit=None)
+        >>> res.best.stages * res.best.dp, res.considered >= res.solved
+        (4, True)
+    """
+    clock = time.perf_counter()
+    limit, _ = resolve_limit(profile, memory_limit)
+    profile_mb = profiled_microbatch(profile)
+    bounds = SearchBounds(profile, optimizer, limit, cluster)
+    todo, considered, pruned_memory, dominated = [], 0, 0, 0
+    for x in enumerate_layouts(len(profile.layers), cluster, global_batch, schedules=schedules, zeros=zeros,
+                               microbatch_sizes=microbatch_sizes):  # fmt: skip
+        considered += 1
+        # ZeRO 3 holds what 2 holds under a pipeline (autopipe.planner.memory), so partition gives it the same
+        # cut, and it gathers the weights twice: never faster. (ZeRO 0 against 1 is no such case: a
+        # different limit can give a cut of the same pipeline step whose ranks reduce at other times.)
+        if prune and x.dp > 1 and x.zero == 3 and 2 in zeros:
+            dominated += 1
+            continue
+        scale = x.microbatch_size / profile_mb
+        if prune and not bounds.fits(x, scale):
+            pruned_memory += 1
+            continue
+        todo.append(replace(x, bound=bounds.throughput(x, scale)))
+    todo.sort(key=lambda x: (-x.bound, x.key()))
+    found: list[Layout] = []
+    cache: dict = {}
+    solved = infeasible = pruned_bound = 0
+    for i, x in enumerate(todo):
+        if prune and len(found) >= top:
+            kth = sorted(found, key=_rank)[top - 1].throughput or 0.0
+            if x.bound < kth * (1 - 1e-12):  # sorted by bound: none after it can beat the top ones either
+                pruned_bound = len(todo) - i
+                break
+        solved += 1
+        if limit is not None and not fits_memory(
+                scale_microbatch(profile, x.microbatch_size), x.stages, microbatches=x.microbatches,
+                schedule=x.schedule, virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
+                recompute=recompute, dp=x.dp, zero=x.zero):  # fmt: skip
+            infeasible += 1  # no cut fits: known from one reachability, no solve (or explanation) needed
+            continue
+        try:
+            done, _ = evaluate(profile, cluster, x, memory_limit=limit, optimizer=optimizer, recompute=recompute,
+                               weight_share=weight_share, cache=cache)  # fmt: skip
+        except InfeasibleMemoryError:
+            infeasible += 1
+            continue
+        found.append(done)
+    found.sort(key=_rank)
+    if not found:
+        raise InfeasibleMemoryError(why_nothing_fits(profile, cluster, global_batch=global_batch, limit=limit,
+                                                     optimizer=optimizer, recompute=recompute, zeros=zeros))  # fmt: skip
+    # the best layout's Plan, with its own limit, replicas and ZeRO stage (the job's plan.json)
+    best, plan = evaluate(profile, cluster, found[0], memory_limit=limit, optimizer=optimizer, recompute=recompute,
+                          weight_share=weight_share)  # fmt: skip
+    if (best.step_time or 0.0) > (found[0].step_time or 0.0) * (1 + 1e-9):
+        # the unconstrained cut beat the limited search's (a heuristic schedule): keep that cut
+        best, plan = evaluate(profile, cluster, found[0], memory_limit=limit, optimizer=optimizer,
+                              recompute=recompute, weight_share=weight_share, method="manual",
+                              boundaries=found[0].boundaries)  # fmt: skip
+        plan = replace(plan, method="autopipe") if plan is not None else plan
+    found[0] = replace(best, bound=found[0].bound)  # the plan's own figures (its cut may tie at a lower peak)
+    return SearchResult(
+        layouts=tuple(found), gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node, bandwidth_intra=cluster.intra,
+        bandwidth_inter=cluster.inter, global_batch=global_batch, memory_limit=limit, considered=considered,
+        pruned_memory=pruned_memory, pruned_bound=pruned_bound, pruned_dominated=dominated, solved=solved, infeasible=infeasible,
+        seconds=time.perf_counter() - clock, top=top, plan=plan,
+    )  # fmt: skip
+
+
+def why_nothing_fits(profile: Profile, cluster: Cluster, *, global_batch: int, limit: int | None,
+                     optimizer: str | None, recompute: str, zeros: Sequence[int]) -> str:  # fmt: skip
+    """One line: no layout fits; then what would (recompute auto, ZeRO, more devices, more memory)."""
+    head = (f"no layout of {cluster.gpus} devices fits {format_bytes(limit) if limit else 'the memory'} per device "
+            f"for a global batch of {global_batch}")  # fmt: skip
+    layouts = list(enumerate_layouts(len(profile.layers), cluster, global_batch, schedules=(("1f1b", 1),), zeros=zeros))
+    if not layouts:
+        return (f"no layout of {cluster.gpus} devices divides a global batch of {global_batch} among its replicas "
+                f"(and has at most {len(profile.layers)} stages); use a global batch that is a multiple of the "
+                "replica counts, or another --gpus.")  # fmt: skip
+    hints: list[str] = []
+
+    def feasible(c: Cluster, **kw) -> bool:  # type: ignore[no-untyped-def]
+        opts = dict(global_batch=global_batch, memory_limit=limit, optimizer=optimizer, recompute=recompute,
+                    zeros=zeros, schedules=(("1f1b", 1),), microbatch_sizes=(1,), top=1)  # fmt: skip
+        try:
+            search(profile, c, **{**opts, **kw})  # type: ignore[arg-type]
+        except AutopipeError:
+            return False
+        return True
+
+    if recompute != "auto" and feasible(cluster, recompute="auto"):
+        hints.append("recompute auto (--recompute auto) would fit")
+    if set(zeros) != set(ZERO_STAGES) and feasible(cluster, zeros=ZERO_STAGES):
+        hints.append("more ZeRO stages (--zero auto) would fit")
+    per = cluster.gpus_per_node
+    for times in (2, 4, 8, 16, 32, 64):
+        bigger = type(cluster)(cluster.gpus * times, per, cluster.intra, cluster.inter)
+        if global_batch % times == 0 and feasible(bigger):
+            hints.append(f"{bigger.gpus} devices would fit")
+            break
+    # the least memory among the simplest layouts, each cut with full recompute and no limit
+    least = None
+    deepest = sorted({x.stages for x in layouts})[-3:]  # deep pipelines hold the least per device
+    simple = {(x.stages, x.zero): x for x in layouts if x.microbatch_size == 1 and x.stages in deepest}
+    for x in simple.values():
+        try:
+            done, _ = evaluate(profile, cluster, x, memory_limit=None, optimizer=optimizer, recompute="full")
+        except AutopipeError:
+            continue
+        if least is None or (done.peak_memory or 0) < (least.peak_memory or 0):
+            least = done
+    if least is not None:
+        hints.append(f"{format_bytes(least.peak_memory or 0)} per device would fit ({least.label}, full recompute)")
+    return f"{head}: {'; '.join(hints) or 'nothing tried fits'}."

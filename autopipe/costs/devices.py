@@ -1,0 +1,255 @@
+"""Devices a profile is measured on or estimated for: a table of known GPUs and a quick CPU probe.
+
+The estimate mode turns FLOPs and bytes into time with a roofline over these numbers. GPU figures
+are the vendors' published dense peaks (no sparsity); the CPU is measured once per process by timing
+a matmul, a large copy and a tiny op, so a laptop plans with its own numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import AutopipeError
+from .layer_costs import DeviceInfo
+
+__all__ = ["DeviceSpec", "KNOWN_DEVICES", "device_spec", "describe_device", "probe_cpu", "dtype_name"]
+
+_TB = 1e12
+_GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak numbers of one device, used by the estimate mode's roofline.
+
+    ``flops`` maps a dtype name to peak FLOP/s for matmuls in that dtype. ``compute_efficiency`` and
+    ``memory_efficiency`` are the fractions of peak real kernels reach (large matmuls rarely pass
+    ~60% of a GPU's peak; streaming kernels reach ~80% of HBM bandwidth); ``op_overhead`` is the
+    fixed cost of launching one operator, which dominates small layers.
+    """
+
+    name: str
+    type: str  # cuda | cpu
+    flops: dict[str, float]
+    memory_bandwidth: float  # bytes per second
+    memory_bytes: int
+    compute_efficiency: float = 0.6
+    memory_efficiency: float = 0.8
+    op_overhead: float = 5e-6  # seconds per operator
+    threads: int = 0
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (fp16 shares bf16's figure; unknown dtypes use fp32's)."""
+        if dtype in self.flops:
+            return self.flops[dtype]
+        if dtype == "float16" and "bfloat16" in self.flops:
+            return self.flops["bfloat16"]
+        return self.flops["float32"]
+
+    def info(self, dtype: str) -> DeviceInfo:
+        return DeviceInfo(
+            name=self.name,
+            type=self.type,
+            memory_bytes=self.memory_bytes,
+            peak_flops=self.peak_flops(dtype),
+            memory_bandwidth=self.memory_bandwidth,
+            threads=self.threads,
+        )
+
+
+# Published dense peaks (SXM parts). fp32 is the non-tensor-core figure: PyTorch does not use TF32
+# for matmuls unless the user enables it (torch.backends.cuda.matmul.allow_tf32).
+KNOWN_DEVICES: dict[str, DeviceSpec] = {
+    "a100": DeviceSpec(
+        name="NVIDIA A100-SXM4-80GB",
+        type="cuda",
+        flops={"bfloat16": 312 * _TB, "float32": 19.5 * _TB},
+        memory_bandwidth=2.039 * _TB,
+        memory_bytes=80 * _GIB,
+    ),
+    "h100": DeviceSpec(
+        name="NVIDIA H100 80GB HBM3",
+        type="cuda",
+        flops={"bfloat16": 989 * _TB, "float32": 67 * _TB},
+        memory_bandwidth=3.35 * _TB,
+        memory_bytes=80 * _GIB,
+    ),
+    "h200": DeviceSpec(
+        name="NVIDIA H200",
+        type="cuda",
+        flops={"bfloat16": 989 * _TB, "float32": 67 * _TB},
+        memory_bandwidth=4.8 * _TB,
+        memory_bytes=141 * _GIB,
+    ),
+}
+
+_CPU_PROBES: dict[tuple[str, int], DeviceSpec] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _cpu_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up: first calls pay for allocation and thread-pool start
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def probe_cpu(dtype: str = "float32") -> DeviceSpec:
+    """Measure this CPU's matmul FLOP/s, copy bandwidth and per-op overhead (once per process).
+
+    Takes well under a second. The best of a few runs is kept, since other processes only ever make
+    a run slower.
+    """
+    threads = torch.get_num_threads()
+    key = (dtype, threads)
+    if key in _CPU_PROBES:
+        return _CPU_PROBES[key]
+    tdtype = getattr(torch, dtype)
+    n = 512
+    a = torch.randn(n, n).to(tdtype)
+    b = torch.randn(n, n).to(tdtype)
+    t_mm = _best_time(lambda: torch.mm(a, b), 5)
+    big = torch.empty(16 * 1024 * 1024 // 4, dtype=torch.float32)  # 16 MiB: past the caches
+    dst = torch.empty_like(big)
+    t_copy = _best_time(lambda: dst.copy_(big), 5)
+    one = torch.ones(1)
+    t_op = _best_time(lambda: [one.add(one) for _ in range(100)], 3) / 100
+    flops = 2.0 * n**3 / t_mm
+    spec = DeviceSpec(
+        name=cpu_name(),
+        type="cpu",
+        flops={dtype: flops, "float32": flops} if dtype != "float32" else {"float32": flops},
+        memory_bandwidth=2.0 * big.numel() * 4 / t_copy,  # read + write
+        memory_bytes=_cpu_memory(),
+        # Measured figures are already what kernels reach, so no further discount.
+        compute_efficiency=1.0,
+        memory_efficiency=1.0,
+        op_overhead=t_op,
+        threads=threads,
+    )
+    _CPU_PROBES[key] = spec
+    return spec
+
+
+def device_spec(target: str, dtype: str = "float32") -> DeviceSpec:
+    """Resolve an estimate target: ``cpu`` (probed), ``a100``/``h100``/``h200``, or ``cuda`` (this GPU)."""
+    t = target.lower().strip()
+    if t == "cpu":
+        return probe_cpu(dtype)
+    if t in ("cuda", "gpu") or t.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise AutopipeError(
+                f"estimate target {target!r} means this machine's GPU, but CUDA is not available; "
+                f"name the GPU instead ({', '.join(KNOWN_DEVICES)})."
+            )
+        gpu = torch.cuda.get_device_name(t if ":" in t else None).lower()
+        for key, spec in KNOWN_DEVICES.items():
+            if key in gpu:
+                return spec
+        raise AutopipeError(
+            f"no peak figures for GPU {gpu!r}; estimate for one of {', '.join(KNOWN_DEVICES)} or measure it."
+        )
+    for key, spec in KNOWN_DEVICES.items():
+        if t == key or t.startswith(key):
+            return spec
+    raise AutopipeError(
+        f"unknown device {target!r} for an estimate; use cpu, cuda or one of {', '.join(KNOWN_DEVICES)}."
+    )
+
+
+def describe_device(device: torch.device) -> DeviceInfo:
+    """Name, type, memory and thread count of the device a profile is measured on."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return DeviceInfo(name=props.name, type="cuda", memory_bytes=int(props.total_memory))
+    if device.type == "cpu":
+        return DeviceInfo(name=cpu_name(), type="cpu", memory_bytes=_cpu_memory(), threads=torch.get_num_threads())
+    return DeviceInfo(name=device.type, type=device.type)
+
+
+# Allocations at least this large get their own mapping (returned to the OS on free); smaller ones
+# come from the heap, which keeps what it frees. Why not keep everything (M_MMAP_MAX = 0, as before):
+# a step's large tensors then interleave with small ones in one heap, and the holes they leave do not
+# fit the next step's pattern, so resident memory outgrew the bytes ever live: the LM-head rank of a
+# GPT-2 pipeline peaked 1.3-1.5x above the plan (its live tensor bytes were within 7%), GPT-2 under
+# full recompute 1.23-1.28x. Measured against the plan (bench/results/accuracy.md): with 8 MiB those
+# were 1.12 and 1.15-1.17, with 1 MiB 0.89 and 1.02-1.03, and the runtime reserve a probe measures fell
+# from 67 to 28 MiB. The price, GPT-2 (6 x 256) fp32 steps on one thread, 3 interleaved rounds under
+# load 2-5: 1 MiB 1.08-1.11x the old setting's step, 8 MiB 1.01-1.11x.
+MMAP_THRESHOLD = 1 << 20
+ALLOCATOR_SETTINGS = f"glibc mmap>={MMAP_THRESHOLD >> 20}MiB, no trim"  # part of the reserve's cache key
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed heap memory for reuse instead of returning it to the OS (Linux only).
+
+    By default glibc trims the heap and its mmap threshold adapts, so every training step page-faults
+    its activations and gradients back in: for GPT-2 124M on a 2-core VM that was ~300 ms of a
+    1.55 s CPU step, and per-layer timings (which free little) then sum to only ~0.85 of the whole
+    model's. Blocks of ``MMAP_THRESHOLD`` bytes or more still get their own mapping (see there).
+    The profiler and autopipe.runtime call this on CPU. Returns whether it took effect.
+    """
+    mallopt = getattr(_libc(), "mallopt", None)  # musl and others have no mallopt
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # a fixed threshold also stops glibc adapting it
+    return bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS now (glibc ``malloc_trim(0)``; Linux only).
+
+    With ``keep_freed_memory`` on, pages a process freed stay resident and are reused silently; a
+    peak measured as resident-set growth then misses whatever reuses them. The runtime calls this
+    once, just before it takes its CPU memory baseline, so the baseline holds what is live.
+    Returns whether anything could be called.
+    """
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is None:
+        return False
+    malloc_trim(0)
+    return True
+
+
+def _libc():  # noqa: ANN202
+    """The C library on Linux (for glibc's allocator knobs), or None elsewhere or when it cannot load."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None

@@ -1,0 +1,307 @@
+"""The Profile record: what each layer costs, saved as JSON with a schema version.
+
+The profile pass produces it; the partition pass reads it. Users with their own cost model build one
+from plain numbers with :meth:`Profile.from_costs`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Sequence
+
+from ..choices import RECOMPUTE_MODES
+from ..errors import RecordError
+from ..files import check_header, read_json, write_json_atomic
+
+__all__ = ["LayerCost", "RecomputeCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "optimizer_state_factor"]
+
+PROFILE_SCHEMA = 1
+
+# With no separate forward/backward figures, backward is taken as twice the forward: the usual ratio
+# for matmul-dominated layers (one matmul forward, two backward: input and weight gradients).
+_FORWARD_SHARE = 1.0 / 3.0
+
+
+
+
+@dataclass(frozen=True)
+class RecomputeCost:
+    """What one layer costs per micro-batch under one recompute mode, beside its plain figures."""
+
+    activation_bytes: int  # saved for backward per micro-batch under this mode (replaces LayerCost's)
+    extra_backward_time: float  # seconds the recomputation adds to the layer's backward
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer of a LayerSequence costs per micro-batch.
+
+    Times are seconds (medians of repeated runs when measured); bytes are bytes.
+    """
+
+    index: int
+    name: str = ""
+    forward_time: float = 0.0
+    backward_time: float = 0.0
+    forward_spread: float = 0.0  # interquartile range of the forward samples
+    backward_spread: float = 0.0
+    params: int = 0  # number of parameter elements (tied ones counted in every layer using them)
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0  # optimizer state plus fp32 master weights under mixed precision
+    activation_bytes: int = 0  # saved for backward, per micro-batch
+    peak_forward_bytes: int = 0  # transient peak above inputs+params during forward
+    peak_backward_bytes: int = 0
+    output_bytes: int = 0  # bytes of the tuple leaving the layer (what crosses a cut after it)
+    flops: float = 0.0  # forward FLOPs, when known
+    tied: tuple[str, ...] = ()  # names of tied parameters this layer holds a copy of
+    structure: str = ""  # identical layers share this key and are measured once
+    source: str = "measured"  # measured | reused | estimated | given
+    # mode ("selective", "full") -> its cost; a mode absent here was not measured for this layer
+    recompute: dict[str, RecomputeCost] = field(default_factory=dict)
+    # the backward as zero-bubble schedules split it: input gradients, then weight gradients
+    # (seconds; both 0 when not measured: estimated, given, or no split to time)
+    backward_input_time: float = 0.0
+    backward_weight_time: float = 0.0
+    # recompute mode -> bytes a micro-batch holds between those two passes, waiting for its weight
+    # gradients (on the same ledger as activation_bytes); a mode absent here was not measured
+    weight_hold_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def time(self) -> float:
+        """Forward plus backward time."""
+        return self.forward_time + self.backward_time
+
+    @property
+    def split_timed(self) -> bool:
+        """Whether the zero-bubble split of this layer's backward was measured."""
+        return self.backward_input_time > 0 and self.backward_weight_time > 0 and self.backward_time > 0
+
+    @property
+    def static_bytes(self) -> int:
+        """Memory held for the whole step: parameters, gradients, optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The device a profile was measured on (or estimated for)."""
+
+    name: str = "cpu"
+    type: str = "cpu"  # cpu | cuda | meta
+    memory_bytes: int = 0  # 0 when unknown
+    peak_flops: float = 0.0  # per second, for the dtype profiled; 0 when unknown
+    memory_bandwidth: float = 0.0  # bytes per second; 0 when unknown
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-layer costs of a flattened model plus how and where they were obtained.
+
+    Example:
+        >>> prof = Profile.from_costs(times=[1.0, 2.0, 2.0, 1.0])
+        >>> round(prof.layers[1].time, 6)
+        2.0
+    """
+
+    layers: tuple[LayerCost, ...]
+    device: DeviceInfo = field(default_factory=DeviceInfo)
+    dtype: str = "float32"
+    mode: str = "given"  # measured | estimated | given
+    microbatch: dict[str, list[int]] = field(default_factory=dict)  # input name -> shape
+    input_bytes: int = 0  # bytes of the tuple entering layer 0
+    optimizer: str = "adamw"
+    mixed_precision: bool = False
+    torch_version: str = ""
+    signature: str = ""  # of the model and flatten options; "" when unknown
+    model: str = ""
+    # Tied parameters: canonical name -> param+grad+optimizer bytes of that one tensor. A layer's
+    # figures include the tied tensors it uses (LayerCost.tied lists them by canonical name), so a
+    # stage holding several such layers subtracts the repeats: one copy per stage.
+    tied_static_bytes: dict[str, int] = field(default_factory=dict)
+    # Tied parameters: canonical name -> seconds to add two gradients of that tensor (out of place, as
+    # autograd sums the uses of one tensor in a backward). A stage holding k uses pays k - 1 of them
+    # per micro-batch; stages holding one use each all-reduce instead. Not charged by the partitioner.
+    tied_grad_time: dict[str, float] = field(default_factory=dict)
+    # The dtype autocast ran the layers in ("" when it did not): the mode train.py trains in, fp32
+    # parameters with 16-bit matmuls, whose saved low-precision weight copies are activations.
+    autocast: str = ""
+    # Bytes the training runtime holds on this device beyond the model's tensors (allocator, process
+    # group, traced graph), measured once per device; part of every rank's predicted peak.
+    reserve_bytes: int = 0
+    # What the profiler noticed that makes its figures doubtful (identical layers that disagreed,
+    # timings that stayed noisy): said wherever the profile is shown.
+    warnings: tuple[str, ...] = ()
+    schema: int = PROFILE_SCHEMA
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "warnings", tuple(self.warnings))
+        _check_layers(self.layers)
+        for label, value in (("input_bytes", self.input_bytes), ("reserve_bytes", self.reserve_bytes)):
+            _check_number(value, f"profile {label}", integer=True)
+        for name, size in self.tied_static_bytes.items():
+            _check_number(size, f"tied_static_bytes[{name!r}]", integer=True)
+        for name, seconds in self.tied_grad_time.items():
+            _check_number(seconds, f"tied_grad_time[{name!r}]")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def times(self) -> list[float]:
+        return [layer.time for layer in self.layers]
+
+    @classmethod
+    def from_costs(
+        cls,
+        times: Sequence[float],
+        param_bytes: Sequence[int] | None = None,
+        activation_bytes: Sequence[int] | None = None,
+        output_bytes: Sequence[int] | None = None,
+        *,
+        forward_times: Sequence[float] | None = None,
+        names: Sequence[str] | None = None,
+        optimizer: str = "adamw",
+    ) -> "Profile":
+        """Build a profile from plain numbers, one per layer.
+
+        ``times`` are forward+backward seconds. ``forward_times`` splits them; by default the forward
+        is a third. Gradients take as many bytes as parameters; Adam/AdamW state twice as many,
+        SGD with momentum as many, plain SGD none.
+
+        Example:
+            >>> Profile.from_costs([1, 1], param_bytes=[4, 8]).layers[1].optimizer_bytes
+            16
+        """
+        n = len(times)
+        for label, values in (
+            ("param_bytes", param_bytes),
+            ("activation_bytes", activation_bytes),
+            ("output_bytes", output_bytes),
+            ("forward_times", forward_times),
+            ("names", names),
+        ):
+            if values is not None and len(values) != n:
+                raise RecordError(
+                    f"from_costs: {label} has {len(values)} values but times has {n}; give one per layer."
+                )
+        if any(t < 0 for t in times):
+            raise RecordError("from_costs: times must be >= 0.")
+        state_factor = optimizer_state_factor(optimizer)
+        layers = []
+        for i, total in enumerate(times):
+            fwd = forward_times[i] if forward_times is not None else total * _FORWARD_SHARE
+            pb = int(param_bytes[i]) if param_bytes is not None else 0
+            layers.append(
+                LayerCost(
+                    index=i,
+                    name=names[i] if names is not None else f"layer{i}",
+                    forward_time=float(fwd),
+                    backward_time=float(total) - float(fwd),
+                    param_bytes=pb,
+                    grad_bytes=pb,
+                    optimizer_bytes=int(pb * state_factor),
+                    activation_bytes=int(activation_bytes[i]) if activation_bytes is not None else 0,
+                    output_bytes=int(output_bytes[i]) if output_bytes is not None else 0,
+                    source="given",
+                )
+            )
+        return cls(layers=tuple(layers), optimizer=optimizer, mode="given")
+
+    @property
+    def split_backward(self) -> tuple[float, float] | None:
+        """The measured split of the backward zero-bubble schedules run, over the layers it was timed
+        on: (W / (B + W), (B + W) / the whole backward). None when no layer's split was timed."""
+        timed = [l for l in self.layers if l.split_timed]
+        if not timed:
+            return None
+        b = sum(l.backward_input_time for l in timed)
+        w = sum(l.backward_weight_time for l in timed)
+        return w / (b + w), (b + w) / sum(l.backward_time for l in timed)
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = "autopipe.profile"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        check_header(d, "profile", PROFILE_SCHEMA, "profile the model again with this version")
+        d = dict(d)
+        d.pop("kind")
+        layer_names = {f.name for f in fields(LayerCost)}
+        layers = []
+        for ld in d.pop("layers"):
+            ld = {k: v for k, v in ld.items() if k in layer_names}
+            ld["tied"] = tuple(ld.get("tied", ()))
+            ld["recompute"] = {m: RecomputeCost(**rc) for m, rc in (ld.get("recompute") or {}).items()}
+            layers.append(LayerCost(**ld))
+        device = DeviceInfo(**d.pop("device"))
+        known = {f.name for f in fields(cls)}
+        return cls(layers=tuple(layers), device=device, **{k: v for k, v in d.items() if k in known})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Profile":
+        return cls.from_dict(read_json(path, "profile"))
+
+    def with_layers(self, layers: Sequence[LayerCost]) -> "Profile":
+        return replace(self, layers=tuple(layers))
+
+
+_TIMES = ("forward_time", "backward_time", "forward_spread", "backward_spread", "flops", "backward_input_time",
+          "backward_weight_time")
+_BYTES = ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_forward_bytes",
+          "peak_backward_bytes", "output_bytes")
+
+
+def _check_number(value: Any, what: str, *, integer: bool = False) -> None:
+    """A cost is a finite number >= 0 (bytes: a whole one); anything else is a broken or edited record."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if ok and integer and value != int(value):
+        ok = False
+    if not ok:
+        kind = "a whole number of bytes >= 0" if integer else "a finite number >= 0"
+        raise RecordError(f"{what} is {value!r}, but must be {kind}; profile the model again rather than edit it.")
+
+
+def _check_layers(layers: Sequence[LayerCost]) -> None:
+    """Refuse impossible per-layer figures (a negative time, a NaN, fractional bytes) and a broken index."""
+    for i, layer in enumerate(layers):
+        where = f"layer {i} ({layer.name or 'unnamed'})"
+        if layer.index != i:
+            raise RecordError(f"{where} has index {layer.index}; layers must be numbered 0, 1, 2, ... in order.")
+        for f in _TIMES:
+            _check_number(getattr(layer, f), f"{where} {f}")
+        for f in _BYTES:
+            _check_number(getattr(layer, f), f"{where} {f}", integer=True)
+        for mode, rc in layer.recompute.items():
+            if mode not in RECOMPUTE_MODES or mode == "none":
+                raise RecordError(f"{where} has recompute mode {mode!r}; use one of selective, full.")
+            _check_number(rc.activation_bytes, f"{where} recompute[{mode!r}].activation_bytes", integer=True)
+            _check_number(rc.extra_backward_time, f"{where} recompute[{mode!r}].extra_backward_time")
+        if not isinstance(layer.weight_hold_bytes, dict):
+            raise RecordError(f"{where} weight_hold_bytes is {layer.weight_hold_bytes!r}, not a mode -> bytes mapping; "
+                              "profile the model again rather than edit it.")
+        for mode, nbytes in layer.weight_hold_bytes.items():
+            if mode not in RECOMPUTE_MODES:
+                raise RecordError(f"{where} has weight_hold_bytes for mode {mode!r}; use none, selective or full.")
+            _check_number(nbytes, f"{where} weight_hold_bytes[{mode!r}]", integer=True)
+
+
+def optimizer_state_factor(optimizer: str) -> float:
+    """Bytes of optimizer state per byte of parameter (same dtype as the parameter)."""
+    table = {"adam": 2.0, "adamw": 2.0, "sgd": 0.0, "sgd-momentum": 1.0, "none": 0.0}
+    try:
+        return table[optimizer.lower()]
+    except KeyError:
+        raise RecordError(
+            f"unknown optimizer {optimizer!r}; use one of {', '.join(sorted(table))}."
+        ) from None

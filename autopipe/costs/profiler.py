@@ -1,0 +1,525 @@
+"""The profile pass: what each layer of a LayerSequence costs, measured on the device it will train on.
+
+For every layer: forward and backward time (median and spread of repeated runs after warm-up),
+parameter, gradient and optimizer bytes, activation bytes saved for backward per micro-batch, the
+transient peak of forward and backward, and the bytes of the value leaving it; and, per activation
+recompute mode (``selective``, ``full``), the bytes it keeps and the backward time the recomputation
+adds (``LayerCost.recompute``). Each layer runs on its real input: the sequence is run once, layer
+after layer, and each output feeds the next layer. Identical layers (same structure key, same input
+shapes) are timed once. ``estimate=True`` runs nothing real and prices each layer by a roofline (see
+:mod:`autopipe.costs.estimate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from ..choices import RECOMPUTE_MODES
+from ..errors import AutopipeError, StaleProfileError
+from .accounting import (
+    Ledger,
+    ParamSizer,
+    autocast_weight_bytes,
+    layer_cost,
+    tied_bytes,
+)
+from .devices import describe_device, device_spec, dtype_name, keep_freed_memory
+from .estimate import data_free, estimate_layer, meta_copy
+from .layer_costs import LayerCost, Profile, optimizer_state_factor
+from .measure import (
+    MAX_REPEAT_FACTOR,
+    TARGET_SPREAD,
+    StateGuard,
+    Value,
+    as_tuple,
+    median_seconds,
+    saved_pass,
+    storage_key,
+    tensor_bytes,
+    time_layer,
+    time_split,
+    weight_hold_change,
+)
+
+__all__ = ["profile", "check_signature"]
+
+
+def profile(
+    seq: Any,
+    example_args: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    optimizer: str = "adamw",
+    mixed_precision: bool = False,
+    autocast: str | torch.dtype | None = None,
+    reserve: int = 0,
+    warmup: int = 3,
+    repeats: int = 10,
+    estimate: bool = False,
+    threads: int | None = None,
+    progress: bool = True,
+) -> Profile:
+    """Measure (or estimate) what each layer of ``seq`` costs per micro-batch.
+
+    Args:
+        seq: a LayerSequence from :func:`autopipe.flatten`.
+        example_args, example_kwargs: one micro-batch, as the model takes it.
+        device: where to measure (default: where the layers are; they must have been traced there).
+            With ``estimate=True``, the device to estimate for: ``cpu`` (probed), ``cuda``, ``a100``,
+            ``h100``, ``h200``.
+        dtype: the dtype the layers are expected in (default: the model's own). A traced graph keeps
+            its dtypes, so convert the model before flatten rather than here; a mismatch is an error.
+        optimizer: ``adamw``, ``adam``, ``sgd-momentum``, ``sgd`` or ``none``: sizes optimizer state.
+        mixed_precision: the (16-bit) parameters and gradients come with fp32 master weights and
+            fp32 optimizer state.
+        autocast: ``bfloat16`` or ``float16``: profile as ``train.py --dtype bf16|fp16`` trains, fp32
+            layers run under ``torch.autocast``. Times are autocast's; activations include the
+            16-bit copy of each weight autocast keeps per micro-batch; parameters, gradients and
+            optimizer state are fp32. Estimating (no autocast on meta tensors), the layers run in
+            their own dtype (convert the model to 16 bits first for 16-bit activations) and the
+            weight copies are added from the parameters each matmul-like operator reads.
+        warmup, repeats: untimed and timed runs per measured layer.
+        threads: CPU threads to time with (default: torch's current setting), fixed for the run.
+        progress: show a progress bar on stderr.
+
+        reserve: bytes the training runtime holds per rank on this device beyond the model's tensors,
+            kept in the profile for the memory model (``autopipe.runtime.reserve.runtime_reserve`` measures
+            it once per device; the CLI passes it).
+
+    Every layer is also run under each recompute mode (:mod:`autopipe.graph.recompute`) to fill
+    ``LayerCost.recompute``: bytes from the same ledger as ``activation_bytes``, extra backward time
+    measured (or, estimating, the roofline time of the recomputed operators).
+
+    The model's weights, gradients, buffers (BatchNorm running statistics), training flags and RNG
+    state are the same afterwards.
+
+    Example:
+        >>> seq = autopipe.flatten(model, (ids,))
+        >>> prof = autopipe.profile(seq, (ids,), repeats=5)
+        >>> prof.layers[1].forward_time, prof.layers[1].activation_bytes
+    """
+    layers = list(seq.layers)
+    run = _Run.resolve(layers, device=device, dtype=dtype, autocast=autocast, mixed_precision=mixed_precision,
+                       estimate=estimate, optimizer=optimizer, warmup=warmup, repeats=repeats)
+    x: Value = seq.pack_inputs(tuple(example_args), dict(example_kwargs or {}))
+    input_bytes = sum(tensor_bytes(t) for t in as_tuple(x))
+    infos = list(getattr(seq, "infos", [None] * len(layers)))
+
+    old_threads = torch.get_num_threads()
+    if run.device.type == "cpu" and not estimate:
+        keep_freed_memory()  # else page faults, not the layers, dominate CPU timings
+    if run.device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
+    try:
+        with StateGuard(layers), _progress_bar(progress, len(layers)) as bar, run.no_data():
+            x = _to(x, run.device, estimate=estimate)
+            walk = _Walk(run, infos, x)
+            task = bar.add_task("profile", total=len(layers))
+            for i, layer in enumerate(layers):
+                bar.update(task, description=f"{'estimate' if estimate else 'measure'} {walk.name(i)}")
+                x = walk.layer(i, layer, x)
+                bar.advance(task)
+    finally:
+        torch.set_num_threads(old_threads)
+
+    layer_costs = walk.results()
+    warnings = walk.warnings + ([] if estimate else _noisy(layer_costs))
+    amp, tdtype = run.amp, run.dtype
+    return Profile(
+        layers=layer_costs,
+        device=run.spec.info(dtype_name(tdtype)) if estimate else describe_device(run.device),
+        dtype="float32" if amp is not None else dtype_name(tdtype),
+        autocast=dtype_name(amp) if amp is not None else "",
+        mode="estimated" if estimate else "measured",
+        microbatch=_microbatch(example_args, example_kwargs),
+        input_bytes=input_bytes,
+        optimizer=optimizer.lower(),
+        mixed_precision=mixed_precision,
+        torch_version=torch.__version__,
+        signature=str(getattr(seq, "signature", "")),
+        tied_static_bytes=tied_bytes(seq, layers, run.sizes),
+        warnings=tuple(warnings),
+        reserve_bytes=int(reserve),
+        tied_grad_time=_tied_grad_time(seq, layers, run.device, run.spec, repeats, estimate),
+    )
+
+
+@dataclass(frozen=True)
+class _Run:
+    """How this profile runs: where, in which dtypes, measured or estimated, how often."""
+
+    device: torch.device  # where the layers run (where they were traced)
+    home: torch.device  # where their tensors are
+    estimate: bool
+    spec: Any  # the DeviceSpec estimated for, or None
+    dtype: torch.dtype  # the layers' own dtype
+    amp: torch.dtype | None  # the 16-bit dtype autocast runs in, or None
+    sizes: ParamSizer
+    warmup: int
+    repeats: int
+
+    @classmethod
+    def resolve(cls, layers: list[nn.Module], *, device: str | torch.device | None, dtype: str | torch.dtype | None,
+                autocast: str | torch.dtype | None, mixed_precision: bool, estimate: bool, optimizer: str,
+                warmup: int, repeats: int) -> _Run:
+        if warmup < 0 or repeats < 1:
+            raise AutopipeError(f"profile: warmup={warmup}, repeats={repeats}; need warmup >= 0 and repeats >= 1.")
+        state_factor = optimizer_state_factor(optimizer)
+        amp = _autocast_dtype(autocast, mixed_precision, _model_dtype(layers), estimate)
+        tdtype = _resolve_dtype(dtype, mixed_precision, _model_dtype(layers))
+        home = _home_device(layers)
+        spec = None
+        if estimate:
+            spec = device_spec(str(device or "cpu"), dtype_name(tdtype))
+            run_device = home  # the device is baked into the traced graphs: estimate where they were traced
+        else:
+            run_device = torch.device(device) if device is not None else home
+            if run_device.type == "meta":
+                raise AutopipeError("profile: the layers are on the meta device (no weights); use estimate=True.")
+            if run_device.type != home.type:
+                # Traced graphs bake in their device (arange(device=cpu)), so a copy would not run there.
+                raise AutopipeError(
+                    f"profile: the layers were traced on {home.type} but device={device!r}; move the model and "
+                    f"its example inputs to {run_device.type} and flatten again, then profile."
+                )
+        # under autocast the parameters, gradients and optimizer state are fp32, whatever the layers hold
+        sizes = ParamSizer(torch.float32 if amp is not None else tdtype, mixed_precision, state_factor)
+        return cls(run_device, home, estimate, spec, tdtype, amp, sizes, warmup, repeats)
+
+    def no_data(self) -> contextlib.AbstractContextManager[Any]:
+        """Estimating on a real device, the layers run on fake tensors (no data); on meta as they are."""
+        if self.estimate and self.home.type != "meta":
+            return FakeTensorMode(allow_non_fake_inputs=True)
+        return contextlib.nullcontext()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp is not None and not self.estimate:
+            return torch.autocast(self.device.type, dtype=self.amp)
+        return contextlib.nullcontext()
+
+
+class _Walk:
+    """The sequence run once, layer after layer, each output feeding the next layer: what each costs."""
+
+    def __init__(self, run: _Run, infos: list[Any], first_input: Value) -> None:
+        self.run, self.infos = run, infos
+        n = len(infos)
+        # one ledger per recompute mode: what the layers keep for backward, each storage charged once
+        self.ledgers = {mode: Ledger(n, as_tuple(first_input)) for mode in RECOMPUTE_MODES}
+        self.costs: list[dict[str, Any]] = []
+        self.warnings: list[str] = []
+        self.measured: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.first_named: dict[tuple[Any, ...], str] = {}
+        # identical layers are timed once; the last of each kind is timed again to check that figure
+        self.last_of = {info.structure: info.index for info in infos if info is not None and info.structure}
+
+    def name(self, i: int) -> str:
+        info = self.infos[i]
+        return info.name if info is not None else f"layer{i}"
+
+    def layer(self, i: int, layer: nn.Module, x: Value) -> Value:
+        """Cost layer ``i`` on input ``x``; return its output, detached, as the next layer's input."""
+        run, info, name = self.run, self.infos[i], self.name(i)
+        work, is_copy = _working_layer(layer, run.device, run.estimate)
+        snapshot = [] if is_copy else StateGuard.snapshot_buffers(work)
+        work.train()  # profile what training runs: dropout on, batch statistics
+        structure = info.structure if info is not None else ""
+        key = (structure, _signature(x)) if structure else None
+        timing = self.measured.get(key) if key is not None else None
+        source = "reused" if timing is not None else ("estimated" if run.estimate else "measured")
+        with run.autocast():
+            if timing is None:
+                timing = _cost_layer(work, x, run)
+                if key is not None:
+                    self.measured[key] = timing
+            inputs = {storage_key(t) for t in as_tuple(x)}
+            result = saved_pass(work, x, device=run.device, measure_peaks=source != "reused")
+            if source != "reused":
+                timing.update(peak_forward_bytes=result.peak_forward, peak_backward_bytes=result.peak_backward)
+            self.ledgers["none"].charge(i, result.saved, inputs, result.out, result.out)
+            for mode in RECOMPUTE_MODES[1:]:
+                # the same input under each mode; the next layer runs on the plain pass's output
+                kept = saved_pass(work, x, device=run.device, measure_peaks=False, mode=mode)
+                self.ledgers[mode].charge(i, kept.saved, inputs, result.out, kept.out)
+                del kept
+        if run.amp is not None and run.estimate:
+            # no autocast on meta: add the 16-bit weight copies a real run would keep
+            self.ledgers["none"].bytes[i] += autocast_weight_bytes(work, x, run.amp)
+        if key is not None:
+            self.first_named.setdefault(key, name)
+            if source == "reused" and not run.estimate and self.last_of.get(structure) == i:
+                self._check_twin(work, x, key, timing, structure, name)
+        out = _detached(result.out)
+        StateGuard.restore_buffers(snapshot)
+        params = list(layer.parameters())  # each tensor once, tied or not
+        pb, gb, ob = (sum(v) for v in zip(*(run.sizes(p) for p in params))) if params else (0, 0, 0)
+        self.costs.append(dict(
+            index=i, name=name, params=sum(p.numel() for p in params),
+            param_bytes=pb, grad_bytes=gb, optimizer_bytes=ob,
+            output_bytes=sum(tensor_bytes(t) for t in as_tuple(out)),
+            tied=tuple(info.tied) if info is not None else (), structure=structure, source=source,
+            **timing,
+        ))  # fmt: skip
+        return out
+
+    def _check_twin(self, work: nn.Module, x: Value, key: tuple[Any, ...], timing: dict[str, Any], structure: str,
+                    name: str) -> None:
+        """Time the last of a kind of identical layers again: a busy machine shows as disagreement."""
+        run = self.run
+        with run.autocast():
+            check = time_layer(work, x, device=run.device, warmup=run.warmup, repeats=run.repeats)
+        note = _disagreement(self.first_named[key], timing, name, check)
+        if not note:
+            return
+        self.warnings.append(note)
+        # the faster is the less disturbed: let every layer of this kind have it
+        if check.forward + check.backward < timing["forward_time"] + timing["backward_time"]:
+            faster = dict(forward_time=check.forward, backward_time=check.backward,
+                          forward_spread=check.forward_spread, backward_spread=check.backward_spread)
+            timing.update(faster)
+            for c in self.costs:
+                if c["structure"] == structure and c["source"] in ("measured", "reused"):
+                    c.update(faster)
+
+    def results(self) -> tuple[LayerCost, ...]:
+        return tuple(layer_cost(c, self.ledgers) for c in self.costs)
+
+
+def _cost_layer(work: nn.Module, x: Value, run: _Run) -> dict[str, Any]:
+    """Seconds of one layer: forward, backward, its split for zero-bubble schedules, each recompute
+    mode's extra backward; and what a unit waiting for its weight pass holds (zbv's memory)."""
+    device, warmup, repeats = run.device, run.warmup, run.repeats
+    if run.estimate:
+        dtype = dtype_name(run.amp or run.dtype)
+        est = estimate_layer(work, x, spec=run.spec, dtype=dtype)
+        # Bytes need no device: what a zbv unit holds awaiting W is counted on meta/fake tensors as
+        # measured (a tiny GPT-2 block: none within 2 %, full exactly). Not selective: its count on meta
+        # differed by a third from the CPU run's (untraced), so estimates charge selective's kept bytes.
+        hold = {mode: weight_hold_change(work, x, mode=mode) for mode in ("none", "full")}
+        return dict(forward_time=est.forward_time, backward_time=est.backward_time, flops=est.forward_flops,
+                    recompute_time=est.recompute_time, hold_change={m: d for m, d in hold.items() if d is not None})
+    t = time_layer(work, x, device=device, warmup=warmup, repeats=repeats)
+    # what recomputation adds to the backward: its median under the mode minus the plain median;
+    # noise can make it negative on a cheap layer, where it is nothing
+    extra = {
+        mode: max(0.0, time_layer(work, x, device=device, warmup=warmup, repeats=repeats, mode=mode).backward
+                  - t.backward)
+        for mode in RECOMPUTE_MODES[1:]
+    }
+    split = time_split(work, x, device=device, warmup=warmup, repeats=repeats) or (0.0, 0.0)
+    # what a unit waiting for its weight pass holds beyond its forward's bytes, per mode (zbv's memory)
+    hold = {mode: weight_hold_change(work, x, mode=mode) for mode in RECOMPUTE_MODES}
+    return dict(forward_time=t.forward, backward_time=t.backward,
+                forward_spread=t.forward_spread, backward_spread=t.backward_spread, recompute_time=extra,
+                backward_input_time=split[0], backward_weight_time=split[1],
+                hold_change={m: d for m, d in hold.items() if d is not None})
+
+
+def _tied_grad_time(
+    seq: Any, layers: list[nn.Module], device: torch.device, spec: Any, repeats: int, estimate: bool
+) -> dict[str, float]:
+    """Seconds to sum two gradients of each tied tensor: what the unsplit model pays in backward.
+
+    GPT-2's 154 MB wte/lm_head sum is ~10% of its CPU step; per-layer times cannot contain it.
+    """
+    out: dict[str, float] = {}
+    for group in getattr(seq, "tied", []):
+        tensor = next(
+            (layer.get_parameter(n) for layer in layers for n, _ in layer.named_parameters() if n in group.names), None
+        )
+        if tensor is None:
+            continue
+        if estimate:
+            # Read two, write one, at the device's memory bandwidth.
+            out[group.canonical] = 3 * tensor_bytes(tensor) / spec.memory_bandwidth if spec.memory_bandwidth else 0.0
+            continue
+        a = torch.ones(tensor.shape, dtype=tensor.dtype, device=device)
+        b = torch.ones_like(a)
+        out[group.canonical] = median_seconds(lambda: a + b, device=device, repeats=max(3, repeats // 2))
+    return out
+
+
+def check_signature(profile: Profile, seq: Any) -> None:
+    """Refuse a profile made for another model or other flatten options than ``seq``'s.
+
+    Raises:
+        StaleProfileError: with both signatures and how to get a matching profile.
+    """
+    expected = str(getattr(seq, "signature", ""))
+    if profile.signature and profile.signature != expected:
+        raise StaleProfileError(
+            f"the profile was made for signature {profile.signature} but this model/flatten options give "
+            f"{expected}: the model or the flatten options changed since it was measured. "
+            "Profile again (autopipe profile MODEL --out profile.json) with the same model and options."
+        )
+    if len(profile.layers) != len(seq.layers):
+        raise StaleProfileError(
+            f"the profile has {len(profile.layers)} layers but the sequence has {len(seq.layers)}; "
+            "profile this sequence again."
+        )
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+# Identical layers whose timings differ by more than this factor (and more than their spreads)
+# disagree: the machine was busy during one of them.
+DISAGREE = 1.25
+
+
+def _disagreement(first: str, timing: Mapping[str, Any], name: str, check: Any) -> str:
+    """A warning when a re-timed layer disagrees with its identical twin's timing, else ""."""
+    a = timing["forward_time"] + timing["backward_time"]
+    b = check.forward + check.backward
+    spread = timing.get("forward_spread", 0.0) + timing.get("backward_spread", 0.0) + check.forward_spread + check.backward_spread
+    lo, hi = min(a, b), max(a, b)
+    if lo <= 0 or hi <= DISAGREE * lo or hi - lo <= spread:
+        return ""
+    return (f"identical layers {first} and {name} measured {lo * 1e3:.3g} and {hi * 1e3:.3g} ms per micro-batch "
+            f"({hi / lo:.1f}x apart): the machine was busy while profiling; both now use the faster figure. "
+            "Profile again on a quiet machine for firmer times.")
+
+
+def _noisy(layers: Sequence[LayerCost]) -> list[str]:
+    """One warning naming the layers whose timings stayed noisy after the extra repeats."""
+    bad = []
+    for c in layers:
+        if c.source != "measured" or c.time <= 0:
+            continue
+        rel = (c.forward_spread + c.backward_spread) / c.time
+        if rel > 2 * TARGET_SPREAD:
+            bad.append((rel, c.name))
+    if not bad:
+        return []
+    worst = max(bad)
+    return [f"timings of {len(bad)} layer(s) stayed noisy after {MAX_REPEAT_FACTOR}x the repeats (interquartile "
+            f"range up to {worst[0]:.0%} of the median, at {worst[1]}): other work was running; profile again on "
+            "a quiet machine, or with more --repeats."]
+
+
+def _autocast_dtype(
+    autocast: str | torch.dtype | None, mixed: bool, model_dtype: torch.dtype, estimate: bool
+) -> torch.dtype | None:
+    """The 16-bit dtype autocast runs in, or None; checks it fits the layers."""
+    if autocast is None or autocast == "":
+        return None
+    if isinstance(autocast, str):
+        name = {"bf16": "bfloat16", "fp16": "float16"}.get(autocast, autocast.removeprefix("torch."))
+        amp = getattr(torch, name, None)
+    else:
+        amp = autocast
+    if amp not in (torch.bfloat16, torch.float16):
+        raise AutopipeError(f"autocast={autocast!r}; use bfloat16 or float16 (or None for no autocast).")
+    if mixed:
+        raise AutopipeError("give autocast (fp32 layers, 16-bit matmuls) or mixed_precision (16-bit layers), not both.")
+    if not estimate and model_dtype != torch.float32:
+        raise AutopipeError(
+            f"autocast trains fp32 parameters but the layers are {dtype_name(model_dtype)}; flatten the fp32 model "
+            "(train.py keeps fp32 master weights and runs autocast), or profile without autocast."
+        )
+    return amp
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None, mixed: bool, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the layers are in. A traced graph fixes its dtypes (it asserts them), so the profiler
+    cannot cast: the model is converted before flatten, and ``dtype`` only states what is expected."""
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise AutopipeError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16.")
+        dtype = resolved
+    if dtype is not None and dtype != model_dtype:
+        raise AutopipeError(
+            f"profile: dtype={dtype_name(dtype)} but the layers are {dtype_name(model_dtype)}; a traced graph "
+            f"keeps its dtypes, so convert the model first (model.to(torch.{dtype_name(dtype)})) and flatten again."
+        )
+    if mixed and model_dtype.itemsize != 2:
+        raise AutopipeError(
+            f"mixed precision trains 16-bit parameters but the layers are {dtype_name(model_dtype)}; convert the "
+            "model first (model.to(torch.bfloat16)) and flatten again."
+        )
+    return model_dtype
+
+
+def _home_device(layers: list[nn.Module]) -> torch.device:
+    for layer in layers:
+        for t in (*layer.parameters(), *layer.buffers()):
+            return t.device
+    return torch.device("cpu")
+
+
+def _model_dtype(layers: list[nn.Module]) -> torch.dtype:
+    for layer in layers:
+        for p in layer.parameters():
+            if p.is_floating_point():
+                return p.dtype
+    return torch.float32
+
+
+def _working_layer(layer: nn.Module, device: torch.device, estimate: bool) -> tuple[nn.Module, bool]:
+    """The layer to run: the user's own when measuring, a copy without data when estimating."""
+    if estimate:
+        return meta_copy(layer, None, device), True
+    return layer, False
+
+
+def _to(x: Value, device: torch.device, *, estimate: bool) -> Value:
+    def move(t: Tensor) -> Tensor:
+        if estimate:
+            return data_free(t, device)
+        return t.detach().to(device=device).requires_grad_(t.requires_grad)
+
+    return tuple(move(t) for t in x) if isinstance(x, (tuple, list)) else move(x)
+
+
+def _detached(out: Value) -> Value:
+    """The next layer's input: same storages (so the ledger can follow them), no graph behind."""
+    def cut(t: Tensor) -> Tensor:
+        return t.detach().requires_grad_(t.requires_grad)
+
+    return tuple(cut(t) for t in out) if isinstance(out, (tuple, list)) else cut(out)
+
+
+def _signature(x: Value) -> tuple[Any, ...]:
+    return tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in as_tuple(x))
+
+
+def _microbatch(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> dict[str, list[int]]:
+    shapes: dict[str, list[int]] = {}
+    for path, leaf in tree_flatten_with_path((tuple(args), dict(kwargs or {})))[0]:
+        if isinstance(leaf, Tensor):
+            # path is ((args|kwargs index), then the position/key): "args[0]" / "input_ids"
+            head, rest = path[0].idx, path[1:]
+            label = keystr(rest).lstrip("[").rstrip("]").strip("'") if head == 1 else f"args{keystr(rest)}"
+            shapes[label] = list(leaf.shape)
+    return shapes
+
+
+def _progress_bar(enabled: bool, total: int) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(file=sys.stderr),
+        transient=True,
+        disable=not enabled,
+    )

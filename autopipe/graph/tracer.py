@@ -1,0 +1,204 @@
+"""Trace pass: nn.Module + example inputs -> torch.export ExportedProgram (non-strict).
+
+torch.export in non-strict mode runs the forward as Python with fake tensors, so HuggingFace models
+(whose ``**kwargs`` forwards break ``torch.fx.symbolic_trace``) and plain modules both trace, also on
+the meta device. The graph is ATen-level training IR: in-place buffer updates (BatchNorm running
+statistics) stay in the graph as in-place ops on the buffers, so replaying it updates the real buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import linecache
+import logging
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import InputMismatchError, TraceError
+
+__all__ = ["trace", "trace_with_notes"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def trace(
+    model: nn.Module,
+    example_args: tuple[Any, ...] | list[Any] | Any,
+    example_kwargs: dict[str, Any] | None = None,
+) -> torch.export.ExportedProgram:
+    """Export ``model`` on the example inputs, in the mode (train/eval) the model is in.
+
+    The graph is specialised to the example shapes. Errors name the module and source line that
+    failed and say what to try.
+
+    Example:
+        >>> ep = trace(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
+        >>> [s.target for s in ep.graph_signature.input_specs if s.target]
+        ['weight', 'bias']
+    """
+    return trace_with_notes(model, example_args, example_kwargs)[0]
+
+
+def trace_with_notes(
+    model: nn.Module, example_args: Any, example_kwargs: dict[str, Any] | None = None
+) -> tuple[torch.export.ExportedProgram, list[str]]:
+    """:func:`trace`, plus caveats seen while tracing (custom autograd Functions)."""
+    args = as_args(example_args)
+    kwargs = dict(example_kwargs or {})
+    _check_signature(model, args, kwargs)
+    log = Path(tempfile.gettempdir()) / f"autopipe-trace-{type(model).__name__}-{os.getpid()}.log"
+    try:
+        with _watch_custom_functions() as seen, _torch_log_to(log):
+            ep = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as e:  # torch raises many kinds here; all become one readable TraceError
+        where = f" torch's log of the failed trace (its FX graph): {log}." if log.is_file() else ""
+        raise TraceError(_explain(model, e) + where) from e
+    notes = [
+        f"custom autograd.Function {name}: export keeps only its forward, so the flattened model "
+        "differentiates the forward's ops instead of its hand-written backward (gradients may differ slightly, ~1e-8)"
+        for name in sorted(seen)
+    ]
+    return ep, notes
+
+
+@contextlib.contextmanager
+def _watch_custom_functions() -> Iterator[set[str]]:
+    """Record user-defined autograd.Function subclasses applied during the trace (BLOOM's GeLU)."""
+    seen: set[str] = set()
+    original = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch"):
+            seen.add(f"{cls.__module__}.{cls.__qualname__}")
+        return original(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    try:
+        yield seen
+    finally:
+        torch.autograd.Function.apply = classmethod(original)  # type: ignore[assignment,method-assign]
+
+
+@contextlib.contextmanager
+def _torch_log_to(path: Path) -> Iterator[None]:
+    """Keep what torch prints while exporting off the screen: on a failed guard it prints the partial
+    FX graph to stderr and logs more (screens of it). If the export fails, that text goes to ``path``
+    (the error names it); if it succeeds, it is printed as torch would have."""
+    if os.environ.get("AUTOPIPE_DEBUG"):
+        yield
+        return
+    buffer = io.StringIO()
+    handler = logging.StreamHandler(buffer)
+    handler.setLevel(logging.WARNING)  # what torch shows by default
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    # torch._logging gives its loggers handlers of their own (torch, torch._dynamo, ...): swap them
+    # all, except the structured trace log (torch.__trace), which is not for screens
+    loggers = [logging.getLogger("torch")] + [
+        lg for name, lg in logging.root.manager.loggerDict.items()
+        if name.startswith("torch.") and not name.startswith("torch.__")
+        and isinstance(lg, logging.Logger) and lg.handlers
+    ]
+    saved = [(lg, lg.handlers[:], lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.handlers, lg.propagate = [handler], False
+    failed = False
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for lg, handlers, propagate in saved:
+            lg.handlers, lg.propagate = handlers, propagate
+        text = buffer.getvalue()
+        if text and failed:
+            path.write_text(text)
+        elif text:
+            sys.stderr.write(text)
+
+
+def as_args(example_args: Any) -> tuple[Any, ...]:
+    if isinstance(example_args, tuple):
+        return example_args
+    if isinstance(example_args, list):
+        return tuple(example_args)
+    return (example_args,)
+
+
+def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # builtins without a signature: let export decide
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        bare = sig.replace(
+            parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+            return_annotation=inspect.Signature.empty,
+        )
+        raise InputMismatchError(
+            f"example inputs don't match {type(model).__name__}.forward{bare}: {e}. "
+            "Pass example inputs the way you would call the model."
+        ) from None
+
+
+def _explain(model: nn.Module, exc: BaseException) -> str:
+    """One paragraph: what failed, where (module + source line), and what to try."""
+    reason = _first_line(exc)
+    where = _user_frame(model, exc)
+    hint = _hint(exc)
+    return f"could not trace {type(model).__name__}: {reason}{where}. {hint}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), text)
+    if len(line) > 200:
+        line = line[:197] + "..."
+    return f"{type(exc).__name__}: {line}"
+
+
+def _user_frame(model: nn.Module, exc: BaseException) -> str:
+    """Find the deepest frame outside torch that belongs to a module of ``model``."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = ""
+    tb = exc.__traceback__
+    for frame, lineno in traceback.walk_tb(tb):
+        filename = frame.f_code.co_filename
+        if filename.startswith(_TORCH_DIR):
+            continue
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            code = linecache.getline(filename, lineno).strip()
+            name = names[id(owner)] or "<root>"
+            found = (
+                f" in module '{name}' ({type(owner).__name__}.{frame.f_code.co_name}, "
+                f"{os.path.basename(filename)}:{lineno}: `{code}`)"
+            )
+    return found
+
+
+def _hint(exc: BaseException) -> str:
+    text = f"{type(exc).__name__} {exc}".lower()
+    if "data-dependent" in text or "datadependent" in text or "guard" in text:
+        return (
+            "The forward branches on tensor values; make the branch depend on shapes or flags, "
+            "or move it out of forward. Set AUTOPIPE_DEBUG=1 for the full traceback."
+        )
+    if "unsupported" in text or "not supported" in text:
+        return (
+            "An operation in that line cannot be exported; rewrite it with torch ops "
+            "or wrap the model so it is not called. Set AUTOPIPE_DEBUG=1 for the full traceback."
+        )
+    return "Check the example inputs and that forward runs eagerly; set AUTOPIPE_DEBUG=1 for the full traceback."

@@ -1,0 +1,240 @@
+"""The emit pass: Plan + Profile -> a job folder a person launches.
+
+    jobs/gpt2/
+      plan.json      where to cut (autopipe.planner.plan.Plan)
+      profile.json   what each layer costs (autopipe.costs.layer_costs.Profile)
+      train.py       the training script, written by the runtime (autopipe.runtime)
+      report.html    the plan explained (autopipe.report)
+      README.md      what this job is and how to launch it
+
+An existing job folder is refused unless ``force=True``; with force, only the files above are
+replaced (a checkpoint folder beside them survives). All files are written into a temporary folder
+beside the job folder and moved into it only once every one is written, so a failure leaves the old
+job as it was. If anything fails in a folder this call created, the folder is removed again.
+
+Example:
+    >>> settings = JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b")
+    >>> job = emit("jobs/gpt2", settings=settings, profile=prof, plan=plan)
+    >>> job.launch
+    'torchrun --nproc-per-node 4 jobs/gpt2/train.py'
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..choices import ENGINES
+from ..costs.layer_costs import Profile
+from ..errors import AutopipeError
+from ..files import write_text_atomic
+from ..planner.plan import Plan
+from ..report.page import write_report
+from ..units import format_bytes, format_microbatch, format_time
+
+__all__ = ["JobSettings", "JobFiles", "JobExistsError", "JOB_FILES", "emit", "check_job_dir", "launch_command"]
+
+JOB_FILES = ("plan.json", "profile.json", "train.py", "report.html", "README.md")
+
+
+class JobExistsError(AutopipeError):
+    """The job folder already holds files and overwriting was not asked for."""
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """How the job was made: everything train.py needs to rebuild the model and run the plan."""
+
+    model: str  # as given to convert: a built-in name, a HF folder, or a factory module:function
+    stages: int
+    microbatches: int
+    schedule: str
+    batch_size: int = 1  # per micro-batch
+    seq_len: int = 128
+    dtype: str = "fp32"  # training precision: fp32 | bf16 | fp16 (autocast, fp32 master weights)
+    engine: str = "torch"  # torch | deepspeed
+    device: str = "cpu"  # where it was profiled
+    seed: int = 0
+    loss: str = "auto"  # auto | model | cross_entropy | mse
+    data: str | None = None  # the job's default --data (absolute path); None: synthetic
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """What emit wrote, and the command that launches it."""
+
+    job_dir: Path
+    files: tuple[Path, ...]
+    launch: str
+
+
+def check_job_dir(job_dir: str | os.PathLike[str], *, force: bool = False) -> Path:
+    """Refuse a job folder that already holds files, unless ``force``; refuse a file in its place.
+
+    Called before any expensive pass, so a typo in --out costs nothing.
+    """
+    path = Path(job_dir)
+    if path.exists() and not path.is_dir():
+        raise JobExistsError(f"{path} is a file, not a folder; choose another --out.")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        present = sorted(p.name for p in path.iterdir())
+        shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
+        raise JobExistsError(
+            f"job folder {path} already exists ({shown}); nothing was changed. "
+            "Pass --force to replace its plan, profile, train.py, report and README, or choose another --out."
+        )
+    return path
+
+
+def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings, dp: int = 1) -> str:
+    """The command that starts training: torchrun with one process per stage and replica, for either
+    engine (DeepSpeed's engine runs under torchrun too, so the command needs nothing beyond torch);
+    train.py takes the replica count (and ZeRO stage) from the plan."""
+    script = shlex.quote(str(Path(job_dir) / "train.py"))
+    return f"torchrun --nproc-per-node {settings.stages * dp} {script}"
+
+
+def emit(
+    job_dir: str | os.PathLike[str],
+    *,
+    settings: JobSettings,
+    profile: Profile,
+    plan: Plan,
+    baselines: Mapping[str, Plan] | None = None,
+    force: bool = False,
+    search: Any = None,
+) -> JobFiles:
+    """Write the job folder for ``plan``: records, train.py, report.html and README.md.
+
+    Args:
+        job_dir: the folder to write (created with its parents).
+        settings: the model and options train.py rebuilds the job from.
+        profile, plan: the records of the profile and partition passes.
+        baselines: other partitioners' plans for the report (default: computed from the profile).
+        force: replace the job files of an existing folder (other files in it are left alone).
+        search: the cluster search's SearchResult when the plan came from one (autopipe.cluster.layout_search):
+            saved as plan.search.json and shown in the report.
+
+    Raises:
+        JobExistsError: the folder holds files and ``force`` is False.
+    """
+    if settings.engine not in ENGINES:
+        raise AutopipeError(f"unknown engine {settings.engine!r}; use one of {', '.join(ENGINES)}.")
+    if len(profile.layers) != plan.num_layers:
+        raise AutopipeError(
+            f"the plan cuts {plan.num_layers} layers but the profile has {len(profile.layers)}; "
+            "partition this profile again."
+        )
+    path = check_job_dir(job_dir, force=force)
+    # The topmost folder this call creates (jobs/ itself on a first run): removed again on failure.
+    created = next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
+    path.mkdir(parents=True, exist_ok=True)
+    # Every file is written into a staging folder beside the job first and moved in only when all are
+    # written: a failure midway (with --force) leaves the old job whole, not half old and half new.
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        # train.py first: the step most likely to refuse (engine, model source), before the rest is written.
+        _write_train_script(staging, settings, plan)
+        plan.save(staging / "plan.json")
+        profile.save(staging / "profile.json")
+        write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model, search=search)
+        launch = launch_command(path, settings, int(getattr(plan, "dp", 1)))
+        write_text_atomic(staging / "README.md", _readme(settings, profile, plan, launch))
+        names = JOB_FILES
+        if search is not None:
+            names = (*names, "plan.search.json")
+            search.save(str(staging / "plan.search.json"))
+        if settings.engine == "deepspeed":  # DeepSpeed's own settings file, for the user to edit
+            names = (*JOB_FILES, "ds_config.json")
+            write_text_atomic(staging / "ds_config.json", _ds_config(settings, plan))
+        for name in names:
+            os.replace(staging / name, path / name)
+    except BaseException:
+        if created is not None:  # leave no half-made job behind (never a folder the user had)
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return JobFiles(path, tuple(path / name for name in names), launch)
+
+
+def _ds_config(settings: JobSettings, plan: Plan) -> str:
+    import json
+
+    from ..runtime.ds import ds_config
+    from ..runtime.optim import TrainConfig
+
+    # the plan's ZeRO stage (0 or 1 on DeepSpeed: convert refuses more) is the job's
+    config = TrainConfig(microbatches=settings.microbatches, dtype=settings.dtype, seed=settings.seed,
+                         zero=int(getattr(plan, "zero", 0)))
+    return json.dumps(ds_config(config, rows=settings.batch_size, dp=1), indent=2) + "\n"
+
+
+def _write_train_script(job_dir: Path, settings: JobSettings, plan: Plan) -> Path:
+    """train.py comes from the runtime (issue 5), which owns the training loop; emit only calls it."""
+    try:
+        from .script import write_train_script  # type: ignore[attr-defined]
+    except ImportError:
+        raise AutopipeError(
+            "this autopipe has no training-script writer yet (autopipe.runtime.write_train_script is missing), "
+            "so no train.py can be written; update autopipe, or use `autopipe plan` for the plan alone."
+        ) from None
+    target = job_dir / "train.py"
+    write_train_script(target, plan=plan, **settings.to_dict())
+    return target
+
+
+def _data_line(settings: JobSettings) -> str:
+    data = f"`{settings.data}`" if settings.data else "synthetic data (`--data` for yours)"
+    return f"{data}, loss `{settings.loss}`"
+
+
+def _readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str) -> str:
+    rows = []
+    for c in range(plan.num_chunks):
+        a, b = plan.boundaries[c], plan.boundaries[c + 1]
+        first = profile.layers[a].name or f"layer{a}"
+        last = profile.layers[b - 1].name or f"layer{b - 1}"
+        rows.append(f"| {c} | {plan.stage_ranks[c]} | {a}–{b - 1} (`{first}` … `{last}`) | "
+                    f"{format_time(plan.stage_times[c])} | {format_bytes(plan.stage_memory[c])} |")
+    limit = format_bytes(plan.memory_limit) if plan.memory_limit else "none"
+    return f"""# Pipeline job: {settings.model}
+
+Made by `autopipe convert` from {profile.mode} costs on {profile.device.name} ({profile.dtype}),
+micro-batch {format_microbatch(profile.microbatch)}. {plan.stages} stages, schedule {plan.schedule},
+{plan.microbatches} micro-batches per step, memory limit {limit}, engine {settings.engine}.
+
+## Launch
+
+The model is rebuilt from `{settings.model}` on every rank; the job trains on {_data_line(settings)}:
+
+    {launch}
+
+`python {shlex.quote(shlex.split(launch)[-1])} --help` lists the training options; one process (`python train.py`)
+runs every stage in turn, for debugging.
+
+## The plan
+
+Predicted step time {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%},
+slowest stage / mean {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}.
+
+| stage | rank | layers | time per micro-batch | memory |
+| --- | --- | --- | --- | --- |
+{chr(10).join(rows)}
+
+Open `report.html` for the per-layer costs, the baselines and the schedule timeline.
+
+## Files
+
+- `plan.json`: where to cut; `autopipe report plan.json` rebuilds `report.html` from it.
+- `profile.json`: what each layer costs; `autopipe plan` can cut it again for other stage counts.
+- `train.py`: the training script (settings at the top).
+"""

@@ -1,0 +1,28 @@
+"""The partition pass: Profile + stages + schedule + memory limit -> Plan. No torch.
+
+    partitioner  partition: the cut with the shortest simulated step under the memory limit
+    plan         Plan: the record of a cut and what it predicts
+    schedules    the schedules (GPipe, 1F1B, interleaved, zbv): step time, bubble, timeline
+    simulator    how the simulator runs a fixed op order
+    step_solver  the step-time partitioner (the algorithm)
+    step_bound   its lower bound: no cut steps faster
+    chunk_costs  what any chunk of layers costs, in O(1) from prefix sums
+    memory       what a pipeline rank holds at its peak, term by term
+    baselines    the partitioners users know (uniform, parameters, type:, torchtitan, greedy)
+    bottleneck   the exact bottleneck solver the parameter and type: baselines use
+"""
+
+from __future__ import annotations
+
+from .partitioner import (
+           DEFAULT_BANDWIDTH,
+           compare_baselines,
+           fits_memory,
+           partition,
+           resolve_limit,
+)
+from .plan import Plan
+from .schedules import SCHEDULES, Simulation, normalize_schedule, simulate
+
+__all__ = ["DEFAULT_BANDWIDTH", "Plan", "SCHEDULES", "Simulation", "compare_baselines", "fits_memory",
+           "normalize_schedule", "partition", "resolve_limit", "simulate"]

@@ -1,0 +1,316 @@
+"""What any chunk ``[a, b)`` of layers costs under each recompute mode, from per-layer numbers. No torch.
+
+The step-time partitioner (stepsolve.py) reads chunks through this: forward and backward seconds,
+the send/recv seconds at the cuts on either side, and the bytes a chunk holds. All in O(1) per chunk
+from prefix sums (O(#tied groups) for memory), vectorised over arrays of (a, b).
+
+A recompute mode changes two things per layer: the activation bytes kept per micro-batch and the
+seconds added to the backward. "none" is the layer's own figures. The memory follows autopipe.planner.memory
+(one source for the plan's figures and the partitioner's):
+
+    memory(a, b) = static(a, b) - tied repeats + inflight * kept_m(a, b) + max(transient_m[a:b])
+                   + waiting * (hold_m(a, b) - kept_m(a, b))   (zero-bubble: units past B, before W)
+                   + inflight * held   (the model's last output, held until its backward; b = L only)
+                   + M * cut(a - 1) + M * cut(b - 1)   (torch's receive buffers; a > 0, b < L only)
+
+where transient_m is a layer's one-layer peak on top (under recompute: its plain activations,
+rematerialised for one micro-batch). Without the receive buffers every term only grows when the
+chunk gains a layer (a tied repeat removes at most the tensor the added layer brought), so the
+layers that fit ``limit`` with a chunk ending at b form a suffix ``[window_start(b), b)``. The
+buffer before a chunk depends on where it starts, which can break that order (a layer with a large
+output); the windows therefore use the buffer term's running maximum from the right, which never
+charges less than the real buffer: a chunk they admit fits, and where cut sizes do not fall as a
+grows (a transformer's hidden states) they are exact.
+
+Example:
+    >>> c = ChunkCosts(forward=[1, 1, 1], backward=[2, 2, 2], activation=[10, 10, 10],
+    ...                modes={"full": ([1, 1, 1], [2, 2, 2])})
+    >>> c.modes, int(c.memory(0, 3, 2, 0)), int(c.memory(0, 3, 2, 1))
+    (('none', 'full'), 60, 22)
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["ChunkCosts", "position", "state_arrays"]
+
+
+def state_arrays(states) -> tuple[np.ndarray, np.ndarray]:
+    """Per chunk, the (units, waiting) states that can be its peak, as two (P, 1, k) arrays for
+    ``ChunkCosts.memory`` (a chunk with fewer than P states repeats its first)."""
+    p = max(len(st) for st in states)
+    units = np.array([[st[min(i, len(st) - 1)][0] for st in states] for i in range(p)], dtype=np.int64)
+    waiting = np.array([[st[min(i, len(st) - 1)][1] for st in states] for i in range(p)], dtype=np.int64)
+    return units[:, None, :], waiting[:, None, :]
+
+
+def position(s: int, k: int) -> str:
+    """Where chunk s of k sits, for ``ChunkCosts.window_start``: only, first, last or middle."""
+    return "only" if k == 1 else "first" if s == 0 else "last" if s == k - 1 else "middle"
+
+
+class ChunkCosts:
+    """Per-chunk costs under recompute modes ("none" first, then the modes given).
+
+    Args:
+        forward, backward: seconds per layer and micro-batch (backward without recompute).
+        one_way: seconds to send the tuple crossing the cut after layer i one way (L-1 values);
+            a chunk pays the cut on each side once forward and once backward.
+        static: parameter + gradient + optimizer bytes per layer (tied tensors in each user).
+        activation: bytes kept for backward per micro-batch per layer without recompute.
+        tied: (bytes of one copy, indices of its users) per tied tensor; counted once per chunk.
+        modes: name -> (extra backward seconds per layer, kept activation bytes per layer).
+        transient: mode name -> one-layer peak per layer (default: 0 for none, a layer's plain
+            activations under a recompute mode).
+        held: bytes per micro-batch the last chunk holds until its backward (the model's output).
+        hold: mode name -> bytes per layer a unit holds between its input and weight passes
+            (zero-bubble schedules; default: what the mode keeps, as a unit before its backward).
+        buffers: micro-batches M of torch's receive buffers at each cut facing another chunk
+            (each holds the bytes crossing that cut, ``cut_bytes``).
+        cut_bytes: bytes crossing the cut after layer i (L-1 values; default none).
+    """
+
+    def __init__(
+        self,
+        forward: Sequence[float],
+        backward: Sequence[float],
+        one_way: Sequence[float] | None = None,
+        static: Sequence[int] | None = None,
+        activation: Sequence[int] | None = None,
+        tied: Sequence[tuple[int, Sequence[int]]] = (),
+        modes: Mapping[str, tuple[Sequence[float], Sequence[int]]] | None = None,
+        *,
+        transient: Mapping[str, Sequence[int]] | None = None,
+        held: int = 0,
+        hold: Mapping[str, Sequence[int]] | None = None,
+        buffers: int = 0,
+        cut_bytes: Sequence[int] | None = None,
+    ) -> None:
+        n = len(forward)
+        self.n = n
+        zero = np.zeros(n)
+        ow = np.zeros(max(n - 1, 0)) if one_way is None else np.asarray(one_way, dtype=np.float64)
+        if ow.shape != (max(n - 1, 0),):
+            raise ValueError(f"one_way needs {max(n - 1, 0)} values (one per cut), got {ow.shape[0]}")
+        fw, bw = np.asarray(forward, dtype=np.float64), np.asarray(backward, dtype=np.float64)
+        self.pf = _prefix(fw)
+        self.pb = _prefix(bw)
+        self.pt = _prefix(fw + bw)  # its own prefix, so whole-number layer times give whole chunk times
+        self.comm_in = np.concatenate([[0.0], ow, [0.0]])[: n + 1]  # the cut before layer a (none for a = 0)
+        self.comm_out = np.concatenate([[0.0], ow, [0.0]])[: n + 1]
+        self.comm_out[n] = 0.0  # the last chunk sends nothing on
+        self.comm_in[0] = 0.0  # the first reads the data loader
+        ints = np.zeros(n, dtype=np.int64)
+        st = ints if static is None else np.asarray(static, dtype=np.int64)
+        self.act = ints if activation is None else np.asarray(activation, dtype=np.int64)
+        self.static_prefix = _prefix(st)
+        self.tied = [
+            (int(w), _prefix(np.isin(np.arange(n), list(users)).astype(np.int64))) for w, users in tied if len(users) > 1
+        ]
+        self.tied_most = sum(w * (len(users) - 1) for w, users in tied if len(users) > 1)
+        names, extra, kept = ["none"], [_prefix(zero)], [_prefix(self.act)]
+        for name, (x, k) in (modes or {}).items():
+            if name == "none":
+                continue
+            names.append(name)
+            extra.append(_prefix(np.asarray(x, dtype=np.float64)))
+            kept.append(_prefix(np.asarray(k, dtype=np.int64)))
+        self.modes = tuple(names)
+        # a waiting unit's bytes beyond a held one's, per layer: a chunk's units are ``inflight``,
+        # ``waiting`` of them past their B, so it holds (inflight - waiting) * kept + waiting * hold
+        hold = hold or {}
+        self.hold_extra = [
+            _prefix(np.asarray(hold[name], dtype=np.int64) - np.diff(k)) if name in hold else _prefix(np.zeros(n, dtype=np.int64))
+            for name, k in zip(names, kept)
+        ]  # fmt: skip
+        self.extra = extra  # prefix sums per mode
+        self.kept = kept
+        if transient is None:  # a layer's plain activations while it is recomputed; nothing otherwise
+            transient = {name: (ints if name == "none" else self.act) for name in names}
+        self._tables = [_SparseMax(np.asarray(transient.get(name, self.act), dtype=np.int64)) for name in names]
+        self.held = int(held)
+        cuts = np.zeros(max(n - 1, 0), dtype=np.int64) if cut_bytes is None else np.asarray(cut_bytes, dtype=np.int64)
+        # receive buffers: before a chunk starting at a > 0, after one ending at b < L
+        self.buf_in = np.concatenate([[0], int(buffers) * cuts, [0]])[: n + 1]
+        self.buf_out = np.concatenate([[0], int(buffers) * cuts, [0]])[: n + 1]
+        self.buf_out[n] = 0
+        self.buf_in[0] = 0
+
+        # Every per-layer second >= 0: prefix sums (and their non-negative combinations) never decrease.
+        self.nonnegative = bool(fw.min(initial=0.0) >= 0 and bw.min(initial=0.0) >= 0 and all(np.all(np.diff(x) >= 0) for x in extra))
+        self._windows: dict[tuple[int, int, int], np.ndarray] = {}
+        self._window_limit: int | None = None
+
+    # ---- time -----------------------------------------------------------------------------------
+    def comm(self, a, b):
+        """Seconds of send/recv one way (both cuts of the chunk)."""
+        return self.comm_in[a] + self.comm_out[b]
+
+    def forward(self, a, b):
+        """Forward compute seconds of [a, b) (no communication)."""
+        return self.pf[b] - self.pf[a]
+
+    def backward(self, a, b, mode=0):
+        """Backward compute seconds of [a, b) under mode index ``mode`` (recompute included)."""
+        return self.pb[b] - self.pb[a] + self.extra_of(a, b, mode)
+
+    def extra_of(self, a, b, mode):
+        if np.isscalar(mode):
+            x = self.extra[int(mode)]
+            return x[b] - x[a]
+        return np.choose(mode, [x[b] - x[a] for x in self.extra])
+
+    def time(self, a, b, mode=0):
+        """Seconds per micro-batch: forward + backward + the cuts' send/recv both ways."""
+        return self.pt[b] - self.pt[a] + self.extra_of(a, b, mode) + 2 * self.comm(a, b)
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def memory(self, a, b, inflight, mode=0, waiting=0):
+        """Bytes chunk [a, b) holds with ``inflight`` micro-batches in flight, ``waiting`` of them
+        past their input pass (zero-bubble), vectorises over a, b."""
+        a, b = np.asarray(a), np.asarray(b)
+        held = np.where(b == self.n, (inflight - waiting) * self.held, 0)
+        return self._core(a, b, inflight, mode, waiting) + self.buf_in[a] + self.buf_out[b] + held
+
+    def _core(self, a, b, inflight, mode, waiting=0):
+        """Memory without the terms of the chunk's two ends (receive buffers, the held output)."""
+        a, b = np.asarray(a), np.asarray(b)
+        m = (self.static_prefix[b] - self.static_prefix[a]) + inflight * self._kept(a, b, mode)
+        if np.any(waiting):
+            m = m + waiting * self._of(self.hold_extra, a, b, mode)
+        for w, count in self.tied:
+            m = m - w * np.maximum(count[b] - count[a] - 1, 0)
+        if np.isscalar(mode):
+            return m + self._tables[int(mode)].query(a, b)
+        return m + np.choose(np.asarray(mode), [t.query(a, b) for t in self._tables])
+
+    def hold_range(self, mode: int) -> tuple[float, float]:
+        """The least and the largest ratio of a waiting unit's bytes to a held one's that any chunk
+        can have under ``mode``: a chunk's ratio (sums over its layers) lies between its layers'."""
+        kept = np.diff(self.kept[mode])
+        hold = kept + np.diff(self.hold_extra[mode])
+        some = (kept > 0) | (hold > 0)
+        if not some.any():
+            return 1.0, 1.0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(kept[some] > 0, hold[some] / np.maximum(kept[some], 1), np.inf)
+        return float(ratio.min()), float(ratio.max())
+
+    def _kept(self, a, b, mode):
+        return self._of(self.kept, a, b, mode)
+
+    @staticmethod
+    def _of(prefixes, a, b, mode):
+        if np.isscalar(mode):
+            k = prefixes[int(mode)]
+            return k[b] - k[a]
+        return np.choose(mode, [k[b] - k[a] for k in prefixes])
+
+    def window_start(self, mode: int, inflight: int, limit: int, position: str = "middle",
+                     waiting: int = 0) -> np.ndarray:
+        """For every b in 0..L: the first a with memory(a, b) <= limit (b itself when none fits). Cached.
+
+        ``position`` says which chunk asks, because the ends' terms depend on it: the ``first`` chunk
+        starts at 0 (no receive buffer before it: its window is 0 or empty); the ``last`` ends at L (no
+        buffer after it, the output held); ``only`` is both; a ``middle`` chunk has both buffers.
+        Chunks after the first start at 1 or later, and for them the start's buffer enters as its
+        conservative envelope (see the module docstring); a middle chunk's end terms likewise, as a
+        running maximum over ends, so its window never moves left as b grows.
+        """
+        key = (mode, inflight, limit, position, waiting)
+        window = self._windows.get(key)
+        if window is None:
+            if limit != self._window_limit:  # a search holds one limit at a time: keep only its windows
+                self._windows.clear()
+                self._window_limit = limit
+            window = self._windows[key] = self._window_start(mode, inflight, limit, position, waiting)
+        return window
+
+    def _window_start(self, mode: int, inflight: int, limit: int, position: str, waiting: int) -> np.ndarray:
+        n = self.n
+        b = np.arange(n + 1)
+        held = np.where(b == n, (inflight - waiting) * self.held, 0)
+        if position in ("first", "only"):
+            fits = self.memory(np.zeros_like(b), b, inflight, mode, waiting) <= limit
+            return np.where(fits & (b > 0), 0, b)
+        q = self.static_prefix + inflight * self.kept[mode] + waiting * self.hold_extra[mode]
+        # a-term: memory = q[b] - (q[a] - buf_in[a]) + ...; replacing q[a] - buf_in[a] by its running
+        # minimum from the right over a >= 1 charges at least the real buffer and never rises in a
+        g = (q - self.buf_in).astype(np.float64)
+        g[0] = np.inf  # a chunk after the first never starts at 0
+        g_env = np.minimum.accumulate(g[::-1])[::-1]
+        in_env = np.where(b >= 1, q - g_env, 0).astype(np.int64)
+        out = self.buf_out + held
+        if position == "middle":  # end terms: their running maximum (with q) over ends, never falling
+            out = (np.maximum.accumulate(q + out) - q).astype(np.int64)
+        # Bracket with the plain prefix sums, then bisect inside: without the tied savings and with the
+        # largest transient and end terms a chunk fits less (hi); with every saving and none, more (lo).
+        top = int(self._tables[mode].table[0].max(initial=0)) + int(in_env[1:].max(initial=0))
+        hi = np.minimum(np.searchsorted(q, q[b] - (limit - top - out), side="left"), b)
+        lo = np.minimum(np.searchsorted(q, q[b] - (limit + self.tied_most), side="left"), b)
+        lo, hi = np.maximum(lo, 1), np.maximum(hi, 1)
+        open_ = np.flatnonzero(lo < hi)
+        while open_.size:  # bisect where the bracket is open; the window memory only shrinks as a grows
+            mid = (lo[open_] + hi[open_]) // 2
+            bb = b[open_]
+            ok = self._core(mid, bb, inflight, mode, waiting) + in_env[mid] + out[bb] <= limit
+            hi[open_] = np.where(ok, mid, hi[open_])
+            lo[open_] = np.where(ok, lo[open_], mid + 1)
+            open_ = open_[lo[open_] < hi[open_]]
+        # hi's bracket assumed the window fits from hi on; check it, else nothing fits
+        fits = (self._core(np.minimum(lo, b), b, inflight, mode, waiting) + in_env[np.minimum(lo, b)] + out
+                <= limit) & (lo < b)
+        return np.where(fits, lo, b)
+
+    def fastest_modes(self, a, b, inflight, limit: int | None, allowed: Sequence[int], waiting=0) -> np.ndarray:
+        """Per chunk, the allowed mode with the least backward that fits ``limit``; -1 where none fits.
+
+        Recompute only adds time, so for a fixed cut this choice is optimal chunk by chunk. Ties go
+        to the earlier mode (none before selective before full). ``inflight`` and ``waiting`` may
+        carry a leading axis of states (``state_arrays``): a mode fits when it fits in all of them.
+        """
+        a, b = np.asarray(a), np.asarray(b)
+        best = np.full(np.broadcast(a, b).shape, -1, dtype=np.int64)
+        best_time = np.full(best.shape, np.inf)
+        for m in allowed:
+            extra = self.extra_of(a, b, m)
+            ok = np.ones(best.shape, dtype=bool) if limit is None else self.memory(a, b, inflight, m, waiting) <= limit
+            while ok.ndim > best.ndim:
+                ok = ok.all(axis=0)
+            better = ok & (extra < best_time)
+            best = np.where(better, m, best)
+            best_time = np.where(better, extra, best_time)
+        return best
+
+
+def _prefix(x: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.zeros(1, dtype=x.dtype), np.cumsum(x)])
+
+
+class _SparseMax:
+    """max(values[a:b]) in O(1) per query (0 for an empty range), vectorised: a sparse table."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        n = values.shape[0]
+        self.n = n
+        levels = max(n, 1).bit_length()
+        table = np.zeros((levels, max(n, 1)), dtype=values.dtype)
+        table[0, :n] = values
+        span = 1
+        for j in range(1, levels):  # level j: max of values[i : i + 2**j]
+            table[j] = table[j - 1]
+            np.maximum(table[j - 1, : n - span], table[j - 1, span:n], out=table[j, : n - span])
+            span *= 2
+        self.table = table
+
+    def query(self, a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        length = np.maximum(b - a, 1)
+        k = np.log2(length).astype(np.int64) if length.ndim else int(np.log2(int(length)))
+        n = self.table.shape[1]
+        left = self.table[k, np.minimum(a, n - 1)]
+        right = self.table[k, np.clip(b - (1 << k), 0, n - 1)]
+        return np.where(b > a, np.maximum(left, right), 0)

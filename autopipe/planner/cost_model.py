@@ -1,0 +1,146 @@
+"""The profile as the partitioner sees it: per-chunk seconds and bytes for one (optimizer, bandwidth,
+schedule, micro-batch count, replicas, ZeRO stage), and the states in which a chunk can peak. No torch.
+
+Bytes come from autopipe/planner/memory.py (the same figures the plan's per-rank memory adds up);
+seconds from the profile; any chunk ``[a, b)`` is then O(1) through autopipe/planner/chunk_costs.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..costs.layer_costs import Profile
+from ..errors import PartitionError
+from .chunk_costs import ChunkCosts
+from .memory import holds_sends, layer_memory
+from .schedules import peak_states
+
+__all__ = ["CostModel", "CutRequest", "recompute_times", "unit_states"]
+
+
+@dataclass(frozen=True)
+class CutRequest:
+    """What every ZeRO stage's attempt at a cut shares: the schedule's shape, the limit, the policy."""
+
+    stages: int  # pipeline ranks S
+    v: int  # chunks per rank
+    m: int  # micro-batches per step
+    schedule: str
+    limit: int | None  # bytes per device; None: unlimited
+    limit_source: str  # "given", "device" or ""
+    recompute: str  # the policy: none, selective, full or auto
+    weight_share: float  # the backward's W part under zero-bubble schedules
+    states: list[tuple[tuple[int, int], ...]]  # per chunk, the (units, waiting) states that can be its peak
+    signature: str  # the profiled sequence's, carried into the Plan
+    zero_policy: str  # the ZeRO stage asked for ("auto" or a stage), carried into the Plan
+
+
+class CostModel:
+    """The profile as per-chunk costs, for one (optimizer, bandwidth, schedule, micro-batch count).
+
+    Bytes come from autopipe.planner.memory (the same figures the plan's per-rank memory adds up); seconds
+    from the profile. On zbv a recomputed layer runs its forward again in each of its two backward
+    passes (input, then weight gradients), so its extra time counts twice.
+    """
+
+    def __init__(self, profile: Profile, optimizer: str | None, bandwidth: float | None,
+                 schedule: str = "1f1b", microbatches: int = 1, dp: int = 1, zero: int = 0) -> None:  # fmt: skip
+        layers = profile.layers
+        self.names = [layer.name or f"layer{i}" for i, layer in enumerate(layers)]
+        self.optimizer = (optimizer or profile.optimizer).lower()
+        self.dp, self.zero = dp, zero
+        # the schedule picks ZeRO 0/1's engine, and so what it holds (autopipe.planner.memory.ddp_schedule)
+        lm = layer_memory(profile, optimizer, dp=dp, zero=zero, schedule=schedule)
+        self.memory = lm
+        static = list(lm.static)
+        tied = []
+        for size, users, *_ in lm.tied:
+            for i in users:
+                if static[i] < size:
+                    raise PartitionError(
+                        f"layer {i} ({self.names[i]}) lists a tied tensor of {size} bytes but holds only "
+                        f"{static[i]} static bytes; its figures must include the tied tensor. Profile again."
+                    )
+            tied.append((size, list(users)))
+        bw = float("inf") if bandwidth is None else float(bandwidth)
+        if not bw > 0:
+            raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
+        self.bandwidth = bw
+        self.one_way = [l.output_bytes / bw for l in layers[:-1]]
+        passes = 2 if schedule == "zbv" else 1
+        modes = {name: ([passes * x for x in extra], list(lm.activations[name]))
+                 for name, extra in recompute_times(profile).items()}  # fmt: skip
+        backward = [l.backward_time for l in layers]
+        split = profile.split_backward if schedule == "zbv" else None
+        if split is not None:
+            # zbv runs each backward as two passes, which take longer together than the whole one
+            # (measured per layer; a layer without a timed split at the timed layers' ratio)
+            backward = [l.backward_input_time + l.backward_weight_time if l.split_timed else l.backward_time * split[1]
+                        for l in layers]  # fmt: skip
+        self.costs = ChunkCosts(
+            [l.forward_time for l in layers],
+            backward,
+            self.one_way,
+            static,
+            list(lm.activations["none"]),
+            tied,
+            modes,
+            # ZeRO 2/3's reduce-scatter input is a one-off like a layer's transient: the larger counts
+            transient={name: [max(x, r) for x, r in zip(t, lm.reduce_scatter or (0,) * len(t))]
+                       for name, t in lm.transient.items()},  # fmt: skip
+            held=lm.outputs[-1] if lm.outputs else 0,
+            hold=lm.waiting,
+            # receive buffers, and under torch's runtime-driven schedules the sends held to the step's end
+            buffers=microbatches * (2 if holds_sends(schedule) else 1),
+            cut_bytes=list(lm.outputs[:-1]),
+        )
+        self.reserve = profile.reserve_bytes
+        self.params = [l.params or l.param_bytes for l in layers]
+        self.tied = tied
+
+    def allowed(self, recompute: str) -> tuple[int, ...]:
+        """Indices (into costs.modes) of the modes a chunk may use under a recompute policy."""
+        modes = self.costs.modes
+        if recompute == "auto":
+            return tuple(range(len(modes)))
+        if recompute not in modes:
+            raise PartitionError(
+                f"recompute={recompute!r}: the profile has no per-layer figures for it (it has "
+                f"{', '.join(modes)}); use recompute='auto' or 'full', or profile again with a version that "
+                "measures selective recompute."
+            )
+        return (modes.index(recompute),)
+
+
+def recompute_times(profile: Profile) -> dict[str, list[float]]:
+    """Per recompute mode, the seconds it adds to each layer's backward: "full" is the layer's
+    forward where not measured; "selective" is present when the profile measured it (a layer with
+    no selective figures recomputes nothing, as under none)."""
+    layers = profile.layers
+    full = [l.recompute.get("full") for l in layers]
+    times = {"full": [r.extra_backward_time if r else l.forward_time for l, r in zip(layers, full)]}
+    if any("selective" in l.recompute for l in layers):
+        times["selective"] = [l.recompute["selective"].extra_backward_time if "selective" in l.recompute else 0.0
+                              for l in layers]  # fmt: skip
+    return times
+
+
+def unit_states(schedule: str, stages: int, v: int, m: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per chunk, the (micro-batches held, of them waiting for their weight pass) states that can be
+    its peak: ``schedule.peak_states`` as ChunkCosts counts them (units = held + waiting).
+
+    Two neighbouring states whose common upper corner (the more held, the more waiting) adds at most
+    1/16 of the chunk's units are charged as that corner, never less than either: each state costs
+    the solver a window per chunk, and at 64 stages (88 held, 0 waiting) and (87, 1) are one state
+    for every purpose but a 1 % difference. Below 16 units nothing is merged."""
+    out = []
+    for st in peak_states(schedule, stages, v, m):
+        merged = [st[0]]
+        for h, w in st[1:]:
+            ph, pw = merged[-1]  # more held, fewer waiting than (h, w)
+            if min(ph - h, w - pw) * 16 <= ph + pw:
+                merged[-1] = (ph, w)
+            else:
+                merged.append((h, w))
+        out.append(tuple((h + w, w) for h, w in merged))
+    return out

@@ -1,0 +1,359 @@
+"""What a pipeline rank holds at its peak while training, term by term. No torch.
+
+The plan's ``rank_memory`` is this module's ``RankMemory.total``; the step log's measured
+``peak_memory`` (``autopipe.runtime.peak``) is its counterpart. Per rank, over the chunks it runs:
+
+- ``weights``, ``gradients``, ``optimizer``: what the layers' parameters hold for the whole step,
+  as the profile sized them for the training mode (fp32 master weights and fp32 state under
+  autocast; a tied tensor once per rank). Gradients exist from a micro-batch's first backward on
+  (the trainer frees them after each update), so they count at the peak.
+- ``activations``: each chunk's saved-for-backward bytes per micro-batch times the micro-batches
+  its schedule keeps in flight there (``schedule.inflight_counts``). Profiled under autocast they
+  include the low-precision copy of each weight autocast saves per micro-batch. With recompute a
+  layer keeps only what its mode keeps (``LayerCost.recompute``).
+- ``outputs``: each in-flight micro-batch's chunk output, which the schedule holds until that
+  micro-batch's backward. A middle chunk's output is saved by the next layer already (and counted
+  as its producer's activation); the model's last output (logits, loss) is not, so it is counted
+  here, on the rank of the last chunk.
+- ``buffers``: torch's PipelineStage allocates one receive buffer per micro-batch for the tensors
+  entering a chunk (forward) and for the gradients of those leaving it (backward), once, and keeps
+  them across steps: M × the cut's bytes on each side that faces another rank.
+- ``sends``: torch's runtime-driven schedules (Interleaved1F1B, ZBVZeroBubble and the other
+  ``_PipelineScheduleRuntime`` ones, ``holds_sends``) wait every send only at the step's end, and
+  a gloo or NCCL send keeps its tensor alive until then: each micro-batch's chunk output after its
+  backward, each input gradient after it is sent. M × the cut's bytes on each side that faces
+  another rank, once more. Where zbv hands a tip chunk's output to its neighbour on the same rank,
+  torch keeps the hand-off (the input and, after B, its gradient) until the next step: 2 M × the
+  cut's bytes. Measured (4 ranks on gloo, the helper's probe of 2026-11-22): an interleaved rank's
+  live tensors grow by one cut per F and per B and fall to 0 only at the step's end (16 MiB = 32
+  sends x 0.5 MiB); zbv's tip rank holds 4 + 4 MiB of hand-off at the step's end.
+- ``transient``: the heaviest one-layer peak the rank sees on top (a layer's temporaries in forward
+  or backward, beyond what it saves and the gradients it writes; under recompute, the layer's whole
+  activation set rematerialised for one micro-batch).
+- ``gathered``: with ZeRO 2 or 3 over dp > 1 replicas, what torch's FSDP2 holds unsharded during
+  the step. Under a pipeline schedule ``PipelineStage`` turns resharding and gradient sync off for
+  every backward but the step's last, so from a parameter's first use to the step's end its whole
+  (unsharded) weight and its whole accumulated gradient live next to the activations.
+- ``data_parallel``: with ZeRO 0 or 1 over dp > 1 replicas, what the engine holds beside the
+  replicated parameters and their reduced gradients. Under schedules that run whole backwards
+  (``ddp_schedule``) the engine is DistributedDataParallel with ``gradient_as_bucket_view``: the
+  gradients are its buckets, all-reduced in place, so nothing (measured: bench/bench_zero.py).
+  Under zero-bubble schedules it is torch's ``replicate``, FSDP2 with a shard dimension of one: it
+  computes with its own copy of the weights (the "all-gather" output over one rank) and accumulates
+  the micro-batches' gradients in an unsharded buffer until the step's one all-reduce: weights +
+  gradients once more, alive beside the activations (measured: exactly that, on both ranks, against
+  a flat all-reduce).
+- ``reduce_scatter``: with ZeRO 2 or 3, one layer's whole gradient copied into the reduce-scatter
+  input (FSDP2 reduces a unit at a time): at most the largest layer's gradient, counted like a
+  transient (the larger of it and the heaviest one-layer peak).
+
+ZeRO stage K over R replicas divides what it shards by R (DeepSpeed's stages, FSDP2's sharding):
+K ≥ 1 the optimizer state, K ≥ 2 the gradients at rest, and since FSDP2 shards parameters at rest
+whenever it shards gradients, K ≥ 2 the weights at rest too; K = 3 differs from 2 only in
+re-gathering parameters for the backward, which pipelining keeps gathered anyway (``ZERO_TERMS``).
+- ``reserve``: what the runtime holds on the device beyond these tensors (allocator, process group,
+  the traced graph), measured once per device (``Profile.reserve_bytes``).
+
+Example:
+    >>> from autopipe.costs.layer_costs import Profile
+    >>> prof = Profile.from_costs([1, 1], param_bytes=[400, 400], activation_bytes=[10, 20], output_bytes=[8, 8])
+    >>> [m.total for m in rank_memory(prof, (0, 1, 2), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)]
+    [1652, 1660]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from ..costs.layer_costs import Profile, optimizer_state_factor
+
+__all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "holds_sends", "layer_memory",
+           "rank_memory", "splits_backward", "zero_share"]
+
+ZERO_STAGES = (0, 1, 2, 3)
+# schedules that split the backward into input and weight passes (the partitioner's and torch's spellings)
+_SPLIT_BACKWARD = {"zbv", "zerobubble", "zbvzerobubble", "interleavedzb", "interleavedzerobubble", "dualpipev"}
+
+
+def splits_backward(schedule: str) -> bool:
+    """Whether ``schedule`` (the partitioner's name or torch's class name) runs each backward as an
+    input pass and a deferred weight pass (zero-bubble schedules).
+
+    >>> splits_backward("zbv"), splits_backward("ZBVZeroBubble"), splits_backward("1f1b")
+    (True, True, False)
+    """
+    return _schedule_key(schedule) in _SPLIT_BACKWARD
+
+
+def _schedule_key(schedule: str) -> str:
+    """A schedule's name as the sets above spell it: lower case, no dashes or underscores, and no
+    "Schedule" prefix of torch's class names."""
+    return schedule.lower().replace("-", "").replace("_", "").removeprefix("schedule")
+
+
+_RUNTIME_DRIVEN = {"interleaved1f1b", "zbv", "zbvzerobubble", "loopedbfs", "interleavedzerobubble", "dualpipev"}
+
+
+def holds_sends(schedule: str) -> bool:
+    """Whether torch runs ``schedule`` (the partitioner's name or torch's class name) by its action
+    runtime (``_PipelineScheduleRuntime``), which waits every send only at the step's end: the sent
+    tensors live until then (``RankMemory.sends``). GPipe and 1F1B wait theirs within the step.
+
+    >>> holds_sends("interleaved1f1b"), holds_sends("ZBVZeroBubble"), holds_sends("1f1b"), holds_sends("gpipe")
+    (True, True, False, False)
+    """
+    return _schedule_key(schedule) in _RUNTIME_DRIVEN
+
+
+def ddp_schedule(schedule: str) -> bool:
+    """Whether ZeRO 0/1 run on DistributedDataParallel under ``schedule`` (else on ``replicate``).
+
+    DDP reduces from autograd hooks that a whole ``backward()`` fires; zero-bubble schedules
+    compute weight gradients with ``torch.autograd.grad`` and set ``.grad`` by hand, which fires
+    none, so there DDP would never reduce (autopipe.runtime.zero).
+
+    >>> ddp_schedule("1f1b"), ddp_schedule("Interleaved1F1B"), ddp_schedule("zbv")
+    (True, True, False)
+    """
+    return not splits_backward(schedule)
+
+
+@dataclass(frozen=True)
+class ZeroShare:
+    """What one of R data-parallel replicas holds of a layer under ZeRO stage K (fractions of it)."""
+
+    weights: float = 1.0  # at rest (between steps)
+    gradients: float = 1.0
+    optimizer: float = 1.0
+    gathered: bool = False  # whole weights and gradients live during the step (FSDP2 under pipelining)
+    buckets: bool = False  # replicate's own weights + accumulated gradients (DDP's buckets are the gradients)
+
+
+def zero_share(zero: int, dp: int, *, schedule: str = "1f1b") -> ZeroShare:
+    """The ZERO_TERMS row for stage ``zero`` over ``dp`` replicas (dp 1: nothing is sharded or reduced)
+    under ``schedule``, which picks ZeRO 0/1's engine (``ddp_schedule``).
+
+    >>> zero_share(1, 4).optimizer, zero_share(3, 4).weights, zero_share(3, 1).weights
+    (0.25, 0.25, 1.0)
+    >>> zero_share(0, 2).buckets, zero_share(0, 2, schedule="zbv").buckets
+    (False, True)
+    """
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
+    if dp < 1:
+        raise ValueError(f"dp must be >= 1, got {dp!r}")
+    if dp == 1:
+        return ZeroShare()
+    part = 1.0 / dp
+    if zero <= 1:
+        return ZeroShare(optimizer=part if zero == 1 else 1.0, buckets=not ddp_schedule(schedule))
+    return ZeroShare(weights=part, gradients=part, optimizer=part, gathered=True)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One pipeline rank's predicted peak, by what holds it (bytes)."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    outputs: int = 0
+    buffers: int = 0
+    sends: int = 0
+    transient: int = 0
+    data_parallel: int = 0
+    reserve: int = 0
+    gathered: int = 0
+    reduce_scatter: int = 0
+
+    @property
+    def total(self) -> int:
+        """The peak: what lives all step, the activations in flight and the heaviest one-off on top."""
+        steady = (self.weights + self.gradients + self.optimizer + self.buffers + self.sends + self.reserve + self.gathered
+                  + self.data_parallel)  # fmt: skip
+        return steady + self.activations + self.outputs + max(self.transient, self.reduce_scatter)
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Per-layer byte counts the memory model (and the partitioner) adds up, for one optimizer."""
+
+    weights: tuple[int, ...]
+    gradients: tuple[int, ...]
+    optimizer: tuple[int, ...]
+    activations: dict[str, tuple[int, ...]]  # recompute mode -> saved bytes per micro-batch
+    # recompute mode -> bytes per micro-batch held between the input and the weight pass (zero-bubble)
+    waiting: dict[str, tuple[int, ...]]
+    transient: dict[str, tuple[int, ...]]  # recompute mode -> one-layer peak on top
+    outputs: tuple[int, ...]  # bytes leaving each layer (what crosses a cut after it)
+    input_bytes: int  # bytes entering layer 0
+    # (static size, users, weights, grads, state, gathered, buckets) of each tied tensor, as one rank holds it
+    tied: tuple[tuple[int, tuple[int, ...], int, int, int, int, int], ...]
+    # ZeRO over data-parallel replicas (weights/gradients/optimizer above are this rank's shards)
+    gathered: tuple[int, ...] = ()  # per layer: whole weights + gradients held during the step
+    buckets: tuple[int, ...] = ()  # per layer: replicate's weight copy + accumulated gradient (ZeRO 0/1)
+    reduce_scatter: tuple[int, ...] = ()  # per layer: its reduce-scatter input (ZeRO 2/3), a one-off
+    dp: int = 1
+    zero: int = 0
+
+    @property
+    def static(self) -> tuple[int, ...]:
+        """Per layer, what lives all step: shards at rest, what is gathered, all-reduce buckets."""
+        n = len(self.weights)
+        return tuple(w + g + o + x + r for w, g, o, x, r in zip(
+            self.weights, self.gradients, self.optimizer, self.gathered or (0,) * n, self.buckets or (0,) * n))  # fmt: skip
+
+
+def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1, zero: int = 0,
+                 schedule: str = "1f1b") -> LayerMemory:
+    """The profile's per-layer bytes, with optimizer state recounted for ``optimizer`` if given and
+    this rank's shares under ZeRO stage ``zero`` over ``dp`` data-parallel replicas.
+
+    Recompute modes a layer was not profiled for are derived: ``full`` keeps the layer's input (the
+    previous layer's output) and rematerialises its activations in backward.
+    """
+    share = zero_share(zero, dp, schedule=schedule)
+    layers = profile.layers
+    old = optimizer_state_factor(profile.optimizer)
+    new = old if optimizer is None else optimizer_state_factor(optimizer)
+    opt = [l.optimizer_bytes if new == old else int(l.param_bytes * new) for l in layers]
+    inputs = [profile.input_bytes] + [l.output_bytes for l in layers[:-1]]
+    base_transient = [
+        max(l.peak_forward_bytes - l.activation_bytes, l.peak_backward_bytes - l.grad_bytes, 0) for l in layers
+    ]
+    acts: dict[str, tuple[int, ...]] = {"none": tuple(l.activation_bytes for l in layers)}
+    waits: dict[str, tuple[int, ...]] = {}
+    trans: dict[str, tuple[int, ...]] = {"none": tuple(base_transient)}
+    for mode in ("selective", "full"):
+        kept, extra = [], []
+        for l, inp, t in zip(layers, inputs, base_transient):
+            rc = l.recompute.get(mode)
+            if rc is None and mode == "selective":
+                rc_bytes = l.activation_bytes  # not profiled: selective keeps what none keeps
+            elif rc is None:
+                rc_bytes = inp  # not profiled (older profiles): full keeps the layer's input
+            else:
+                rc_bytes = rc.activation_bytes
+            kept.append(rc_bytes)
+            # backward rematerialises what the mode did not keep, for one micro-batch at a time
+            extra.append(t + max(l.activation_bytes - rc_bytes, 0))
+        acts[mode], trans[mode] = tuple(kept), tuple(extra)
+    for mode, kept_bytes in acts.items():  # not profiled: a waiting unit holds what a held one does
+        waits[mode] = tuple(l.weight_hold_bytes.get(mode, k) for l, k in zip(layers, kept_bytes))
+    tied = []
+    for name, size in profile.tied_static_bytes.items():
+        size = int(size * (2 + new) / (2 + old))  # param + grad + state of one copy, for this optimizer
+        users = tuple(i for i, l in enumerate(layers) if name in l.tied)
+        if not users:
+            continue
+        # split the tied tensor's static bytes the way its first user's figures split
+        u = layers[users[0]]
+        total = max(u.static_bytes, 1)
+        w, g = size * u.param_bytes // total, size * u.grad_bytes // total
+        sw, sg, so = _shard(w, share.weights), _shard(g, share.gradients), _shard(size - w - g, share.optimizer)
+        whole = w + g if share.gathered else 0
+        bucket = w + g if share.buckets else 0
+        tied.append((sw + sg + so + whole + bucket, users, sw, sg, so, whole, bucket))
+    return LayerMemory(
+        weights=tuple(_shard(l.param_bytes, share.weights) for l in layers),
+        gradients=tuple(_shard(l.grad_bytes, share.gradients) for l in layers),
+        optimizer=tuple(_shard(o, share.optimizer) for o in opt),
+        activations=acts,
+        waiting=waits,
+        transient=trans,
+        outputs=tuple(l.output_bytes for l in layers),
+        input_bytes=profile.input_bytes,
+        tied=tuple(tied),
+        gathered=tuple(l.param_bytes + l.grad_bytes if share.gathered else 0 for l in layers),
+        buckets=tuple(l.param_bytes + l.grad_bytes if share.buckets else 0 for l in layers),
+        reduce_scatter=tuple(l.grad_bytes if share.gathered else 0 for l in layers),
+        dp=dp,
+        zero=zero,
+    )
+
+
+def _shard(nbytes: int, part: float) -> int:
+    """One replica's share of a tensor's bytes: FSDP2 pads each dim-0 shard up, so round up."""
+    return nbytes if part >= 1.0 else -(-nbytes // round(1 / part))
+
+
+def rank_memory(
+    profile: Profile | LayerMemory,
+    boundaries: Sequence[int],
+    *,
+    stage_ranks: Sequence[int],
+    inflight: Sequence[int],
+    microbatches: int,
+    recompute: Sequence[str] = (),
+    dp: int = 1,
+    zero: int = 0,
+    reserve: int | None = None,
+    optimizer: str | None = None,
+    schedule: str = "1f1b",
+    waiting: Sequence[int] = (),
+) -> list[RankMemory]:
+    """Each pipeline rank's peak for a cut: chunk c is ``boundaries[c]:boundaries[c+1]`` on rank
+    ``stage_ranks[c]`` with ``inflight[c]`` micro-batches held and recompute mode ``recompute[c]``
+    (default none), each stage replicated ``dp`` times with ZeRO stage ``zero`` under ``schedule``
+    (which also says whether sends are held to the step's end, ``holds_sends``; its ZeRO engine is
+    ignored when ``profile`` is a LayerMemory: it carries its own). ``reserve`` defaults to the profile's.
+
+    Each chunk counts ``inflight[c]`` micro-batches, ``waiting[c]`` of them past their input pass and
+    holding ``LayerMemory.waiting`` until their weight pass (zero-bubble; default none): the sum of
+    the chunks' own peaks (each in its heaviest state, ``schedule.peak_states``), which never falls
+    below the rank's."""
+    lm = profile if isinstance(profile, LayerMemory) else layer_memory(profile, optimizer, dp=dp, zero=zero,
+                                                                        schedule=schedule)
+    if reserve is None:
+        reserve = profile.reserve_bytes if isinstance(profile, Profile) else 0
+    n = len(lm.weights)
+    gathered = lm.gathered or (0,) * n
+    buckets = lm.buckets or (0,) * n
+    scatter = lm.reduce_scatter or (0,) * n
+    chunks = list(zip(boundaries, boundaries[1:]))
+    modes = list(recompute) or ["none"] * len(chunks)
+    sends = holds_sends(schedule)
+    ranks = max(stage_ranks) + 1
+    out: list[RankMemory] = []
+    for r in range(ranks):
+        mine = [c for c, owner in enumerate(stage_ranks) if owner == r]
+        layers = sorted({i for c in mine for i in range(*chunks[c])})
+        w = sum(lm.weights[i] for i in layers)
+        g = sum(lm.gradients[i] for i in layers)
+        o = sum(lm.optimizer[i] for i in layers)
+        x = sum(gathered[i] for i in layers)
+        dpb = sum(buckets[i] for i in layers)
+        for _size, users, tw, tg, to, tx, tb in lm.tied:  # a tied tensor: once per rank, not per user layer
+            extra = sum(1 for i in layers if i in users) - 1
+            if extra > 0:
+                w, g, o, x, dpb = w - extra * tw, g - extra * tg, o - extra * to, x - extra * tx, dpb - extra * tb
+        act = outs = buf = trans = sent = 0
+        for c in mine:
+            a, b = chunks[c]
+            # held units keep the forward's bytes, waiting ones what their weight pass needs
+            late = int(waiting[c]) if len(waiting) else 0
+            held = inflight[c] - late
+            act += sum(held * lm.activations[modes[c]][i] + late * lm.waiting[modes[c]][i] for i in range(a, b))
+            if b == n:
+                outs += held * lm.outputs[n - 1]  # the model's output lives until its B
+            trans = max([trans, *(lm.transient[modes[c]][i] for i in range(a, b))])
+            # one buffer per micro-batch for each cut facing another rank
+            if a > 0 and stage_ranks[c - 1] != r:
+                buf += microbatches * lm.outputs[a - 1]
+            if b < n and stage_ranks[c + 1] != r:
+                buf += microbatches * lm.outputs[b - 1]
+            if sends and b < n and stage_ranks[c + 1] == r:  # a hand-off on this rank
+                sent += 2 * microbatches * lm.outputs[b - 1]
+        if sends:
+            sent += buf  # every send of the step, alive until its end
+        out.append(RankMemory(
+            weights=w, gradients=g, optimizer=o, activations=act, outputs=outs, buffers=buf, sends=sent,
+            transient=trans, data_parallel=dpb, reserve=int(reserve), gathered=x,
+            reduce_scatter=max((scatter[i] for i in layers), default=0),
+        ))  # fmt: skip
+    return out

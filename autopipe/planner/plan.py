@@ -1,0 +1,247 @@
+"""The Plan record: where to cut, what each stage then costs, and what the schedule predicts.
+
+The partition pass produces it; ``LayerSequence.split(plan)`` and the emit pass read it. Chunk c
+(``boundaries[c]:boundaries[c+1]``) runs on rank ``stage_ranks[c]``: c itself with one chunk per rank,
+``c % stages`` (round-robin) for interleaved schedules, a V for zbv.
+
+Example:
+    >>> from autopipe import Profile, partition
+    >>> plan = partition(Profile.from_costs([1, 1, 1, 1, 2, 2]), stages=3)
+    >>> plan.boundaries, plan.bottleneck_time
+    ((0, 3, 5, 6), 3.0)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ..errors import RecordError
+from ..files import check_header, read_json, write_json_atomic
+from .schedules import Simulation, simulate
+
+__all__ = ["Plan", "PLAN_SCHEMA"]
+
+PLAN_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A partition of a profiled layer sequence into pipeline chunks, with its predicted costs.
+
+    With ``virtual_stages = 1`` a chunk is a stage. Times are seconds per micro-batch, memory bytes.
+    """
+
+    boundaries: tuple[int, ...]  # stages * virtual_stages + 1 layer indices, 0 .. num_layers
+    stages: int  # pipeline ranks
+    virtual_stages: int
+    microbatches: int
+    schedule: str
+    memory_limit: int | None  # bytes per device; None: unlimited
+    method: str  # autopipe | uniform | parameters | type:REGEX | torchtitan | greedy | manual
+    signature: str  # the profile's; split() refuses a plan made for another model
+    num_layers: int
+    bandwidth: float  # bytes/s of the link between ranks; inf: communication ignored
+    stage_ranks: tuple[int, ...]  # rank of each chunk
+    stage_times: tuple[float, ...]  # per chunk: forward + backward + 2 x send/recv at its cuts
+    stage_forward: tuple[float, ...]  # per chunk: forward compute
+    stage_backward: tuple[float, ...]  # per chunk: backward compute, recomputation included
+    stage_comm: tuple[float, ...]  # per chunk: send/recv seconds in one direction
+    stage_memory: tuple[int, ...]  # per chunk: static bytes (tied once) + activations in flight
+    stage_inflight: tuple[int, ...]  # per chunk: micro-batches of activations held at the peak
+    rank_times: tuple[float, ...]  # per rank: sum of its chunks' times
+    rank_memory: tuple[int, ...]  # per rank: its chunks' memory, tied tensors once per rank
+    bottleneck_stage: int  # the slowest chunk
+    bottleneck_time: float
+    peak_memory: int  # the largest rank_memory
+    step_time: float  # simulated, for the schedule and micro-batches above
+    bubble_fraction: float
+    optimum_bottleneck_time: float | None = None  # autopipe's, when this plan is a baseline or manual
+    optimum_step_time: float | None = None
+    stage_first_layers: tuple[str, ...] = ()  # name of each chunk's first layer, for reports
+    weight_share: float = 0.5  # part of the backward that zero-bubble schedules defer (W)
+    optimizer: str | None = None  # whose state the memory counts; None: the profile's (plans before this field)
+    # Per chunk: the recompute mode its times and memory assume ("none", "selective", "full");
+    # () in plans made before recompute was planned: none everywhere.
+    stage_recompute: tuple[str, ...] = ()
+    recompute: str = "none"  # the policy asked for: none, auto, selective or full
+    # Per chunk: seconds per micro-batch the recompute mode adds to the backward (0 for none); ()
+    # in plans made before this field.
+    stage_recompute_time: tuple[float, ...] = ()
+    # No cut of these layers into these chunks has a shorter simulated step (proven; see
+    # stepsolve.py). Equal to step_time when this cut is proven optimal; None when not computed.
+    step_lower_bound: float | None = None
+    # Per rank: what rank_memory adds up (autopipe.planner.memory.RankMemory: weights, gradients, optimizer,
+    # activations, outputs, buffers, transient, data_parallel, reserve, total); () in older plans.
+    rank_memory_breakdown: tuple[dict[str, int], ...] = ()
+    # Per chunk: of stage_inflight, the micro-batches past their input pass and waiting for their
+    # weight pass at the chunk's peak (zero-bubble schedules; 0 otherwise); () in older plans.
+    stage_waiting: tuple[int, ...] = ()
+    # Where memory_limit came from: "given", "device" (the profile's GPU memory, the default) or ""
+    # (no limit, or plans before this field).
+    memory_limit_source: str = ""
+    # Data-parallel replicas of each stage (world = stages x dp) and the ZeRO stage they shard with;
+    # rank_memory is per rank under that sharding. zero_policy: what was asked ("0".."3" or "auto").
+    dp: int = 1
+    zero: int = 0
+    zero_policy: str = "0"
+    schema: int = PLAN_SCHEMA
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.boundaries) - 1
+
+    @property
+    def balance(self) -> float:
+        """Slowest chunk over the mean chunk: 1.0 is perfectly balanced."""
+        mean = sum(self.stage_times) / len(self.stage_times)
+        return self.bottleneck_time / mean if mean > 0 else 1.0
+
+    @property
+    def step_gap(self) -> float | None:
+        """How far step_time may be above the best possible step: step / lower bound - 1 (0: optimal)."""
+        if self.step_lower_bound is None:
+            return None
+        if self.step_lower_bound <= 0:  # a bound of nothing: the gap is 0 only when the step is nothing too
+            return 0.0 if self.step_time <= 0 else None
+        gap = self.step_time / self.step_lower_bound - 1.0
+        return gap if gap > 1e-9 else 0.0  # sums of the same seconds in another order differ in the last bits
+
+    def recompute_of(self, chunk: int) -> str:
+        """Chunk ``chunk``'s recompute mode ("none" for plans made before recompute was planned)."""
+        return self.stage_recompute[chunk] if self.stage_recompute else "none"
+
+    def waiting_of(self, chunk: int) -> int:
+        """Of chunk ``chunk``'s micro-batches in flight at its peak, those waiting for their weight
+        pass (zero-bubble schedules; 0 otherwise and in plans made before this was planned)."""
+        return self.stage_waiting[chunk] if self.stage_waiting else 0
+
+    def inflight_text(self, chunk: int) -> str:
+        """'8' or, with units waiting for their weight pass, '8 (1 awaiting W)'."""
+        w = self.waiting_of(chunk)
+        return f"{self.stage_inflight[chunk]}" + (f" ({w} awaiting W)" if w else "")
+
+    def layers_of(self, chunk: int) -> range:
+        """Layer indices of chunk ``chunk``."""
+        return range(self.boundaries[chunk], self.boundaries[chunk + 1])
+
+    def chunks_of(self, rank: int) -> list[int]:
+        """Chunks that rank ``rank`` runs, in model order."""
+        return [c for c, r in enumerate(self.stage_ranks) if r == rank]
+
+    def simulate(self, schedule: str | None = None, microbatches: int | None = None) -> Simulation:
+        """Simulate one training step of this cut under ``schedule`` (default: the plan's own).
+
+        ``plan.simulate("gpipe", 8).timeline[0]`` lists rank 0's ops as (start, end, kind, mb, chunk).
+        """
+        return simulate(
+            self.schedule if schedule is None else schedule,
+            forward=self.stage_forward,
+            backward=self.stage_backward,
+            comm=self.stage_comm,
+            ranks=self.stages,
+            microbatches=self.microbatches if microbatches is None else microbatches,
+            weight_share=self.weight_share,
+        )
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = "autopipe.plan"
+        if d["bandwidth"] == float("inf"):
+            d["bandwidth"] = None  # JSON has no infinity
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        check_header(d, "plan", PLAN_SCHEMA, "run `autopipe plan` again with this version")
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        if d.get("bandwidth") is None:
+            d["bandwidth"] = float("inf")
+        try:
+            plan = cls(**d)
+        except TypeError as e:
+            raise RecordError(f"plan is missing fields ({e}); run `autopipe plan` again.") from None
+        _check_plan(plan)
+        return plan
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Plan":
+        return cls.from_dict(read_json(path, "plan"))
+
+
+_CHUNK_FIELDS = ("stage_ranks", "stage_times", "stage_forward", "stage_backward", "stage_comm", "stage_memory",
+                 "stage_inflight")
+_CHUNK_OPTIONAL = ("stage_first_layers", "stage_recompute", "stage_waiting")  # () in older plans
+_RANK_FIELDS = ("rank_times", "rank_memory")
+
+
+def _check_plan(plan: Plan) -> None:
+    """Refuse a plan.json whose parts cannot belong together or whose figures cannot be (hand-edited or
+    broken): one line naming the field, before anything reads it."""
+    again = "run `autopipe plan` again rather than edit it."
+
+    def number(value: Any, what: str, *, whole: bool = False, least: float = 0) -> None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= least
+        if not ok or (whole and value != int(value)):
+            kind = f"a whole number >= {least:g}" if whole else f"a finite number >= {least:g}"
+            raise RecordError(f"plan {what} is {value!r}, but must be {kind}; {again}")
+
+    b = plan.boundaries
+    number(plan.num_layers, "num_layers", whole=True, least=1)
+    if not b or b[0] != 0 or b[-1] != plan.num_layers or any(x >= y for x, y in zip(b, b[1:])):
+        raise RecordError(f"plan boundaries {list(b)} are not increasing from 0 to {plan.num_layers}.")
+    for f in ("stages", "virtual_stages", "microbatches"):
+        number(getattr(plan, f), f, whole=True, least=1)
+    chunks = len(b) - 1
+    if chunks != plan.stages * plan.virtual_stages:
+        raise RecordError(f"plan has {chunks} chunks (boundaries {list(b)}) but stages {plan.stages} x virtual_stages "
+                          f"{plan.virtual_stages} = {plan.stages * plan.virtual_stages}; {again}")
+    for f in _CHUNK_FIELDS + _CHUNK_OPTIONAL:
+        n = len(getattr(plan, f))
+        if n != chunks and not (f in _CHUNK_OPTIONAL and n == 0):
+            raise RecordError(f"plan {f} has {n} entries for {chunks} chunks; {again}")
+    for f in _RANK_FIELDS + ("rank_memory_breakdown",):
+        n = len(getattr(plan, f))
+        if n != plan.stages and not (f == "rank_memory_breakdown" and n == 0):
+            raise RecordError(f"plan {f} has {n} entries for {plan.stages} stages; {again}")
+    for c, r in enumerate(plan.stage_ranks):
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < plan.stages:
+            raise RecordError(f"plan stage_ranks[{c}] is {r!r}, not a rank of its {plan.stages} stages; {again}")
+    for f in ("stage_times", "stage_forward", "stage_backward", "stage_comm", "rank_times"):
+        for i, v in enumerate(getattr(plan, f)):
+            number(v, f"{f}[{i}]")
+    for f in ("stage_memory", "stage_inflight", "stage_waiting", "rank_memory"):
+        for i, v in enumerate(getattr(plan, f)):
+            number(v, f"{f}[{i}]", whole=True)
+    for c, (u, w) in enumerate(zip(plan.stage_inflight, plan.stage_waiting)):
+        if w > u:
+            raise RecordError(f"plan stage_waiting[{c}] is {w}, more than the {u} micro-batches in flight there; {again}")
+    for f in ("bottleneck_time", "peak_memory", "step_time", "weight_share"):
+        number(getattr(plan, f), f, whole=f == "peak_memory")
+    number(plan.dp, "dp", whole=True, least=1)
+    if plan.zero not in (0, 1, 2, 3) or isinstance(plan.zero, bool):
+        raise RecordError(f"plan zero is {plan.zero!r}, but must be a ZeRO stage 0, 1, 2 or 3; {again}")
+    number(plan.bubble_fraction, "bubble_fraction", least=-1e-9)  # 1 - busy/step: rounding may dip below 0
+    for f in ("memory_limit", "step_lower_bound", "optimum_bottleneck_time", "optimum_step_time"):
+        if getattr(plan, f) is not None:
+            number(getattr(plan, f), f, whole=f == "memory_limit")
+    if not (isinstance(plan.bandwidth, (int, float)) and plan.bandwidth > 0):  # inf: communication ignored
+        raise RecordError(f"plan bandwidth is {plan.bandwidth!r}, but must be > 0 bytes/s (null: ignored); {again}")
+    if not 0 <= plan.bottleneck_stage < chunks:
+        raise RecordError(f"plan bottleneck_stage is {plan.bottleneck_stage!r}, not one of its {chunks} chunks; {again}")
+    for c, mode in enumerate(plan.stage_recompute):
+        if mode not in ("none", "selective", "full"):
+            raise RecordError(f"plan stage_recompute[{c}] is {mode!r}; use none, selective or full.")

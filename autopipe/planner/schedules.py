@@ -1,0 +1,386 @@
+"""Pipeline schedule simulator: step time, bubble and timeline from per-chunk costs. No torch.
+
+A pipeline of ``ranks`` devices runs ``chunks = ranks * virtual`` model chunks. Each micro-batch goes
+forward (F) through chunks 0..K-1 and backward (B) through K-1..0; zero-bubble schedules split the
+backward into B (input gradient, on the critical path) and W (weight gradient, deferrable).
+
+Costs follow the partition's model: the send/recv time of a chunk's cuts is charged to the op itself
+(serialised with compute), so an F of chunk c lasts ``forward[c] + comm[c]`` and so does a B with
+``backward[c]``. Every op starts when its rank is free and its inputs are done.
+
+Schedules (placement of chunk c on a rank, and each rank's order of ops):
+
+- ``gpipe``: all forwards, then all backwards; one chunk per rank.
+- ``1f1b``: ``ranks - r - 1`` warm-up forwards on rank r, then one forward / one backward.
+- ``interleaved1f1b``: v chunks per rank, chunk c on rank ``c % ranks``; Megatron's order
+  (warm-up ``2(ranks - r - 1) + (v - 1) ranks`` units, then 1F1B over (micro-batch, chunk) units).
+- ``zbv``: two chunks per rank in a V (chunk c on rank c, chunk 2R-1-c on rank c), split backward
+  (B, then the deferred weight gradient W), in the order torch's ``ScheduleZBVZeroBubble`` runs
+  (``zbv_order``; ZB-V, Qi et al. 2024): what train.py executes, so what the plan times and charges.
+  (Until 2026-11-22 zbv was timed with a greedy order of autopipe's own, which torch never ran.)
+
+How. Every order is fixed, so a step is a longest-path recurrence: an op ends at max(end of the op
+before it on its rank, end of its input on another chunk) + its duration. Its graph depends only on
+(schedule, ranks, virtual stages, micro-batches), so it is compiled once into levels and evaluated
+with one numpy max-plus step per level: O(ops) work, O(M + S·v) numpy calls, and :func:`step_times`
+evaluates many cuts in the same calls. It gives the floats the former event loop gave, timelines
+included (tests/_event_sim.py).
+
+Example:
+    >>> sim = simulate("gpipe", forward=[1, 1], backward=[2, 2], comm=[0, 0], ranks=2, microbatches=4)
+    >>> sim.step_time  # (M + S - 1) * (f + b)
+    15.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import PartitionError
+from .simulator import (
+    Program,
+    TimelineEntry,
+    compile_orders,
+    durations,
+    run_fixed,
+    timeline_of,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Simulation",
+    "normalize_schedule",
+    "check_schedule",
+    "check_weight_share",
+    "chunk_ranks",
+    "simulate",
+    "step_times",
+    "inflight_counts",
+    "peak_states",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv")
+_ALIASES = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved": "interleaved1f1b",
+    "interleaved1f1b": "interleaved1f1b",
+    "zbv": "zbv",
+    "zbvzerobubble": "zbv",
+    "zero-bubble": "zbv",
+}
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """One simulated training step: its length, idle share and every op's place in time."""
+
+    schedule: str
+    ranks: int
+    microbatches: int
+    step_time: float
+    bubble_fraction: float  # idle share of ranks × step_time
+    busy: tuple[float, ...]  # seconds each rank computes
+    timeline: tuple[tuple[TimelineEntry, ...], ...]  # per rank, in start order
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def normalize_schedule(name: str) -> str:
+    """Canonical schedule name ("1F1B" -> "1f1b", "Interleaved1F1B" -> "interleaved1f1b", ...)."""
+    key = name.lower().replace("_", "").replace("schedule", "")
+    try:
+        return _ALIASES[key]
+    except KeyError:
+        raise PartitionError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}.") from None
+
+
+def check_schedule(schedule: str, ranks: int, virtual: int, microbatches: int) -> str:
+    """Validate the (schedule, virtual stages, micro-batches) combination; returns the canonical name."""
+    schedule = normalize_schedule(schedule)
+    for label, value in (("stages", ranks), ("micro-batches", microbatches), ("virtual stages", virtual)):
+        if value < 1:
+            raise PartitionError(f"{label} must be at least 1, got {value}.")
+    if schedule in ("gpipe", "1f1b") and virtual != 1:
+        raise PartitionError(
+            f"schedule {schedule} runs one chunk per rank, but virtual_stages={virtual}; "
+            "use schedule='interleaved1f1b' (or 'zbv' with 2) for virtual stages."
+        )
+    if schedule == "interleaved1f1b":
+        if virtual < 2:
+            raise PartitionError("interleaved1f1b needs virtual_stages >= 2; use '1f1b' for one chunk per rank.")
+        if microbatches % ranks:
+            raise PartitionError(
+                f"interleaved1f1b needs micro-batches to be a multiple of the stages "
+                f"({microbatches} % {ranks} != 0); use {(microbatches // ranks + 1) * ranks} micro-batches."
+            )
+    if schedule == "zbv" and virtual != 2:
+        raise PartitionError(f"zbv places exactly 2 chunks per rank (a V), got virtual_stages={virtual}.")
+    return schedule
+
+
+def check_weight_share(weight_share: float) -> None:
+    """The W part of a backward is a share of it: between 0 and 1."""
+    if not 0.0 <= weight_share <= 1.0:  # also refuses nan
+        raise PartitionError(
+            f"weight_share must be between 0 and 1, got {weight_share}; it is the part of the backward that is "
+            "weight gradient (0.5 when unknown)."
+        )
+
+
+def chunk_ranks(schedule: str, ranks: int, virtual: int) -> tuple[int, ...]:
+    """The rank that runs each chunk: round-robin (c % ranks), or a V for zbv."""
+    if normalize_schedule(schedule) == "zbv":
+        return tuple(c if c < ranks else 2 * ranks - 1 - c for c in range(2 * ranks))
+    return tuple(c % ranks for c in range(ranks * virtual))
+
+
+def fixed_orders(schedule: str, ranks: int, virtual: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """Each rank's op order (kind, micro-batch, chunk)."""
+    orders = []
+    for r in range(ranks):
+        if schedule == "zbv":
+            order = zbv_order(ranks, m, r)
+        elif schedule == "gpipe":
+            order = [("F", i, r) for i in range(m)] + [("B", i, r) for i in range(m)]
+        elif schedule == "1f1b":
+            warm = min(ranks - r - 1, m)
+            fw = [("F", i, r) for i in range(m)]
+            bw = [("B", i, r) for i in range(m)]
+            order = _one_f_one_b(fw, bw, warm)
+        else:  # interleaved: units of (micro-batch, local chunk), S micro-batches per chunk in turn
+            fw, bw = [], []
+            for k in range(m * virtual):
+                mb = (k // (ranks * virtual)) * ranks + k % ranks
+                j = (k // ranks) % virtual
+                fw.append(("F", mb, j * ranks + r))
+                bw.append(("B", mb, (virtual - 1 - j) * ranks + r))
+            warm = min((ranks - r - 1) * 2 + (virtual - 1) * ranks, m * virtual)
+            order = _one_f_one_b(fw, bw, warm)
+        orders.append(order)
+    return orders
+
+
+def _one_f_one_b(fw: list, bw: list, warm: int) -> list:
+    """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
+    order = fw[:warm]
+    for i in range(len(fw) - warm):
+        order += [fw[warm + i], bw[i]]
+    return order + bw[len(fw) - warm :]
+
+
+def simulate(
+    schedule: str,
+    *,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    comm: Sequence[float],
+    ranks: int,
+    microbatches: int,
+    weight_share: float = 0.5,
+) -> Simulation:
+    """Simulate one step of ``schedule`` over chunks with the given per-chunk seconds.
+
+    ``forward``, ``backward`` and ``comm`` have one value per chunk (ranks × virtual stages);
+    ``comm[c]`` is chunk c's send+recv seconds per direction. ``weight_share`` is the part of the
+    backward that is weight gradient (W), split off by zero-bubble schedules only.
+    """
+    schedule, k, virtual = _check_costs(schedule, forward, backward, comm, ranks, microbatches, weight_share)
+    prog = _program(schedule, ranks, virtual, microbatches)
+    arrays = (np.asarray(x, dtype=np.float64) for x in (forward, backward, comm))
+    start, end = run_fixed(prog, *durations(*arrays, split=weight_share if schedule == "zbv" else None))
+    timeline = timeline_of(prog, start, end)
+    step = max((tl[-1][1] for tl in timeline if tl), default=0.0)
+    busy = tuple(sum(e - s for s, e, *_ in tl) for tl in timeline)
+    bubble = 1.0 - sum(busy) / (ranks * step) if step > 0 else 0.0
+    return Simulation(schedule, ranks, microbatches, step, bubble, busy, tuple(tuple(tl) for tl in timeline))
+
+
+def step_times(
+    schedule: str,
+    *,
+    forward: np.ndarray,
+    backward: np.ndarray,
+    comm: np.ndarray,
+    ranks: int,
+    microbatches: int,
+    weight_share: float = 0.5,
+) -> np.ndarray:
+    """The simulated step of many cuts at once: rows of per-chunk seconds in, one step per row out.
+
+    Equal to ``simulate(...).step_time`` row by row (the same additions in the same order), but the
+    fixed orders run all rows together: one numpy operation per dependency level of the op graph.
+    """
+    fwd = np.atleast_2d(np.asarray(forward, dtype=np.float64))
+    bwd = np.atleast_2d(np.asarray(backward, dtype=np.float64))
+    com = np.atleast_2d(np.asarray(comm, dtype=np.float64))
+    n, k = fwd.shape
+    schedule, k, virtual = _check_costs(schedule, fwd[0], bwd[0], com[0], ranks, microbatches, weight_share)
+    prog = _program(schedule, ranks, virtual, microbatches)
+    split = weight_share if schedule == "zbv" else None
+    rows = max(1, _BATCH // len(prog.ops))  # rows per pass: ops x rows floats stay in cache-sized blocks
+    out = np.empty(n)
+    for i in range(0, n, rows):
+        cols = (x[i : i + rows].T for x in (fwd, bwd, com))
+        end = run_fixed(prog, *durations(*cols, split=split), starts=False)[1]
+        out[i : i + rows] = end[prog.last].max(axis=0)
+    return out
+
+
+_BATCH = 1 << 18  # op evaluations per numpy pass in step_times
+
+
+@lru_cache(maxsize=16)
+def _program(schedule: str, ranks: int, virtual: int, m: int) -> Program:
+    """The compiled op graph of a fixed-order schedule, once per process and shape."""
+    return compile_orders(fixed_orders(schedule, ranks, virtual, m), ranks * virtual)
+
+
+def _check_costs(schedule: str, forward: Sequence[float], backward: Sequence[float], comm: Sequence[float],
+                 ranks: int, microbatches: int, weight_share: float) -> tuple[str, int, int]:  # fmt: skip
+    k = len(forward)
+    if len(backward) != k or len(comm) != k or k % ranks:
+        raise PartitionError(f"simulate: need one forward/backward/comm value per chunk, a multiple of {ranks}.")
+    virtual = k // ranks
+    schedule = check_schedule(schedule, ranks, virtual, microbatches)
+    check_weight_share(weight_share)
+    return schedule, k, virtual
+
+
+def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) -> list[int]:
+    """Per chunk, the most micro-batches whose activations it may hold at once under ``schedule``.
+
+    A unit is held from its F to its B (to its W when the backward is split). GPipe, 1F1B and
+    interleaved run a fixed op order, so the count is read off that order and holds for any costs:
+    M for GPipe, min(S - s, M) for 1F1B, and for zbv what torch's ZBVZeroBubble order holds from F
+    to W (``zbv_order``).
+    """
+    schedule = check_schedule(schedule, ranks, virtual, microbatches)
+    k = ranks * virtual
+    peak = [0] * k
+    for order in fixed_orders(schedule, ranks, virtual, microbatches):
+        held = [0] * k
+        split = any(kind == "W" for kind, _, _ in order)  # with W, a unit is held until its W
+        for kind, _, c in order:
+            if kind == "F":
+                held[c] += 1
+                peak[c] = max(peak[c], held[c])
+            elif kind == "W" or not split:
+                held[c] -= 1
+    return peak
+
+
+@lru_cache(maxsize=64)
+def _peak_states(schedule: str, ranks: int, virtual: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    seen: list[set[tuple[int, int]]] = [set() for _ in range(ranks * virtual)]
+    for order in fixed_orders(schedule, ranks, virtual, m):
+        held: dict[int, int] = {}
+        waiting: dict[int, int] = {}
+        split = any(kind == "W" for kind, _, _ in order)
+        for kind, _, c in order:
+            # torch never splits the first stage's backward (nothing upstream waits for its input
+            # gradients): its B does nothing and its W is the whole backward, so its units stay held
+            first = c == 0
+            if kind == "F":
+                held[c] = held.get(c, 0) + 1
+            elif kind == "B" and not (split and first):
+                held[c] -= 1
+                waiting[c] = waiting.get(c, 0) + split
+            elif kind == "W" and first:
+                held[c] -= 1
+            elif kind == "W":
+                waiting[c] -= 1
+            seen[c].add((held.get(c, 0), waiting.get(c, 0)))
+    return tuple(_upper_hull(states) for states in seen)
+
+
+def _upper_hull(states: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The states some ``x * held + y * waiting`` (x, y >= 0) is largest at: the vertices of the
+    upper-right hull, from most held to most waiting."""
+    pts = sorted(states, key=lambda p: (-p[0], -p[1]))
+    front: list[tuple[int, int]] = []
+    for p in pts:  # most held first; keep each that waits more than every one before it
+        if not front or p[1] > front[-1][1]:
+            front.append(p)
+    hull: list[tuple[int, int]] = []
+    for p in front:
+        # drop the last vertex while it lies on or under the segment from the one before it to p
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) <= 0:  # fmt: skip
+            hull.pop()
+        hull.append(p)
+    return tuple(hull)
+
+
+def peak_states(schedule: str, ranks: int, virtual: int, microbatches: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per chunk, the (held, waiting) states along its rank's op order that can be its peak:
+    ``held`` micro-batches are between their F and their B and keep the forward's saved activations
+    (and, on the last chunk, the model's output), ``waiting`` ones are between their B and their W
+    (zero-bubble only) and keep what the weight gradients need. A chunk holds
+    ``held * (kept + output) + waiting * hold`` with ``kept``, ``output``, ``hold`` >= 0 that depend
+    on its cut and recompute mode, so its peak is at one of these: the vertices of the upper hull
+    of the states it passes through (one state without a split backward: ``inflight_counts``).
+
+    Torch never splits the first stage (chunk 0): its units stay held until their W.
+
+    >>> peak_states("zbv", 4, 2, 8)[3], peak_states("1f1b", 2, 1, 4)
+    (((5, 0), (4, 1), (0, 4)), [((2, 0),), ((1, 0),)])
+    """
+    schedule = check_schedule(schedule, ranks, virtual, microbatches)
+    return list(_peak_states(schedule, ranks, virtual, microbatches))
+
+
+def zbv_order(ranks: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:
+    """Rank ``rank``'s op order (kind F/B/W, micro-batch, chunk) under torch's ZBVZeroBubble.
+
+    The V: rank r runs chunk r (shallow) and chunk 2S-1-r (deep). The order is fixed (ZB-V, Qi et
+    al. 2024, section 6, as torch.distributed.pipelining lays it out for M >= 2S-1, with the
+    micro-batches beyond M dropped): warm-up forwards on the shallow chunk, then deep forwards each
+    followed at once by their backward and weight pass, a steady F-B-W on each chunk in turn, and a
+    cool-down that runs the backwards first and the deferred weight passes last.
+    """
+    s, r = ranks, rank
+    n = max(2 * s - 1, microbatches)
+    lo, hi = r, 2 * s - 1 - r
+    ops: list[tuple[str, int, int]] = []
+    nf = {lo: 0, hi: 0}
+    nb = {lo: 0, hi: 0}
+
+    def run(kind: str, chunk: int, counter: dict[int, int]) -> None:
+        ops.append((kind, counter[chunk], chunk))
+        counter[chunk] += 1
+
+    for _ in range(2 * (s - r) - 1):
+        run("F", lo, nf)
+    for _ in range(r):
+        run("F", hi, nf)
+        run("F", lo, nf)
+    for _ in range(s - r):
+        run("F", hi, nf)
+        ops += [("B", nb[hi], hi), ("W", nb[hi], hi)]
+        nb[hi] += 1
+    while nf[hi] < nf[lo] or nf[lo] < n:
+        if nf[lo] < n:
+            run("F", lo, nf)
+        ops += [("B", nb[lo], lo), ("W", nb[lo], lo)]
+        nb[lo] += 1
+        run("F", hi, nf)
+        ops += [("B", nb[hi], hi), ("W", nb[hi], hi)]
+        nb[hi] += 1
+    nw = dict(nb)  # weight passes done so far = backwards done so far
+    for _ in range(r):
+        run("B", lo, nb)
+        run("B", hi, nb)
+    for _ in range(s - r):
+        run("B", lo, nb)
+        run("W", lo, nw)
+    while nw[hi] < nb[hi]:
+        run("W", hi, nw)
+    while nw[lo] < nb[lo]:
+        run("W", lo, nw)
+    return [op for op in ops if op[1] < microbatches]

@@ -1,0 +1,269 @@
+"""The runtime reserve of a device: what a training rank holds beyond the tensors the memory model counts.
+
+The memory model (:mod:`autopipe.planner.memory`) adds up tensors: weights, gradients, optimizer state,
+activations, buffers. A real rank holds more: on a GPU the CUDA context, NCCL's buffers and the
+caching allocator's slack; on a CPU what glibc keeps between the tensors (a heap that never shrinks
+fragments) and the runtime's own allocations. That depends on the device and the runtime, and also
+on the precision and on the architecture's pattern of allocations, so it is measured once per
+device, precision and architecture by a probe: a small model of the user's architecture (their
+HuggingFace causal-LM config shrunk by ``probe_config`` to 4 layers of width 256 and a vocabulary of
+4096; a GPT-2 of that size for anything else) is profiled in the mode training runs in (autocast for
+bf16/fp16), cut into 2 stages (1 on a GPU: NCCL will not put two ranks on one), trained a few steps
+by the real runtime under torchrun, and the reserve is the ranks' mean measured peak
+(``autopipe.runtime.peak``) less what the memory model predicts for them. Each profile keeps the
+reserve it was made with (``Profile.reserve_bytes``); every plan adds it to each rank.
+
+Measured on this CPU, three probes each (MiB): GPT-2-shaped fp32 28.0-29.3, bf16 36.3-37.5;
+Llama-shaped fp32 35.2-38.0, bf16 45.1-51.5. The GPT-2 fp32 probe alone under-charged every rank of a
+Llama plan by 7-10 MiB and of a bf16 plan by 8-23: hence the precision and the architecture in the key.
+
+The figure is cached per device, thread count, torch version, precision and architecture in
+``$AUTOPIPE_CACHE`` (default ``~/.cache/autopipe/reserve.json``). Known GPUs nobody measured here
+get ``ASSUMED_CUDA_RESERVE``.
+
+    python -m autopipe.runtime.reserve --device cpu                        # GPT-2 probe, fp32 (or the cache)
+    python -m autopipe.runtime.reserve --device cpu --model llama-7b --dtype bf16
+
+Example:
+    >>> runtime_reserve("cpu")     # bytes; measured the first time (about 20 s), cached after
+    29360128
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..choices import PRECISIONS
+from ..errors import AutopipeError
+
+__all__ = ["ASSUMED_CUDA_RESERVE", "measure_reserve", "probe_config", "reserve_for", "runtime_reserve"]
+
+# CUDA context (~0.5 GiB on Hopper with lazy module loading), NCCL communicators and cuBLAS
+# workspaces: a common allowance, used for estimates of GPUs nobody measured here.
+ASSUMED_CUDA_RESERVE = 1 << 30
+
+_ROWS, _SEQ, _MICRO, _STEPS = 4, 128, 4, 6
+_LAYERS, _WIDTH, _HEADS, _VOCAB = 4, 256, 4, 4096  # the probe's size, GPT-2 or the user's architecture
+_PROBE = dict(n_layer=_LAYERS, n_embd=_WIDTH, n_head=_HEADS, vocab_size=_VOCAB, n_positions=_SEQ)
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("AUTOPIPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "autopipe")
+    return Path(root) / "reserve.json"
+
+
+def _key(device: str, dtype: str = "fp32", arch: str = "gpt2") -> str:
+    import torch
+
+    from ..costs.devices import ALLOCATOR_SETTINGS, cpu_name
+
+    if device == "cuda":
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda"
+    else:
+        # the allocator's settings change what a CPU rank holds beyond its tensors: measure again
+        name = f"{cpu_name()} x{os.environ.get('OMP_NUM_THREADS', '1')} ({ALLOCATOR_SETTINGS})"
+    mode = "" if dtype == "fp32" else f"|autocast {dtype}"
+    shape = "" if arch == "gpt2" else f"|{arch}"  # fp32 GPT-2 keeps the key caches made before either
+    return f"{device}|{name}|torch {torch.__version__}{mode}{shape}"
+
+
+def probe_config(config: Any) -> Any | None:
+    """A small config of ``config``'s architecture for the probe: 4 layers of width 256 and 4 heads
+    (the grouped-query ratio and the MLP's width ratio kept), a vocabulary of 4096, no dropout.
+    None where the GPT-2 probe stands in: not a HuggingFace decoder-only language model, GPT-2 itself,
+    or a config whose size fields are not the usual ones.
+
+    >>> from transformers import LlamaConfig
+    >>> small = probe_config(LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=4096,
+    ...                                  intermediate_size=11008, num_attention_heads=32, num_key_value_heads=8))
+    >>> small.hidden_size, small.intermediate_size, small.num_key_value_heads, small.num_hidden_layers
+    (256, 688, 1, 4)
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs or not all(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return None
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "model_type", "gpt2") in ("", "gpt2"):
+        return None
+    try:
+        hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+        kv = int(getattr(config, "num_key_value_heads", None) or heads)
+        inter = getattr(config, "intermediate_size", None)
+        small = copy.deepcopy(config)
+        small.num_hidden_layers, small.hidden_size, small.num_attention_heads = _LAYERS, _WIDTH, _HEADS
+        if hasattr(config, "num_key_value_heads"):
+            small.num_key_value_heads = max(1, _HEADS * kv // heads)
+        if getattr(config, "head_dim", None):
+            small.head_dim = _WIDTH // _HEADS
+        if inter:
+            small.intermediate_size = max(8, round(_WIDTH * int(inter) / hidden))
+        small.vocab_size = _VOCAB
+        small.max_position_embeddings = max(_SEQ, 128)
+        for key in ("layer_types",):  # per-layer lists sized for the old depth
+            if isinstance(getattr(small, key, None), list):
+                setattr(small, key, list(getattr(small, key))[:_LAYERS])
+        for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+            if isinstance(getattr(small, key, None), float):
+                setattr(small, key, 0.0)
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(getattr(small, key, None), int) and getattr(small, key) >= _VOCAB:
+                setattr(small, key, 0)
+        small.use_cache = False
+        return small
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _arch(config: Any) -> str:
+    """The architecture a reserve is cached under: the config's model type where the probe takes its
+    shape, else ``gpt2`` (the stand-in)."""
+    return str(config.model_type) if config is not None and probe_config(config) is not None else "gpt2"
+
+
+def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = None, refresh: bool = False) -> int:
+    """This machine's reserve for ``device`` (cpu or cuda) when training ``dtype`` (fp32, or bf16/fp16
+    under autocast with fp32 master weights) a model of ``config``'s architecture (a HuggingFace
+    config; None for the GPT-2 probe): cached, else measured by the probe."""
+    if device not in ("cpu", "cuda"):
+        raise AutopipeError(f"the runtime reserve is measured on cpu or cuda, not {device!r}.")
+    if dtype not in PRECISIONS:
+        raise AutopipeError(f"the runtime reserve is measured for fp32, bf16 or fp16 training, not {dtype!r}.")
+    arch = _arch(config)
+    key = _key(device, dtype, arch)
+    path = _cache_file()
+    cache: dict[str, int] = {}
+    if path.is_file():
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+    if key in cache and not refresh:
+        return int(cache[key])
+    value = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None)["reserve_bytes"]
+    cache[key] = value
+    try:
+        from ..files import write_text_atomic
+
+        write_text_atomic(path, json.dumps(cache, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only home: measure again next time
+    return value
+
+
+def reserve_for(device: str, *, estimate: bool, given: str | int | None = None, dtype: str = "fp32",
+                config: Any = None) -> int:
+    """The reserve a profile for ``device`` should carry: ``given`` (a size like 80MiB, or 0) if set;
+    estimating for a named GPU, the assumed figure; else this machine's for training ``dtype`` a
+    model of ``config``'s architecture, measured once (cpu or cuda)."""
+    if given is not None:
+        from ..units import parse_size
+
+        return 0 if str(given).strip().lower() in ("0", "none") else parse_size(given)
+    if estimate and device not in ("cpu", "cuda"):
+        return ASSUMED_CUDA_RESERVE
+    return runtime_reserve("cuda" if device.startswith("cuda") else "cpu", dtype=dtype, config=config)
+
+
+def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = None) -> dict[str, int]:
+    """Run the probe: profile and cut the probe model (``config``'s architecture shrunk by
+    ``probe_config``, else a small GPT-2) here, in the mode ``dtype`` trains in; train it under
+    torchrun in fresh processes; compare each rank's measured peak with the memory model's prediction."""
+    import torch
+    from transformers import GPT2Config
+
+    import autopipe
+    from autopipe.graph.sources import load_model
+    from autopipe.planner.memory import rank_memory
+
+    ranks = 1 if device == "cuda" else 2
+    small = probe_config(config) if config is not None else None
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if small is not None:
+            small.save_pretrained(root / "model")
+        else:
+            GPT2Config(architectures=["GPT2LMHeadModel"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                       use_cache=False, **_PROBE).save_pretrained(root / "model")  # fmt: skip
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as each rank runs
+        try:
+            spec = load_model(str(root / "model"), device=device, batch_size=_ROWS, seq_len=_SEQ, dropout=0.0)
+            seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)
+            autocast = None if dtype == "fp32" else PRECISIONS[dtype]  # fp32: no autocast
+            prof = autopipe.profile(seq, spec.args, spec.kwargs, repeats=1, warmup=0, progress=False, reserve=0,
+                                    autocast=autocast)  # fmt: skip
+        finally:
+            torch.set_num_threads(threads)
+        del seq, spec
+        plan = autopipe.partition(prof, stages=ranks, microbatches=_MICRO, schedule="1f1b")
+        plan.save(root / "plan.json")
+        predicted = rank_memory(prof, plan.boundaries, stage_ranks=plan.stage_ranks, inflight=plan.stage_inflight,
+                                microbatches=plan.microbatches, reserve=0)  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "autopipe.runtime.reserve", "--worker", str(root), "--dtype", dtype]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise AutopipeError(f"measuring the runtime reserve on {device} failed: {tail}")
+        measured = [int(json.loads((root / f"peak{r}.json").read_text())) for r in range(ranks)]
+    gaps = [m - p.total for m, p in zip(measured, predicted)]
+    return {"measured_bytes": max(measured), "model_bytes": max(p.total for p in predicted),
+            "reserve_bytes": max(0, int(statistics.mean(gaps)))}  # fmt: skip
+
+
+def _worker(root: Path, dtype: str) -> None:
+    """One probe rank: train the planned cut a few steps and write its largest peak after warm-up."""
+    import autopipe.runtime as rt
+
+    source = rt.model_factory(str(root / "model"), batch_size=_ROWS, seq_len=_SEQ)
+    env = rt.init_dist(dp=1)
+    try:
+        plan = rt.load_plan(root / "plan.json")
+        build = rt.build_stage(source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank,
+                               pp_size=env.pp_size, schedule="1f1b", device=env.device)  # fmt: skip
+        trainer = rt.Trainer(build, env, rt.TrainConfig(steps=_STEPS, microbatches=_MICRO, dtype=dtype))
+        data = rt.TokenData(None, vocab_size=source.vocab_size, seq_len=_SEQ)
+        peak = 0
+        rows = _ROWS * _MICRO
+        for step in range(_STEPS):
+            args, kwargs = source.batch(data.batch(step, rows), rows, step=step)
+            stats = trainer.step(args, kwargs)
+            if step >= 1:  # the first step also infers shapes and allocates what later steps reuse
+                peak = max(peak, stats.peak_memory[env.pp_rank])
+        (root / f"peak{env.rank}.json").write_text(json.dumps(peak))
+    finally:
+        env.close()
+
+
+def main() -> None:
+
+    parser = argparse.ArgumentParser(description="Measure the training runtime's memory reserve on this device.")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="fp32", choices=list(PRECISIONS), help="the precision training runs in")
+    parser.add_argument("--model", default=None, help="a built-in name or folder whose architecture the probe takes")
+    parser.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a probe rank under torchrun
+    opts = parser.parse_args()
+    if opts.worker:
+        _worker(Path(opts.worker), opts.dtype)
+        return
+    config = None
+    if opts.model:
+        from ..graph.sources import load_model
+
+        config = getattr(load_model(opts.model, device="meta", batch_size=1, seq_len=_SEQ).model, "config", None)
+    print(json.dumps({"reserve_bytes": runtime_reserve(opts.device, dtype=opts.dtype, config=config,
+                                                       refresh=opts.refresh)}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
