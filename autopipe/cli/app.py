@@ -1,6 +1,6 @@
 """What every CLI command module shares: the typer app, the consoles and the error handling.
 
-Command modules (cli_commands, cli_convert) import this and register on ``app``; ``autopipe.cli``
+Command modules (pass_commands, job_commands) import this and register on ``app``; ``autopipe.cli``
 imports them all. Nothing here imports a command module, so the imports run one way.
 
 Library errors (AutopipeError) and file errors (OSError: a folder given as --out, no permission)

@@ -11,7 +11,7 @@ data-parallel reduction: rank r starts reducing its gradients when its last op e
 when the last rank is done, ``step = max_r(end_r + reduce_r)`` (topology.dp_reduce_time over the
 replicas' link). So a stage that finishes its backward early (the last stage under 1F1B) reduces
 while the first stages drain the pipeline: the reduction overlaps the cooldown, never a rank's own
-compute. Other micro-batch sizes come from the profile by mbscale.scale_microbatch.
+compute. Other micro-batch sizes come from the profile by costs.rescale.scale_microbatch.
 
 Method: branch and bound over the enumerated layouts.
 
@@ -33,7 +33,7 @@ Method: branch and bound over the enumerated layouts.
    throughput, so the best ``top`` layouts are exactly those of solving every layout.
 
 Complexity: enumeration O(d(N)·d(B)·schedules·ZeRO·2); each bound O(L); each solve one
-``partition`` call (see stepsolve.py) plus one simulation. Counts of considered, pruned and solved
+``partition`` call (see planner/step_solver.py) plus one simulation. Counts of considered, pruned and solved
 layouts are in the result.
 """
 

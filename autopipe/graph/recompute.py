@@ -1,6 +1,6 @@
 """Activation recompute, per layer: which tensors a layer keeps for backward and which it makes again.
 
-Three modes (``records.RECOMPUTE_MODES``), chosen per pipeline chunk and applied to each of its layers:
+Three modes (``autopipe.choices.RECOMPUTE_MODES``), chosen per pipeline chunk and applied to each of its layers:
 
 - ``none``: autograd keeps what it always keeps.
 - ``full``: the layer keeps only its inputs; backward runs its forward again first

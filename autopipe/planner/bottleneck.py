@@ -51,7 +51,7 @@ __all__ = ["StageCosts", "Solution", "solve", "fits", "min_peak_memory", "NoBott
 
 
 class NoBottleneckCut(Exception):
-    """No cut into the asked number of stages fits the memory limit (partition.py explains why)."""
+    """No cut into the asked number of stages fits the memory limit (the partitioner explains why)."""
 
 
 @dataclass(frozen=True)

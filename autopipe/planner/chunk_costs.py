@@ -1,6 +1,6 @@
 """What any chunk ``[a, b)`` of layers costs under each recompute mode, from per-layer numbers. No torch.
 
-The step-time partitioner (stepsolve.py) reads chunks through this: forward and backward seconds,
+The step-time partitioner (step_solver.py) reads chunks through this: forward and backward seconds,
 the send/recv seconds at the cuts on either side, and the bytes a chunk holds. All in O(1) per chunk
 from prefix sums (O(#tied groups) for memory), vectorised over arrays of (a, b).
 

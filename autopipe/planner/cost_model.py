@@ -127,7 +127,7 @@ def recompute_times(profile: Profile) -> dict[str, list[float]]:
 
 def unit_states(schedule: str, stages: int, v: int, m: int) -> list[tuple[tuple[int, int], ...]]:
     """Per chunk, the (micro-batches held, of them waiting for their weight pass) states that can be
-    its peak: ``schedule.peak_states`` as ChunkCosts counts them (units = held + waiting).
+    its peak: ``schedules.peak_states`` as ChunkCosts counts them (units = held + waiting).
 
     Two neighbouring states whose common upper corner (the more held, the more waiting) adds at most
     1/16 of the chunk's units are charged as that corner, never less than either: each state costs

@@ -8,7 +8,7 @@ The plan's ``rank_memory`` is this module's ``RankMemory.total``; the step log's
   autocast; a tied tensor once per rank). Gradients exist from a micro-batch's first backward on
   (the trainer frees them after each update), so they count at the peak.
 - ``activations``: each chunk's saved-for-backward bytes per micro-batch times the micro-batches
-  its schedule keeps in flight there (``schedule.inflight_counts``). Profiled under autocast they
+  its schedule keeps in flight there (``schedules.inflight_counts``). Profiled under autocast they
   include the low-precision copy of each weight autocast saves per micro-batch. With recompute a
   layer keeps only what its mode keeps (``LayerCost.recompute``).
 - ``outputs``: each in-flight micro-batch's chunk output, which the schedule holds until that
@@ -305,7 +305,7 @@ def rank_memory(
 
     Each chunk counts ``inflight[c]`` micro-batches, ``waiting[c]`` of them past their input pass and
     holding ``LayerMemory.waiting`` until their weight pass (zero-bubble; default none): the sum of
-    the chunks' own peaks (each in its heaviest state, ``schedule.peak_states``), which never falls
+    the chunks' own peaks (each in its heaviest state, ``schedules.peak_states``), which never falls
     below the rank's."""
     lm = profile if isinstance(profile, LayerMemory) else layer_memory(profile, optimizer, dp=dp, zero=zero,
                                                                         schedule=schedule)

@@ -5,15 +5,15 @@ autopipe/planner/chunk_costs.py), asks the step-time partitioner (autopipe/plann
 owns the algorithm) for the cut, applies user overrides and baselines, and fills the Plan; a limit
 nothing fits is explained by autopipe/planner/refusals.py.
 
-Objective: the simulated step of the schedule that will run (schedule.simulate), not the slowest
+Objective: the simulated step of the schedule that will run (schedules.simulate), not the slowest
 chunk. Cost model, per micro-batch. A chunk ``[a, b)`` takes its layers' forward and backward time
 plus, at each cut it touches, the tuple crossing that cut once forward (activations) and once
 backward (their gradients) at ``bandwidth`` bytes/s. It holds its parameters, gradients and optimizer
 state (a tied tensor once per chunk holding it) plus its activation bytes times the micro-batches the
 schedule keeps in flight there: M for GPipe, min(S - s, M) for 1F1B, read off the op order for
-interleaved and for zbv (torch's ZBVZeroBubble order; see schedule.inflight_counts; a zbv unit
+interleaved and for zbv (torch's ZBVZeroBubble order; see schedules.inflight_counts; a zbv unit
 past its input pass holds its measured hold until its weight pass, and each chunk is held under
-the limit in every state that can be its peak, schedule.peak_states). With v
+the limit in every state that can be its peak, schedules.peak_states). With v
 virtual stages per rank each chunk must fit ``memory_limit / v`` (sufficient for the rank).
 
 Recompute, per chunk: "none" keeps every activation; "full" keeps each layer's input and runs its
@@ -199,7 +199,7 @@ def fits_memory(profile: Profile, stages: int, *, microbatches: int, schedule: s
                 virtual_stages: int = 1, memory_limit: int | str | None = "device", optimizer: str | None = None,
                 recompute: str = "auto", dp: int = 1, zero: int = 0) -> bool:  # fmt: skip
     """Whether ``partition`` with these options finds a cut that fits (at one fixed ZeRO stage), without
-    searching for the fastest: the memory reachability the solver starts with (stepbound.fits). The
+    searching for the fastest: the memory reachability the solver starts with (step_bound.fits). The
     cluster search (autopipe/cluster/layout_search.py) asks this before paying for a solve, or for an explanation."""
     limit, _ = resolve_limit(profile, memory_limit)
     if limit is None:
@@ -374,7 +374,7 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
     # Each chunk at its own peak, as the partitioner held it under the limit. The chunks of one rank
-    # do not peak together (schedule.peak_states), but on CPU the resident peak measured at least
+    # do not peak together (schedules.peak_states), but on CPU the resident peak measured at least
     # this sum on interleaved and 2-rank zbv runs (bench/results/accuracy.md), not the live tensors'
     # joint peak, which read 1.08-1.14 of it.
     per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,

@@ -71,7 +71,7 @@ class Plan:
     # in plans made before this field.
     stage_recompute_time: tuple[float, ...] = ()
     # No cut of these layers into these chunks has a shorter simulated step (proven; see
-    # stepsolve.py). Equal to step_time when this cut is proven optimal; None when not computed.
+    # step_solver.py). Equal to step_time when this cut is proven optimal; None when not computed.
     step_lower_bound: float | None = None
     # Per rank: what rank_memory adds up (autopipe.planner.memory.RankMemory: weights, gradients, optimizer,
     # activations, outputs, buffers, transient, data_parallel, reserve, total); () in older plans.

@@ -61,7 +61,7 @@ class NoCutFits(Exception):
 def fits(costs: ChunkCosts, chunks: int, *, inflight: Sequence[int] = (), limit: int | None, modes: Sequence[int] = (0,),
          waiting: Sequence[int] | None = None, states: Sequence[Sequence[tuple[int, int]]] | None = None) -> bool:
     """Whether some cut into ``chunks`` non-empty chunks fits ``limit`` with some allowed mode each.
-    Per chunk, ``states`` are the (units, waiting) that can be its peak (``schedule.peak_states``),
+    Per chunk, ``states`` are the (units, waiting) that can be its peak (``schedules.peak_states``),
     each held under the limit; without them, ``inflight`` units of which ``waiting`` are past their
     input pass (see ChunkCosts.memory)."""
     if not 1 <= chunks <= costs.n:
@@ -122,7 +122,7 @@ def states_window(costs: ChunkCosts, mode: int, states: Sequence[tuple[int, int]
 
 def _binding(states: Sequence[tuple[int, int]], ratio: tuple[float, float]) -> list[tuple[int, int]]:
     """Of a chunk's (units, waiting) states, in order from most held to most waiting (the hull
-    vertices of ``schedule.peak_states``), those that are its heaviest for some ratio of a waiting
+    vertices of ``schedules.peak_states``), those that are its heaviest for some ratio of a waiting
     unit's bytes to a held one's within ``ratio``: state i is heaviest between the ratios where it
     overtakes state i - 1 and where state i + 1 overtakes it. (The last chunk also holds the
     model's output per held unit, so it keeps them all.)"""

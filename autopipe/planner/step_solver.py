@@ -1,7 +1,7 @@
 """The step-time partitioner: cut the layers so the simulated step of the schedule is as short as possible.
 
 Problem. Cut layers ``0..L-1`` into ``K = S·v`` non-empty chunks ``[b_c, b_{c+1})`` and give each chunk
-a recompute mode, so that ``schedule.simulate`` of the chunks' forward/backward/send-recv seconds
+a recompute mode, so that ``schedules.simulate`` of the chunks' forward/backward/send-recv seconds
 takes the least time, with every chunk within ``limit`` bytes under its mode and its in-flight count.
 
 Reduction to cuts. Every schedule runs a fixed op order (zbv: torch's ZB-V order), so the simulated
@@ -103,7 +103,7 @@ def solve_step(
 
     ``inflight`` per chunk defaults to what the schedule holds, ``waiting`` of them past their input
     pass (zero-bubble; default none); ``states`` instead gives per chunk every (units, waiting) that can
-    be its peak (``schedule.peak_states``), each held under the limit; ``limit`` caps each chunk's bytes;
+    be its peak (``schedules.peak_states``), each held under the limit; ``limit`` caps each chunk's bytes;
     ``modes`` are the recompute modes (indices into ``costs.modes``) a chunk may use.
     ``enumerate_work`` bounds the brute force (0: bounds and candidates only).
     Raises :class:`NoCutFits` when no cut fits and ValueError when there are too few layers.
