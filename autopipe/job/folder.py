@@ -25,7 +25,7 @@ import os
 import shlex
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -36,6 +36,7 @@ from ..files import write_text_atomic
 from ..planner.plan import Plan
 from ..report.page import write_report
 from ..units import format_bytes, format_microbatch, format_time
+from .settings import JobSettings
 
 __all__ = ["JobSettings", "JobFiles", "JobExistsError", "JOB_FILES", "emit", "check_job_dir", "launch_command"]
 
@@ -44,27 +45,6 @@ JOB_FILES = ("plan.json", "profile.json", "train.py", "report.html", "README.md"
 
 class JobExistsError(AutopipeError):
     """The job folder already holds files and overwriting was not asked for."""
-
-
-@dataclass(frozen=True)
-class JobSettings:
-    """How the job was made: everything train.py needs to rebuild the model and run the plan."""
-
-    model: str  # as given to convert: a built-in name, a HF folder, or a factory module:function
-    stages: int
-    microbatches: int
-    schedule: str
-    batch_size: int = 1  # per micro-batch
-    seq_len: int = 128
-    dtype: str = "fp32"  # training precision: fp32 | bf16 | fp16 (autocast, fp32 master weights)
-    engine: str = "torch"  # torch | deepspeed
-    device: str = "cpu"  # where it was profiled
-    seed: int = 0
-    loss: str = "auto"  # auto | model | cross_entropy | mse
-    data: str | None = None  # the job's default --data (absolute path); None: synthetic
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
