@@ -1,8 +1,9 @@
 """convert's options as one record (ConvertSettings): checked in one place, a misspelled one named,
-the same plan either way it is given."""
+the same plan either way it is given; and emit keeps every file it is asked to write."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from _factories import net_factory_source
 
 from autopipe.errors import AutopipeError
 from autopipe.job.converter import convert
+from autopipe.job.folder import JobSettings, emit
 from autopipe.job.settings import ConvertSettings
 
 
@@ -86,3 +88,27 @@ def test_a_record_and_keywords_make_the_same_job(factory: str) -> None:
     for name in ("plan.json", "train.py"):
         assert (Path("a") / name).read_text() == (Path("b") / name).read_text(), name
     assert (Path("a") / "README.md").read_text() == (Path("b") / "README.md").read_text().replace("b/train.py", "a/train.py")
+
+
+def test_deepspeed_job_keeps_its_search(tmp_path: Path) -> None:
+    """emit with a cluster search and engine deepspeed writes plan.search.json beside ds_config.json
+    (it used to reset the file list for DeepSpeed and leave the search behind)."""
+    from autopipe.cluster.layout_search import search
+    from autopipe.cluster.layouts import SearchResult
+    from autopipe.cluster.topology import cluster_for
+    from autopipe.costs.layer_costs import Profile
+
+    prof = Profile.from_costs(times=[1e-3] * 6, param_bytes=[4000] * 6)
+    found = search(prof, cluster_for("cpu", 4, None, None, None), global_batch=8, memory_limit=None,
+                   recompute="none", zeros=(0, 1), schedules=(("1f1b", 1),))  # fmt: skip
+    plan = found.plan
+    settings = JobSettings(model="tiny.py:build", stages=plan.stages, microbatches=plan.microbatches,
+                           schedule=plan.schedule, engine="deepspeed")  # fmt: skip
+    job = emit(tmp_path / "job", settings=settings, profile=prof, plan=plan, search=found)
+    names = sorted(p.name for p in job.files)
+    assert names == sorted(["plan.json", "profile.json", "train.py", "report.html", "README.md", "plan.search.json",
+                            "ds_config.json"])  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == names
+    loaded = SearchResult.load(str(tmp_path / "job" / "plan.search.json"))
+    assert loaded.best == found.best and loaded.layouts == found.layouts and loaded.best.stages == plan.stages
+    assert json.loads((tmp_path / "job" / "ds_config.json").read_text())["zero_optimization"]["stage"] == plan.zero

@@ -4,6 +4,7 @@ the folder (plan.json, profile.json, train.py, report.html, README.md).
     settings   ConvertSettings (convert's options, checked in one place) and JobSettings (what train.py is made from)
     converter  convert: check -> load -> flatten -> profile -> partition or search (+ baselines) -> emit
     folder     emit: the job folder, written whole or not at all
+    readme     the job folder's README.md
     script     train.py, from a template
 """
 
