@@ -154,7 +154,7 @@ def emit(
 def _ds_config(settings: JobSettings, plan: Plan) -> str:
     import json
 
-    from ..runtime.ds import ds_config
+    from ..runtime.ds_settings import ds_config
     from ..runtime.optim import TrainConfig
 
     # the plan's ZeRO stage (0 or 1 on DeepSpeed: convert refuses more) is the job's
