@@ -5,7 +5,7 @@ the folder (plan.json, profile.json, train.py, report.html, README.md).
     converter  convert: check -> load -> flatten -> profile -> partition or search (+ baselines) -> emit
     folder     emit: the job folder, written whole or not at all
     readme     the job folder's README.md
-    script     train.py, from a template
+    script     train.py, from templates/train.py (a Python file; its settings block and launch lines filled in)
 """
 
 from __future__ import annotations
