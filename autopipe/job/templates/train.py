@@ -4,7 +4,7 @@
     torchrun --nproc-per-node $stages_x2 train.py --dp 2              # x 2 data-parallel replicas
     torchrun --nproc-per-node $stages_x2 train.py --dp 2 --zero 3     # ... with parameters, gradients, AdamW state sharded
     torchrun --nproc-per-node $stages train.py --engine deepspeed  # DeepSpeed's PipelineModule instead
-    python train.py                                       # every stage in one process (debugging)
+    python train.py                                          # every stage in one process (debugging)
 
 Each rank builds the model on the meta device, keeps only its own stage and gives just that stage
 real weights. `python train.py --help` lists the flags.
