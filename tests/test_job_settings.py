@@ -77,9 +77,9 @@ def test_a_record_and_keywords_make_the_same_job(factory: str) -> None:
     """convert(model, settings) and convert(model, **options) cut alike and write the same files;
     keywords given with a record replace its fields; on_pass sees each pass in order."""
     seen: list[str] = []
-    asked = ConvertSettings(stages=3, microbatches=4, schedule="gpipe", estimate=True, out="a", progress=False)
+    asked = ConvertSettings(stages=3, microbatches=4, schedule="gpipe", estimate=True, reserve=0, out="a", progress=False)
     a = convert(factory, asked, on_pass=seen.append)
-    b = convert(factory, stages=3, microbatches=4, schedule="gpipe", estimate=True, out="b", progress=False)
+    b = convert(factory, stages=3, microbatches=4, schedule="gpipe", estimate=True, reserve=0, out="b", progress=False)
     c = convert(factory, asked, out="c", stages=2)
     assert seen == ["load", "flatten", "profile", "partition", "emit"] == list(a.seconds)
     assert a.options == asked and c.options == replace(asked, out="c", stages=2)
