@@ -296,7 +296,7 @@ def test_deepspeed_jobs_are_planned_without_recompute(factory: str):
     from types import SimpleNamespace
 
     from autopipe.errors import AutopipeError
-    from autopipe.runtime.ds import _refuse_plan
+    from autopipe.runtime.ds_settings import refuse_plan as _refuse_plan
 
     assert _convert(factory, "--stages", "2", "--out", "t").exit_code == 0
     assert json.loads(Path("t/plan.json").read_text())["recompute"] == "auto"

@@ -201,7 +201,7 @@ def test_token_data_is_a_function_of_seed_and_step(tmp_path: Path) -> None:
 def test_write_train_script_fills_settings_and_refuses_bad_ones(tmp_path: Path) -> None:
     """The script compiles, carries the job's settings at the top, and bad settings fail early."""
     path = write_train_script(tmp_path, model="gpt2", stages=4, microbatches=8, schedule="1f1b",
-                              batch_size=2, seq_len=64, dtype="bf16", device="cpu", seed=3)
+                              batch_size=2, seq_len=64, dtype="bf16", seed=3)
     text = path.read_text()
     assert path.name == "train.py"
     for line in ["MODEL = 'gpt2'", "SCHEDULE = '1f1b'", "MICROBATCHES = 8", "SEQ_LEN = 64", "DTYPE = 'bf16'", "SEED = 3"]:

@@ -53,23 +53,25 @@ def convert_command(
 ) -> None:
     """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
     from ..job.converter import convert
+    from ..job.settings import ConvertSettings
     from ..units import format_bytes, format_time, parse_bandwidth
 
     if zero is None:  # the search chooses the stage unless told; one fixed cut replicates (ZeRO 0)
         zero = "auto" if gpus is not None and engine == "torch" else "0"
+    settings = ConvertSettings(
+        stages=stages, microbatches=microbatches, schedule=schedule, dp=dp, zero=zero_option(zero), gpus=gpus,
+        gpus_per_node=gpus_per_node, global_batch=global_batch,
+        bandwidth_intra=parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
+        bandwidth_inter=parse_bandwidth(bandwidth_inter) if bandwidth_inter else None,
+        batch_size=batch_size, seq_len=seq_len, dtype=dtype, recompute=recompute, engine=engine, loss=loss, data=data,
+        device=device, estimate=estimate, memory_limit=memory_limit, reserve=reserve, repeats=repeats,
+        out=out, force=force,
+    )  # fmt: skip
 
     def say(name: str) -> None:
         err_console.print(f"[dim]{name}…[/]", highlight=False)
 
-    result = convert(
-        model, stages=stages, microbatches=microbatches, schedule=schedule, batch_size=batch_size, seq_len=seq_len,
-        device=device, dtype=dtype, memory_limit=memory_limit, recompute=recompute, estimate=estimate, engine=engine,
-        dp=dp, zero=zero_option(zero),
-        out=out, force=force, repeats=repeats, reserve=reserve, loss=loss, data=data, on_pass=say,
-        gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
-        bandwidth_intra=parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
-        bandwidth_inter=parse_bandwidth(bandwidth_inter) if bandwidth_inter else None,
-    )  # fmt: skip
+    result = convert(model, settings, on_pass=say)
     plan, prof = result.plan, result.profile
     if result.search is not None:
         from ..report.search_tables import search_summary, search_table

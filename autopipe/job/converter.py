@@ -1,14 +1,21 @@
 """convert: every pass in a row, from a model name to a job folder (what `autopipe convert` runs).
 
-    load -> flatten -> profile -> partition (+ baselines) -> emit
+    check -> load -> flatten (+ checks) -> profile -> partition or search (+ baselines) -> emit
 
-Cheap checks come first (options, the job folder, the memory limit), so a typo fails in
-milliseconds, not after a minute of profiling.
+The options arrive as one record (``ConvertSettings``), checked when it is made; the job folder and
+the data file are checked next, so a typo fails in milliseconds, not after a minute of profiling.
+Each pass is one short step below; ``ConvertResult.seconds`` says how long each took.
 
 Example:
-    >>> result = convert("gpt2", stages=4, out="jobs/gpt2", seq_len=64)
-    >>> result.plan.boundaries, result.job.launch
-    ((0, 4, 8, 12, 15), 'torchrun --nproc-per-node 4 jobs/gpt2/train.py')
+    >>> import tempfile
+    >>> out = tempfile.mkdtemp() + "/gpt2"
+    >>> result = convert("gpt2", stages=4, out=out, seq_len=64, estimate=True, device="h100", progress=False)
+    >>> result.plan.stages, result.job.launch == f"torchrun --nproc-per-node 4 {out}/train.py"
+    (4, True)
+    >>> convert("gpt2", ConvertSettings(stages=4, engine="deepspeed", schedule="zbv"))
+    Traceback (most recent call last):
+    ...
+    autopipe.errors.AutopipeError: --schedule zbv does not run on --engine deepspeed (its own 1F1B schedule; bf16 or fp32): drop it or use --engine torch.
 """
 
 from __future__ import annotations
@@ -16,21 +23,20 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ..choices import ENGINES, PRECISIONS, precision
+from ..choices import PRECISIONS, ZERO_STAGES
 from ..costs.layer_costs import Profile
 from ..errors import AutopipeError, PartitionError
-from ..planner.partitioner import zero_choices
 from ..planner.plan import Plan
-from ..planner.schedules import normalize_schedule
-from ..units import parse_size
-from .folder import JobFiles, JobSettings, check_job_dir, emit
+from .folder import JobFiles, check_job_dir, emit
+from .settings import ConvertSettings, JobSettings, refuse_unknown
 
-__all__ = ["ConvertResult", "convert", "default_job_dir"]
-
+__all__ = ["ConvertResult", "ConvertSettings", "convert", "default_job_dir"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class ConvertResult:
     job: JobFiles
     seconds: dict[str, float] = field(default_factory=dict)  # per pass, wall clock
     search: Any = None  # the cluster search's SearchResult when convert searched the layout (gpus=)
+    options: ConvertSettings | None = None  # what convert was asked for
 
 
 def default_job_dir(model: str) -> Path:
@@ -66,234 +73,179 @@ def default_job_dir(model: str) -> Path:
     return Path("jobs") / (re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "model")
 
 
-def convert(
-    model: str,
-    *,
-    stages: int | None = None,
-    microbatches: int | None = None,
-    schedule: str = "1f1b",
-    batch_size: int = 1,
-    seq_len: int = 128,
-    device: str = "cpu",
-    dtype: str = "fp32",
-    memory_limit: str | int | None = "device",
-    recompute: str = "auto",
-    dp: int = 1,
-    zero: int | str = 0,
-    estimate: bool = False,
-    engine: str = "torch",
-    out: str | os.PathLike[str] | None = None,
-    force: bool = False,
-    seed: int = 0,
-    repeats: int = 5,
-    warmup: int = 2,
-    reserve: str | int | None = None,
-    loss: str = "auto",
-    data: str | os.PathLike[str] | None = None,
-    progress: bool = True,
-    on_pass: Callable[[str], None] | None = None,
-    gpus: int | None = None,
-    gpus_per_node: int | None = None,
-    global_batch: int | None = None,
-    bandwidth_intra: float | None = None,
-    bandwidth_inter: float | None = None,
-) -> ConvertResult:
+def convert(model: str, settings: ConvertSettings | None = None, /, *,
+            on_pass: Callable[[str], None] | None = None, **options: Any) -> ConvertResult:
     """Trace, flatten, profile and partition ``model``, then write its job folder.
 
     Args:
         model: a built-in name (``gpt2``), a local HuggingFace folder, or ``module:function`` /
             ``file.py:function`` returning a model (and example inputs).
-        stages: pipeline stages (one process each).
-        microbatches: micro-batches per step (default 2 x stages).
-        schedule: gpipe, 1f1b, interleaved1f1b or zbv.
-        batch_size, seq_len: the micro-batch the job trains on (and is profiled with).
-        device: profile on cpu or cuda; with ``estimate``, the device to estimate for.
-        dtype: training precision fp32, bf16 or fp16 (autocast: fp32 weights and optimizer state,
-            16-bit matmuls; the profile measures the same).
-        memory_limit: per device, e.g. "80GiB"; None or "none": no limit; "device" (the default):
-            the GPU's memory when profiling on or estimating for one, no limit on CPU.
-        recompute: activation recompute per chunk: auto (the default: the fastest that fits the
-            limit, none where nothing binds), none, selective or full.
-        dp, zero: data-parallel replicas of each stage and the ZeRO stage (0-3, or "auto") they
-            shard with; the plan's memory is per rank under that sharding.
-        estimate: run nothing; cost layers from FLOPs and bytes on the meta device (no weights).
-        engine: torch (torch.distributed.pipelining) or deepspeed (PipelineModule).
-        out: the job folder (default ``jobs/<model name>``); refused if it holds files, unless ``force``.
-        repeats, warmup: timed and untimed runs per layer when measuring.
-        reserve: memory the training runtime holds per rank beyond the tensors (e.g. "80MiB", 0);
-            default: measured once per device (``autopipe.runtime.reserve``), assumed for GPUs estimated.
-        loss: what the job trains on: ``auto`` (a factory's loss, else the model's own), ``model``,
-            ``cross_entropy`` or ``mse`` (of the model's output against the data's targets); a job
-            that cannot produce a scalar loss is refused after flatten, before profiling.
-        data: the job's default ``--data`` (checked against the model's inputs before profiling).
+        settings: the options as one record (``ConvertSettings``: stages or gpus, schedule,
+            precision, memory limit, engine, the job folder ...; each field says what it does).
         on_pass: called with each pass's name as it starts (the CLI prints it).
-        gpus, gpus_per_node, global_batch, bandwidth_intra, bandwidth_inter: instead of ``stages``,
-            search the whole layout for this cluster (autopipe.cluster.layout_search): the job gets the best
-            layout's stages, replicas (``--dp`` in its launch command), micro-batch size and count,
-            schedule, recompute and ZeRO stage; ``batch_size`` is then the size profiled at.
+        **options: the same options as keywords (``stages=4``): they build the record, or with
+            ``settings`` replace its fields.
 
     Raises:
-        AutopipeError: with what was wrong and how to fix it; nothing is written then.
+        AutopipeError: with what was wrong and how to fix it (a misspelled option names the one
+            meant); nothing is written then.
     """
-    # ---- cheap checks first ----
-    if gpus is not None:
-        if stages is not None or microbatches is not None or dp != 1:
-            what = "--stages" if stages is not None else "--microbatches" if microbatches is not None else "--dp"
-            raise PartitionError(f"{what} fixes what --gpus searches; give one or the other.")
-        if global_batch is None or global_batch < 1:
-            raise PartitionError("--gpus needs --global-batch N: the samples per step that the layouts divide among replicas.")
-        stages = 1  # for the checks below; the search chooses
-    if stages is None:
-        raise PartitionError("give --stages N (the cut for N stages) or --gpus N (search the whole layout).")
-    if stages < 1:
-        raise PartitionError(f"--stages must be at least 1, got {stages}.")
-    if microbatches is not None and microbatches < 1:
-        raise PartitionError(f"--microbatches must be at least 1, got {microbatches}.")
-    if engine not in ENGINES:
-        raise AutopipeError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}.")
-    train_dtype = precision(dtype)
-    schedule = normalize_schedule(schedule)
-    if engine == "deepspeed" and (schedule not in ("1f1b", "gpipe") or train_dtype == "fp16"):
-        what = f"--schedule {schedule}" if schedule not in ("1f1b", "gpipe") else "--dtype fp16"
-        raise AutopipeError(f"{what} does not run on --engine deepspeed (its own 1F1B schedule; bf16 or fp32): "
-                            "drop it or use --engine torch.")
-    if memory_limit is not None and str(memory_limit).strip().lower() not in ("device", "none"):
-        parse_size(memory_limit)  # a bad size is refused before any work
-    from ..choices import RECOMPUTE_POLICIES
+    s = _settings(settings, options)
+    job_dir = _check_destination(s, model)
+    passes = _Passes(on_pass)
+    with passes("load"):
+        loaded = _load(model, s)
+    with passes("flatten"):
+        seq = _flatten(model, loaded, s)
+    with passes("profile"):
+        prof = _profile(model, loaded, seq, s)
+    with passes("partition"):
+        prof, plan, found = _partition(prof, s)
+        from ..planner.partitioner import compare_baselines
 
-    if recompute not in RECOMPUTE_POLICIES:
-        raise AutopipeError(f"unknown --recompute {recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
-    if engine == "deepspeed":  # DeepSpeed's engine recomputes nothing the plan asks for: plan without it
-        if recompute in ("selective", "full"):
-            raise AutopipeError(f"--recompute {recompute} does not run on --engine deepspeed (set activation "
-                                "checkpointing in its ds_config.json): drop it or use --engine torch.")
-        recompute = "none"
-    zero_choices(zero, dp)  # a bad --dp/--zero is refused before any work
-    if engine == "deepspeed" and (zero == "auto" or int(zero) > 1):
-        raise AutopipeError(f"--zero {zero} does not run on --engine deepspeed (its pipeline engine has ZeRO 0 and 1 "
-                            "only): use --zero 0 or 1, or --engine torch.")
-    job_dir = Path(out) if out is not None else default_job_dir(model)
-    check_job_dir(job_dir, force=force)
-    if data is not None:
+        baselines = compare_baselines(prof, plan)
+    with passes("emit"):
+        batch_size = found.best.microbatch_size if found is not None else s.batch_size
+        job_settings = JobSettings(
+            model=_absolute_spec(model), stages=plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
+            batch_size=batch_size, seq_len=s.seq_len, dtype=s.dtype, engine=s.engine, device=s.device, seed=s.seed,
+            loss=s.loss, data=os.path.abspath(s.data) if s.data is not None else None,
+        )  # fmt: skip
+        job = emit(job_dir, settings=job_settings, profile=prof, plan=plan, baselines=baselines, force=s.force,
+                   search=found)
+    return ConvertResult(job_settings, prof, plan, baselines, job, passes.seconds, found, s)
+
+
+def _settings(settings: ConvertSettings | None, options: dict[str, Any]) -> ConvertSettings:
+    """The record: made from the keywords, or the given one with the keywords replacing its fields."""
+    if settings is None:
+        return ConvertSettings.from_options(**options)
+    refuse_unknown("convert option", options, ConvertSettings.names())
+    return replace(settings, **options) if options else settings
+
+
+def _check_destination(s: ConvertSettings, model: str) -> Path:
+    """The job folder (refused if it holds files, unless forced) and the data file exist: before any work."""
+    job_dir = Path(s.out) if s.out is not None else default_job_dir(model)
+    check_job_dir(job_dir, force=s.force)
+    if s.data is not None:
         from ..runtime.data import check_data_path
 
-        check_data_path(Path(data))
-    # train.py runs from anywhere: a folder or factory file given relative to here is written absolute
-    job_model = _absolute_spec(model)
-    if estimate and device not in ("cpu", "cuda") and not _is_known_target(device):
-        raise AutopipeError(f"unknown --device {device!r}; use cpu or cuda (with --estimate also a100, h100, h200).")
-    if not estimate and device not in ("cpu", "cuda"):
-        raise AutopipeError(f"--device {device!r} can only be measured as cpu or cuda; add --estimate for {device}.")
+        check_data_path(Path(s.data))
+    return job_dir
 
-    say = on_pass or (lambda _name: None)
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
 
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[name] = now - clock
-        clock = now
+class _Passes:
+    """Announces each pass as it starts and records how long it took."""
 
-    # ---- load ----
+    def __init__(self, say: Callable[[str], None] | None) -> None:
+        self.say = say or (lambda _name: None)
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.say(name)
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """The model as the passes see it: on the device it is profiled on, in the precision it trains in."""
+
+    model: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss: Any  # what the job trains with (resolve_loss)
+    spec: Any  # load_model's ModelSpec: config, task, the factory's data
+
+
+def _load(model: str, s: ConvertSettings) -> _Loaded:
     import torch
 
-    from ..costs.profiler import profile as run_profile
-    from ..graph.flattener import flatten
     from ..graph.sources import load_model
-
-    say("load")
-    spec = load_model(model, device="meta" if estimate else "cpu", batch_size=batch_size, seq_len=seq_len, seed=seed)
     from ..runtime.tasks import resolve_loss
 
+    spec = load_model(model, device="meta" if s.estimate else "cpu", batch_size=s.batch_size, seq_len=s.seq_len,
+                      seed=s.seed)  # fmt: skip
     # a model trained with another loss than its own is traced (and profiled) as it will run: without labels
-    job_loss, spec_kwargs = resolve_loss(model, spec.task, spec.loss, loss, spec.kwargs)
-    m, args, kwargs = spec.model, spec.args, spec_kwargs
-    torch_dtype = getattr(torch, PRECISIONS[train_dtype])
-    if train_dtype != "fp32" and estimate:
+    job_loss, kwargs = resolve_loss(model, spec.task, spec.loss, s.loss, spec.kwargs)
+    m, args = spec.model, spec.args
+    if s.dtype != "fp32" and s.estimate:
         # Measured, the fp32 model runs under autocast as train.py trains it. Estimated on meta there
         # is no autocast: the 16-bit model stands in for its activations (see profile(autocast=...)).
+        torch_dtype = getattr(torch, PRECISIONS[s.dtype])
         m = m.to(torch_dtype)
         args, kwargs = _cast_floats((args, kwargs), torch_dtype)
-    if not estimate and device == "cuda":
+    if not s.estimate and s.device == "cuda":
         if not torch.cuda.is_available():
             raise AutopipeError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --estimate.")
         m = m.to("cuda")
         args, kwargs = _move((args, kwargs), "cuda")
-    lap("load")
+    return _Loaded(m, args, kwargs, job_loss, spec)
 
-    # ---- flatten, profile ----
-    say("flatten")
-    seq = flatten(m, args, kwargs)
-    _check_job_inputs(model, seq, job_loss, loss, data, batch_size=batch_size, seq_len=seq_len, seed=seed,
-                      factory_data=spec.data is not None)
-    lap("flatten")
-    chunks_per_rank = 2 if schedule in ("interleaved1f1b", "zbv") else 1
-    if gpus is None and stages * chunks_per_rank > len(seq.layers):
-        most = len(seq.layers) // chunks_per_rank
-        per = f" ({chunks_per_rank} chunks per stage under {schedule})" if chunks_per_rank > 1 else ""
+
+def _flatten(model: str, loaded: _Loaded, s: ConvertSettings) -> Any:
+    """The layer sequence, refused before profiling when the job could not train or not be cut."""
+    from ..graph.flattener import flatten
+
+    seq = flatten(loaded.model, loaded.args, loaded.kwargs)
+    _check_job_inputs(model, seq, loaded.loss, s, factory_data=loaded.spec.data is not None)
+    per_stage = s.chunks_per_stage
+    if s.gpus is None and s.stages * per_stage > len(seq.layers):  # type: ignore[operator]
+        most = len(seq.layers) // per_stage
+        per = f" ({per_stage} chunks per stage under {s.schedule})" if per_stage > 1 else ""
         raise PartitionError(
-            f"{model} flattens into {len(seq.layers)} layers, too few for {stages} stages{per}; "
+            f"{model} flattens into {len(seq.layers)} layers, too few for {s.stages} stages{per}; "
             f"use --stages {most} or fewer."
         )
-    say("profile")
+    return seq
+
+
+def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profile:
+    from ..costs.profiler import profile
     from ..runtime.reserve import reserve_for
 
-    prof = run_profile(seq, args, kwargs, device=device, estimate=estimate, repeats=repeats, warmup=warmup,
-                       autocast=PRECISIONS[train_dtype] if train_dtype != "fp32" else None, progress=progress,
-                       reserve=reserve_for(device, estimate=estimate, given=reserve, dtype=train_dtype,
-                                           config=getattr(spec.model, "config", None)))  # fmt: skip
-    prof = _named(prof, model)
-    lap("profile")
+    reserve = reserve_for(s.device, estimate=s.estimate, given=s.reserve, dtype=s.dtype,
+                          config=getattr(loaded.spec.model, "config", None))  # fmt: skip
+    prof = profile(seq, loaded.args, loaded.kwargs, device=s.device, estimate=s.estimate, repeats=s.repeats,
+                   warmup=s.warmup, autocast=PRECISIONS[s.dtype] if s.dtype != "fp32" else None,
+                   progress=s.progress, reserve=reserve)  # fmt: skip
+    return replace(prof, model=model)
 
-    # ---- partition ----
-    say("partition")
-    from ..planner.partitioner import compare_baselines, partition
+
+def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
+    """(the profile the plan is for, the plan, the SearchResult or None): the cut for ``stages``, or
+    with ``gpus`` the best layout of the cluster search (its profile rescaled to the micro-batch it chose)."""
+    if s.gpus is not None:
+        return _search(prof, s)
+    from ..planner.partitioner import partition
 
     # Interleaved schedules need chunks to interleave: two per rank, the smallest that helps.
-    virtual = 2 if schedule == "interleaved1f1b" else None
-    found = None
-    if gpus is not None:
-        prof, found = _search(prof, device=device, engine=engine, gpus=gpus, gpus_per_node=gpus_per_node,
-                              global_batch=global_batch, intra=bandwidth_intra, inter=bandwidth_inter,
-                              memory_limit=memory_limit, recompute=recompute, zero=zero)  # type: ignore[arg-type]
-        plan, batch_size = found.plan, found.best.microbatch_size
-    else:
-        plan = partition(prof, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
-                         virtual_stages=virtual, recompute=recompute, dp=dp, zero=zero)
-    baselines = compare_baselines(prof, plan)
-    lap("partition")
-
-    # ---- emit ----
-    say("emit")
-    settings = JobSettings(
-        model=job_model, stages=plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
-        batch_size=batch_size, seq_len=seq_len, dtype=train_dtype, engine=engine, device=device, seed=seed,
-        loss=loss, data=os.path.abspath(data) if data is not None else None,
-    )  # fmt: skip
-    job = emit(job_dir, settings=settings, profile=prof, plan=plan, baselines=baselines, force=force, search=found)
-    lap("emit")
-    return ConvertResult(settings, prof, plan, baselines, job, seconds, found)
+    virtual = 2 if s.schedule == "interleaved1f1b" else None
+    plan = partition(prof, s.stages, microbatches=s.microbatches, schedule=s.schedule,  # type: ignore[arg-type]
+                     memory_limit=s.memory_limit, virtual_stages=virtual, recompute=s.recompute, dp=s.dp, zero=s.zero)
+    return prof, plan, None
 
 
-def _search(prof: Profile, *, device: str, engine: str, gpus: int, gpus_per_node: int | None, global_batch: int,
-            intra: float | None, inter: float | None, memory_limit: Any, recompute: str, zero: Any) -> tuple[Profile, Any]:  # fmt: skip
-    """The cluster search for convert: (the profile at the chosen micro-batch size, the SearchResult).
-    DeepSpeed's pipeline engine runs its own 1F1B (or GPipe-like) order and ZeRO 0/1 only."""
-    from ..choices import ZERO_STAGES
+def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
+    """The cluster search for convert. DeepSpeed's pipeline engine runs its own 1F1B (or GPipe-like)
+    order and ZeRO 0/1 only."""
     from ..cluster.layout_search import search
     from ..cluster.layouts import SEARCH_SCHEDULES
     from ..cluster.topology import cluster_for
     from ..costs.rescale import scale_microbatch
 
-    cluster = cluster_for(prof.device.name if prof.device.type == "cuda" else device, gpus, gpus_per_node, intra, inter)
-    zeros = ZERO_STAGES if zero == "auto" else (int(zero),)
+    device = prof.device.name if prof.device.type == "cuda" else s.device
+    cluster = cluster_for(device, s.gpus, s.gpus_per_node, s.bandwidth_intra, s.bandwidth_inter)  # type: ignore[arg-type]
+    zeros = ZERO_STAGES if s.zero == "auto" else (int(s.zero),)
     schedules = SEARCH_SCHEDULES
-    if engine == "deepspeed":
+    if s.engine == "deepspeed":
         zeros, schedules = tuple(z for z in zeros if z <= 1), (("1f1b", 1),)
-    found = search(prof, cluster, global_batch=global_batch, memory_limit=memory_limit, recompute=recompute,
+    found = search(prof, cluster, global_batch=s.global_batch, memory_limit=s.memory_limit, recompute=s.recompute,
                    zeros=zeros, schedules=schedules)  # fmt: skip
-    return scale_microbatch(prof, found.best.microbatch_size), found
+    return scale_microbatch(prof, found.best.microbatch_size), found.plan, found
 
 
 def _absolute_spec(model: str) -> str:
@@ -306,30 +258,17 @@ def _absolute_spec(model: str) -> str:
     return model
 
 
-def _check_job_inputs(model: str, seq: Any, job_loss: Any, loss: str, data: Any, *, factory_data: bool = False,
-                      **shape: int) -> None:
+def _check_job_inputs(model: str, seq: Any, job_loss: Any, s: ConvertSettings, *, factory_data: bool) -> None:
     """Refuse, before profiling, a job that could not train: no scalar loss, or data (--data, or the
     factory's) that does not fit the model."""
     from ..runtime.tasks import JobData, check_loss
 
     check_loss(seq, job_loss, model)
-    if data is not None or factory_data:
+    if s.data is not None or factory_data:
         from ..runtime.factory import model_factory
 
-        source = model_factory(model, batch_size=shape["batch_size"], seq_len=shape["seq_len"], seed=shape["seed"], loss=loss)
-        JobData(source, str(data) if data is not None else None, seq_len=shape["seq_len"], seed=shape["seed"], seq=seq)
-
-
-def _named(prof: Profile, model: str) -> Profile:
-    from dataclasses import replace
-
-    return replace(prof, model=model)
-
-
-def _is_known_target(name: str) -> bool:
-    from ..costs.devices import KNOWN_DEVICES
-
-    return name.lower() in KNOWN_DEVICES
+        source = model_factory(model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed, loss=s.loss)
+        JobData(source, str(s.data) if s.data is not None else None, seq_len=s.seq_len, seed=s.seed, seq=seq)
 
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:

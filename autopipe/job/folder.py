@@ -13,10 +13,15 @@ beside the job folder and moved into it only once every one is written, so a fai
 job as it was. If anything fails in a folder this call created, the folder is removed again.
 
 Example:
-    >>> settings = JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b")
-    >>> job = emit("jobs/gpt2", settings=settings, profile=prof, plan=plan)
-    >>> job.launch
-    'torchrun --nproc-per-node 4 jobs/gpt2/train.py'
+    >>> import tempfile
+    >>> from autopipe.costs.layer_costs import Profile
+    >>> from autopipe.planner.partitioner import partition
+    >>> prof = Profile.from_costs(times=[1.0, 2.0, 2.0, 1.0])
+    >>> plan = partition(prof, stages=2)
+    >>> settings = JobSettings(model="gpt2", stages=2, microbatches=plan.microbatches, schedule=plan.schedule)
+    >>> job = emit(tempfile.mkdtemp() + "/gpt2", settings=settings, profile=prof, plan=plan)
+    >>> job.launch.split(" ")[:3], [p.name for p in job.files]
+    (['torchrun', '--nproc-per-node', '2'], ['plan.json', 'profile.json', 'train.py', 'report.html', 'README.md'])
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import os
 import shlex
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,7 +40,8 @@ from ..errors import AutopipeError
 from ..files import write_text_atomic
 from ..planner.plan import Plan
 from ..report.page import write_report
-from ..units import format_bytes, format_microbatch, format_time
+from .readme import job_readme
+from .settings import JobSettings
 
 __all__ = ["JobSettings", "JobFiles", "JobExistsError", "JOB_FILES", "emit", "check_job_dir", "launch_command"]
 
@@ -44,27 +50,6 @@ JOB_FILES = ("plan.json", "profile.json", "train.py", "report.html", "README.md"
 
 class JobExistsError(AutopipeError):
     """The job folder already holds files and overwriting was not asked for."""
-
-
-@dataclass(frozen=True)
-class JobSettings:
-    """How the job was made: everything train.py needs to rebuild the model and run the plan."""
-
-    model: str  # as given to convert: a built-in name, a HF folder, or a factory module:function
-    stages: int
-    microbatches: int
-    schedule: str
-    batch_size: int = 1  # per micro-batch
-    seq_len: int = 128
-    dtype: str = "fp32"  # training precision: fp32 | bf16 | fp16 (autocast, fp32 master weights)
-    engine: str = "torch"  # torch | deepspeed
-    device: str = "cpu"  # where it was profiled
-    seed: int = 0
-    loss: str = "auto"  # auto | model | cross_entropy | mse
-    data: str | None = None  # the job's default --data (absolute path); None: synthetic
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -147,13 +132,13 @@ def emit(
         profile.save(staging / "profile.json")
         write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model, search=search)
         launch = launch_command(path, settings, int(getattr(plan, "dp", 1)))
-        write_text_atomic(staging / "README.md", _readme(settings, profile, plan, launch))
+        write_text_atomic(staging / "README.md", job_readme(settings, profile, plan, launch))
         names = JOB_FILES
         if search is not None:
             names = (*names, "plan.search.json")
             search.save(str(staging / "plan.search.json"))
         if settings.engine == "deepspeed":  # DeepSpeed's own settings file, for the user to edit
-            names = (*JOB_FILES, "ds_config.json")
+            names = (*names, "ds_config.json")
             write_text_atomic(staging / "ds_config.json", _ds_config(settings, plan))
         for name in names:
             os.replace(staging / name, path / name)
@@ -169,7 +154,7 @@ def emit(
 def _ds_config(settings: JobSettings, plan: Plan) -> str:
     import json
 
-    from ..runtime.ds import ds_config
+    from ..runtime.ds_settings import ds_config
     from ..runtime.optim import TrainConfig
 
     # the plan's ZeRO stage (0 or 1 on DeepSpeed: convert refuses more) is the job's
@@ -179,62 +164,7 @@ def _ds_config(settings: JobSettings, plan: Plan) -> str:
 
 
 def _write_train_script(job_dir: Path, settings: JobSettings, plan: Plan) -> Path:
-    """train.py comes from the runtime (issue 5), which owns the training loop; emit only calls it."""
-    try:
-        from .script import write_train_script  # type: ignore[attr-defined]
-    except ImportError:
-        raise AutopipeError(
-            "this autopipe has no training-script writer yet (autopipe.runtime.write_train_script is missing), "
-            "so no train.py can be written; update autopipe, or use `autopipe plan` for the plan alone."
-        ) from None
-    target = job_dir / "train.py"
-    write_train_script(target, plan=plan, **settings.to_dict())
-    return target
+    """train.py, from the runtime's template (autopipe.job.script) with this job's settings."""
+    from .script import write_train_script
 
-
-def _data_line(settings: JobSettings) -> str:
-    data = f"`{settings.data}`" if settings.data else "synthetic data (`--data` for yours)"
-    return f"{data}, loss `{settings.loss}`"
-
-
-def _readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str) -> str:
-    rows = []
-    for c in range(plan.num_chunks):
-        a, b = plan.boundaries[c], plan.boundaries[c + 1]
-        first = profile.layers[a].name or f"layer{a}"
-        last = profile.layers[b - 1].name or f"layer{b - 1}"
-        rows.append(f"| {c} | {plan.stage_ranks[c]} | {a}–{b - 1} (`{first}` … `{last}`) | "
-                    f"{format_time(plan.stage_times[c])} | {format_bytes(plan.stage_memory[c])} |")
-    limit = format_bytes(plan.memory_limit) if plan.memory_limit else "none"
-    return f"""# Pipeline job: {settings.model}
-
-Made by `autopipe convert` from {profile.mode} costs on {profile.device.name} ({profile.dtype}),
-micro-batch {format_microbatch(profile.microbatch)}. {plan.stages} stages, schedule {plan.schedule},
-{plan.microbatches} micro-batches per step, memory limit {limit}, engine {settings.engine}.
-
-## Launch
-
-The model is rebuilt from `{settings.model}` on every rank; the job trains on {_data_line(settings)}:
-
-    {launch}
-
-`python {shlex.quote(shlex.split(launch)[-1])} --help` lists the training options; one process (`python train.py`)
-runs every stage in turn, for debugging.
-
-## The plan
-
-Predicted step time {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%},
-slowest stage / mean {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}.
-
-| stage | rank | layers | time per micro-batch | memory |
-| --- | --- | --- | --- | --- |
-{chr(10).join(rows)}
-
-Open `report.html` for the per-layer costs, the baselines and the schedule timeline.
-
-## Files
-
-- `plan.json`: where to cut; `autopipe report plan.json` rebuilds `report.html` from it.
-- `profile.json`: what each layer costs; `autopipe plan` can cut it again for other stage counts.
-- `train.py`: the training script (settings at the top).
-"""
+    return write_train_script(job_dir / "train.py", plan=plan, **settings.script_settings())

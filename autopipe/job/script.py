@@ -1,151 +1,71 @@
 """Write a job's train.py: a short nanoGPT-style script over autopipe.runtime.
 
-The script is the template below with the job's settings filled in at the top; everything else
-(building the stage, the schedule, checkpoints) lives in the runtime, so the script stays readable
-and a person can edit it (another data loader, another loss) without touching autopipe.
+The script is ``templates/train.py``, a Python file that reads (and runs) as it is. Two parts of it
+are the job's: the settings block between the ``# ---- settings`` and ``# ---- end of settings``
+lines, where each ``NAME = value`` line gets ``NAME = repr(the job's value)`` (its comment kept),
+and the module docstring, whose launch lines get the job's process counts (``$stages``,
+``$stages_x2``) and model (``$model``). Everything else is copied verbatim: building the stage, the
+engines, checkpoints live in the runtime, so the script stays readable and a person can edit it
+(another data loader, another loss) without touching autopipe.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from importlib import resources
 from pathlib import Path
+from string import Template
 from typing import Any
 
+from ..choices import ENGINES, PRECISIONS, precision
 from ..errors import AutopipeError
 from ..files import write_text_atomic
 
-__all__ = ["TEMPLATE", "write_train_script"]
+__all__ = ["render_train_script", "template_text", "write_train_script"]
 
-TEMPLATE = '''\
-\"\"\"Pipeline-parallel training of {model}, written by autopipe.
-
-    torchrun --nproc-per-node {stages} train.py                 # one process per pipeline stage
-    torchrun --nproc-per-node {stages_x2} train.py --dp 2             # x 2 data-parallel replicas
-    torchrun --nproc-per-node {stages_x2} train.py --dp 2 --zero 3    # ... with parameters, gradients, AdamW state sharded
-    python train.py                                       # every stage in one process (debugging)
-    {ds_launch} train.py --engine deepspeed   # DeepSpeed's PipelineModule instead
-
-Each rank builds the model on the meta device, keeps only its own stage and gives just that stage
-real weights. `python train.py --help` lists the flags.
-\"\"\"
-
-import argparse
-from pathlib import Path
-
-import autopipe.runtime as rt
-
-# ---- settings (from `autopipe convert`; the flags below override them) --------------------------
-MODEL = {model!r}  # built-in name, HF folder or module:function
-PLAN = Path(__file__).with_name("plan.json")  # where to cut; {stages} pipeline stages
-SCHEDULE = {schedule!r}
-MICROBATCHES = {microbatches}
-BATCH_SIZE = {batch_size}  # rows per micro-batch
-SEQ_LEN = {seq_len}
-DTYPE = {dtype!r}  # fp32 | bf16 | fp16
-ENGINE = {engine!r}  # torch | deepspeed
-LOSS = {loss!r}  # auto | model (the model's own) | cross_entropy | mse
-DATA = {data!r}  # token file, text, .npz/.pt with x and y, datasets files; None: synthetic
-SEED = {seed}
-DP = {dp}  # data-parallel replicas of each stage (the plan's)
-ZERO = {zero}  # ZeRO stage across them (the plan's): 0 replicate, 1 shard AdamW state, 2 + gradients, 3 + parameters
-
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--steps", type=int, default=100)
-parser.add_argument("--seed", type=int, default=SEED)
-parser.add_argument("--lr", type=float, default=3e-4)
-parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps before the cosine decay")
-parser.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="rows per micro-batch")
-parser.add_argument("--schedule", default=SCHEDULE, help="gpipe | 1f1b | interleaved1f1b | zbv | interleavedzb")
-parser.add_argument("--dtype", default=DTYPE, choices=["fp32", "bf16", "fp16"])
-parser.add_argument("--recompute", default="plan", choices=["plan", "none", "selective", "full"],
-                    help="activation recompute per chunk: the plan's choice, or one mode for every chunk")
-parser.add_argument("--dp", type=int, default=DP, help="data-parallel replicas (world size = dp x stages)")
-parser.add_argument("--zero", default=None, help="ZeRO stage over the replicas: 0 replicate, 1 shard AdamW state, "
-                    "2 and gradients, 3 and parameters (default: the plan's; on deepspeed: ds_config's, 0 or 1)")
-parser.add_argument("--plan", default=str(PLAN), help="plan.json; 'even' cuts the layers evenly")
-parser.add_argument("--loss", default=LOSS, choices=["auto", "model", "cross_entropy", "mse"],
-                    help="the model's own loss, or cross-entropy / MSE of its output against the data's targets")
-parser.add_argument("--data", default=DATA, help="token file (.bin/.npy/.pt), text, .npz/.pt with x and y, or "
-                    ".parquet/.jsonl/.arrow; default: synthetic")
-parser.add_argument("--weights", default=None, help="safetensors file or HF folder to start from")
-parser.add_argument("--ckpt-dir", default=str(Path(__file__).with_name("checkpoints")))
-parser.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (0: only at the end)")
-parser.add_argument("--ckpt-keep", type=int, default=2, help="keep the newest N checkpoints (0: all)")
-parser.add_argument("--resume", nargs="?", const="must", default=None, choices=["must", "auto"],
-                    help="continue from the newest checkpoint in --ckpt-dir ('--resume auto': start afresh if there is none)")
-parser.add_argument("--export", default=None, help="write the final weights to this folder (model.safetensors)")
-parser.add_argument("--log-json", default=None, help="append one JSON line per step to this file")
-parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with the layers run unpipelined")
-parser.add_argument("--engine", default=ENGINE, choices=["torch", "deepspeed"])
-parser.add_argument("--deepspeed_config", default=None, help="--engine deepspeed: a ds_config.json (default: the job's)")
-parser.add_argument("--check", action="store_true",
-                    help="debug: refuse tensors off this rank's device at collectives and stages, and host syncs in the step (slow)")
-parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-args = parser.parse_args()
-rt.one_line_errors(args.ckpt_dir)  # an autopipe error is one line from rank 0; Ctrl-C says how to resume
-
-# ---- model: a factory every rank calls on the meta device, and one micro-batch of example inputs --
-source = rt.model_factory(MODEL, batch_size=args.batch_size, seq_len=SEQ_LEN, seed=args.seed, loss=args.loss)
-weights = args.weights or source.weights
-config = rt.TrainConfig(
-    steps=args.steps, microbatches=args.microbatches, lr=args.lr, warmup=args.warmup,
-    grad_clip=args.grad_clip, dtype=args.dtype, seed=args.seed,
-    zero=rt.check_zero(ZERO if args.zero is None else args.zero),
-)
-if args.engine == "deepspeed":
-    rt.train_deepspeed(source, args.plan, config, args, seq_len=SEQ_LEN)
-    raise SystemExit(0)
-
-# ---- this rank's stage ---------------------------------------------------------------------------
-env = rt.init_dist(dp=args.dp, check=args.check or None)
-plan = env.pp_size if args.plan == "even" else rt.load_plan(args.plan)
-rt.check_launch(plan, env.pp_size, env.dp_size, plan_path=args.plan)
-build = rt.build_stage(
-    source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size,
-    schedule=args.schedule, seed=args.seed, weights=weights, device=env.device, recompute=args.recompute,
-)
-trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))
-# the plan's predictions hold for the run it was made for: same schedule, micro-batches, batch, dtype
-planned = rt.predictions(plan, schedule=args.schedule, microbatches=args.microbatches, pp_size=env.pp_size,
-                         dp=env.dp_size, zero=config.zero)
-same_batch = args.batch_size == BATCH_SIZE and args.dtype == DTYPE
-
-# ---- data: each step's global batch is a function of the step; each replica reads its own rows ----
-data = rt.JobData(source, args.data, seq_len=SEQ_LEN, seed=args.seed, seq=build.seq)
-rows = args.batch_size * args.microbatches * env.dp_size
-log = rt.StepLogger(env.rank, json_path=args.log_json, predicted=planned if same_batch else None, unit=data.unit)
-log.info(f"{{MODEL}}: {{len(build.seq.layers)}} layers, chunks {{build.layout.boundaries}} on {{env.pp_size}} "
-         f"stage(s) x {{env.dp_size}} replica(s), {{build.layout.schedule}}, {{args.microbatches}} micro-batches, "
-         f"ZeRO {{config.zero}}{{'' if env.dp_size > 1 or not config.zero else ' (one replica: nothing to shard)'}}, "
-         f"recompute {{' '.join(build.recompute)}}, loss {{rt.loss_name(source.loss)}}, data {{data.state()['source']}}")
+_BEGIN = "# ---- settings"
+_END = "# ---- end of settings"
+_SETTING = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]*) = (?P<value>.*?)(?P<comment>  # .*)?$")
 
 
-def get_batch(step):
-    # the first stage reads the inputs, the last one the targets; a middle stage reads nothing
-    return data.batch(step, rows, replica=env.dp_rank, replicas=env.dp_size,
-                      inputs=trainer.engine.is_first, target=trainer.engine.is_last)
+def template_text() -> str:
+    """The template as shipped (autopipe/job/templates/train.py)."""
+    return resources.files(__package__).joinpath("templates", "train.py").read_text(encoding="utf-8")
 
 
-# ---- resume, verify, train -------------------------------------------------------------------------
-if args.resume:
-    rt.resume(trainer, args.ckpt_dir, mode=args.resume, steps=args.steps, data=data, say=log.info)
-if args.verify:
-    report = rt.verify_step(trainer, *get_batch(trainer.step_count))
-    log.info(f"verify: loss {{report.loss:.6f}} vs {{report.reference_loss:.6f}}, max grad diff {{report.max_grad_diff:.1e}}: ok")
+def render_train_script(settings: dict[str, Any], launch: dict[str, Any], template: str | None = None) -> str:
+    """The template with ``settings`` (NAME -> value) in its settings block and ``launch``
+    (``model``, ``stages``, ``stages_x2``) in its docstring.
 
-for step in range(trainer.step_count, args.steps):
-    batch_args, batch_kwargs, target = get_batch(step)
-    stats = trainer.step(batch_args, batch_kwargs, target)
-    log.step(stats)
-    if (args.ckpt_every and stats.step % args.ckpt_every == 0) or stats.step == args.steps:
-        rt.save_checkpoint(trainer, args.ckpt_dir, keep=args.ckpt_keep, data=data.state())
+    Every settings-block name given must be in the block and every value one of ``settings`` is
+    written as its ``repr``; a line the block has and ``settings`` lacks is kept as written (``PLAN``).
 
-if args.export and env.rank == 0 and (last := rt.latest_checkpoint(args.ckpt_dir)) is not None:
-    log.info(f"exported {{rt.export(last, args.export, model_fn=source.factory)}}")
-env.close()
-'''
+    Example:
+        >>> text = render_train_script({"MODEL": "gpt2", "SEED": 7}, {"model": "gpt2", "stages": 4, "stages_x2": 8})
+        >>> [line for line in text.splitlines() if line.startswith(("MODEL =", "SEED ="))]
+        ["MODEL = 'gpt2'  # built-in name, HF folder or module:function", 'SEED = 7']
+        >>> text.splitlines()[2].split("#")[0].strip()
+        'torchrun --nproc-per-node 4 train.py'
+    """
+    text = template_text() if template is None else template
+    head, begin, rest = text.partition(_BEGIN)
+    block, end, tail = rest.partition(_END)
+    if not begin or not end:
+        raise AutopipeError(f"the train.py template has no settings block ({_BEGIN!r} ... {_END!r}).")
+    lines = block.split("\n")
+    seen: set[str] = set()
+    for i, line in enumerate(lines[1:], start=1):  # lines[0] is the rest of the marker line
+        m = _SETTING.match(line)
+        if m and m["name"] in settings:
+            seen.add(m["name"])
+            lines[i] = f"{m['name']} = {settings[m['name']]!r}{m['comment'] or ''}"
+    missing = sorted(set(settings) - seen)
+    if missing:
+        raise AutopipeError(f"the train.py template's settings block has no {', '.join(missing)}.")
+    doc_end = head.index('"""', 3) if head.startswith('"""') else 0
+    docstring = Template(head[:doc_end]).substitute(launch)  # a placeholder left unfilled is a KeyError: a bug here
+    return docstring + head[doc_end:] + begin + "\n".join(lines) + end + tail
 
 
 def write_train_script(
@@ -165,47 +85,41 @@ def write_train_script(
     data: str | None = None,
     dp: int | None = None,
     zero: int | None = None,
-    **_ignored: Any,
+    **unknown: Any,
 ) -> Path:
     """Write train.py at ``path`` (a file, or a folder to put train.py in).
 
     ``plan`` is not embedded: the script reads plan.json beside it; its ``dp`` and ``zero`` (when it
-    has them) become the script's defaults unless ``dp`` / ``zero`` are given. Unknown settings (``device``,
-    what the profile ran on) are accepted and ignored, so emit can pass its settings whole.
+    has them) become the script's defaults unless ``dp`` / ``zero`` are given. A setting this function
+    does not know is refused (naming the one it was probably meant to be), not dropped.
 
     Example:
-        >>> write_train_script("jobs/gpt2/train.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b")
-        PosixPath('jobs/gpt2/train.py')
+        >>> import tempfile
+        >>> path = write_train_script(tempfile.mkdtemp(), model="gpt2", stages=4, microbatches=8, schedule="1f1b")
+        >>> path.name, "MICROBATCHES = 8" in path.read_text()
+        ('train.py', True)
     """
     from ..runtime.layout import schedule_name
+    from ..runtime.zero import check_zero
+    from .settings import refuse_unknown
 
+    known = ("model", "stages", "microbatches", "schedule", "plan", "batch_size", "seq_len", "dtype", "engine",
+             "seed", "loss", "data", "dp", "zero")  # fmt: skip
+    refuse_unknown("train.py setting", unknown, known)
     target = Path(path)
     if target.is_dir():
         target = target / "train.py"
-    if engine not in ("torch", "deepspeed"):
-        raise AutopipeError(f"engine must be 'torch' or 'deepspeed', got {engine!r}.")
+    if engine not in ENGINES:
+        raise AutopipeError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}.")
     schedule_name(schedule)  # refuse an unknown schedule now, not at launch
-    from ..runtime.zero import check_zero
-
     dp = int(dp if dp is not None else (getattr(plan, "dp", None) or 1))
     zero = check_zero(zero if zero is not None else (getattr(plan, "zero", None) or 0))
-    text = TEMPLATE.format(
-        model=model,
-        stages=stages,
-        stages_x2=2 * stages,
-        schedule=schedule,
-        microbatches=microbatches,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        dtype=dtype,
-        engine=engine,
-        seed=seed,
-        loss=loss,
-        data=data,
-        dp=dp,
-        zero=zero,
-        ds_launch=f"deepspeed --num_gpus {stages}" if engine == "deepspeed" else f"torchrun --nproc-per-node {stages}",
-    )
+    settings = {
+        "MODEL": model, "SCHEDULE": schedule, "MICROBATCHES": microbatches, "BATCH_SIZE": batch_size,
+        "SEQ_LEN": seq_len, "DTYPE": precision(dtype), "DTYPES": tuple(PRECISIONS), "ENGINE": engine,
+        "ENGINES": tuple(ENGINES), "LOSS": loss, "DATA": data, "SEED": seed, "DP": dp, "ZERO": zero,
+    }  # fmt: skip
+    text = render_train_script(settings, {"model": model, "stages": stages, "stages_x2": 2 * stages})
     compile(text, str(target), "exec")  # a template bug must fail here, not on the cluster
     write_text_atomic(target, text)
     return target

@@ -6,7 +6,8 @@ materialise just their tensors); ``JobData`` turns the data into each step's inp
 ``Trainer`` runs the plan's torch.distributed.pipelining schedule, syncs tied gradients, averages
 over replicas, clips the global norm and steps AdamW; ``save_checkpoint``/``load_checkpoint`` write
 and read per-stage shards atomically; ``export`` joins them into one safetensors file;
-``train_deepspeed`` does the same on DeepSpeed's engine; ``one_line_errors`` makes failures one line;
+``DeepSpeedTrainer`` does the same on DeepSpeed's engine (with ``ds_save_checkpoint``, ``ds_resume``
+and ``ds_latest_checkpoint`` for its own checkpoints); ``one_line_errors`` makes failures one line;
 ``runtime_reserve`` (the ``reserve`` module) measures what a rank holds beyond the tensors.
 
     env = init_dist(dp=1)
@@ -64,6 +65,10 @@ _LAZY = {
     "verify_step": "verify",
     "model_factory": "factory",
     "train_deepspeed": "ds",
+    "DeepSpeedTrainer": "ds",
+    "ds_save_checkpoint": "ds",
+    "ds_resume": "ds",
+    "ds_latest_checkpoint": "ds",
     "check_zero": "zero",
     "ZERO_STAGES": "zero",
     "runtime_reserve": "reserve",
@@ -85,6 +90,10 @@ __all__ = [
     "open_data",
     "resume",
     "DistEnv",
+    "DeepSpeedTrainer",
+    "ds_latest_checkpoint",
+    "ds_resume",
+    "ds_save_checkpoint",
     "ChunkLayout",
     "PipeChunk",
     "PeakMemory",

@@ -38,7 +38,7 @@ from .zero import (
     sharded_grads,
 )
 
-__all__ = ["StepStats", "Trainer"]
+__all__ = ["StepStats", "Trainer", "batch_tokens"]
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
         self.step_count += 1
         total = time.perf_counter() - t0
-        tokens = _tokens(args, kwargs) * env.dp_size
+        tokens = batch_tokens(args, kwargs) * env.dp_size
         return StepStats(
             step=self.step_count,
             loss=stats["loss"],
@@ -193,6 +193,16 @@ class Trainer:
             loss_scale=self.scaler.scale,
             peak_memory=stats["peak_memory"][: env.pp_size],
         )
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first chunk (it reads the batch's inputs)."""
+        return self.engine.is_first
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last chunk (it reads the targets and computes the loss)."""
+        return self.engine.is_last
 
     def seeds(self) -> MicrobatchSeeds:
         """This step's per-layer, per-micro-batch RNG seeds (see ``MicrobatchSeeds``)."""
@@ -290,7 +300,7 @@ def _held_bytes(build: StageBuild, optimizer: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
-def _tokens(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> int:
+def batch_tokens(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> int:
     """Tokens in a batch: elements of the first integer tensor argument (samples if none)."""
     for v in [*args, *(kwargs or {}).values()]:
         if isinstance(v, torch.Tensor) and not v.is_floating_point():

@@ -1,0 +1,61 @@
+"""The job folder's README.md: what the job is, how to launch it, and the plan in one table."""
+
+from __future__ import annotations
+
+import shlex
+
+from ..costs.layer_costs import Profile
+from ..planner.plan import Plan
+from ..units import format_bytes, format_microbatch, format_time
+from .settings import JobSettings
+
+__all__ = ["job_readme"]
+
+
+def _data_line(settings: JobSettings) -> str:
+    data = f"`{settings.data}`" if settings.data else "synthetic data (`--data` for yours)"
+    return f"{data}, loss `{settings.loss}`"
+
+
+def job_readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str) -> str:
+    """The README's markdown for ``plan`` of ``profile``, launched by ``launch``."""
+    rows = []
+    for c in range(plan.num_chunks):
+        a, b = plan.boundaries[c], plan.boundaries[c + 1]
+        first = profile.layers[a].name or f"layer{a}"
+        last = profile.layers[b - 1].name or f"layer{b - 1}"
+        rows.append(f"| {c} | {plan.stage_ranks[c]} | {a}–{b - 1} (`{first}` … `{last}`) | "
+                    f"{format_time(plan.stage_times[c])} | {format_bytes(plan.stage_memory[c])} |")
+    limit = format_bytes(plan.memory_limit) if plan.memory_limit else "none"
+    return f"""# Pipeline job: {settings.model}
+
+Made by `autopipe convert` from {profile.mode} costs on {profile.device.name} ({profile.dtype}),
+micro-batch {format_microbatch(profile.microbatch)}. {plan.stages} stages, schedule {plan.schedule},
+{plan.microbatches} micro-batches per step, memory limit {limit}, engine {settings.engine}.
+
+## Launch
+
+The model is rebuilt from `{settings.model}` on every rank; the job trains on {_data_line(settings)}:
+
+    {launch}
+
+`python {shlex.quote(shlex.split(launch)[-1])} --help` lists the training options; one process (`python train.py`)
+runs every stage in turn, for debugging.
+
+## The plan
+
+Predicted step time {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%},
+slowest stage / mean {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}.
+
+| stage | rank | layers | time per micro-batch | memory |
+| --- | --- | --- | --- | --- |
+{chr(10).join(rows)}
+
+Open `report.html` for the per-layer costs, the baselines and the schedule timeline.
+
+## Files
+
+- `plan.json`: where to cut; `autopipe report plan.json` rebuilds `report.html` from it.
+- `profile.json`: what each layer costs; `autopipe plan` can cut it again for other stage counts.
+- `train.py`: the training script (settings at the top).
+"""

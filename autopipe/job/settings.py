@@ -1,0 +1,185 @@
+"""The two records of a job: what convert was asked for, and what train.py is made from.
+
+``ConvertSettings`` holds every option of ``autopipe convert`` and checks them in one place, on
+construction: a typo fails in milliseconds, before a minute of profiling. ``JobSettings`` is what
+the job folder keeps: everything train.py needs to rebuild the model and run the plan.
+
+Example:
+    >>> ConvertSettings(stages=4, dtype="bfloat16", schedule="1F1B").dtype
+    'bf16'
+    >>> ConvertSettings.from_options(stages=4, microbatch=8)
+    Traceback (most recent call last):
+    ...
+    autopipe.errors.AutopipeError: unknown convert option 'microbatch'; did you mean 'microbatches'?
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ..choices import ENGINES, RECOMPUTE_POLICIES, precision
+from ..errors import AutopipeError, PartitionError
+from ..planner.partitioner import zero_choices
+from ..planner.schedules import normalize_schedule
+from ..units import parse_size
+
+__all__ = ["ConvertSettings", "JobSettings", "refuse_unknown"]
+
+# What DeepSpeed's pipeline engine runs: its own 1F1B (GPipe-like when asked), ZeRO 0 or 1.
+_DEEPSPEED_SCHEDULES = ("1f1b", "gpipe")
+
+
+def refuse_unknown(what: str, given: Iterable[str], valid: Iterable[str]) -> None:
+    """Raise for the first name in ``given`` that is not in ``valid``, naming the closest valid one.
+
+    Example:
+        >>> refuse_unknown("train.py setting", ["sed"], ["seed", "seq_len"])
+        Traceback (most recent call last):
+        ...
+        autopipe.errors.AutopipeError: unknown train.py setting 'sed'; did you mean 'seed'?
+    """
+    names = sorted(valid)
+    for name in given:
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"use one of {', '.join(names)}."
+            raise AutopipeError(f"unknown {what} {name!r}; {hint}")
+
+
+@dataclass(frozen=True)
+class ConvertSettings:
+    """Every option of ``convert``, checked and normalised when made (precision ``bf16``, schedule ``1f1b``).
+
+    Give ``stages`` (the cut for that many stages) or ``gpus`` with ``global_batch`` (search the
+    whole layout of that cluster: the job gets the best layout's stages, replicas, micro-batch size
+    and count, schedule, recompute and ZeRO stage; ``batch_size`` is then the size profiled at).
+    """
+
+    # ---- the layout: a fixed cut, or a cluster to search ----
+    stages: int | None = None  # pipeline stages, one process each
+    microbatches: int | None = None  # per step; default 2 x stages
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved1f1b or zbv
+    dp: int = 1  # data-parallel replicas of each stage; the plan's memory is per rank
+    zero: int | str = 0  # ZeRO stage 0-3 the replicas shard with, or "auto" (the fastest that fits)
+    gpus: int | None = None  # instead of stages: search the layout for this many devices (autopipe.cluster)
+    gpus_per_node: int | None = None  # default: 8 for known GPUs; CPU: all on one host
+    global_batch: int | None = None  # with gpus: samples per step, all replicas together
+    bandwidth_intra: float | None = None  # bytes/s per device inside a node (default per known GPU)
+    bandwidth_inter: float | None = None  # bytes/s per device between nodes
+    # ---- what the job trains ----
+    batch_size: int = 1  # rows per micro-batch, trained on and profiled with
+    seq_len: int = 128
+    dtype: str = "fp32"  # fp32, bf16 or fp16: autocast (16-bit matmuls) over fp32 weights and AdamW state
+    recompute: str = "auto"  # per chunk: auto (the fastest that fits), none, selective or full
+    engine: str = "torch"  # torch (torch.distributed.pipelining) or deepspeed (PipelineModule)
+    loss: str = "auto"  # auto (a factory's, else the model's own), model, cross_entropy or mse (vs the data's targets)
+    data: str | os.PathLike[str] | None = None  # the job's --data, checked against the model before profiling
+    seed: int = 0  # the initial weights' and the synthetic data's
+    # ---- how layers are costed ----
+    device: str = "cpu"  # profile on cpu or cuda; with estimate also a known GPU (a100, h100, h200)
+    estimate: bool = False  # run nothing: cost layers from FLOPs and bytes on the meta device
+    memory_limit: str | int | None = "device"  # per device, like "80GiB"; "device": the GPU's (none on CPU); None: no limit
+    reserve: str | int | None = None  # runtime memory per rank beyond the tensors, like "80MiB"; None: measured once
+    repeats: int = 5  # timed runs per measured layer
+    warmup: int = 2  # untimed runs per measured layer
+    progress: bool = True  # show the profiler's progress
+    # ---- where the job goes ----
+    out: str | os.PathLike[str] | None = None  # the job folder; default jobs/<model name>
+    force: bool = False  # replace the job files of an existing folder (other files stay)
+
+    def __post_init__(self) -> None:
+        # the cheap checks, in the order a person fixes them: the layout, then the engine's limits
+        if self.gpus is not None:
+            if self.stages is not None or self.microbatches is not None or self.dp != 1:
+                what = "--stages" if self.stages is not None else "--microbatches" if self.microbatches is not None else "--dp"
+                raise PartitionError(f"{what} fixes what --gpus searches; give one or the other.")
+            if self.global_batch is None or self.global_batch < 1:
+                raise PartitionError("--gpus needs --global-batch N: the samples per step that the layouts divide among replicas.")
+        elif self.stages is None:
+            raise PartitionError("give --stages N (the cut for N stages) or --gpus N (search the whole layout).")
+        elif self.stages < 1:
+            raise PartitionError(f"--stages must be at least 1, got {self.stages}.")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise PartitionError(f"--microbatches must be at least 1, got {self.microbatches}.")
+        if self.engine not in ENGINES:
+            raise AutopipeError(f"unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}.")
+        self._set(dtype=precision(self.dtype), schedule=normalize_schedule(self.schedule))
+        deepspeed = self.engine == "deepspeed"
+        if deepspeed and (self.schedule not in _DEEPSPEED_SCHEDULES or self.dtype == "fp16"):
+            what = f"--schedule {self.schedule}" if self.schedule not in _DEEPSPEED_SCHEDULES else "--dtype fp16"
+            raise AutopipeError(f"{what} does not run on --engine deepspeed (its own 1F1B schedule; bf16 or fp32): "
+                                "drop it or use --engine torch.")
+        if self.memory_limit is not None and str(self.memory_limit).strip().lower() not in ("device", "none"):
+            parse_size(self.memory_limit)  # a bad size is refused before any work
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise AutopipeError(f"unknown --recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
+        if deepspeed:  # DeepSpeed's engine recomputes nothing the plan asks for: plan without it
+            if self.recompute in ("selective", "full"):
+                raise AutopipeError(f"--recompute {self.recompute} does not run on --engine deepspeed (set activation "
+                                    "checkpointing in its ds_config.json): drop it or use --engine torch.")
+            self._set(recompute="none")
+        zero_choices(self.zero, self.dp)  # a bad --dp/--zero
+        if deepspeed and (self.zero == "auto" or int(self.zero) > 1):
+            raise AutopipeError(f"--zero {self.zero} does not run on --engine deepspeed (its pipeline engine has ZeRO 0 "
+                                "and 1 only): use --zero 0 or 1, or --engine torch.")
+        if self.estimate and self.device not in ("cpu", "cuda") and not _is_known_target(self.device):
+            raise AutopipeError(f"unknown --device {self.device!r}; use cpu or cuda (with --estimate also a100, h100, h200).")
+        if not self.estimate and self.device not in ("cpu", "cuda"):
+            raise AutopipeError(f"--device {self.device!r} can only be measured as cpu or cuda; add --estimate for {self.device}.")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> ConvertSettings:
+        """The record from keyword options, a misspelled one refused with the name it was meant to be."""
+        refuse_unknown("convert option", options, cls.names())
+        return cls(**options)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @property
+    def chunks_per_stage(self) -> int:
+        """Chunks each pipeline rank runs: two under the interleaved and V-shaped schedules."""
+        return 2 if self.schedule in ("interleaved1f1b", "zbv") else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def _set(self, **normalised: Any) -> None:
+        for name, value in normalised.items():  # frozen: only __post_init__ normalises
+            object.__setattr__(self, name, value)
+
+
+def _is_known_target(name: str) -> bool:
+    from ..costs.devices import KNOWN_DEVICES  # torch: only when a GPU is named
+
+    return name.lower() in KNOWN_DEVICES
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """How the job was made: everything train.py needs to rebuild the model and run the plan."""
+
+    model: str  # as given to convert: a built-in name, a HF folder, or a factory module:function
+    stages: int
+    microbatches: int
+    schedule: str
+    batch_size: int = 1  # per micro-batch
+    seq_len: int = 128
+    dtype: str = "fp32"  # training precision: fp32 | bf16 | fp16 (autocast, fp32 master weights)
+    engine: str = "torch"  # torch | deepspeed
+    device: str = "cpu"  # where it was profiled
+    seed: int = 0
+    loss: str = "auto"  # auto | model | cross_entropy | mse
+    data: str | None = None  # the job's default --data (absolute path); None: synthetic
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def script_settings(self) -> Mapping[str, Any]:
+        """The settings train.py is written with: all but ``device`` (where the job was profiled)."""
+        return {k: v for k, v in self.to_dict().items() if k != "device"}
