@@ -129,7 +129,9 @@ def make_plans(root: Path, folder: Path) -> tuple[dict[int, object], object]:
 
 def write_script(src: Path, target: Path, folder: Path) -> None:
     """train.py as the runtime at ``src`` writes it (each runtime runs its own template)."""
-    code = ("from autopipe.runtime import write_train_script as w; "
+    # the writer moved from autopipe.runtime to autopipe.job with the package's pass folders
+    code = ("try:\n    from autopipe.job import write_train_script as w\n"
+            "except ImportError:\n    from autopipe.runtime import write_train_script as w\n"
             f"w({str(target)!r}, model={str(folder)!r}, stages=2, microbatches={MICRO}, schedule='1f1b', "
             f"batch_size={ROWS}, seq_len={SEQ})")  # fmt: skip
     # cwd outside any checkout: `python -c` puts the cwd first on sys.path
