@@ -25,8 +25,9 @@ get ``ASSUMED_CUDA_RESERVE``.
     python -m autopipe.runtime.reserve --device cpu --model llama-7b --dtype bf16
 
 Example:
-    >>> runtime_reserve("cpu")     # bytes; measured the first time (about 20 s), cached after
-    29360128
+    >>> reserve = runtime_reserve("cpu")  # bytes; measured the first time (about 20 s), cached after
+    >>> 16 << 20 < reserve < 128 << 20    # tens of MiB on a CPU (the figures above), this machine's own
+    True
 """
 
 from __future__ import annotations
