@@ -20,7 +20,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     out/plan.json: Is a directory"), not the temporary name.
 
     Example:
-        >>> write_text_atomic("jobs/gpt2/README.md", "# Pipeline job\n")
+        >>> write_text_atomic("jobs/gpt2/README.md", "# Pipeline job\\n")
         PosixPath('jobs/gpt2/README.md')
     """
     path = Path(path)

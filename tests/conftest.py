@@ -1,12 +1,15 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # Tests build small models; one thread keeps runs repeatable and leaves a core for the rest.
 torch.set_num_threads(1)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, os.path.dirname(__file__))
+
+from _launch import Launcher  # noqa: E402  (tests/ is put on sys.path just above)
 
 # The runtime reserve is measured once per device and cached (autopipe.runtime.reserve); a session-wide
 # cache of its own makes the suite measure it once itself, on this machine, rather than trust a
@@ -15,3 +18,11 @@ if "AUTOPIPE_CACHE" not in os.environ:
     import tempfile
 
     os.environ["AUTOPIPE_CACHE"] = tempfile.mkdtemp(prefix="autopipe-cache-")
+
+
+@pytest.fixture(scope="session")
+def torchrun() -> Launcher:
+    """Runs a script on N processes: ``torchrun(script, *args, nproc=2, cwd=..., env=..., pythonpath=...,
+    timeout=..., check=True)`` -> CompletedProcess; ``torchrun.command(...)`` and ``torchrun.environ(...)``
+    for a test that must start the process itself (see tests/_launch.py)."""
+    return Launcher()

@@ -42,6 +42,7 @@ def _fails_cleanly(result, expected: str) -> None:
     assert expected in errors[0], errors[0]
 
 
+@pytest.mark.slow  # measures every layer of the model
 def test_convert_writes_the_job_folder(factory: str):
     """Success: plan, profile, train.py, report and README in jobs/<name>, a stage table and the launch command."""
     result = _convert(factory, "--stages", "2")
@@ -337,6 +338,7 @@ def test_a_factory_s_data_that_does_not_fit_is_refused(tmp_path: Path, monkeypat
     assert not Path("jobs").exists()
 
 
+@pytest.mark.slow  # traces and estimates Llama-70B on the meta device
 def test_a_plan_for_a_gpu_is_held_to_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Issue 10's case: Llama-70B estimated for 8 H100s used to plan 129-147 GiB stages without a word.
     The H100's memory is now the default limit: refused in one line saying what would fit."""

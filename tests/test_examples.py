@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from autopipe.cli import app
@@ -22,6 +23,7 @@ def _run(*args: str, cwd: Path = ROOT) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_alexnet_example_splits_without_a_lambda_layer():
     """The CNN flattens (torch.flatten included), is cut by cost, and 2 stages give its loss and gradients."""
     out = _run("examples/alexnet.py")
@@ -29,6 +31,7 @@ def test_alexnet_example_splits_without_a_lambda_layer():
     assert "2 stages reproduce the model" in out and "gradients of 16 tensors equal" in out
 
 
+@pytest.mark.slow
 def test_transformer_mask_example_carries_the_mask_across_cuts():
     """Blocks taking (hidden, mask) need no wrappers: the mask crosses every cut and 3 stages match."""
     out = _run("examples/transformer_mask.py")
@@ -37,6 +40,7 @@ def test_transformer_mask_example_carries_the_mask_across_cuts():
     assert "3 stages reproduce the model" in out
 
 
+@pytest.mark.slow
 def test_my_model_example_runs_as_a_script():
     """The factory example's own script flattens, cuts in 2 and checks the loss."""
     out = _run("examples/my_model.py")
@@ -53,6 +57,8 @@ def test_my_model_factory_converts(tmp_path: Path):
     assert f"torchrun --nproc-per-node 2 {tmp_path / 'job'}/train.py" in result.output
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_gpt2_example_trains_with_falling_loss(tmp_path: Path):
     """Small GPT-2 end to end: convert, launch the printed command for 6 steps, the loss falls."""
     out = _run("examples/gpt2.py", "--workdir", str(tmp_path), "--steps", "6")
@@ -62,6 +68,8 @@ def test_gpt2_example_trains_with_falling_loss(tmp_path: Path):
     assert "loss fell" in out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_digits_cnn_learns_real_images_pipelined(tmp_path: Path):
     """A CNN trained on 2 processes on scikit-learn's digits (the factory's data, --loss cross_entropy)
     classifies held-out images far above chance (10%)."""
@@ -71,6 +79,8 @@ def test_digits_cnn_learns_real_images_pipelined(tmp_path: Path):
     assert accuracy > 0.8, line
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_masked_lm_and_seq2seq_learn_local_text(tmp_path: Path):
     """BERT (masked LM) and T5 (seq2seq) train on local text through their folder's tokenizer: the loss falls."""
     for task in ("mlm", "seq2seq"):

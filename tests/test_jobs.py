@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _launch import Launcher
 
 from autopipe.job.script import write_train_script
 from autopipe.runtime import (
@@ -29,6 +29,8 @@ from autopipe.runtime import (
     model_factory,
 )
 from autopipe.runtime.reference import ReferenceTrainer, SequenceModel
+
+pytestmark = pytest.mark.slow  # every test starts train.py (most on several processes)
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, MICRO, ROWS, SEQ, LR = 2, 2, 2, 16, 1e-3
@@ -153,28 +155,25 @@ def reference(job: dict) -> tuple[list[float], list[float], dict[str, torch.Tens
     return _REFS[key]
 
 
-def launch(job: dict, engine: str) -> Path:
+def launch(torchrun: Launcher, job: dict, engine: str) -> Path:
     run = job["root"] / engine
     run.mkdir(exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPIPE_TEST_GRADS": str(run),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "probes"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           str(job["root"] / "job" / f"train_{engine}.py"), "--steps", str(STEPS), "--lr", str(LR), "--grad-clip", "0",
-           "--plan", "even", "--ckpt-dir", str(run / "ckpt"), "--log-json", str(run / "log.json")]
-    if engine == "torch":
-        cmd.append("--check")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=run)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(job["root"] / "job" / f"train_{engine}.py", "--steps", STEPS, "--lr", LR, "--grad-clip", "0",
+             "--plan", "even", "--ckpt-dir", run / "ckpt", "--log-json", run / "log.json",
+             *(["--check"] if engine == "torch" else []),
+             nproc=2, cwd=run, env={"AUTOPIPE_TEST_GRADS": str(run)}, pythonpath=[Path(__file__).parent / "probes"])
     return run
 
 
-@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", ["torch", pytest.param("deepspeed", marks=pytest.mark.deepspeed)])
 @pytest.mark.parametrize("name", ["gpt2", "bert", "t5", "cnn", "mask"])
-def test_two_stage_job_on_files_equals_unpipelined_training(jobs: dict[str, dict], name: str, engine: str) -> None:
+def test_two_stage_job_on_files_equals_unpipelined_training(torchrun: Launcher, jobs: dict[str, dict], name: str,
+                                                            engine: str) -> None:
     """2 stages on 2 processes, data read from the job's file: per-step losses, the logged gradient
     norm and every gradient of the first step equal the unpipelined run within 1e-5."""
     job = jobs[name]
-    run = launch(job, engine)
+    run = launch(torchrun, job, engine)
     ref_losses, ref_norms, ref_grads, tensor_of = reference(job)
     log = [json.loads(line) for line in (run / "log.json").read_text().splitlines()]
     assert [r["loss"] for r in log] == pytest.approx(ref_losses, abs=TOL)
@@ -192,13 +191,11 @@ def test_two_stage_job_on_files_equals_unpipelined_training(jobs: dict[str, dict
 
 # ---- what a user sees when something is wrong ---------------------------------------------------
 
-def _train(job: dict, *flags: str, engine: str = "torch", nproc: int = 1) -> subprocess.CompletedProcess:
+def _train(torchrun: Launcher, job: dict, *flags: str, engine: str = "torch", nproc: int = 1) -> subprocess.CompletedProcess:
     run = job["root"] / "errors"
     run.mkdir(exist_ok=True)
-    head = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"] if nproc > 1 else [sys.executable]
-    cmd = [*head, str(job["root"] / "job" / f"train_{engine}.py"), "--steps", "2", "--ckpt-dir", str(run / "ckpt"), *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=run,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return torchrun(job["root"] / "job" / f"train_{engine}.py", "--steps", "2", "--ckpt-dir", run / "ckpt", *flags,
+                    nproc=nproc, cwd=run, check=False)
 
 
 def _one_line(proc: subprocess.CompletedProcess, expected: str) -> None:
@@ -210,22 +207,23 @@ def _one_line(proc: subprocess.CompletedProcess, expected: str) -> None:
     assert "autopipe/" not in out and "[rank" not in out, out[-3000:]
 
 
-def test_train_py_errors_are_one_line_from_rank_0(jobs: dict[str, dict], tmp_path: Path) -> None:
+@pytest.mark.distributed  # the wrong process count: 3 under torchrun
+def test_train_py_errors_are_one_line_from_rank_0(torchrun: Launcher, jobs: dict[str, dict], tmp_path: Path) -> None:
     """Missing data, data that does not fit, --resume with nothing to resume, a flag DeepSpeed does not
     run, and the wrong process count: one line each saying what to do, exit 1."""
     job = jobs["cnn"]
-    _one_line(_train(job), "no plan at")
-    _one_line(_train(job, "--plan", "even", "--data", "/nonexistent.npy"), "--data '/nonexistent.npy' does not exist")
+    _one_line(_train(torchrun, job), "no plan at")
+    _one_line(_train(torchrun, job, "--plan", "even", "--data", "/nonexistent.npy"), "--data '/nonexistent.npy' does not exist")
     np.savez(tmp_path / "small.npz", x=np.zeros((4, 1, 4, 4), np.float32), y=np.zeros(4, np.int64))
-    _one_line(_train(job, "--plan", "even", "--data", str(tmp_path / "small.npz")), "takes (1, 8, 8) per row")
-    _one_line(_train(job, "--plan", "even", "--resume"), "--resume: no checkpoint in")
-    _one_line(_train(job, "--plan", "even", "--verify", engine="deepspeed"), "--verify runs on the torch engine")
+    _one_line(_train(torchrun, job, "--plan", "even", "--data", str(tmp_path / "small.npz")), "takes (1, 8, 8) per row")
+    _one_line(_train(torchrun, job, "--plan", "even", "--resume"), "--resume: no checkpoint in")
+    _one_line(_train(torchrun, job, "--plan", "even", "--verify", engine="deepspeed"), "--verify runs on the torch engine")
     (tmp_path / "plan.json").write_text(json.dumps({"boundaries": [0, 1, 3]}))
-    _one_line(_train(job, "--plan", str(tmp_path / "plan.json"), nproc=3), "launch with --nproc-per-node 2")
+    _one_line(_train(torchrun, job, "--plan", str(tmp_path / "plan.json"), nproc=3), "launch with --nproc-per-node 2")
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_ctrl_c_stops_cleanly_and_says_how_to_resume(jobs: dict[str, dict], nproc: int) -> None:
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(torchrun: Launcher, jobs: dict[str, dict], nproc: int) -> None:
     """Ctrl-C mid-run (SIGINT to the whole process group, as a terminal sends it; under torchrun the
     workers get torchrun's SIGTERM too): every rank stops, no traceback of ours, and rank 0 alone prints
     one line naming the newest checkpoint and the command that resumes from it; exit 130 without torchrun."""
@@ -234,13 +232,13 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(jobs: dict[str, dict], npro
     job = jobs["cnn"]
     run = job["root"] / f"interrupted{nproc}"
     run.mkdir(exist_ok=True)
-    head = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"] if nproc > 1 else [sys.executable]
     # a shell's background job ignores SIGINT, and Python then never raises KeyboardInterrupt: start
     # the job with SIGINT as a terminal leaves it, in a group of its own to signal as a terminal does
-    proc = subprocess.Popen([*head, str(job["root"] / "job" / "train_torch.py"), "--steps", "100000", "--plan", "even",
-                             "--ckpt-dir", str(run / "ckpt"), "--ckpt-every", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=run, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cmd = torchrun.command(job["root"] / "job" / "train_torch.py", "--steps", "100000", "--plan", "even",
+                           "--ckpt-dir", run / "ckpt", "--ckpt-every", "1", nproc=nproc)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run,
+                            env=torchrun.environ({"COLUMNS": "200"}), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stdout:  # type: ignore[union-attr]
         if line.startswith("step     3"):
             break
@@ -259,7 +257,9 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(jobs: dict[str, dict], npro
         assert proc.returncode != 0
 
 
-def test_deepspeed_resumes_and_exports_through_its_own_checkpoints(tmp_path: Path) -> None:
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_deepspeed_resumes_and_exports_through_its_own_checkpoints(torchrun: Launcher, tmp_path: Path) -> None:
     """Llama on DeepSpeed with the job's ds_config at ZeRO stage 1: a rank killed after step 2's
     checkpoint, then --resume from DeepSpeed's own checkpoint to step 4; the 4 losses equal unpipelined
     training's, and --export writes weights HF's from_pretrained loads, equal to the reference's."""
@@ -276,17 +276,13 @@ def test_deepspeed_resumes_and_exports_through_its_own_checkpoints(tmp_path: Pat
     cfg = ds_config(TrainConfig(microbatches=MICRO), rows=ROWS, dp=1)
     cfg["zero_optimization"] = {"stage": 1}
     (job / "ds_config.json").write_text(json.dumps(cfg))  # the job's own: read without --deepspeed_config
-    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", str(job / "train.py"),
-            "--steps", "4", "--lr", str(LR), "--grad-clip", "0", "--plan", "even", "--ckpt-dir", str(job / "ckpt"),
-            "--log-json", str(job / "log.json"), "--ckpt-every", "1"]
+    base = [job / "train.py", "--steps", "4", "--lr", LR, "--grad-clip", "0", "--plan", "even", "--ckpt-dir", job / "ckpt",
+            "--log-json", job / "log.json", "--ckpt-every", "1"]
     # tests/faults/sitecustomize.py makes rank 1 SIGKILL itself once DeepSpeed's checkpoint of step 2 is saved
-    faults = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPIPE_TEST_KILL_AT": "2:1",
-              "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(base, capture_output=True, text=True, timeout=300, env=faults, cwd=job)
+    proc = torchrun(*base, nproc=2, cwd=job, env={"AUTOPIPE_TEST_KILL_AT": "2:1"}, pythonpath=[Path(__file__).parent / "faults"],
+                    check=False)
     assert proc.returncode != 0
-    proc = subprocess.run([*base, "--resume", "--export", str(job / "exported")], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=job)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(*base, "--resume", "--export", job / "exported", nproc=2, cwd=job)
     assert "ZeRO 1" in proc.stdout and "resumed from" in proc.stdout and "at step 2" in proc.stdout
     assert sorted(p.name for p in (job / "ckpt").glob("step_*")) == ["step_00000003", "step_00000004"]  # DeepSpeed's tags, 2 kept
     source = model_factory(str(tmp_path / "llama"), batch_size=ROWS, seq_len=SEQ)
@@ -314,10 +310,9 @@ env.close()
 '''
 
 
-def test_an_error_only_another_rank_meets_is_rank_0_s_one_line(tmp_path: Path) -> None:
+@pytest.mark.distributed
+def test_an_error_only_another_rank_meets_is_rank_0_s_one_line(torchrun: Launcher, tmp_path: Path) -> None:
     """Rank 1 fails alone: rank 0, which only lost its peer, prints rank 1's line (from the store); no traceback."""
     (tmp_path / "fails.py").write_text(RANK1_FAILS)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-                           str(tmp_path / "fails.py")], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = torchrun(tmp_path / "fails.py", nproc=2, cwd=tmp_path, timeout=120, check=False)
     _one_line(proc, "rank 1: only rank 1 read this file: fix it")

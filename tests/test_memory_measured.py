@@ -15,20 +15,20 @@ records the figures for more configurations.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _launch import Launcher
 
 import autopipe
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # train.py under torchrun, twice
 
 ROWS, SEQ, MICRO, STEPS = 4, 128, 4, 4
 BOUND = 0.20  # measured / predicted 0.85-1.00, growth 0.96-1.13 over 4 runs here (module docstring)
 
 
-def _run(root: Path, folder: Path, prof, plan, name: str):
+def _run(torchrun: Launcher, root: Path, folder: Path, prof, plan, name: str):
     from autopipe.job.folder import JobSettings, emit
     from autopipe.report.steplog import compare, read_step_log
 
@@ -36,16 +36,12 @@ def _run(root: Path, folder: Path, prof, plan, name: str):
                            seq_len=SEQ, dtype="fp32")  # fmt: skip
     job = emit(root / name, settings=settings, profile=prof, plan=plan, baselines={})
     log = root / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(job.job_dir / "train.py"), "--steps", str(STEPS), "--log-json", str(log)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=job.job_dir, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    torchrun(job.job_dir / "train.py", "--steps", STEPS, "--log-json", log, nproc=2, cwd=job.job_dir)
     return compare(plan, read_step_log(log), warmup=1)
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory):
+def measured(torchrun: Launcher, tmp_path_factory: pytest.TempPathFactory):
     """One cut trained twice: 1F1B (2 and 1 micro-batches in flight) and GPipe (all 4 on both ranks)."""
     from transformers import GPT2Config
 
@@ -63,7 +59,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory):
                             reserve=runtime_reserve("cpu"))  # fmt: skip
     plan = autopipe.partition(prof, 2, microbatches=MICRO, schedule="1f1b")
     gpipe = autopipe.partition(prof, 2, microbatches=MICRO, schedule="gpipe", boundaries=plan.boundaries)
-    return {"1f1b": (plan, _run(root, folder, prof, plan, "1f1b")), "gpipe": (gpipe, _run(root, folder, prof, gpipe, "gpipe"))}
+    return {"1f1b": (plan, _run(torchrun, root, folder, prof, plan, "1f1b")),
+            "gpipe": (gpipe, _run(torchrun, root, folder, prof, gpipe, "gpipe"))}
 
 
 def test_each_rank_s_measured_peak_matches_the_plan(measured) -> None:

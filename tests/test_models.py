@@ -17,7 +17,7 @@ from autopipe.graph.sources import BUILTINS, load_model
 runner = CliRunner()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-70b", "bert-base", "t5-small", "vit-base"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama-70b", marks=pytest.mark.slow), "bert-base", "t5-small", "vit-base"])
 def test_builtins_flatten_on_meta(name: str) -> None:
     """Every family of built-in flattens on meta with one layer per block plus glue."""
     spec = load_model(name, device="meta", batch_size=1, seq_len=16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from autopipe.cli import app
@@ -23,6 +24,7 @@ def test_cli_estimate_prints_table_and_saves_json(tmp_path: Path) -> None:
     assert prof.mode == "estimated" and prof.model == "llama-tiny" and len(prof.layers) >= 4
 
 
+@pytest.mark.slow  # measures every layer, and the runtime reserve under torchrun if no test has yet
 def test_cli_measures_on_cpu_as_json(tmp_path: Path) -> None:
     """`profile ... --json` measures on the CPU and prints the profile as JSON."""
     out = tmp_path / "p.json"

@@ -9,9 +9,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _launch import Launcher
 from torch import nn
 
 import autopipe
@@ -229,14 +227,6 @@ PIPE_WORKER = textwrap.dedent('''
 ''')
 
 
-def _torchrun(nproc: int, *cmd: str, cwd: Path) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
-    proc = subprocess.run([*(launcher if nproc > 1 else [sys.executable]), *cmd], check=False, capture_output=True,
-                          text=True, timeout=300, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
 def _tiny_gpt2_folder(root: Path, dropout: float) -> Path:
     from transformers import GPT2Config
 
@@ -247,16 +237,17 @@ def _tiny_gpt2_folder(root: Path, dropout: float) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pipelined(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+def pipelined(torchrun: Launcher, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """Per rank: schedule/mode -> losses, gradients before each step, chunk modes, bytes held."""
     root = tmp_path_factory.mktemp("recompute-pp")
     folder = _tiny_gpt2_folder(root, dropout=0.1)
     (root / "worker.py").write_text(PIPE_WORKER)
-    _torchrun(2, str(root / "worker.py"), str(folder), str(root), *map(str, (STEPS, MICRO, PP_ROWS, PP_SEQ)),
-              json.dumps(SCHEDULES), cwd=root)
+    torchrun(root / "worker.py", folder, root, STEPS, MICRO, PP_ROWS, PP_SEQ, json.dumps(SCHEDULES), nproc=2, cwd=root)
     return {rank: torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_recomputation_runs_a_layer_once_more_per_backward_pass(pipelined: dict[int, dict[str, Any]], schedule: str,
@@ -272,6 +263,8 @@ def test_recomputation_runs_a_layer_once_more_per_backward_pass(pipelined: dict[
             assert calls == MICRO * (1 + passes), (chunk, calls)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_pipelined_recompute_matches_training_without_it(pipelined: dict[int, dict[str, Any]], schedule: str,
@@ -290,6 +283,8 @@ def test_pipelined_recompute_matches_training_without_it(pipelined: dict[int, di
         assert run["held"] < base["held"] / 5, (rank, run["held"], base["held"])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_pipelined_runs_draw_the_same_dropout_masks_on_every_layout(pipelined: dict[int, dict[str, Any]]) -> None:
     """Dropout is seeded per layer and micro-batch (MicrobatchSeeds): a V of 4 chunks and 2 plain
     stages, which run the layers in other orders, draw the same masks and lose the same."""
@@ -297,7 +292,9 @@ def test_pipelined_runs_draw_the_same_dropout_masks_on_every_layout(pipelined: d
         assert results["zbv/none"]["losses"] == pytest.approx(results["gpipe/none"]["losses"], abs=TOL), rank
 
 
-def test_train_script_recompute_flag_trains_like_the_unpipelined_model(tmp_path: Path) -> None:
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_train_script_recompute_flag_trains_like_the_unpipelined_model(torchrun: Launcher, tmp_path: Path) -> None:
     """train.py --recompute selective on ZBV (split backward), 2 ranks: --verify passes (every gradient
     of step 1 against the unpipelined model), the log names the mode, losses equal plain training."""
     from autopipe.job.script import write_train_script
@@ -310,9 +307,9 @@ def test_train_script_recompute_flag_trains_like_the_unpipelined_model(tmp_path:
     source = model_factory(str(folder), batch_size=PP_ROWS, seq_len=PP_SEQ)
     num_layers = len(build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1).seq.layers)
     (tmp_path / "plan.json").write_text(json.dumps({"boundaries": even_boundaries(num_layers, 4)}))  # a V: 2 chunks per rank
-    proc = _torchrun(2, str(tmp_path / "train.py"), "--steps", str(STEPS), "--lr", "1e-3", "--plan", str(tmp_path / "plan.json"),
-                     "--recompute", "selective", "--verify", "--ckpt-dir", str(tmp_path / "ckpt"),
-                     "--log-json", str(tmp_path / "log.json"), cwd=tmp_path)
+    proc = torchrun(tmp_path / "train.py", "--steps", STEPS, "--lr", "1e-3", "--plan", tmp_path / "plan.json",
+                    "--recompute", "selective", "--verify", "--ckpt-dir", tmp_path / "ckpt",
+                    "--log-json", tmp_path / "log.json", nproc=2, cwd=tmp_path)
     assert "verify:" in proc.stdout and "recompute selective selective selective selective" in proc.stdout
     logged = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "log.json").read_text().splitlines())}
 

@@ -8,14 +8,13 @@ Tiny model (6 blocks, width 32, 16 tokens) so the file runs in a few minutes on 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _factories import tiny_gpt2_job
+from _launch import Launcher
 
 from autopipe.runtime import (
     TokenData,
@@ -27,6 +26,8 @@ from autopipe.runtime import (
 from autopipe.runtime.checkpoint import latest_checkpoint
 from autopipe.runtime.layout import even_boundaries
 from autopipe.runtime.reference import ReferenceTrainer
+
+pytestmark = pytest.mark.slow  # every test starts train.py (most on several processes)
 
 STEPS, MICRO, ROWS, SEQ, LR = 4, 4, 2, 16, 1e-3
 TOL = 1e-5
@@ -78,22 +79,18 @@ def ref(job: Path, dp: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
     return _REFS[dp]
 
 
-def launch(job: Path, name: str, nproc: int, *flags: str, env: dict[str, str] | None = None,
-           plan: list[int] | None = None, check: bool = True) -> tuple[Path, subprocess.CompletedProcess]:
+def launch(torchrun: Launcher, job: Path, name: str, nproc: int, *flags: str, env: dict[str, str] | None = None,
+           pythonpath: list[Path] | None = None, plan: list[int] | None = None,
+           check: bool = True) -> tuple[Path, subprocess.CompletedProcess]:
     """Run train.py under torchrun (or plain python for one process); returns the run folder."""
     run = job / name
     run.mkdir(exist_ok=True)
     if plan is not None:
         (run / "plan.json").write_text(json.dumps({"boundaries": plan}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"] \
-        if nproc > 1 else [sys.executable]
-    cmd += [str(job / "train.py"), "--steps", str(STEPS), "--lr", str(LR), "--plan",
-            str(run / "plan.json") if plan is not None else "even",
-            "--ckpt-dir", str(run / "ckpt"), "--log-json", str(run / "log.json"), *flags]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=full_env, cwd=run)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(job / "train.py", "--steps", STEPS, "--lr", LR, "--plan",
+                    run / "plan.json" if plan is not None else "even",
+                    "--ckpt-dir", run / "ckpt", "--log-json", run / "log.json", *flags,
+                    nproc=nproc, cwd=run, env=env, pythonpath=pythonpath or (), timeout=RUN_TIMEOUT, check=check)
     return run, proc
 
 
@@ -128,18 +125,20 @@ def assert_matches_reference(run: Path, job: Path, dp: int = 1) -> None:
 
 # ---- distributed runs ---------------------------------------------------------------------------
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 2), ("1f1b", 2), ("interleaved1f1b", 4), ("zbv", 4)])
-def test_two_stage_pipeline_matches_single_process_training(job: Path, num_layers: int, schedule: str, chunks: int) -> None:
+def test_two_stage_pipeline_matches_single_process_training(torchrun: Launcher, job: Path, num_layers: int, schedule: str, chunks: int) -> None:
     """2 ranks: per-step losses and final weights equal plain training within 1e-5; with --check, every
     collective and stage input is on the rank's device and each step reads the device once."""
-    run, _ = launch(job, f"pp2-{schedule}", 2, "--schedule", schedule, "--check", plan=even_boundaries(num_layers, chunks))
+    run, _ = launch(torchrun, job, f"pp2-{schedule}", 2, "--schedule", schedule, "--check", plan=even_boundaries(num_layers, chunks))
     assert_matches_reference(run, job)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 4), ("1f1b", 4), ("interleaved1f1b", 8)])
-def test_four_stage_pipeline_matches_and_tied_copies_stay_equal(job: Path, num_layers: int, schedule: str, chunks: int) -> None:
+def test_four_stage_pipeline_matches_and_tied_copies_stay_equal(torchrun: Launcher, job: Path, num_layers: int, schedule: str, chunks: int) -> None:
     """4 ranks: matches plain training; wte/lm_head copies on the first and last rank are equal after every step."""
-    run, _ = launch(job, f"pp4-{schedule}", 4, "--schedule", schedule, "--ckpt-every", "1", "--ckpt-keep", "0",
+    run, _ = launch(torchrun, job, f"pp4-{schedule}", 4, "--schedule", schedule, "--ckpt-every", "1", "--ckpt-keep", "0",
                     plan=even_boundaries(num_layers, chunks))
     assert_matches_reference(run, job)
     steps = sorted((run / "ckpt").glob("step_*"))
@@ -152,24 +151,25 @@ def test_four_stage_pipeline_matches_and_tied_copies_stay_equal(job: Path, num_l
             assert torch.equal(c, copies[0]), ckpt.name
 
 
-def test_one_process_runs_all_stages_with_the_same_losses(job: Path, num_layers: int) -> None:
+def test_one_process_runs_all_stages_with_the_same_losses(torchrun: Launcher, job: Path, num_layers: int) -> None:
     """`python train.py` (no torchrun) trains the same plan in one process: same losses; --verify passes."""
-    run, proc = launch(job, "single", 1, "--verify", plan=even_boundaries(num_layers, 2))
+    run, proc = launch(torchrun, job, "single", 1, "--verify", plan=even_boundaries(num_layers, 2))
     assert "verify:" in proc.stdout
     assert_matches_reference(run, job)
 
 
-def test_killed_rank_resumes_exactly(job: Path, num_layers: int) -> None:
+@pytest.mark.distributed
+def test_killed_rank_resumes_exactly(torchrun: Launcher, job: Path, num_layers: int) -> None:
     """SIGKILL rank 1 after step 2's checkpoint; --resume gives steps 3-4 of an uninterrupted run."""
     plan = even_boundaries(num_layers, 2)
     # tests/faults/sitecustomize.py makes rank 1 SIGKILL itself once checkpoint 2 is complete
-    faults = {"AUTOPIPE_TEST_KILL_AT": "2:1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"),
-                                                                              os.environ.get("PYTHONPATH", "")])}
-    run, proc = launch(job, "killed", 2, "--ckpt-every", "1", env=faults, plan=plan, check=False)
+    faults = {"AUTOPIPE_TEST_KILL_AT": "2:1"}
+    run, proc = launch(torchrun, job, "killed", 2, "--ckpt-every", "1", env=faults,
+                       pythonpath=[Path(__file__).parent / "faults"], plan=plan, check=False)
     assert proc.returncode != 0
     assert sorted(p.name for p in (run / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_00000001", "step_00000002"]
     assert max(logged_losses(run)) == 2
-    run, proc = launch(job, "killed", 2, "--ckpt-every", "1", "--resume", "--export", str(job / "exported"), plan=plan)
+    run, proc = launch(torchrun, job, "killed", 2, "--ckpt-every", "1", "--resume", "--export", str(job / "exported"), plan=plan)
     assert "resumed from" in proc.stdout
     losses = logged_losses(run)
     ref_losses, ref_params = ref(job, 1)
@@ -182,22 +182,24 @@ def test_killed_rank_resumes_exactly(job: Path, num_layers: int) -> None:
         torch.testing.assert_close(p.detach(), ref_params[name], atol=TOL, rtol=0, msg=name)
 
 
-def test_deepspeed_pipeline_module_matches_single_process_training(job: Path, num_layers: int) -> None:
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_deepspeed_pipeline_module_matches_single_process_training(torchrun: Launcher, job: Path, num_layers: int) -> None:
     """--engine deepspeed: PipelineModule with TiedLayerSpec, cut at the plan's boundaries, matches too."""
     from autopipe.runtime.ds import ds_config
 
     # the job's ds_config.json as emit writes it, given with --deepspeed_config (the flags' batch sizes win)
     (job / "ds_config.json").write_text(json.dumps(ds_config(TrainConfig(microbatches=1), rows=1, dp=1)))
-    run, _proc = launch(job, "deepspeed", 2, "--engine", "deepspeed", "--check", "--deepspeed_config",
+    run, _proc = launch(torchrun, job, "deepspeed", 2, "--engine", "deepspeed", "--check", "--deepspeed_config",
                         str(job / "ds_config.json"), plan=even_boundaries(num_layers, 2))
     assert_matches_reference(run, job)
 
 
-@pytest.mark.parametrize("dtype,nproc", [("bf16", 2), ("fp16", 1)])
-def test_mixed_precision_trains_close_to_fp32_with_fp32_master_weights(job: Path, num_layers: int, dtype: str, nproc: int) -> None:
+@pytest.mark.parametrize("dtype,nproc", [pytest.param("bf16", 2, marks=pytest.mark.distributed), ("fp16", 1)])
+def test_mixed_precision_trains_close_to_fp32_with_fp32_master_weights(torchrun: Launcher, job: Path, num_layers: int, dtype: str, nproc: int) -> None:
     """--dtype bf16|fp16: --verify passes against the reference under the same autocast; losses stay
     near fp32 training; master weights (checkpointed) stay fp32."""
-    run, proc = launch(job, f"amp-{dtype}", nproc, "--dtype", dtype, "--verify", plan=even_boundaries(num_layers, 2))
+    run, proc = launch(torchrun, job, f"amp-{dtype}", nproc, "--dtype", dtype, "--verify", plan=even_boundaries(num_layers, 2))
     assert "verify:" in proc.stdout
     losses = logged_losses(run)
     ref_losses, _ = ref(job)

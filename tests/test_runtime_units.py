@@ -162,6 +162,7 @@ def _peak_growth(which: str) -> tuple[int, int]:
     return int(growth), int(share)
 
 
+@pytest.mark.slow  # two fresh processes
 def test_peak_memory_per_rank_is_its_share_not_the_whole_model() -> None:
     """Building rank 1 of 4 peaks at its own parameters plus tracing overhead, not the whole model."""
     whole, model_bytes = _peak_growth("whole")
@@ -198,6 +199,7 @@ def test_token_data_is_a_function_of_seed_and_step(tmp_path: Path) -> None:
         TokenData(text, vocab_size=50, seq_len=8)
 
 
+@pytest.mark.slow  # runs train.py --help in a process
 def test_write_train_script_fills_settings_and_refuses_bad_ones(tmp_path: Path) -> None:
     """The script compiles, carries the job's settings at the top, and bad settings fail early."""
     path = write_train_script(tmp_path, model="gpt2", stages=4, microbatches=8, schedule="1f1b",

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from _factories import tiny_gpt2_job
+from _launch import Launcher, free_port
 
 from autopipe.job.script import write_train_script
 from autopipe.runtime import (
@@ -89,19 +90,16 @@ def reference(job: Path) -> tuple[list[float], list[float], dict[str, torch.Tens
     return _REF["value"]  # type: ignore[return-value]
 
 
-def launch(job: Path, name: str, nproc: int, *flags: str, ckpt: Path | None = None,
+def launch(torchrun: Launcher, job: Path, name: str, nproc: int, *flags: str, ckpt: Path | None = None,
            plan: str = "plan.json", ddp_probe: bool = False) -> tuple[Path, subprocess.CompletedProcess]:
     run = job / name
     run.mkdir(exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_GRADS_AT": "norm",
-           "PYTHONPATH": os.pathsep.join([str(PROBES), os.environ.get("PYTHONPATH", "")])}
+    env = {"AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_GRADS_AT": "norm"}
     if ddp_probe:  # record each DDP bucket's all-reduce (tests/probes): the same all-reduce, through a comm hook
         env["AUTOPIPE_TEST_DDP"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-           str(job / "train.py"), "--steps", str(STEPS), "--lr", str(LR), "--grad-clip", str(CLIP),
-           "--plan", str(job / plan), "--ckpt-dir", str(ckpt or run / "ckpt"), "--log-json", str(run / "log.json"), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=run)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(job / "train.py", "--steps", STEPS, "--lr", LR, "--grad-clip", CLIP, "--plan", job / plan,
+                    "--ckpt-dir", ckpt or run / "ckpt", "--log-json", run / "log.json", *flags,
+                    nproc=nproc, cwd=run, env=env, pythonpath=[PROBES])
     return run, proc
 
 
@@ -112,8 +110,10 @@ def logged(run: Path, key: str) -> dict[int, float]:
 # ZeRO 0/1 run on DistributedDataParallel under whole-backward schedules (0 on interleaved1f1b: two
 # DDP chunks per rank; 1 on 1f1b: DDP + ZeroRedundancyOptimizer) and on replicate under zbv (1:
 # replicate + ZeroRedundancyOptimizer over its DTensors); ZeRO 2/3 on FSDP2 (3 on 1f1b, 2 on zbv)
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("zero,schedule", [(0, "interleaved1f1b"), (1, "1f1b"), (3, "1f1b"), (1, "zbv"), (2, "zbv")])
-def test_dp2_x_pp2_equals_one_model_on_the_global_batch(job: Path, zero: int, schedule: str) -> None:
+def test_dp2_x_pp2_equals_one_model_on_the_global_batch(torchrun: Launcher, job: Path, zero: int, schedule: str) -> None:
     """--dp 2 --zero K on 2 stages: losses, gradient norms, every first-step gradient (before clipping)
     and the final weights equal plain training on the global batch within 1e-5; ZeRO 0 under --check
     (every collective on the rank's device); ZeRO 3 also exports weights from_pretrained loads; the
@@ -124,7 +124,7 @@ def test_dp2_x_pp2_equals_one_model_on_the_global_batch(job: Path, zero: int, sc
     if zero == 3:
         flags += ["--export", str(job / "exported3")]
     name = f"zero{zero}" if schedule == "1f1b" else f"zero{zero}-{schedule}"
-    run, proc = launch(job, name, 2 * DP, *flags, plan="plan.json" if schedule == "1f1b" else "plan_v.json",
+    run, proc = launch(torchrun, job, name, 2 * DP, *flags, plan="plan.json" if schedule == "1f1b" else "plan_v.json",
                        ddp_probe=zero == 0)
     assert f"ZeRO {zero}" in proc.stdout
     ref_losses, ref_norms, ref_grads, ref_weights, tensor_of = reference(job)
@@ -175,18 +175,20 @@ def _assert_reduced_during_backward(run: Path) -> None:
             assert max(counts) >= 2, (rank, step, counts)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("zero", [1, 3])
-def test_sharded_checkpoint_resumes_on_one_replica(job: Path, zero: int) -> None:
+def test_sharded_checkpoint_resumes_on_one_replica(torchrun: Launcher, job: Path, zero: int) -> None:
     """A checkpoint of step 1 saved by dp 2 under ZeRO K (sharded AdamW state, and parameters for 3)
     resumes on dp 1 (the same global batch as twice the micro-batches) to steps 2-3 of the uninterrupted run."""
     saved = job / f"zero{zero}" / "ckpt"
     if not saved.is_dir():
-        launch(job, f"zero{zero}", 2 * DP, "--dp", str(DP), "--zero", str(zero), "--ckpt-every", "1", "--ckpt-keep", "0")
+        launch(torchrun, job, f"zero{zero}", 2 * DP, "--dp", str(DP), "--zero", str(zero), "--ckpt-every", "1", "--ckpt-keep", "0")
     ckpt = job / f"resume{zero}-ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
     ckpt.mkdir()
     shutil.copytree(saved / "step_00000001", ckpt / "step_00000001")
-    run, proc = launch(job, f"resume{zero}", 2, "--dp", "1", "--zero", str(zero), "--microbatches", str(MICRO * DP),
+    run, proc = launch(torchrun, job, f"resume{zero}", 2, "--dp", "1", "--zero", str(zero), "--microbatches", str(MICRO * DP),
                        "--resume", ckpt=ckpt)
     assert "resumed from" in proc.stdout and "at step 1" in proc.stdout
     ref_losses, ref_norms, *_ = reference(job)
@@ -203,14 +205,13 @@ def _one_line(proc: subprocess.CompletedProcess, expected: str) -> None:
     assert "Traceback" not in out, out[-3000:]
 
 
-def test_bad_zero_is_one_line(job: Path, tmp_path: Path) -> None:
+@pytest.mark.slow  # two train.py processes
+def test_bad_zero_is_one_line(torchrun: Launcher, job: Path, tmp_path: Path) -> None:
     """--zero 5, and --zero 2 on DeepSpeed's pipeline engine: one line each, exit 1."""
-    base = [sys.executable, str(job / "train.py"), "--steps", "1", "--plan", str(job / "plan.json"), "--ckpt-dir", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    _one_line(subprocess.run([*base, "--zero", "5"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path),
-              "--zero 5: use 0")
-    _one_line(subprocess.run([*base, "--zero", "2", "--engine", "deepspeed"], capture_output=True, text=True, timeout=120,
-                             env=env, cwd=tmp_path), "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only")
+    base = [job / "train.py", "--steps", "1", "--plan", job / "plan.json", "--ckpt-dir", tmp_path]
+    _one_line(torchrun(*base, "--zero", "5", nproc=1, cwd=tmp_path, timeout=120, check=False), "--zero 5: use 0")
+    _one_line(torchrun(*base, "--zero", "2", "--engine", "deepspeed", nproc=1, cwd=tmp_path, timeout=120, check=False),
+              "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only")
 
 
 def test_the_job_takes_dp_and_zero_from_the_plan(tmp_path: Path) -> None:
@@ -253,16 +254,12 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # a process of its own with a real DDP
 def test_a_parameter_no_forward_uses_is_one_line_under_ddp(tmp_path: Path) -> None:
     """DDP runs without find_unused_parameters (it breaks non-reentrant recompute), so a chunk holding
     a parameter its forward never reads fails at the next forward with DDP's paragraph; the trainer
     turns exactly that error into one line saying what to do (torch's real error, from a real DDP)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORT": str(port)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORT": str(free_port())}
     done = subprocess.run([sys.executable, "-c", _UNUSED], capture_output=True, text=True, timeout=120, env=env,
                           cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

@@ -112,9 +112,16 @@ def profile(
     state are the same afterwards.
 
     Example:
-        >>> seq = autopipe.flatten(model, (ids,))
-        >>> prof = autopipe.profile(seq, (ids,), repeats=5)
-        >>> prof.layers[1].forward_time, prof.layers[1].activation_bytes
+        >>> import torch, autopipe
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        >>> x = torch.randn(4, 8)
+        >>> seq = autopipe.flatten(model, (x,))
+        >>> prof = autopipe.profile(seq, (x,), repeats=5, progress=False)
+        >>> prof.layers[1].forward_time > 0  # seconds per micro-batch, measured
+        True
+        >>> # backward keeps the first Linear's input and Tanh's output (the last Linear reads that same tensor)
+        >>> [layer.activation_bytes for layer in prof.layers]
+        [128, 256, 0]
     """
     layers = list(seq.layers)
     run = _Run.resolve(layers, device=device, dtype=dtype, autocast=autocast, mixed_precision=mixed_precision,

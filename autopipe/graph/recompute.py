@@ -190,8 +190,14 @@ def run_layer(layer: nn.Module, x: Any, mode: str, *, on_keep: KeepHook | None =
     evaluation) nothing is kept, so every mode runs the layer plainly.
 
     Example:
-        >>> y = run_layer(block, (hidden, mask), "selective")
-        >>> y[0].sum().backward()  # recomputes the block's pointwise ops, reuses its matmul outputs
+        >>> import torch
+        >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        >>> x = torch.randn(2, 8, requires_grad=True)
+        >>> run_layer(block, x, "selective").sum().backward()  # recomputes the GELU, keeps the matmul's output
+        >>> recomputed, x.grad = x.grad, None
+        >>> block(x).sum().backward()
+        >>> torch.allclose(recomputed, x.grad)
+        True
     """
     if mode == "none" or not torch.is_grad_enabled():
         return layer(x)
@@ -219,8 +225,21 @@ def shared_recompute() -> contextlib.AbstractContextManager[Any]:
     weight pass do, so they are wrapped separately. A no-op where torch has no ``GraphExecGroup``.
 
     Example:
-        >>> with shared_recompute():
-        ...     stage_backward_weight(chunk.parameters(), param_groups)
+        >>> import torch
+        >>> class TwoHeads(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        ...     def forward(self, x):
+        ...         return self.a(x), self.b(x)
+        >>> layer, runs = TwoHeads(), []
+        >>> hook = layer.register_forward_pre_hook(lambda *_: runs.append(1))
+        >>> ya, yb = run_layer(layer, torch.randn(2, 4, requires_grad=True), "full")
+        >>> with shared_recompute():  # one backward call per weight group, as a weight pass makes them
+        ...     grads_a = torch.autograd.grad(ya.sum(), list(layer.a.parameters()))
+        ...     grads_b = torch.autograd.grad(yb.sum(), list(layer.b.parameters()))
+        >>> len(runs)  # the forward, then one recomputation for both calls (not one each)
+        2
     """
     group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
     return group() if group is not None else contextlib.nullcontext()

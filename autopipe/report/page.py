@@ -11,8 +11,15 @@ It shows, for a Plan (and its Profile when there is one):
 Nothing is fetched when it is opened: no external stylesheet, font, script or image.
 
 Example:
+    >>> from autopipe.costs.layer_costs import Profile
+    >>> from autopipe.planner import compare_baselines, partition
+    >>> profile = Profile.from_costs([1, 4, 4, 4, 4, 3])
+    >>> plan = partition(profile, 3)
     >>> html = render_report(plan, profile, baselines=compare_baselines(profile, plan))
+    >>> html[:15]
+    '<!DOCTYPE html>'
     >>> write_report("jobs/gpt2/report.html", plan, profile)
+    PosixPath('jobs/gpt2/report.html')
 """
 
 from __future__ import annotations

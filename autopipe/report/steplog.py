@@ -6,10 +6,22 @@ step time and each rank's largest peak, over the steps after warm-up (the first 
 for the schedule's shape exchange and the optimizer's state allocation), with the spread of the
 step times so a person can see how noisy the machine was.
 
-Example:
-    >>> cmp = compare(plan, read_step_log("jobs/gpt2/log.json"))
+Example (a log of 3 steps, as ``train.py --log-json log.json`` writes it, for a plan of 2 ranks):
+    >>> import json
+    >>> from autopipe.costs.layer_costs import Profile
+    >>> from autopipe.planner import partition
+    >>> plan = partition(Profile.from_costs([0.01, 0.04, 0.04, 0.03], param_bytes=[4 << 20, 8 << 20, 8 << 20, 4 << 20]),
+    ...                  2, microbatches=4)
+    >>> round(plan.step_time, 2), [m >> 20 for m in plan.rank_memory]  # seconds; MiB per rank
+    (0.33, [48, 48])
+    >>> steps = [(1, 0.9, [30, 30]), (2, 0.34, [49, 46]), (3, 0.345, [47, 46.5])]  # seconds, MiB per rank
+    >>> with open("log.json", "w") as f:
+    ...     for step, seconds, mib in steps:
+    ...         peaks = [int(m * 2**20) for m in mib]
+    ...         print(json.dumps({"step": step, "step_time": seconds, "peak_memory": peaks}), file=f)
+    >>> cmp = compare(plan, read_step_log("log.json"))  # step 1 is warm-up: left out
     >>> round(cmp.step_ratio, 2), [round(r, 2) for r in cmp.memory_ratios]
-    (1.04, [0.97, 1.02])
+    (1.04, [1.02, 0.97])
 """
 
 from __future__ import annotations

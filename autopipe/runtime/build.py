@@ -232,9 +232,11 @@ def build_stage(
             ``stage_recompute`` when it has one, else none. Works with every schedule.
 
     Example:
-        >>> b = build_stage(make_gpt2, (ids,), {"labels": ids}, [0, 3, 6], pp_rank=1, pp_size=2)
-        >>> [c.layer_range for c in b.chunks]
-        [(3, 6)]
+        >>> def make_model():
+        ...     return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+        >>> b = build_stage(make_model, (torch.randn(2, 8),), {}, [0, 3, 6], pp_rank=1, pp_size=2)
+        >>> [c.layer_range for c in b.chunks], sorted(b.params)[:2]  # rank 1 builds layers 3-5, and only them
+        ([(3, 6)], ['3.bias', '3.weight'])
     """
     from ..graph.flattener import flatten
 

@@ -32,8 +32,16 @@ class SequenceModel:
     ``get_parameter``), so it stands in for the model in :class:`ReferenceTrainer`.
 
     Example:
-        >>> ref = SequenceModel.build_from(source.factory, source.args, source.kwargs, seed=0)
-        >>> trainer = ReferenceTrainer(ref, TrainConfig(microbatches=4))
+        >>> from autopipe.runtime.build import build_reference
+        >>> from autopipe.runtime.tasks import make_loss
+        >>> def make_model():
+        ...     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        >>> x = torch.randn(8, 8)
+        >>> ref = SequenceModel.build_from(make_model, (x[:2],), {}, seed=0)  # one micro-batch: 2 rows
+        >>> torch.allclose(ref(x[:2]), build_reference(make_model, seed=0)(x[:2]))  # the model's outputs, same weights
+        True
+        >>> trainer = ReferenceTrainer(ref, TrainConfig(microbatches=4), loss_fn=make_loss("mse"))
+        >>> loss = trainer.step((x,), {}, torch.randn(8, 1))  # 4 micro-batches of 2 rows, one AdamW step
     """
 
     def __init__(self, build: Any) -> None:

@@ -25,8 +25,9 @@ get ``ASSUMED_CUDA_RESERVE``.
     python -m autopipe.runtime.reserve --device cpu --model llama-7b --dtype bf16
 
 Example:
-    >>> runtime_reserve("cpu")     # bytes; measured the first time (about 20 s), cached after
-    29360128
+    >>> reserve = runtime_reserve("cpu")  # bytes; measured the first time (about 20 s), cached after
+    >>> 16 << 20 < reserve < 128 << 20    # tens of MiB on a CPU (the figures above), this machine's own
+    True
 """
 
 from __future__ import annotations
@@ -179,9 +180,11 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
     import torch
     from transformers import GPT2Config
 
-    import autopipe
-    from autopipe.graph.sources import load_model
-    from autopipe.planner.memory import rank_memory
+    from ..costs.profiler import profile
+    from ..graph.flattener import flatten
+    from ..graph.sources import load_model
+    from ..planner.memory import rank_memory
+    from ..planner.partitioner import partition
 
     ranks = 1 if device == "cuda" else 2
     small = probe_config(config) if config is not None else None
@@ -196,14 +199,14 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
         torch.set_num_threads(1)  # as each rank runs
         try:
             spec = load_model(str(root / "model"), device=device, batch_size=_ROWS, seq_len=_SEQ, dropout=0.0)
-            seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)
+            seq = flatten(spec.model, spec.args, spec.kwargs, validate=False)
             autocast = None if dtype == "fp32" else PRECISIONS[dtype]  # fp32: no autocast
-            prof = autopipe.profile(seq, spec.args, spec.kwargs, repeats=1, warmup=0, progress=False, reserve=0,
-                                    autocast=autocast)  # fmt: skip
+            prof = profile(seq, spec.args, spec.kwargs, repeats=1, warmup=0, progress=False, reserve=0,
+                           autocast=autocast)  # fmt: skip
         finally:
             torch.set_num_threads(threads)
         del seq, spec
-        plan = autopipe.partition(prof, stages=ranks, microbatches=_MICRO, schedule="1f1b")
+        plan = partition(prof, stages=ranks, microbatches=_MICRO, schedule="1f1b")
         plan.save(root / "plan.json")
         predicted = rank_memory(prof, plan.boundaries, stage_ranks=plan.stage_ranks, inflight=plan.stage_inflight,
                                 microbatches=plan.microbatches, reserve=0)  # fmt: skip
@@ -222,16 +225,22 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
 
 def _worker(root: Path, dtype: str) -> None:
     """One probe rank: train the planned cut a few steps and write its largest peak after warm-up."""
-    import autopipe.runtime as rt
+    from .build import build_stage
+    from .data import TokenData
+    from .distenv import init_dist
+    from .factory import model_factory
+    from .layout import load_plan
+    from .optim import TrainConfig
+    from .trainer import Trainer
 
-    source = rt.model_factory(str(root / "model"), batch_size=_ROWS, seq_len=_SEQ)
-    env = rt.init_dist(dp=1)
+    source = model_factory(str(root / "model"), batch_size=_ROWS, seq_len=_SEQ)
+    env = init_dist(dp=1)
     try:
-        plan = rt.load_plan(root / "plan.json")
-        build = rt.build_stage(source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank,
-                               pp_size=env.pp_size, schedule="1f1b", device=env.device)  # fmt: skip
-        trainer = rt.Trainer(build, env, rt.TrainConfig(steps=_STEPS, microbatches=_MICRO, dtype=dtype))
-        data = rt.TokenData(None, vocab_size=source.vocab_size, seq_len=_SEQ)
+        plan = load_plan(root / "plan.json")
+        build = build_stage(source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank,
+                            pp_size=env.pp_size, schedule="1f1b", device=env.device)  # fmt: skip
+        trainer = Trainer(build, env, TrainConfig(steps=_STEPS, microbatches=_MICRO, dtype=dtype))
+        data = TokenData(None, vocab_size=source.vocab_size, seq_len=_SEQ)
         peak = 0
         rows = _ROWS * _MICRO
         for step in range(_STEPS):

@@ -180,8 +180,13 @@ class JobData:
         seq_len: tokens per row for token tasks.
 
     Example:
-        >>> data = JobData(rt.model_factory("gpt2", batch_size=2, seq_len=64), "tokens.bin", seq_len=64)
+        >>> import numpy as np
+        >>> from autopipe.runtime.factory import model_factory
+        >>> np.arange(5000, dtype=np.uint16).tofile("tokens.bin")  # a token file, as nanoGPT writes them
+        >>> data = JobData(model_factory("gpt2", batch_size=2, seq_len=64), "tokens.bin", seq_len=64)
         >>> args, kwargs, target = data.batch(step=0, rows=8)
+        >>> args[0].shape, sorted(kwargs), target  # GPT-2 takes its labels and computes its own loss: no target
+        (torch.Size([8, 64]), ['labels', 'use_cache'], None)
     """
 
     def __init__(self, source: Any, data: str | None, *, seq_len: int, seed: int = 0, seq: Any = None) -> None:

@@ -66,11 +66,19 @@ class StepStats:
 class Trainer:
     """Trains this rank's chunks as part of the whole pipeline.
 
-    Example:
+    Example (one process running every stage; under torchrun each rank runs the same lines):
+        >>> from autopipe.runtime import build_reference, build_stage, init_dist, make_loss
+        >>> def make_model():
+        ...     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        >>> x, y = torch.randn(8, 8), torch.randn(8, 1)
         >>> env = init_dist(dp=1)
-        >>> build = build_stage(make_model, (ids,), {"labels": ids}, plan, pp_rank=env.pp_rank, pp_size=env.pp_size)
-        >>> trainer = Trainer(build, env, TrainConfig(steps=10, microbatches=4))
-        >>> stats = trainer.step((batch,), {"labels": batch})
+        >>> build = build_stage(make_model, (x[:2],), {}, [0, 2, 3], pp_rank=env.pp_rank, pp_size=env.pp_size)
+        >>> trainer = Trainer(build, env, TrainConfig(steps=10, microbatches=4), loss_fn=make_loss("mse"))
+        >>> stats = trainer.step((x,), {}, y)
+        >>> expected = torch.nn.functional.mse_loss(build_reference(make_model, seed=0)(x), y).item()
+        >>> stats.step, abs(stats.loss - expected) < 1e-6  # the first step's loss is the whole model's
+        (1, True)
+        >>> env.close()
     """
 
     def __init__(

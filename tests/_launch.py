@@ -1,0 +1,116 @@
+"""The one launcher the tests start real processes with: a script on N processes under torchrun (plain
+python for one), its output captured and shown when it fails. conftest.py hands it out as the
+``torchrun`` fixture."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence, Union
+
+import pytest
+
+__all__ = ["Launcher", "free_port"]
+
+Arg = Union[str, "os.PathLike[str]", int, float]
+TAIL = 3000  # characters of each stream a failure shows
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the OS picks it), for a process group a test sets up itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc; elsewhere none are found and only ``pid`` is killed)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (name)": state, ppid
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        out += below
+        todo += below
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it: torchrun starts each rank in a session of its own,
+    so killing its process group would leave the ranks running (and holding the output pipes open)."""
+    for p in [*_descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _tail(text: str | bytes | None) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-TAIL:]
+
+
+class Launcher:
+    """``launcher(script, *args, nproc=2, cwd=...)`` runs ``script`` on ``nproc`` processes and returns
+    the CompletedProcess (text stdout and stderr).
+
+    2 or more processes run under ``torchrun --standalone``: its rendezvous takes a free port and it
+    gives the workers a free MASTER_PORT, so runs never collide on a port. One process runs as
+    ``python script`` with a free MASTER_PORT in its environment (for a script that sets up a group
+    itself). Every process gets ``OMP_NUM_THREADS=1``: the machine is shared. ``check`` fails the
+    test on a non-zero exit with the command and the tail of both streams; a run past ``timeout``
+    is killed with every process it started (no rank is left behind) and fails the same way.
+    """
+
+    def __init__(self, timeout: float = 300) -> None:
+        self.timeout = timeout
+
+    def command(self, script: Arg, *args: Arg, nproc: int = 2) -> list[str]:
+        head = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"] \
+            if nproc > 1 else [sys.executable]
+        return [*head, str(script), *map(str, args)]
+
+    def environ(self, env: Mapping[str, str] | None = None, *, pythonpath: Sequence[Arg] = ()) -> dict[str, str]:
+        """This process's environment, one thread per process, ``env`` on top, ``pythonpath`` folders
+        put first on PYTHONPATH (a test's sitecustomize probes, say)."""
+        out = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        if pythonpath:
+            out["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), os.environ.get("PYTHONPATH", "")])
+        return out
+
+    def __call__(self, script: Arg, *args: Arg, nproc: int = 2, cwd: Arg, env: Mapping[str, str] | None = None,
+                 pythonpath: Sequence[Arg] = (), timeout: float | None = None,
+                 check: bool = True) -> subprocess.CompletedProcess:
+        cmd = self.command(script, *args, nproc=nproc)
+        full_env = self.environ(env, pythonpath=pythonpath)
+        if nproc == 1:
+            full_env.setdefault("MASTER_PORT", str(free_port()))
+        limit = timeout or self.timeout
+        proc = subprocess.Popen(cmd, cwd=Path(cwd), env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        timed_out = False
+        try:
+            out, err = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:  # Ctrl-C in pytest: no rank is left running
+            _kill_tree(proc.pid)
+            proc.communicate()
+            raise
+        if timed_out:
+            _kill_tree(proc.pid)
+            out, err = proc.communicate()
+            pytest.fail(f"{' '.join(cmd)}\nran past {limit:g} s and was killed with every rank\n"
+                        f"---- stdout\n{_tail(out)}\n---- stderr\n{_tail(err)}", pytrace=False)
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        if check and done.returncode != 0:
+            pytest.fail(f"{' '.join(cmd)}\nexited {done.returncode}\n---- stdout\n{_tail(out)}\n---- stderr\n{_tail(err)}",
+                        pytrace=False)
+        return done
