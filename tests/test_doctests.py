@@ -21,7 +21,6 @@ PACKAGE = Path(autopipe.__file__).parent
 # modules whose examples start processes or profile a real model, with the reason
 SLOW = {
     "autopipe.runtime.reserve": "measures the runtime reserve: a probe trained under torchrun (about 20 s) unless cached",
-    "autopipe.job.converter": "profiles GPT-2 on the CPU and writes a job folder",
 }
 
 MODULES = ["autopipe", *sorted(m.name for m in pkgutil.walk_packages(autopipe.__path__, "autopipe."))]
