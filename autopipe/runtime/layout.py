@@ -22,7 +22,7 @@ from typing import Any
 from ..choices import PLACEMENTS
 from ..errors import PartitionError, RecordError
 
-__all__ = ["SCHEDULES", "ChunkLayout", "even_boundaries", "load_plan", "schedule_name", "schedule_style"]
+__all__ = ["SCHEDULES", "ChunkLayout", "even_boundaries", "load_plan", "plan_placement", "schedule_name", "schedule_style"]
 
 # Canonical names of the schedules torch.distributed.pipelining provides, lower-case key -> name.
 SCHEDULES = {
@@ -183,3 +183,17 @@ def load_plan(path: str | os.PathLike[str]) -> Any:
     from ..planner.plan import Plan
 
     return Plan.from_dict(data)
+
+
+def plan_placement(path: str | os.PathLike[str]) -> str:
+    """The placement plan.json at ``path`` numbers its ranks by ("pipeline-inner" for ``even``, for
+    plans without one, and for a file ``load_plan`` will refuse: read before the process group
+    exists, which needs it, while what is wrong with the file is ``load_plan``'s to say, once every
+    rank can report it in one line)."""
+    if str(path) == "even":
+        return "pipeline-inner"
+    try:
+        value = json.loads(Path(path).read_text()).get("placement", "pipeline-inner")
+    except (OSError, ValueError, AttributeError):
+        return "pipeline-inner"
+    return value if value in PLACEMENTS else "pipeline-inner"

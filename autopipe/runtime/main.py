@@ -19,8 +19,10 @@ Under torchrun, torchrun adds its own summary of the failed processes after the 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +57,7 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         _leave_alone()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving already: torchrun's stop must not cut the line
         if issubclass(kind, KeyboardInterrupt):
             # torchrun stops the others with SIGTERM when a rank fails: then say why, not "interrupted"
             word = _find_word() if _rank() == 0 else None
@@ -80,6 +83,8 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 _announce_failure()
             else:  # usually rank 0 fails the same way; if not, it finds this rank's line in the store
                 _leave_word(message)
+                if _store() is None:  # before the process group: no store, and torchrun stops rank 0
+                    time.sleep(2)  # when this rank exits, before it says its (same) line: let it say it
             # leave at once: a rank waiting in a collective would otherwise hold the others until it times out
             os._exit(1)
         if any(s in str(value) for s in _PEER_GONE):
@@ -102,8 +107,6 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
     sys.excepthook = hook
     # torchrun answers Ctrl-C by sending its workers SIGTERM, which would end them without a word
     # (and may come first): a stop either way, the same clean one
-    import signal
-
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
