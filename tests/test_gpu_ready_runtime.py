@@ -386,6 +386,18 @@ def test_a_plan_on_two_nodes_gets_multi_node_launch_lines_and_an_sbatch_script(t
     assert one.launch.startswith("torchrun --nproc-per-node 16 ") and not (one.job_dir / "train.sbatch").exists()
 
 
+def test_the_wrong_process_count_on_a_multi_node_plan_says_the_nodes() -> None:
+    """A 2-node plan (8 stages x 2 replicas, 8 per node) launched with 4 processes per replica: the
+    line names the torchrun counts that fit, nodes included."""
+    from types import SimpleNamespace
+
+    from autopipe.runtime import check_launch
+
+    plan = SimpleNamespace(stages=8, gpus_per_node=8)
+    with pytest.raises(AutopipeError, match="launch with --nnodes 2 --nproc-per-node 8 with --dp 2"):
+        check_launch(plan, 4, 2)
+
+
 def test_convert_settings_check_the_node_size() -> None:
     """--gpus-per-node with --stages sets the job's nodes: a world that is no whole number of nodes is one line."""
     from autopipe.job.settings import ConvertSettings

@@ -226,9 +226,12 @@ def check_launch(plan: Any, pp_size: int, dp_size: int, *, plan_path: str = "pla
             f"--nproc-per-node {' or '.join(str(s * dp_size) for s in fits)}{_dp(dp_size)}."
         )
     if stages != pp_size:
+        world, per = stages * dp_size, int(getattr(plan, "gpus_per_node", 0) or 0)
+        how = f"--nnodes {world // per} --nproc-per-node {per}" if per and world > per and world % per == 0 \
+            else f"--nproc-per-node {world}"  # the plan's nodes, when it spans several
         raise AutopipeError(
             f"{plan_path} has {stages} stages but {pp_size * dp_size} processes were launched "
-            f"({pp_size} per replica{_dp(dp_size)}): launch with --nproc-per-node {stages * dp_size}{_dp(dp_size)}."
+            f"({pp_size} per replica{_dp(dp_size)}): launch with {how}{_dp(dp_size)}."
         )
 
 
