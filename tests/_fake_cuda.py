@@ -85,6 +85,13 @@ class StandInCuda:
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         self.calls.append(("reset_peak_memory_stats", self._index(device)))
 
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        self.calls.append(("memory_stats", self._index(device)))
+        return {}
+
+    def get_device_name(self, device: Any = None) -> str:
+        return "Stand-in GPU"
+
     def get_rng_state(self, device: Any = "cuda") -> torch.Tensor:
         return self.rng[self._index(device)].clone()
 
@@ -98,7 +105,7 @@ class StandInCuda:
         """Put the stand-in's functions on ``torch.cuda`` for the test (monkeypatch undoes it)."""
         for name in ("is_available", "is_initialized", "device_count", "set_device", "current_device",
                      "get_device_properties", "synchronize", "mem_get_info", "memory_allocated", "memory_reserved",
-                     "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats", "get_rng_state",
-                     "set_rng_state"):
+                     "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats", "memory_stats",
+                     "get_device_name", "get_rng_state", "set_rng_state"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
         return self
