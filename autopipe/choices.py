@@ -1,12 +1,12 @@
 """The names a user picks from, each table written once: training precisions, engines, recompute
-modes and policies, ZeRO stages. No torch: the planner, the CLI, convert and the runtime read the
+modes and policies, ZeRO stages, rank placements. No torch: the planner, the CLI, convert and the runtime read the
 same tables, so a new choice is added in one place."""
 
 from __future__ import annotations
 
 from .errors import AutopipeError
 
-__all__ = ["PRECISIONS", "ENGINES", "RECOMPUTE_MODES", "RECOMPUTE_POLICIES", "ZERO_STAGES", "precision"]
+__all__ = ["PRECISIONS", "ENGINES", "RECOMPUTE_MODES", "RECOMPUTE_POLICIES", "ZERO_STAGES", "PLACEMENTS", "world_rank", "precision"]
 
 # Training precision -> the torch dtype its matmuls run in (autocast; weights and optimizer state
 # stay fp32). The profile measures the same.
@@ -26,6 +26,25 @@ RECOMPUTE_POLICIES = ("none", "auto", "selective", "full")
 # Data-parallel sharding across a stage's replicas: 0 replicate, 1 + optimizer state, 2 + gradients,
 # 3 + parameters.
 ZERO_STAGES = (0, 1, 2, 3)
+
+# How a (stages x replicas) layout numbers its world ranks (autopipe.cluster.topology says which links
+# each gives): "pipeline-inner" puts a pipeline's stages on consecutive ranks (rank = replica * S +
+# stage), "replica-inner" a stage's replicas (rank = stage * R + replica). torchrun fills a node with
+# consecutive ranks, so this decides which groups stay inside a node.
+PLACEMENTS = ("pipeline-inner", "replica-inner")
+
+
+def world_rank(dp_rank: int, pp_rank: int, *, dp: int, pp: int, placement: str = "pipeline-inner") -> int:
+    """The world rank of replica ``dp_rank``'s stage ``pp_rank`` under ``placement``.
+
+    >>> world_rank(1, 2, dp=2, pp=4), world_rank(1, 2, dp=2, pp=4, placement="replica-inner")
+    (6, 5)
+    """
+    if placement == "pipeline-inner":
+        return dp_rank * pp + pp_rank
+    if placement == "replica-inner":
+        return pp_rank * dp + dp_rank
+    raise AutopipeError(f"unknown placement {placement!r}; use one of {', '.join(PLACEMENTS)}.")
 
 
 def precision(name: str) -> str:

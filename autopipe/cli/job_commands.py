@@ -93,9 +93,8 @@ def convert_command(
                   f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
                   f"{sharding_phrase(plan)}{recompute_phrase(plan)}{versus}", highlight=False, soft_wrap=True)
     took = sum(result.seconds.values())
-    extra = ", plan.search.json" if result.search is not None else ""
-    console.print(f"wrote {result.job.job_dir}/ (plan.json, profile.json, train.py, report.html, README.md{extra}) "
-                  f"in {took:.1f} s", highlight=False, soft_wrap=True)
+    written = ", ".join(p.name for p in result.job.files)  # the job's files, train.sbatch and the like included
+    console.print(f"wrote {result.job.job_dir}/ ({written}) in {took:.1f} s", highlight=False, soft_wrap=True)
     console.print("launch:", highlight=False)
     console.print(f"  {result.job.launch}", style="bold", highlight=False, soft_wrap=True)
 

@@ -102,6 +102,8 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
     if source is None:
         plan = source = partition(prof, x.stages, memory_limit=memory_limit, dp=x.dp, zero=x.zero, method=method,
                                   boundaries=boundaries, **opts)  # type: ignore[arg-type]
+        # the links were priced for this numbering of the ranks on these nodes: the job must run it
+        plan = replace(plan, placement=x.placement, gpus_per_node=cluster.gpus_per_node)
         peak = plan.peak_memory
     assert peak is not None
     sim, cut, modes, rec = source.simulate(), source.boundaries, source.stage_recompute, source.stage_recompute_time

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..choices import PLACEMENTS
 from ..errors import PartitionError
 
 __all__ = ["Cluster", "Placement", "LINKS", "PLACEMENTS", "cluster_for", "place", "placements",
            "all_reduce_time", "reduce_scatter_time", "all_gather_time", "dp_reduce_time"]  # fmt: skip
-
-PLACEMENTS = ("pipeline-inner", "replica-inner")
 
 # (intra-node, inter-node) bytes/s per device and direction, and devices per node, of known parts.
 # H100/H200 SXM: NVLink 4 at 900 GB/s bidirectional per GPU (NVIDIA H100 datasheet) = 450 GB/s each

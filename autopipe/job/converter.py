@@ -226,6 +226,8 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
     virtual = 2 if s.schedule == "interleaved1f1b" else None
     plan = partition(prof, s.stages, microbatches=s.microbatches, schedule=s.schedule,  # type: ignore[arg-type]
                      memory_limit=s.memory_limit, virtual_stages=virtual, recompute=s.recompute, dp=s.dp, zero=s.zero)
+    if s.gpus_per_node is not None:  # the job's launch lines (and train.sbatch) span the nodes it needs
+        plan = replace(plan, gpus_per_node=s.gpus_per_node)
     return prof, plan, None
 
 

@@ -6,6 +6,7 @@
       train.py       the training script, written by the runtime (autopipe.runtime)
       report.html    the plan explained (autopipe.report)
       README.md      what this job is and how to launch it
+      train.sbatch   when the plan spans several nodes: the job under SLURM (autopipe.job.launch)
 
 An existing job folder is refused unless ``force=True``; with force, only the files above are
 replaced (a checkpoint folder beside them survives). All files are written into a temporary folder
@@ -27,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -40,6 +40,7 @@ from ..errors import AutopipeError
 from ..files import write_text_atomic
 from ..planner.plan import Plan
 from ..report.page import write_report
+from .launch import launch_command, sbatch_script
 from .readme import job_readme
 from .settings import JobSettings
 
@@ -77,14 +78,6 @@ def check_job_dir(job_dir: str | os.PathLike[str], *, force: bool = False) -> Pa
             "Pass --force to replace its plan, profile, train.py, report and README, or choose another --out."
         )
     return path
-
-
-def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings, dp: int = 1) -> str:
-    """The command that starts training: torchrun with one process per stage and replica, for either
-    engine (DeepSpeed's engine runs under torchrun too, so the command needs nothing beyond torch);
-    train.py takes the replica count (and ZeRO stage) from the plan."""
-    script = shlex.quote(str(Path(job_dir) / "train.py"))
-    return f"torchrun --nproc-per-node {settings.stages * dp} {script}"
 
 
 def emit(
@@ -131,9 +124,14 @@ def emit(
         plan.save(staging / "plan.json")
         profile.save(staging / "profile.json")
         write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model, search=search)
-        launch = launch_command(path, settings, int(getattr(plan, "dp", 1)))
+        dp, nodes = int(getattr(plan, "dp", 1)), int(getattr(plan, "nodes", 1))
+        launch = launch_command(path, settings, dp, nodes)
         write_text_atomic(staging / "README.md", job_readme(settings, profile, plan, launch))
         names = JOB_FILES
+        if nodes > 1:  # the same job under SLURM, one torchrun per node
+            names = (*names, "train.sbatch")
+            write_text_atomic(staging / "train.sbatch", sbatch_script(path, settings, dp=dp, nodes=nodes,
+                                                                      placement=plan.placement))
         if search is not None:
             names = (*names, "plan.search.json")
             search.save(str(staging / "plan.search.json"))

@@ -27,6 +27,14 @@ def job_readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str)
         rows.append(f"| {c} | {plan.stage_ranks[c]} | {a}–{b - 1} (`{first}` … `{last}`) | "
                     f"{format_time(plan.stage_times[c])} | {format_bytes(plan.stage_memory[c])} |")
     limit = format_bytes(plan.memory_limit) if plan.memory_limit else "none"
+    nodes = int(getattr(plan, "nodes", 1))
+    where = "" if nodes == 1 else f"""
+The plan spans {nodes} nodes of {plan.gpus_per_node} ({plan.stages} stages x {plan.dp} replicas, ranks
+numbered {plan.placement}). Run the line on every node, with `NODE_RANK` set to 0 .. {nodes - 1} and
+`MASTER_ADDR` to node 0's address; or, under SLURM, `sbatch train.sbatch` (flags after it reach
+train.py: `sbatch train.sbatch --resume`). The checkpoint folder (`--ckpt-dir`) must be on a
+filesystem every node mounts: the first save checks it.
+"""
     return f"""# Pipeline job: {settings.model}
 
 Made by `autopipe convert` from {profile.mode} costs on {profile.device.name} ({profile.dtype}),
@@ -38,7 +46,7 @@ micro-batch {format_microbatch(profile.microbatch)}. {plan.stages} stages, sched
 The model is rebuilt from `{settings.model}` on every rank; the job trains on {_data_line(settings)}:
 
     {launch}
-
+{where}
 `python {shlex.quote(shlex.split(launch)[-1])} --help` lists the training options; one process (`python train.py`)
 runs every stage in turn, for debugging.
 
@@ -57,5 +65,5 @@ Open `report.html` for the per-layer costs, the baselines and the schedule timel
 
 - `plan.json`: where to cut; `autopipe report plan.json` rebuilds `report.html` from it.
 - `profile.json`: what each layer costs; `autopipe plan` can cut it again for other stage counts.
-- `train.py`: the training script (settings at the top).
+- `train.py`: the training script (settings at the top).{chr(10) + "- `train.sbatch`: the job under SLURM, one torchrun per node." if nodes > 1 else ""}
 """

@@ -66,7 +66,7 @@ class ConvertSettings:
     dp: int = 1  # data-parallel replicas of each stage; the plan's memory is per rank
     zero: int | str = 0  # ZeRO stage 0-3 the replicas shard with, or "auto" (the fastest that fits)
     gpus: int | None = None  # instead of stages: search the layout for this many devices (autopipe.cluster)
-    gpus_per_node: int | None = None  # default: 8 for known GPUs; CPU: all on one host
+    gpus_per_node: int | None = None  # default: 8 for known GPUs; CPU: all on one host. With stages: the job's nodes
     global_batch: int | None = None  # with gpus: samples per step, all replicas together
     bandwidth_intra: float | None = None  # bytes/s per device inside a node (default per known GPU)
     bandwidth_inter: float | None = None  # bytes/s per device between nodes
@@ -103,6 +103,13 @@ class ConvertSettings:
             raise PartitionError("give --stages N (the cut for N stages) or --gpus N (search the whole layout).")
         elif self.stages < 1:
             raise PartitionError(f"--stages must be at least 1, got {self.stages}.")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise PartitionError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}.")
+        if self.gpus_per_node is not None and self.gpus is None:
+            world = self.stages * self.dp  # type: ignore[operator]
+            if world > self.gpus_per_node and world % self.gpus_per_node:
+                raise PartitionError(f"--stages {self.stages} x --dp {self.dp} = {world} processes is not a whole number of "
+                                     f"nodes of {self.gpus_per_node} (--gpus-per-node); change one of them.")
         if self.microbatches is not None and self.microbatches < 1:
             raise PartitionError(f"--microbatches must be at least 1, got {self.microbatches}.")
         if self.engine not in ENGINES:

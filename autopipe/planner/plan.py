@@ -18,6 +18,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ..choices import PLACEMENTS
 from ..errors import RecordError
 from ..files import check_header, read_json, write_json_atomic
 from .schedules import Simulation, simulate
@@ -87,6 +88,12 @@ class Plan:
     dp: int = 1
     zero: int = 0
     zero_policy: str = "0"
+    # How the world's stages x dp ranks are numbered (autopipe.choices.PLACEMENTS): the runtime builds
+    # its process groups so, and the cluster search priced its links so. "pipeline-inner" in older plans.
+    placement: str = "pipeline-inner"
+    # Devices per node the world is laid out on (the search's cluster, or convert --gpus-per-node);
+    # 0: not given, one node. The job's launch lines (and its sbatch script) follow it.
+    gpus_per_node: int = 0
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:
@@ -98,6 +105,17 @@ class Plan:
     @property
     def num_chunks(self) -> int:
         return len(self.boundaries) - 1
+
+    @property
+    def world(self) -> int:
+        """Processes the plan runs on: stages x data-parallel replicas."""
+        return self.stages * self.dp
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the plan's world spans (1 unless ``gpus_per_node`` is given and smaller than the world)."""
+        per = self.gpus_per_node
+        return -(-self.world // per) if per and self.world > per else 1
 
     @property
     def balance(self) -> float:
@@ -234,6 +252,12 @@ def _check_plan(plan: Plan) -> None:
     number(plan.dp, "dp", whole=True, least=1)
     if plan.zero not in (0, 1, 2, 3) or isinstance(plan.zero, bool):
         raise RecordError(f"plan zero is {plan.zero!r}, but must be a ZeRO stage 0, 1, 2 or 3; {again}")
+    if plan.placement not in PLACEMENTS:
+        raise RecordError(f"plan placement is {plan.placement!r}, but must be one of {', '.join(PLACEMENTS)}; {again}")
+    number(plan.gpus_per_node, "gpus_per_node", whole=True)
+    if plan.nodes > 1 and plan.world % plan.gpus_per_node:
+        raise RecordError(f"plan world of {plan.world} ranks (stages x dp) is not a whole number of nodes of "
+                          f"{plan.gpus_per_node} (gpus_per_node); {again}")
     number(plan.bubble_fraction, "bubble_fraction", least=-1e-9)  # 1 - busy/step: rounding may dip below 0
     for f in ("memory_limit", "step_lower_bound", "optimum_bottleneck_time", "optimum_step_time"):
         if getattr(plan, f) is not None:

@@ -19,9 +19,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..choices import PLACEMENTS
 from ..errors import PartitionError, RecordError
 
-__all__ = ["SCHEDULES", "ChunkLayout", "even_boundaries", "load_plan", "schedule_name", "schedule_style"]
+__all__ = ["SCHEDULES", "ChunkLayout", "even_boundaries", "load_plan", "plan_placement", "schedule_name", "schedule_style"]
 
 # Canonical names of the schedules torch.distributed.pipelining provides, lower-case key -> name.
 SCHEDULES = {
@@ -162,7 +163,8 @@ class ChunkLayout:
 
 
 def load_plan(path: str | os.PathLike[str]) -> Any:
-    """Read plan.json: a full ``autopipe.planner.plan.Plan``, or a hand-written ``{"boundaries": [...]}``."""
+    """Read plan.json: a full ``autopipe.planner.plan.Plan``, or a hand-written ``{"boundaries": [...]}``
+    (with, optionally, ``"placement": "replica-inner"``)."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
@@ -170,10 +172,28 @@ def load_plan(path: str | os.PathLike[str]) -> Any:
         raise RecordError(f"no plan at {p}; run `autopipe convert`, or pass --plan even.") from None
     except ValueError as e:
         raise RecordError(f"{p} is not valid JSON ({e}).") from None
-    if isinstance(data, dict) and set(data) <= {"boundaries", "stage_ranks", "schedule", "microbatches"}:
+    if isinstance(data, dict) and set(data) <= {"boundaries", "stage_ranks", "schedule", "microbatches", "placement"}:
         if "boundaries" not in data:
             raise RecordError(f"{p} has no 'boundaries'.")
-        return SimpleNamespace(boundaries=tuple(data["boundaries"]), stage_ranks=tuple(data.get("stage_ranks", ())))
+        placement = data.get("placement", "pipeline-inner")
+        if placement not in PLACEMENTS:
+            raise RecordError(f"{p} has placement {placement!r}; use one of {', '.join(PLACEMENTS)}.")
+        return SimpleNamespace(boundaries=tuple(data["boundaries"]), stage_ranks=tuple(data.get("stage_ranks", ())),
+                               placement=placement)
     from ..planner.plan import Plan
 
     return Plan.from_dict(data)
+
+
+def plan_placement(path: str | os.PathLike[str]) -> str:
+    """The placement plan.json at ``path`` numbers its ranks by ("pipeline-inner" for ``even``, for
+    plans without one, and for a file ``load_plan`` will refuse: read before the process group
+    exists, which needs it, while what is wrong with the file is ``load_plan``'s to say, once every
+    rank can report it in one line)."""
+    if str(path) == "even":
+        return "pipeline-inner"
+    try:
+        value = json.loads(Path(path).read_text()).get("placement", "pipeline-inner")
+    except (OSError, ValueError, AttributeError):
+        return "pipeline-inner"
+    return value if value in PLACEMENTS else "pipeline-inner"

@@ -5,6 +5,9 @@
   with status 1; an error only another rank met reaches rank 0 through the process group's store. Ctrl-C (or the SIGTERM torchrun sends its workers then) ends each rank quietly;
   rank 0 prints the newest checkpoint and the command that resumes from it (status 130). ``AUTOPIPE_DEBUG=1`` shows the tracebacks instead. Other
   exceptions are bugs, shown with their traceback.
+- ``watch_peers()`` (``init_dist`` starts it): a rank that fails marks the store before it leaves;
+  every other rank then leaves too (rank 0 saying why), even one blocked inside a collective that
+  will never finish: NCCL may not notice a peer that left until its timeout, 10 minutes later.
 - ``check_launch(plan, env)``: the process count fits the plan, or one line saying how to launch.
 - ``resume(trainer, ckpt_dir, ...)``: ``--resume`` continues from the newest checkpoint; with none
   there it is an error (``--resume auto`` starts afresh instead); a checkpoint made with another
@@ -16,37 +19,34 @@ Under torchrun, torchrun adds its own summary of the failed processes after the 
 from __future__ import annotations
 
 import os
-import shlex
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import AutopipeError
+from .launch import launch_command, launch_nodes
 
-__all__ = ["ResumeError", "check_launch", "launch_command", "one_line_errors", "resume"]
+__all__ = ["ResumeError", "check_launch", "launch_command", "one_line_errors", "resume", "watch_peers"]
 
 
 class ResumeError(AutopipeError):
     """--resume found nothing to resume, or a checkpoint that does not fit this run."""
 
 
-# what gloo and NCCL say when a peer process has exited
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "NCCL communicator was aborted")
+# what gloo and NCCL say when a peer process has exited, or stopped answering until a timeout
+_TIMED_OUT = ("Watchdog caught collective operation timeout", "timed out in blocking wait", "Timed out waiting",
+              "Socket Timeout")
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "NCCL communicator was aborted",
+              *_TIMED_OUT)
+_FAILED = "autopipe/failed"  # store key: the rank that failed, set after its word
+_LEAVING = threading.Lock()  # one way out per process: the excepthook's or the peer watch's
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
-
-
-def launch_command(extra: tuple[str, ...] = ()) -> str:
-    """The command line that started this process (torchrun's when under torchrun), plus ``extra``."""
-    argv = [a for a in sys.argv if a not in extra]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_WORLD_SIZE" in os.environ and world > 1):
-        head = ["torchrun", f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', world)}"]
-    else:
-        head = ["python"]
-    return shlex.join([*head, *argv, *extra])
 
 
 def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: Callable[[Any], Any] | None = None) -> None:
@@ -56,6 +56,8 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        _leave_alone()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving already: torchrun's stop must not cut the line
         if issubclass(kind, KeyboardInterrupt):
             # torchrun stops the others with SIGTERM when a rank fails: then say why, not "interrupted"
             word = _find_word() if _rank() == 0 else None
@@ -66,7 +68,8 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 from .checkpoint import latest_checkpoint
 
                 last = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
-                where = f"newest checkpoint {last}; resume with: {launch_command(('--resume',))}" if last else \
+                nodes = f", on each of the {launch_nodes()} nodes" if launch_nodes() > 1 else ""
+                where = f"newest checkpoint {last}; resume with{nodes}: {launch_command(('--resume',))}" if last else \
                     "no checkpoint saved yet (--ckpt-every N saves every N steps)"
                 _say(f"interrupted: {where}")
             os._exit(130)
@@ -77,8 +80,11 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
             message = " ".join(message.split())
             if _rank() == 0:
                 _say(f"error: {message}")
+                _announce_failure()
             else:  # usually rank 0 fails the same way; if not, it finds this rank's line in the store
                 _leave_word(message)
+                if _store() is None:  # before the process group: no store, and torchrun stops rank 0
+                    time.sleep(2)  # when this rank exits, before it says its (same) line: let it say it
             # leave at once: a rank waiting in a collective would otherwise hold the others until it times out
             os._exit(1)
         if any(s in str(value) for s in _PEER_GONE):
@@ -88,15 +94,19 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 if word is not None:
                     _say(f"error: {word}")
                     os._exit(1)
+                if any(s in str(value) for s in _TIMED_OUT):
+                    first = str(value).strip().splitlines()[0][:200]
+                    _say(f"error: a collective timed out ({first}); another rank stopped answering without a word: "
+                         "it hung or was killed (its own output, or the launcher's, says which)")
+                    os._exit(1)
             else:
                 os._exit(1)
         previous(kind, value, tb)
+        _announce_failure()  # a bug here: the other ranks leave too, rather than wait for this one
 
     sys.excepthook = hook
     # torchrun answers Ctrl-C by sending its workers SIGTERM, which would end them without a word
     # (and may come first): a stop either way, the same clean one
-    import signal
-
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -122,6 +132,58 @@ def _leave_word(message: str) -> None:
             store.set(f"autopipe/error/{_rank()}", message)
         except Exception:  # the store's host may be gone too: nothing more to do
             pass
+    _announce_failure()
+
+
+def _announce_failure() -> None:
+    """Tell the other ranks' peer watches that this rank is leaving on an error."""
+    store = _store()
+    if store is not None:
+        try:
+            store.set(_FAILED, str(_rank()))
+        except Exception:
+            pass
+
+
+def _leave_alone() -> None:
+    """Go on only if this process is not already leaving: the peer watch may be, and it exits."""
+    if not _LEAVING.acquire(blocking=False):
+        threading.Event().wait()
+
+
+def watch_peers(interval: float = 1.0) -> threading.Event | None:
+    """Leave as soon as another rank has failed (collective-free: a daemon thread reads the store).
+
+    A rank that fails marks the store (``one_line_errors``) and exits. Its peers may be waiting for
+    it inside a collective: gloo sees the closed connection at once, but NCCL may wait out its
+    timeout, and a Python signal handler (torchrun's SIGTERM) cannot run while the main thread is
+    inside one. This thread looks every ``interval`` seconds; when the mark appears, rank 0 prints
+    the failed rank's line (one line, as the excepthook would) and every rank exits with status 1.
+    Returns the event that stops the watch (set it before tearing the process group down), or None
+    in a one-rank world.
+    """
+    store = _store()
+    if store is None or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    stop = threading.Event()
+    threading.Thread(target=_watch, args=(store, stop, interval), name="autopipe-peer-watch", daemon=True).start()
+    return stop
+
+
+def _watch(store: Any, stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        try:
+            if not store.check([_FAILED]):
+                continue
+            failed = store.get(_FAILED).decode()
+        except Exception:  # the store is gone: the run has ended (a lost host the collectives report)
+            return
+        if failed == str(_rank()) or stop.is_set() or not _LEAVING.acquire(blocking=False):
+            return  # this rank is the one failing, or is on its way out already
+        if _rank() == 0:
+            word = _find_word()
+            _say(f"error: {word}" if word else f"error: rank {failed} failed (its output above says why)")
+        os._exit(1)
 
 
 def _find_word() -> str | None:
@@ -164,9 +226,12 @@ def check_launch(plan: Any, pp_size: int, dp_size: int, *, plan_path: str = "pla
             f"--nproc-per-node {' or '.join(str(s * dp_size) for s in fits)}{_dp(dp_size)}."
         )
     if stages != pp_size:
+        world, per = stages * dp_size, int(getattr(plan, "gpus_per_node", 0) or 0)
+        how = f"--nnodes {world // per} --nproc-per-node {per}" if per and world > per and world % per == 0 \
+            else f"--nproc-per-node {world}"  # the plan's nodes, when it spans several
         raise AutopipeError(
             f"{plan_path} has {stages} stages but {pp_size * dp_size} processes were launched "
-            f"({pp_size} per replica{_dp(dp_size)}): launch with --nproc-per-node {stages * dp_size}{_dp(dp_size)}."
+            f"({pp_size} per replica{_dp(dp_size)}): launch with {how}{_dp(dp_size)}."
         )
 
 
@@ -180,8 +245,10 @@ def resume(trainer: Any, ckpt_dir: str | os.PathLike[str], *, mode: str, steps: 
 
     Returns the checkpoint, or None when ``mode`` is "auto" and there is none.
     """
-    from .checkpoint import latest_checkpoint, load_checkpoint, read_meta
+    from .checkpoint import check_shared_folder, latest_checkpoint, load_checkpoint, read_meta
 
+    if getattr(trainer, "env", None) is not None:  # else each node would find its own newest checkpoint
+        check_shared_folder(trainer.env, ckpt_dir)
     last = latest_checkpoint(ckpt_dir)
     if last is None:
         if mode == "auto":

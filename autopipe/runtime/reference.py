@@ -142,8 +142,8 @@ class ReferenceTrainer:
         if finite:
             clip_grads_([p for p in self.params.values() if p.grad is not None], norm, self.config.grad_clip)
             self.optimizer.step()
+            self.scheduler.step()  # as the Trainer: a skipped fp16 step is no step of the LR schedule
         self.scaler.update(finite)
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         return loss

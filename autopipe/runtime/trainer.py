@@ -104,8 +104,10 @@ class Trainer:
         if env.dp_size > 1:
             dp_mesh = env.mesh["dp"]
 
+            gathered = torch.bfloat16 if config.dtype == "bf16" else None  # FSDP2 gathers bf16 weights
+
             def wrap(chunks: list[Any], schedule: str) -> list[Any]:
-                return shard_chunks_(build, chunks, dp_mesh, config.zero, schedule=schedule)
+                return shard_chunks_(build, chunks, dp_mesh, config.zero, schedule=schedule, param_dtype=gathered)
         self.engine = PipelineEngine(
             build,
             pp_group=env.pp_group,
@@ -182,12 +184,13 @@ class Trainer:
         if finite:
             self.optimizer.step()
             self.build.sync_alias_params_()
+            self.scheduler.step()  # a step fp16 skipped for overflow is no step of the LR schedule
         self.scaler.update(finite)
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
         self.step_count += 1
         total = time.perf_counter() - t0
         tokens = batch_tokens(args, kwargs) * env.dp_size
+        first = env.pipeline_ranks(0)  # replica 0's stages, whichever way the placement numbers them
         return StepStats(
             step=self.step_count,
             loss=stats["loss"],
@@ -195,11 +198,11 @@ class Trainer:
             grad_norm=stats["grad_norm"],
             step_time=max(stats["step_times"]),
             tokens_per_s=tokens / total if total > 0 else 0.0,
-            stage_times=stats["step_times"][: env.pp_size],
-            forward_times=stats["forward_times"][: env.pp_size],
+            stage_times=[stats["step_times"][r] for r in first],
+            forward_times=[stats["forward_times"][r] for r in first],
             skipped=not finite,
             loss_scale=self.scaler.scale,
-            peak_memory=stats["peak_memory"][: env.pp_size],
+            peak_memory=[stats["peak_memory"][r] for r in first],
         )
 
     @property
@@ -251,14 +254,15 @@ class Trainer:
         """This rank's file of a checkpoint: step, LR schedule, loss scale, RNG, layout, and (on
         replica 0, for export and inspection) its parameters' whole values. Collective over the
         replicas (sharded parameters are gathered). The resumable tensors are ``tensor_state``."""
-        full = full_values(self.params.items())
         return {
-            "params": full if self.env.dp_rank == 0 else {},
+            # in host memory, one tensor at a time: no copy of the stage's weights on the device
+            "params": full_values(self.params.items(), keep=self.env.dp_rank == 0),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.step_count,
             "rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            # this rank's own device generator (a GPU rank sees one GPU, or others it does not use)
+            "device_rng": _device_rng_state(self.env.device),
             "chunks": self.build.chunk_ids,
             "boundaries": list(self.build.layout.boundaries),
             "config": self.config.to_dict(),
@@ -291,9 +295,19 @@ class Trainer:
             group["lr"] = lr
         self.scaler.load_state_dict(state["scaler"])
         self.step_count = int(state["step"])
-        torch.set_rng_state(state["rng"])
-        if state.get("cuda_rng") and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        # generator states are host tensors, whatever device a loader put them on
+        torch.set_rng_state(state["rng"].cpu())
+        device = self.env.device
+        saved = state.get("device_rng")
+        if saved is None and state.get("cuda_rng") and device.type == "cuda":  # checkpoints before device_rng
+            saved = state["cuda_rng"][min(device.index or 0, len(state["cuda_rng"]) - 1)]
+        if saved is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(saved.cpu(), device)
+
+
+def _device_rng_state(device: torch.device) -> torch.Tensor | None:
+    """The generator state of ``device`` when it has one of its own (a GPU), as a host tensor."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
 def _held_bytes(build: StageBuild, optimizer: torch.optim.Optimizer) -> int:

@@ -90,7 +90,7 @@ def _slots(chunks: Sequence[nn.Module], wanted: Mapping[int, str]) -> list[tuple
 
 
 def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int, *,
-                  schedule: str = "1F1B") -> list[nn.Module]:
+                  schedule: str = "1F1B", param_dtype: torch.dtype | None = None) -> list[nn.Module]:
     """Wrap ``chunks`` (the modules the pipeline stages run) for data parallelism over ``mesh``
     (the 1-D data-parallel mesh) and return the modules the stages must run, in order.
 
@@ -101,6 +101,11 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int,
     own unit (a bucket of ``replicate``, a gather/reduce unit of FSDP), except one that shares a
     parameter with another layer of its chunk (a tied tensor used twice on one rank): the chunk
     itself manages that one.
+
+    ``param_dtype`` (bf16 training): FSDP2 (ZeRO 2/3) gathers the weights in that dtype and the
+    layers compute on them, its ``MixedPrecisionPolicy``; gradients are reduced and kept in fp32,
+    beside the fp32 shards AdamW steps. Without it FSDP2 gathers fp32 weights: twice the traffic
+    and the gathered memory, only for autocast to cast each weight down again at every matmul.
     """
     if zero <= 1 and ddp_schedule(schedule):
         return [_ddp(chunk, mesh.get_group()) for chunk in chunks]
@@ -111,11 +116,17 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int,
     alias_names = {id(leaf): (n, i) for n, leaves in build.aliases.items() for i, leaf in enumerate(leaves)}
     slots = _slots(chunks, {**names, **{k: f"\0alias:{n}:{i}" for k, (n, i) in alias_names.items()}})
 
+    mixed = {}
+    if param_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mixed["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
     def wrap(module: nn.Module) -> None:
         if zero <= 1:
             replicate(module, mesh=mesh)
         else:
-            fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3)
+            fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, **mixed)
 
     for chunk in chunks:
         counts: dict[int, int] = {}
@@ -259,11 +270,22 @@ def optimizer_state(optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Pa
     return {n: optimizer.state[p] for n, p in params.items() if optimizer.state.get(p)}
 
 
-def full_values(params: Iterable[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
-    """Each parameter's whole value as a plain tensor (a gather for sharded DTensors: collective
-    over the replicas, which call it in the same order)."""
+def full_values(params: Iterable[tuple[str, nn.Parameter]], *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Each parameter's whole value as a plain tensor in host memory (``keep``), one parameter at a
+    time, so the device never holds a second copy of the stage's weights.
+
+    Sharded DTensors are gathered, which is collective over their replicas: every replica calls
+    this in the same order, and one that does not ``keep`` (any but replica 0 in a checkpoint)
+    drops each gathered tensor at once and skips the parameters it holds whole.
+    """
     out = {}
     for name, p in params:
-        full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        out[name] = full.clone()
+        if hasattr(p, "full_tensor"):
+            full = p.detach().full_tensor()
+        elif keep:
+            full = p.detach()
+        else:
+            continue
+        if keep:
+            out[name] = full.to("cpu", copy=True)
     return out

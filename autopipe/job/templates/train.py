@@ -87,7 +87,8 @@ if args.engine == "deepspeed":
     env, build, planned = trainer.env, trainer.build, None
     save_checkpoint, resume, latest_checkpoint = rt.ds_save_checkpoint, rt.ds_resume, rt.ds_latest_checkpoint
 else:
-    env = rt.init_dist(dp=args.dp, check=args.check or None)
+    # the plan's placement numbers the ranks (which of them share a node): the groups are made by it
+    env = rt.init_dist(dp=args.dp, placement=rt.plan_placement(args.plan), check=args.check or None)
     plan = env.pp_size if args.plan == "even" else rt.load_plan(args.plan)
     rt.check_launch(plan, env.pp_size, env.dp_size, plan_path=args.plan)
     build = rt.build_stage(
