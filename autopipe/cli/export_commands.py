@@ -53,7 +53,7 @@ def export_command(
     if result.default_step_time is not None:
         diff = result.default_step_time / result.step_time - 1 if result.step_time > 0 else 0.0
         line += (f"; {result.default_name}: {result.default_step_time * 1e3:.3f} ms "
-                 f"({diff:+.1%} against this plan)")
+                 f"({diff:+.1%} against this plan" + (", and over the memory limit)" if result.default_over_limit else ")"))
     for note in result.modules.notes:
         say.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     say.print(line + (f"; saved {out}" if out is not None else ""), highlight=False, soft_wrap=True)

@@ -131,6 +131,23 @@ def partition(
     n = len(profile.layers)
     if n == 0:
         raise PartitionError("the profile has no layers.")
+    if target is not None and recompute == "auto" and not target_info(target).per_stage_recompute:
+        # the engine applies one mode to every stage: the fastest single mode that fits, set against
+        # autopipe's own plan (any cut, each chunk its own mode): what planning for the engine costs
+        def plan_with(mode: str, cut_for: str | None = target) -> Plan:
+            return partition(profile, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
+                             optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bandwidth,
+                             boundaries=boundaries, stage_names=stage_names, method=method, weight_share=weight_share,
+                             recompute=mode, dp=dp, zero=zero, cuts=cuts, target=cut_for)  # fmt: skip
+
+        plan = _one_mode(target_info(target).recompute, plan_with)
+        if plan.method != "autopipe" or cuts is not None:
+            return plan
+        try:
+            free = plan_with("auto", None)
+        except InfeasibleMemoryError:
+            return plan
+        return replace(plan, unrestricted_step_time=free.step_time, unrestricted_boundaries=free.boundaries)
     schedule = normalize_schedule(schedule)
     # `is None`, not `or`: 0 is a mistake to report, not a request for the default.
     v = virtual_stages if virtual_stages is not None else (2 if schedule in ("interleaved1f1b", "zbv") else 1)
@@ -187,6 +204,26 @@ def partition(
         return next(p for p in fitting or plans if p.step_time <= best * (1 + TIE))
     # a cut the user or a baseline fixed: the lowest stage under which it fits, else the most sharded
     return fitting[0] if fitting else plans[-1]
+
+
+def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
+    """The plan of the recompute mode (one for every chunk) whose step is the least; the first on a tie
+    (modes go none, selective, full). A mode the profile has no figures for is passed over. Raises the
+    last refusal when no mode fits (a bad option fails in every mode alike)."""
+    best: Plan | None = None
+    failure: PartitionError | None = None
+    for mode in modes:
+        try:
+            plan = plan_with(mode)
+        except PartitionError as e:  # no fit, or no figures for this mode
+            failure = e
+            continue
+        if best is None or plan.step_time < best.step_time * (1 - TIE):
+            best = plan
+    if best is None:
+        assert failure is not None
+        raise failure
+    return replace(best, recompute="auto")
 
 
 def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:

@@ -47,6 +47,8 @@ class Target:
     zeros: tuple[int, ...]
     ties_across_stages: bool
     what_zero: str  # how the engine shards, for the refusal
+    recompute: tuple[str, ...] = ("none", "selective", "full")  # the modes it applies (to every stage alike)
+    per_stage_recompute: bool = False  # whether stages may recompute differently
 
     def schedule_name(self, schedule: str) -> str:
         return self.schedules[schedule]
@@ -67,12 +69,12 @@ TARGETS: dict[str, Target] = {
     "deepspeed": Target(
         "deepspeed", "DeepSpeed",
         {"1f1b": "TrainSchedule (1F1B)"},
-        1, (0, 1), True, "runs ZeRO 0 or 1 with its pipeline engine",
+        1, (0, 1), True, "runs ZeRO 0 or 1 with its pipeline engine", ("none", "full"),
     ),
     "fqns": Target(
         "fqns", "module names (fqns)",
         {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved1f1b", "zbv": "zbv"},
-        None, (0, 1, 2, 3), True, "",
+        None, (0, 1, 2, 3), True, "", per_stage_recompute=True,
     ),
 }
 
@@ -99,7 +101,11 @@ def check_target(target: str, *, schedule: str, virtual_stages: int, zero: int =
         zs = " or ".join(map(str, t.zeros))
         raise ExportError(f"{t.name} has no ZeRO {zero}: it {t.what_zero}; plan with --zero {zs}.")
     modes = sorted(set(recompute))
-    if len(modes) > 1 and target != "fqns":
+    odd = [m for m in modes if m not in t.recompute]
+    if odd:
+        raise ExportError(f"{t.name} has no {odd[0]} recompute (it recomputes {', '.join(t.recompute[1:])} layers); "
+                          f"plan with --recompute {' or '.join(t.recompute)}.")
+    if len(modes) > 1 and not t.per_stage_recompute:
         raise ExportError(f"the plan recomputes {' and '.join(modes)} in different stages, but {t.name} applies one "
                           f"recompute mode to every stage; plan with --recompute {' or '.join(modes)}.")
 

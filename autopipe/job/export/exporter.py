@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...costs.layer_costs import Profile
-from ...errors import AutopipeError
+from ...errors import AutopipeError, InfeasibleMemoryError
 from ...planner.partitioner import partition
 from ...planner.plan import Plan
 from ...planner.targets import default_cut, target_info
@@ -38,22 +38,31 @@ class Export:
     step_time: float = 0.0
     default_step_time: float | None = None  # the engine's own split, same pipeline; None: not comparable
     default_name: str = ""
+    default_over_limit: bool = False  # the default split does not fit the plan's memory limit
 
 
 def default_plan(plan: Plan, profile: Profile, target: str) -> tuple[Plan | None, str]:
-    """The engine's default split priced like the plan (same stages, schedule, micro-batches, limit, ...);
-    None where the engine has none for this model."""
+    """The engine's default split priced like the plan (same stages, schedule, micro-batches, recompute
+    policy as the engine runs it, ...): under the plan's memory limit, or, where it does not fit there,
+    without one (its ``peak_memory`` then says by how much it is over); None where the engine has none
+    for this model."""
     names = [layer.name or f"layer{i}" for i, layer in enumerate(profile.layers)]
+    bandwidth = None if plan.bandwidth == float("inf") else plan.bandwidth
     try:
         bounds, what = default_cut(target, names, [float(layer.params) for layer in profile.layers], plan.num_chunks)
-        bandwidth = None if plan.bandwidth == float("inf") else plan.bandwidth
-        other = partition(profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
-                          memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
-                          boundaries=bounds, weight_share=plan.weight_share, optimizer=plan.optimizer,
-                          recompute=plan.recompute, dp=plan.dp, zero=plan.zero)  # fmt: skip
     except AutopipeError:
         return None, ""
-    return other, what
+    for limit in (plan.memory_limit, None):
+        try:
+            return partition(profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
+                             memory_limit=limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
+                             boundaries=bounds, weight_share=plan.weight_share, optimizer=plan.optimizer,
+                             recompute=plan.recompute, dp=plan.dp, zero=plan.zero, target=target), what  # fmt: skip
+        except InfeasibleMemoryError:
+            continue
+        except AutopipeError:
+            break
+    return None, ""
 
 
 def export_plan(plan: Plan, profile: Profile, target: str, *, model: Any = None) -> Export:
@@ -86,5 +95,6 @@ def export_plan(plan: Plan, profile: Profile, target: str, *, model: Any = None)
     else:
         text, overrides = fqns_json(sm), ""
     other, what = default_plan(plan, profile, t.key)
+    over = other is not None and plan.memory_limit is not None and other.peak_memory > plan.memory_limit
     return Export(t.key, text, SUFFIXES[t.key], sm, overrides, plan.step_time,
-                  None if other is None else other.step_time, what)
+                  None if other is None else other.step_time, what, over)
