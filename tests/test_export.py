@@ -307,6 +307,9 @@ def test_a_restricted_plan_records_what_the_restriction_costs() -> None:
     assert plan.unrestricted_step_time == pytest.approx(free.step_time)
     assert plan.restriction_cost is not None and plan.restriction_cost > 0
     assert f"+{plan.restriction_cost:.2%}" in plan_summary(plan)
+    from autopipe.report.page import render_report
+
+    assert f"+{plan.restriction_cost:.1%} vs" in render_report(plan, prof)  # the report's facts say it too
     back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert back == plan
     old = {k: v for k, v in free.to_dict().items() if k not in ("target", "allowed_cuts", "unrestricted_step_time",
