@@ -22,7 +22,7 @@ __all__ = ["parts_for", "planned_pipeline_module", "planned_pipeline_module_clas
 
 # ---- the wrapper -----------------------------------------------------------------------------------
 
-from typing import Any, Sequence, Union  # noqa: E402  (below the line: the part export copies)
+from typing import Any, Sequence, Union  # noqa: E402  (the export copies from the line above down)
 
 LayerModules = Union[str, Sequence[str], None]
 
