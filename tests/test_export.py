@@ -350,3 +350,22 @@ def test_plan_for_then_export_writes_files_and_refuses_to_overwrite(tmp_path: Pa
     assert r.exit_code == 1 and r.output.count("\n") == 1 and "unknown target" in r.output
     r = runner.invoke(app, ["plan", str(prof), "-s", "2", "--schedule", "zbv", "--for", "megatron"])
     assert r.exit_code == 1 and "no zbv schedule" in r.output
+
+
+def test_megatron_ties_only_the_embedding_to_the_output_layer() -> None:
+    names = ["embed", "layers.0", "layers.1", "layers.2", "norm", "head"]
+    prof = _profile(names, tied={1: "shared.weight", 3: "shared.weight"})  # two decoder layers share a tensor
+    plan = partition(prof, 2, target="deepspeed", bandwidth=None)
+    with pytest.raises(ExportError) as e:
+        export_plan(plan, prof, "megatron")
+    assert "ties only the embedding to the output layer" in _one_line(e)
+    export_plan(plan, prof, "deepspeed")  # DeepSpeed ties any tensor (TiedLayerSpec)
+
+
+def test_names_that_are_not_the_models_modules_are_refused() -> None:
+    from autopipe.graph.sources import load_model
+
+    gpt = load_model("gpt2", device="meta", seq_len=16).model
+    with pytest.raises(ExportError) as e:
+        stage_modules(partition(LLAMA, 2, target="fqns", memory_limit=None), LLAMA, "fqns", gpt)
+    assert "model.embed_tokens, which is not a module of the model" in _one_line(e)
