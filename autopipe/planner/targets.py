@@ -310,13 +310,17 @@ def default_cut(target: str, names: Sequence[str], params: Sequence[float], chun
       the final norm with the output counting one layer each (``pipeline_parallel_first/last_stage_less_layers = 1``);
     - megatron: decoder layers shared evenly (Megatron needs them to divide; the first stages take
       the remainder here), the embedding on the first stage, the loss on the last;
-    - deepspeed, fqns: ``partition_method="parameters"``: balanced parameter counts per layer.
+    - deepspeed, fqns: ``partition_method="parameters"``: balanced parameter counts per layer (here
+      the smallest largest count; DeepSpeed's own ``partition_balanced``, the smallest spread, can
+      cut differently).
     """
     from .baselines import parameters
 
     key = target_info(target).key
     if key in ("deepspeed", "fqns"):
-        return parameters(params, chunks), "balanced parameter counts (DeepSpeed's partition_method='parameters')"
+        # autopipe's parameters baseline: the smallest largest count; DeepSpeed's own partition_balanced
+        # (the smallest spread) agrees on most models, not all (bench/results/export.md)
+        return parameters(params, chunks), "parameter counts balanced (DeepSpeed's partition_method='parameters')"
     stack = decoder_stack(names)
     blocks = sum(stack.blocks)
     if key == "torchtitan":
