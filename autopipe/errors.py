@@ -15,6 +15,7 @@ __all__ = [
     "InfeasibleMemoryError",
     "StaleProfileError",
     "RecordError",
+    "ExportError",
 ]
 
 
@@ -52,3 +53,7 @@ class StaleProfileError(AutopipeError):
 
 class RecordError(AutopipeError):
     """A saved record (profile.json, plan.json) is unreadable or of an unknown schema."""
+
+
+class ExportError(AutopipeError):
+    """A plan cannot be written for the engine asked (a cut inside a module, a schedule it lacks, ...)."""

@@ -153,6 +153,7 @@ def plan_command(
     boundaries: Annotated[Optional[str], typer.Option(help="Your own cut as layer indices, like 0,7,14,21,26.")] = None,
     stage_names: Annotated[Optional[str], typer.Option("--stage-names", help="Your own cut as module names per stage: stages split by ';', names by ',', like 'wte,h.0,h.1;h.2,h.3,ln_f'. A name covers the layers it prefixes.")] = None,
     compare: Annotated[bool, typer.Option("--compare", help="Show the baseline partitioners beside autopipe.")] = False,
+    for_target: Annotated[Optional[str], typer.Option("--for", help="Plan for the engine you run: torchtitan, megatron, deepspeed or fqns (cut only between whole modules, only what it runs); then `autopipe export`.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Save the plan JSON here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan (and comparison) as JSON.")] = False,
@@ -178,7 +179,7 @@ def plan_command(
         return _plan_search(profile, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
                             bandwidth_intra=bandwidth_intra, bandwidth_inter=bandwidth_inter, memory_limit=memory_limit,
                             optimizer=optimizer, recompute=recompute, zero=zero, top=top, out=out, force=force,
-                            json_output=json_output)
+                            json_output=json_output, target=for_target)
     if stages is None:
         raise PartitionError("give --stages N (the cut for N stages) or --gpus N (search the whole layout).")
     zero = zero or "0"
@@ -196,7 +197,7 @@ def plan_command(
     options = dict(microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
                    optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw, recompute=recompute,
                    dp=dp, zero=zero_option(zero))  # fmt: skip
-    plan = partition(prof, stages, boundaries=cut, stage_names=names, method=method, **options)  # type: ignore[arg-type]
+    plan = partition(prof, stages, boundaries=cut, stage_names=names, method=method, target=for_target, **options)  # type: ignore[arg-type]
     others = []
     if compare:
         names = ["autopipe"] + [b for b in BASELINES] + ([plan.method] if plan.method not in ("autopipe", *BASELINES) else [])
@@ -218,7 +219,7 @@ def plan_command(
 def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], global_batch: Optional[int],
                  bandwidth_intra: Optional[str], bandwidth_inter: Optional[str], memory_limit: str,
                  optimizer: Optional[str], recompute: str, zero: Optional[str], top: int, out: Optional[Path],
-                 force: bool, json_output: bool) -> None:  # fmt: skip
+                 force: bool, json_output: bool, target: Optional[str] = None) -> None:  # fmt: skip
     """`autopipe plan --gpus N`: search the layouts, print the best few, save the best plan (and the layouts)."""
     import json
 
@@ -242,7 +243,8 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
                           parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
                           parse_bandwidth(bandwidth_inter) if bandwidth_inter else None)  # fmt: skip
     result = search(prof, cluster, global_batch=global_batch, memory_limit=memory_limit, optimizer=optimizer,
-                    recompute=recompute, zeros=ZERO_STAGES if z == "auto" else (int(z),), top=max(top, 1))  # fmt: skip
+                    recompute=recompute, zeros=ZERO_STAGES if z == "auto" else (int(z),), top=max(top, 1),
+                    target=target)  # fmt: skip
     assert result.plan is not None
     if out is not None:
         result.plan.save(out)

@@ -12,6 +12,7 @@ from ..planner.memory import layer_memory, rank_memory
 from ..planner.partitioner import fits_memory, partition, resolve_limit
 from ..planner.plan import Plan
 from ..planner.schedules import chunk_ranks, inflight_counts
+from ..planner.targets import restricted_cuts
 from .layouts import Layout
 from .topology import Cluster, dp_reduce_time, place
 
@@ -69,7 +70,7 @@ def step_bound(x: Layout, work: float, grads: float, weights: float, cluster: Cl
 def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int | str | None = "device",
              optimizer: str | None = None, recompute: str = "auto", method: str = "autopipe",
              boundaries: Sequence[int] | None = None, weight_share: float | None = None,
-             cache: dict | None = None) -> tuple[Layout, Plan | None]:  # fmt: skip
+             cache: dict | None = None, target: str | None = None) -> tuple[Layout, Plan | None]:  # fmt: skip
     """Solve layout ``x`` (or price a given cut / baseline method on it): the Layout with its
     predictions filled in, and its Plan. Raises InfeasibleMemoryError when no cut fits.
 
@@ -83,13 +84,16 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
     p = place(cluster, stages=x.stages, dp=x.dp, order=x.placement)
     bw = None if x.stages == 1 else p.p2p_bandwidth
     opts = dict(microbatches=x.microbatches, schedule=x.schedule, virtual_stages=x.virtual_stages, optimizer=optimizer,
-                recompute=recompute, bandwidth=bw, weight_share=weight_share)  # fmt: skip
+                recompute=recompute, bandwidth=bw, weight_share=weight_share, target=target)  # fmt: skip
+    # an engine's cuts (autopipe.planner.targets): the memory test and every solve keep to them
+    cuts = None if target is None else restricted_cuts(prof, x.stages * x.virtual_stages, None, target)
+    cuts = None if cuts is None else cuts.cuts
     plan: Plan | None = None
     limit, _ = resolve_limit(profile, memory_limit)
     plain = "none" if recompute == "auto" else recompute  # what the unlimited cut's chunks run
     if cache is not None and limit is not None and not fits_memory(
             prof, x.stages, microbatches=x.microbatches, schedule=x.schedule, virtual_stages=x.virtual_stages,
-            memory_limit=limit, optimizer=optimizer, recompute=plain, dp=x.dp, zero=x.zero):  # fmt: skip
+            memory_limit=limit, optimizer=optimizer, recompute=plain, dp=x.dp, zero=x.zero, cuts=cuts):  # fmt: skip
         cache = None  # no cut fits without recompute, so the unlimited cut cannot either: solve with the limit
     source: Plan | None = None  # the plan whose cut and seconds this layout takes
     peak: int | None = None

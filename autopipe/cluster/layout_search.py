@@ -48,12 +48,13 @@ from ..costs.layer_costs import Profile
 from ..costs.rescale import profiled_microbatch, scale_microbatch
 from ..errors import AutopipeError, InfeasibleMemoryError
 from ..planner.partitioner import fits_memory, resolve_limit
+from ..planner.targets import restricted_cuts, target_info
 from ..units import format_bytes
 from .evaluate import SearchBounds, evaluate
 from .layouts import SEARCH_SCHEDULES, Layout, SearchResult, enumerate_layouts
 from .topology import Cluster
 
-__all__ = ["search", "why_nothing_fits"]
+__all__ = ["search", "target_layouts", "why_nothing_fits"]
 
 
 def _rank(x: Layout) -> tuple:
@@ -64,11 +65,14 @@ def _rank(x: Layout) -> tuple:
 def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limit: int | str | None = "device",
            optimizer: str | None = None, recompute: str = "auto", zeros: Sequence[int] = ZERO_STAGES,
            schedules: Sequence[tuple[str, int]] = SEARCH_SCHEDULES, microbatch_sizes: Sequence[int] | None = None,
-           top: int = 3, prune: bool = True, weight_share: float | None = None) -> SearchResult:  # fmt: skip
+           top: int = 3, prune: bool = True, weight_share: float | None = None,
+           target: str | None = None) -> SearchResult:  # fmt: skip
     """The layouts of ``cluster`` for ``global_batch`` samples per step, best predicted throughput first.
 
     ``prune=False`` solves every layout (what the tests compare the pruned search with). Raises
     InfeasibleMemoryError, with what would fit in one line (autopipe.cluster.layout_search), when none fits.
+    ``target``: only layouts that engine runs (its schedules, virtual stages, ZeRO stages), each cut
+    where it can (autopipe.planner.targets).
 
     Example:
         >>> from autopipe.cluster.topology import cluster_for
@@ -82,7 +86,11 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     profile_mb = profiled_microbatch(profile)
     bounds = SearchBounds(profile, optimizer, limit, cluster)
     todo, considered, pruned_memory, dominated = [], 0, 0, 0
-    for x in enumerate_layouts(len(profile.layers), cluster, global_batch, schedules=schedules, zeros=zeros,
+    cuts, most = None, len(profile.layers)
+    if target is not None:
+        schedules, zeros, cuts = target_layouts(profile, target, schedules, zeros)
+        most = len(cuts) + 1
+    for x in enumerate_layouts(most, cluster, global_batch, schedules=schedules, zeros=zeros,
                                microbatch_sizes=microbatch_sizes):  # fmt: skip
         considered += 1
         # ZeRO 3 holds what 2 holds under a pipeline (autopipe.planner.memory), so partition gives it the same
@@ -110,12 +118,12 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
         if limit is not None and not fits_memory(
                 scale_microbatch(profile, x.microbatch_size), x.stages, microbatches=x.microbatches,
                 schedule=x.schedule, virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
-                recompute=recompute, dp=x.dp, zero=x.zero):  # fmt: skip
+                recompute=recompute, dp=x.dp, zero=x.zero, cuts=cuts):  # fmt: skip
             infeasible += 1  # no cut fits: known from one reachability, no solve (or explanation) needed
             continue
         try:
             done, _ = evaluate(profile, cluster, x, memory_limit=limit, optimizer=optimizer, recompute=recompute,
-                               weight_share=weight_share, cache=cache)  # fmt: skip
+                               weight_share=weight_share, cache=cache, target=target)  # fmt: skip
         except InfeasibleMemoryError:
             infeasible += 1
             continue
@@ -126,12 +134,12 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
                                                      optimizer=optimizer, recompute=recompute, zeros=zeros))  # fmt: skip
     # the best layout's Plan, with its own limit, replicas and ZeRO stage (the job's plan.json)
     best, plan = evaluate(profile, cluster, found[0], memory_limit=limit, optimizer=optimizer, recompute=recompute,
-                          weight_share=weight_share)  # fmt: skip
+                          weight_share=weight_share, target=target)  # fmt: skip
     if (best.step_time or 0.0) > (found[0].step_time or 0.0) * (1 + 1e-9):
         # the unconstrained cut beat the limited search's (a heuristic schedule): keep that cut
         best, plan = evaluate(profile, cluster, found[0], memory_limit=limit, optimizer=optimizer,
                               recompute=recompute, weight_share=weight_share, method="manual",
-                              boundaries=found[0].boundaries)  # fmt: skip
+                              boundaries=found[0].boundaries, target=target)  # fmt: skip
         plan = replace(plan, method="autopipe") if plan is not None else plan
     found[0] = replace(best, bound=found[0].bound)  # the plan's own figures (its cut may tie at a lower peak)
     return SearchResult(
@@ -140,6 +148,20 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
         pruned_memory=pruned_memory, pruned_bound=pruned_bound, pruned_dominated=dominated, solved=solved, infeasible=infeasible,
         seconds=time.perf_counter() - clock, top=top, plan=plan,
     )  # fmt: skip
+
+
+def target_layouts(profile: Profile, target: str, schedules: Sequence[tuple[str, int]],
+                   zeros: Sequence[int]) -> tuple[list[tuple[str, int]], list[int], tuple[int, ...]]:  # fmt: skip
+    """The schedules and ZeRO stages of the search that ``target`` runs, and the cuts it allows."""
+    t = target_info(target)
+    kept = [(s, v) for s, v in schedules if s in t.schedules and (t.max_virtual is None or v <= t.max_virtual)]
+    zs = [z for z in zeros if z in t.zeros]
+    if not kept or not zs:
+        raise AutopipeError(f"{t.name} runs none of the schedules or ZeRO stages asked for; it has "
+                            f"{', '.join(t.schedules)} and ZeRO {', '.join(map(str, t.zeros))}.")
+    cutset = restricted_cuts(profile, 1, None, target)
+    assert cutset is not None
+    return kept, zs, cutset.cuts
 
 
 def why_nothing_fits(profile: Profile, cluster: Cluster, *, global_batch: int, limit: int | None,

@@ -143,6 +143,44 @@ class ChunkCosts:
         self.nonnegative = bool(fw.min(initial=0.0) >= 0 and bw.min(initial=0.0) >= 0 and all(np.all(np.diff(x) >= 0) for x in extra))
         self._windows: dict[tuple[int, int, int], np.ndarray] = {}
         self._window_limit: int | None = None
+        self.positions = np.arange(n + 1)  # this object's boundary j is layer positions[j] of the model
+
+    # ---- cuts an engine allows ---------------------------------------------------------------------
+    def restrict(self, cuts: Sequence[int]) -> "ChunkCosts":
+        """The same costs over the groups of layers between allowed cuts: layer j of the result is
+        layers ``[P[j], P[j+1])`` of this one, ``P = (0, *cuts, L)``.
+
+        Every figure of a chunk whose ends are allowed cuts is the same in both (prefix sums are
+        sliced at P, a group's one-layer peak is the largest of its layers', a tied tensor's users are
+        still counted layer by layer), so a solver over the result is exact for the restricted
+        problem; ``positions`` maps its boundaries back.
+
+        Example:
+            >>> c = ChunkCosts(forward=[1, 2, 3, 4], backward=[2, 4, 6, 8])
+            >>> r = c.restrict([2])
+            >>> r.n, r.positions.tolist(), float(r.time(0, 1)), float(c.time(0, 2))
+            (2, [0, 2, 4], 9.0, 9.0)
+        """
+        p = np.array([0, *sorted({int(x) for x in cuts}), self.n], dtype=np.int64)
+        if p.size > 2 and not (0 < p[1] and p[-2] < self.n):
+            raise ValueError(f"cuts must lie strictly between 0 and {self.n}, got {list(cuts)}")
+        out = object.__new__(ChunkCosts)
+        out.__dict__.update(self.__dict__)
+        out.n = int(p.size - 1)
+        out.positions = self.positions[p]
+        out.pf, out.pb, out.pt = self.pf[p], self.pb[p], self.pt[p]
+        out.comm_in, out.comm_out = self.comm_in[p], self.comm_out[p]
+        out.static_prefix = self.static_prefix[p]
+        out.act = np.diff(_prefix(self.act)[p])
+        out.tied = [(w, count[p]) for w, count in self.tied]
+        out.extra = [x[p] for x in self.extra]
+        out.kept = [k[p] for k in self.kept]
+        out.hold_extra = [h[p] for h in self.hold_extra]
+        # a group's one-layer peak: the largest of its layers' (max over a chunk is max over its groups)
+        out._tables = [_SparseMax(np.asarray(t.query(p[:-1], p[1:]), dtype=t.table.dtype)) for t in self._tables]
+        out.buf_in, out.buf_out = self.buf_in[p], self.buf_out[p]
+        out._windows, out._window_limit = {}, None
+        return out
 
     # ---- time -----------------------------------------------------------------------------------
     def comm(self, a, b):

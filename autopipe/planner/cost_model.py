@@ -33,6 +33,8 @@ class CutRequest:
     states: list[tuple[tuple[int, int], ...]]  # per chunk, the (units, waiting) states that can be its peak
     signature: str  # the profiled sequence's, carried into the Plan
     zero_policy: str  # the ZeRO stage asked for ("auto" or a stage), carried into the Plan
+    cuts: tuple[int, ...] | None = None  # the only layers a chunk may start at (an engine's); None: any
+    target: str = ""  # the engine those cuts are for (autopipe.planner.targets), carried into the Plan
 
 
 class CostModel:

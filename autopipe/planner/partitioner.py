@@ -51,6 +51,7 @@ from .schedules import (
 )
 from .step_bound import fits
 from .step_solver import TIE, NoCutFits, StepSolution, solve_step
+from .targets import check_cut_allowed, check_target, explain_restricted, restricted_cuts, target_info
 
 __all__ = ["partition", "compare_baselines", "fits_memory", "resolve_limit", "zero_choices", "check_bounds",
            "names_to_bounds", "DEFAULT_BANDWIDTH"]
@@ -76,6 +77,8 @@ def partition(
     recompute: str = "auto",
     dp: int = 1,
     zero: int | str = 0,
+    cuts: Sequence[int] | None = None,
+    target: str | None = None,
 ) -> Plan:
     """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
@@ -105,6 +108,11 @@ def partition(
         zero: ZeRO stage 0-3 across those replicas (what each rank shards, autopipe.planner.memory), or
             "auto": the stage whose plan steps fastest under the limit, the lowest on a tie (ZeRO
             0 where nothing binds).
+        cuts: the only layer indices (1..L-1) a chunk may start at; the plan records them and the
+            step of the best unrestricted cut beside its own (``unrestricted_step_time``).
+        target: plan for an engine that splits by module: torchtitan, megatron, deepspeed or fqns
+            (autopipe.planner.targets): only the cuts it allows (with ``cuts``, those of both), and
+            only what it can run (its schedules, virtual stages, ZeRO stages).
 
     Returns:
         A :class:`~autopipe.planner.plan.Plan`; ``plan.step_lower_bound`` is a proven bound on the step of
@@ -123,6 +131,23 @@ def partition(
     n = len(profile.layers)
     if n == 0:
         raise PartitionError("the profile has no layers.")
+    if target is not None and recompute == "auto" and not target_info(target).per_stage_recompute:
+        # the engine applies one mode to every stage: the fastest single mode that fits, set against
+        # autopipe's own plan (any cut, each chunk its own mode): what planning for the engine costs
+        def plan_with(mode: str, cut_for: str | None = target) -> Plan:
+            return partition(profile, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
+                             optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bandwidth,
+                             boundaries=boundaries, stage_names=stage_names, method=method, weight_share=weight_share,
+                             recompute=mode, dp=dp, zero=zero, cuts=cuts, target=cut_for)  # fmt: skip
+
+        plan = _one_mode(target_info(target).recompute, plan_with)
+        if plan.method != "autopipe" or cuts is not None:
+            return plan
+        try:
+            free = plan_with("auto", None)
+        except InfeasibleMemoryError:
+            return plan
+        return replace(plan, unrestricted_step_time=free.step_time, unrestricted_boundaries=free.boundaries)
     schedule = normalize_schedule(schedule)
     # `is None`, not `or`: 0 is a mistake to report, not a request for the default.
     v = virtual_stages if virtual_stages is not None else (2 if schedule in ("interleaved1f1b", "zbv") else 1)
@@ -144,10 +169,17 @@ def partition(
     zeros = zero_choices(zero, dp)
     if boundaries is not None and stage_names is not None:
         raise PartitionError("give boundaries or stage_names, not both.")
+    if target is not None:
+        check_target(target, schedule=schedule, virtual_stages=v, dp=dp)
+        zeros = [z for z in zeros if dp == 1 or z in target_info(target).zeros] or zeros
+        if len(zeros) == 1:
+            check_target(target, schedule=schedule, virtual_stages=v, zero=zeros[0], dp=dp)
+    allowed = restricted_cuts(profile, k, cuts, target)
 
     request = CutRequest(stages=stages, v=v, m=m, schedule=schedule, limit=limit, limit_source=limit_source,
                        recompute=recompute, weight_share=weight_share, states=unit_states(schedule, stages, v, m),
-                       signature=profile.signature, zero_policy=str(zero))  # fmt: skip
+                       signature=profile.signature, zero_policy=str(zero),
+                       cuts=None if allowed is None else allowed.cuts, target=target_info(target).key if target else "")  # fmt: skip
 
     def attempt(z: int) -> Plan:
         model = CostModel(profile, optimizer, bandwidth, schedule, m, dp=dp, zero=z)
@@ -174,6 +206,26 @@ def partition(
     return fitting[0] if fitting else plans[-1]
 
 
+def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
+    """The plan of the recompute mode (one for every chunk) whose step is the least; the first on a tie
+    (modes go none, selective, full). A mode the profile has no figures for is passed over. Raises the
+    last refusal when no mode fits (a bad option fails in every mode alike)."""
+    best: Plan | None = None
+    failure: PartitionError | None = None
+    for mode in modes:
+        try:
+            plan = plan_with(mode)
+        except PartitionError as e:  # no fit, or no figures for this mode
+            failure = e
+            continue
+        if best is None or plan.step_time < best.step_time * (1 - TIE):
+            best = plan
+    if best is None:
+        assert failure is not None
+        raise failure
+    return replace(best, recompute="auto")
+
+
 def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
     """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth and optimizer.
 
@@ -197,18 +249,21 @@ def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
 
 def fits_memory(profile: Profile, stages: int, *, microbatches: int, schedule: str = "1f1b",
                 virtual_stages: int = 1, memory_limit: int | str | None = "device", optimizer: str | None = None,
-                recompute: str = "auto", dp: int = 1, zero: int = 0) -> bool:  # fmt: skip
+                recompute: str = "auto", dp: int = 1, zero: int = 0, cuts: Sequence[int] | None = None) -> bool:  # fmt: skip
     """Whether ``partition`` with these options finds a cut that fits (at one fixed ZeRO stage), without
     searching for the fastest: the memory reachability the solver starts with (step_bound.fits). The
-    cluster search (autopipe/cluster/layout_search.py) asks this before paying for a solve, or for an explanation."""
+    cluster search (autopipe/cluster/layout_search.py) asks this before paying for a solve, or for an explanation.
+    ``cuts``: only those layers may start a chunk (an engine's, autopipe.planner.targets)."""
     limit, _ = resolve_limit(profile, memory_limit)
     if limit is None:
         return True
     model = CostModel(profile, optimizer, None, schedule, microbatches, dp=dp, zero=zero)
     chunk_limit = (limit - model.reserve) // virtual_stages
     states = unit_states(schedule, stages, virtual_stages, microbatches)
-    return chunk_limit > 0 and fits(model.costs, stages * virtual_stages, limit=chunk_limit,
-                                    modes=model.allowed(recompute), states=states)  # fmt: skip
+    costs = model.costs if cuts is None else model.costs.restrict(cuts)
+    k = stages * virtual_stages
+    return chunk_limit > 0 and k <= costs.n and fits(costs, k, limit=chunk_limit, modes=model.allowed(recompute),
+                                                     states=states)  # fmt: skip
 
 
 def zero_choices(zero: int | str, dp: int) -> list[int]:
@@ -264,18 +319,30 @@ def _partition_one(profile: Profile, model: CostModel, req: CutRequest, *, bound
     elif method != "autopipe":
         chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
 
+    if chosen is not None and req.cuts is not None:
+        check_cut_allowed(chosen, req.cuts, model.names, req.target, method)
     best: StepSolution | None = None
+
+    def solve(cuts: tuple[int, ...] | None) -> StepSolution:
+        return solve_step(model.costs, req.schedule, ranks=req.stages, virtual=req.v, microbatches=req.m, states=states,
+                          limit=chunk_limit, modes=allowed, weight_share=req.weight_share, cuts=cuts)  # fmt: skip
+
     try:
-        best = solve_step(model.costs, req.schedule, ranks=req.stages, virtual=req.v, microbatches=req.m, states=states,
-                          limit=chunk_limit, modes=allowed, weight_share=req.weight_share)  # fmt: skip
+        best = solve(req.cuts)
     except NoCutFits:
         if chosen is None:
             what = (f"the {profile.device.name}'s {format_bytes(limit)} (its memory, the default limit)"
                     if req.limit_source == "device" else f"{format_bytes(limit)} per device")  # fmt: skip
+            if req.cuts is not None:
+                raise explain_restricted(explain_infeasible(model, req, chunk_limit, what), req.target) from None
             raise explain_infeasible(model, req, chunk_limit, what) from None
     if chosen is None:
         assert best is not None
-        return _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
+        plan = _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
+        if req.cuts is not None:  # what the restriction costs: the best cut the engine cannot make
+            free = solve(None)
+            plan = replace(plan, unrestricted_step_time=free.step, unrestricted_boundaries=free.boundaries)
+        return plan
     units, waits = state_arrays(states)
     modes = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), units[:, 0], chunk_limit, allowed,
                                       waits[:, 0])  # fmt: skip
@@ -417,6 +484,8 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
         stage_recompute_time=tuple(max(0.0, x) for x in extra),
         recompute=req.recompute,
         step_lower_bound=bound,
+        target=req.target,
+        allowed_cuts=req.cuts,
         rank_memory_breakdown=tuple(r.to_dict() for r in per_rank),
         dp=model.dp,
         zero=model.zero,  # what the job runs; with one replica it shards nothing (memory.zero_share)

@@ -94,6 +94,13 @@ class Plan:
     # Devices per node the world is laid out on (the search's cluster, or convert --gpus-per-node);
     # 0: not given, one node. The job's launch lines (and its sbatch script) follow it.
     gpus_per_node: int = 0
+    # The engine this plan was made for (torchtitan, megatron, deepspeed, fqns; "" any: autopipe's own)
+    # and the only layers its chunks could start at (None: any). With a restriction, the step and cut
+    # of the best unrestricted plan under the same options: what the restriction costs.
+    target: str = ""
+    allowed_cuts: tuple[int, ...] | None = None
+    unrestricted_step_time: float | None = None
+    unrestricted_boundaries: tuple[int, ...] | None = None
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:
@@ -122,6 +129,15 @@ class Plan:
         """Slowest chunk over the mean chunk: 1.0 is perfectly balanced."""
         mean = sum(self.stage_times) / len(self.stage_times)
         return self.bottleneck_time / mean if mean > 0 else 1.0
+
+    @property
+    def restriction_cost(self) -> float | None:
+        """How much longer the step is for cutting only where the target engine can: step / the best
+        unrestricted step - 1 (0: nothing lost); None when the cuts were not restricted."""
+        if self.unrestricted_step_time is None or self.unrestricted_step_time <= 0:
+            return None
+        cost = self.step_time / self.unrestricted_step_time - 1.0
+        return cost if cost > 1e-9 else 0.0
 
     @property
     def step_gap(self) -> float | None:
@@ -266,6 +282,13 @@ def _check_plan(plan: Plan) -> None:
         raise RecordError(f"plan bandwidth is {plan.bandwidth!r}, but must be > 0 bytes/s (null: ignored); {again}")
     if not 0 <= plan.bottleneck_stage < chunks:
         raise RecordError(f"plan bottleneck_stage is {plan.bottleneck_stage!r}, not one of its {chunks} chunks; {again}")
+    if plan.allowed_cuts is not None:
+        outside = [x for x in b[1:-1] if x not in set(plan.allowed_cuts)]
+        if outside:
+            raise RecordError(f"plan boundaries {list(b)} start a chunk at layer {outside[0]}, which its allowed_cuts "
+                              f"exclude; {again}")
+    if plan.unrestricted_step_time is not None:
+        number(plan.unrestricted_step_time, "unrestricted_step_time")
     for c, mode in enumerate(plan.stage_recompute):
         if mode not in ("none", "selective", "full"):
             raise RecordError(f"plan stage_recompute[{c}] is {mode!r}; use none, selective or full.")

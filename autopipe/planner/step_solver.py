@@ -26,6 +26,11 @@ found has all its bounds below that step, so when those cuts are few enough (cou
 recurrence), simulate them all: exact again. Otherwise the answer is the best found with ``LB``
 beside it.
 
+Allowed cuts. An engine that splits a model by module (torchtitan, Megatron-Core, DeepSpeed) can only
+cut between whole modules: with ``cuts`` the search runs over the groups of layers between allowed
+cuts (``ChunkCosts.restrict``: every chunk between allowed cuts costs the same there), so all of
+the above holds for the restricted problem, its bound included.
+
 Exactness: exact whenever (1) or (3) runs, which the property tests check against brute force over
 every cut and mode; otherwise within the recorded gap of ``LB``. Complexity: (1) C(L-1, K-1) x ops;
 (2) O(K·L·forms) per reachability test (the tests only visit positions that can still reach L, a few
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -98,6 +103,7 @@ def solve_step(
     modes: Sequence[int] = (0,),
     weight_share: float = 0.5,
     enumerate_work: int = ENUMERATE_WORK,
+    cuts: Sequence[int] | None = None,
 ) -> StepSolution:
     """The cut of ``costs`` into ``ranks * virtual`` chunks with the shortest simulated step.
 
@@ -106,15 +112,25 @@ def solve_step(
     be its peak (``schedules.peak_states``), each held under the limit; ``limit`` caps each chunk's bytes;
     ``modes`` are the recompute modes (indices into ``costs.modes``) a chunk may use.
     ``enumerate_work`` bounds the brute force (0: bounds and candidates only).
-    Raises :class:`NoCutFits` when no cut fits and ValueError when there are too few layers.
+    ``cuts``: the only layer indices (between 1 and L-1) a chunk may start at, e.g. an engine's module
+    boundaries; the search then runs over the groups between them (``ChunkCosts.restrict``), exact as
+    before for that smaller problem, and its lower bound holds for every allowed cut.
+    Raises :class:`NoCutFits` when no cut fits and ValueError when there are too few layers (or cuts).
     """
     schedule = check_schedule(schedule, ranks, virtual, microbatches)
     k = ranks * virtual
     if not 1 <= k <= costs.n:
         raise ValueError(f"cannot cut {costs.n} layers into {k} non-empty chunks")
+    if cuts is not None:
+        costs = costs.restrict(cuts)
+        if k > costs.n:
+            raise ValueError(f"{costs.n - 1} allowed cuts leave at most {costs.n} non-empty chunks, not {k}")
     infl = list(inflight) if inflight is not None else inflight_counts(schedule, ranks, virtual, microbatches)
-    return _StepSearch(costs, schedule, ranks, virtual, microbatches, as_states(k, infl, waiting, states), limit,
-                   tuple(modes), weight_share).run(enumerate_work)
+    sol = _StepSearch(costs, schedule, ranks, virtual, microbatches, as_states(k, infl, waiting, states), limit,
+                      tuple(modes), weight_share).run(enumerate_work)
+    if cuts is None:
+        return sol
+    return replace(sol, boundaries=tuple(int(costs.positions[b]) for b in sol.boundaries))
 
 
 # ---- the search ----------------------------------------------------------------------------------------

@@ -178,6 +178,10 @@ def _header(name: str, plan: Plan, profile: Profile | None) -> str:
         ("balance (slowest / mean)", f"{plan.balance:.2f}"),
         ("peak memory / limit", f"{format_bytes(plan.peak_memory)} / {limit}"),
         ("recompute", f"{recomputed} of {plan.num_chunks} stages" if recomputed else "none"),
+        # cut only where the target engine can: the step beside the best unrestricted one
+        *([(f"cuts for {plan.target or 'the cuts given'}",
+            f"+{plan.restriction_cost:.1%} vs {format_time(plan.unrestricted_step_time)} unrestricted")]
+          if plan.restriction_cost is not None and plan.unrestricted_step_time is not None else []),
     ]
     cells = "".join(f"<div class=\"fact\"><span>{escape(k)}</span><b>{escape(v)}</b></div>" for k, v in facts)
     cuts = ", ".join(str(b) for b in plan.boundaries[1:-1])

@@ -7,7 +7,8 @@ forward appends the weight to the activations; the layer right after it takes th
 there. The holder always sits on its layer's stage, so the weight never crosses a cut.
 
 DeepSpeed's ``partition_method`` knows only uniform / parameters / type:regex, none of which
-reproduces a plan, so ``PlannedPipelineModule`` takes the boundaries explicitly.
+reproduces a plan, so the module is built with explicit parts (autopipe.runtime.ds_parts, the same
+wrapper ``autopipe export --to deepspeed`` hands to users of their own layers).
 
 Each rank builds only its stage: DeepSpeed calls ``LayerSpec.build`` for the local layers only, and
 our specs materialise their tensors from the meta model on demand (same seeded init as the torch
@@ -28,6 +29,7 @@ from torch import nn
 from ..errors import AutopipeError
 from ..graph.sequence import retarget_device_
 from .build import fill_tensors, meta_model, to_meta
+from .ds_parts import planned_pipeline_module
 
 __all__ = ["DSLayer", "LayerSource", "TiedHolder", "build_pipeline_module", "save_final_weights"]
 
@@ -140,24 +142,6 @@ def _expand(weights: list[torch.Tensor], slots: list[tuple[nn.Module, str]]) -> 
     raise AutopipeError("a layer holds several tied tensors in several places; DeepSpeed export needs one slot each.")
 
 
-def _pipeline_module_class() -> type:
-    from deepspeed.pipe import PipelineModule
-
-    class PlannedPipelineModule(PipelineModule):
-        """PipelineModule whose stage boundaries are given, not computed."""
-
-        def __init__(self, layers: list[Any], parts: list[int], **kwargs: Any) -> None:
-            self._planned_parts = list(parts)
-            super().__init__(layers, partition_method="uniform", **kwargs)
-
-        def _partition_layers(self, method: str = "uniform") -> None:
-            self.parts = list(self._planned_parts)
-            stage = self._topo.get_coord(self.global_rank).pipe
-            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-    return PlannedPipelineModule
-
-
 def build_pipeline_module(ctx: LayerSource, boundaries: Sequence[int], num_stages: int, loss_fn: Any) -> nn.Module:
     """LayerSpecs over the flattened layers (TiedLayerSpecs before layers using a tied tensor),
     partitioned at ``boundaries`` (layer indices, mapped onto the expanded spec list)."""
@@ -173,7 +157,7 @@ def build_pipeline_module(ctx: LayerSource, boundaries: Sequence[int], num_stage
         specs.append(LayerSpec(DSLayer, ctx, i))
     starts.append(len(specs))
     parts = [starts[b] for b in boundaries]
-    return _pipeline_module_class()(specs, parts, num_stages=num_stages, loss_fn=loss_fn)
+    return planned_pipeline_module(specs, parts, num_stages=num_stages, loss_fn=loss_fn)
 
 
 def save_final_weights(module: nn.Module, folder: Path, stage: int, *, write: bool, meta: dict[str, Any] | None = None) -> None:
