@@ -15,7 +15,11 @@ import torch
 import torch.distributed as dist
 from _titan_split import causal_lm_loss, llama_part, tiny_llama
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, ScheduleZBVZeroBubble, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
 
 
 def main() -> None:

@@ -20,7 +20,13 @@ from _launch import Launcher
 from autopipe import Profile, partition
 from autopipe.costs.layer_costs import LayerCost
 from autopipe.job.export import export_plan
-from autopipe.runtime import TokenData, TrainConfig, build_reference, build_stage, model_factory
+from autopipe.runtime import (
+    TokenData,
+    TrainConfig,
+    build_reference,
+    build_stage,
+    model_factory,
+)
 from autopipe.runtime.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.deepspeed]

@@ -27,7 +27,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopipe
 from autopipe.errors import AutopipeError, RecordError
-from autopipe.runtime import Trainer, TrainConfig, build_stage, init_dist, make_loss, rank_device
+from autopipe.runtime import (
+    TrainConfig,
+    Trainer,
+    build_stage,
+    init_dist,
+    make_loss,
+    rank_device,
+)
 
 CHECKOUT = Path(autopipe.__file__).resolve().parent.parent  # the autopipe under test, for the processes started here
 

@@ -44,6 +44,7 @@ def convert_command(
     bandwidth_inter: Annotated[Optional[str], typer.Option("--bandwidth-inter", help="Bytes/s per device between nodes, like 50GB (default per known GPU).")] = None,
     estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: cost layers from FLOPs and bytes on the meta device.")] = False,
     engine: Annotated[str, typer.Option(help="torch (torch.distributed.pipelining) or deepspeed.")] = "torch",
+    for_target: Annotated[Optional[str], typer.Option("--for", help="Plan for the trainer you run: torchtitan, megatron, deepspeed or fqns (cut only between whole modules, only what it runs); the job folder then holds its export too.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Job folder (default jobs/<model name>).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the job files of an existing folder.")] = False,
     repeats: Annotated[int, typer.Option(help="Timed runs per measured layer.")] = 5,
@@ -64,7 +65,7 @@ def convert_command(
         bandwidth_intra=parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
         bandwidth_inter=parse_bandwidth(bandwidth_inter) if bandwidth_inter else None,
         batch_size=batch_size, seq_len=seq_len, dtype=dtype, recompute=recompute, engine=engine, loss=loss, data=data,
-        device=device, estimate=estimate, memory_limit=memory_limit, reserve=reserve, repeats=repeats,
+        target=for_target, device=device, estimate=estimate, memory_limit=memory_limit, reserve=reserve, repeats=repeats,
         out=out, force=force,
     )  # fmt: skip
 

@@ -225,7 +225,8 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
     # Interleaved schedules need chunks to interleave: two per rank, the smallest that helps.
     virtual = 2 if s.schedule == "interleaved1f1b" else None
     plan = partition(prof, s.stages, microbatches=s.microbatches, schedule=s.schedule,  # type: ignore[arg-type]
-                     memory_limit=s.memory_limit, virtual_stages=virtual, recompute=s.recompute, dp=s.dp, zero=s.zero)
+                     memory_limit=s.memory_limit, virtual_stages=virtual, recompute=s.recompute, dp=s.dp, zero=s.zero,
+                     target=s.target)
     if s.gpus_per_node is not None:  # the job's launch lines (and train.sbatch) span the nodes it needs
         plan = replace(plan, gpus_per_node=s.gpus_per_node)
     return prof, plan, None
@@ -246,7 +247,7 @@ def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
     if s.engine == "deepspeed":
         zeros, schedules = tuple(z for z in zeros if z <= 1), (("1f1b", 1),)
     found = search(prof, cluster, global_batch=s.global_batch, memory_limit=s.memory_limit, recompute=s.recompute,
-                   zeros=zeros, schedules=schedules)  # fmt: skip
+                   zeros=zeros, schedules=schedules, target=s.target)  # fmt: skip
     return scale_microbatch(prof, found.best.microbatch_size), found.plan, found
 
 

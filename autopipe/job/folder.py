@@ -135,6 +135,12 @@ def emit(
         if search is not None:
             names = (*names, "plan.search.json")
             search.save(str(staging / "plan.search.json"))
+        if plan.target:  # planned for another trainer: what it reads, beside the plan (autopipe export)
+            from .export import export_plan
+
+            exported = export_plan(plan, profile, plan.target)
+            names = (*names, f"export.{plan.target}{exported.suffix}")
+            write_text_atomic(staging / names[-1], exported.text)
         if settings.engine == "deepspeed":  # DeepSpeed's own settings file, for the user to edit
             names = (*names, "ds_config.json")
             write_text_atomic(staging / "ds_config.json", _ds_config(settings, plan))

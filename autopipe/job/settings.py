@@ -25,6 +25,7 @@ from ..choices import ENGINES, RECOMPUTE_POLICIES, precision
 from ..errors import AutopipeError, PartitionError
 from ..planner.partitioner import zero_choices
 from ..planner.schedules import normalize_schedule
+from ..planner.targets import target_info
 from ..units import parse_size
 
 __all__ = ["ConvertSettings", "JobSettings", "refuse_unknown"]
@@ -76,6 +77,7 @@ class ConvertSettings:
     dtype: str = "fp32"  # fp32, bf16 or fp16: autocast (16-bit matmuls) over fp32 weights and AdamW state
     recompute: str = "auto"  # per chunk: auto (the fastest that fits), none, selective or full
     engine: str = "torch"  # torch (torch.distributed.pipelining) or deepspeed (PipelineModule)
+    target: str | None = None  # plan for another engine's trainer (torchtitan, megatron, deepspeed, fqns): its cuts only
     loss: str = "auto"  # auto (a factory's, else the model's own), model, cross_entropy or mse (vs the data's targets)
     data: str | os.PathLike[str] | None = None  # the job's --data, checked against the model before profiling
     seed: int = 0  # the initial weights' and the synthetic data's
@@ -129,6 +131,8 @@ class ConvertSettings:
                 raise AutopipeError(f"--recompute {self.recompute} does not run on --engine deepspeed (set activation "
                                     "checkpointing in its ds_config.json): drop it or use --engine torch.")
             self._set(recompute="none")
+        if self.target is not None:
+            self._set(target=target_info(self.target).key)  # an unknown engine is refused before any work
         zero_choices(self.zero, self.dp)  # a bad --dp/--zero
         if deepspeed and (self.zero == "auto" or int(self.zero) > 1):
             raise AutopipeError(f"--zero {self.zero} does not run on --engine deepspeed (its pipeline engine has ZeRO 0 "

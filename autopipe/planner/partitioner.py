@@ -51,7 +51,13 @@ from .schedules import (
 )
 from .step_bound import fits
 from .step_solver import TIE, NoCutFits, StepSolution, solve_step
-from .targets import check_cut_allowed, check_target, explain_restricted, restricted_cuts, target_info
+from .targets import (
+    check_cut_allowed,
+    check_target,
+    explain_restricted,
+    restricted_cuts,
+    target_info,
+)
 
 __all__ = ["partition", "compare_baselines", "fits_memory", "resolve_limit", "zero_choices", "check_bounds",
            "names_to_bounds", "DEFAULT_BANDWIDTH"]

@@ -245,7 +245,12 @@ def resume(trainer: Any, ckpt_dir: str | os.PathLike[str], *, mode: str, steps: 
 
     Returns the checkpoint, or None when ``mode`` is "auto" and there is none.
     """
-    from .checkpoint import check_shared_folder, latest_checkpoint, load_checkpoint, read_meta
+    from .checkpoint import (
+        check_shared_folder,
+        latest_checkpoint,
+        load_checkpoint,
+        read_meta,
+    )
 
     if getattr(trainer, "env", None) is not None:  # else each node would find its own newest checkpoint
         check_shared_folder(trainer.env, ckpt_dir)

@@ -1,0 +1,40 @@
+"""`autopipe convert --for ENGINE`: the job's plan cuts only where that engine can, and the job folder
+holds the engine's export beside plan.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autopipe.cli import app
+from autopipe.job import ConvertSettings
+from autopipe.planner.targets import module_cuts
+
+runner = CliRunner()
+
+
+@pytest.mark.slow
+def test_convert_for_torchtitan_cuts_between_modules_and_writes_its_toml(tmp_path: Path) -> None:
+    """A Llama job planned for torchtitan: every cut at a module boundary, the plan says its target,
+    and export.torchtitan.toml names each stage's modules."""
+    out = tmp_path / "job"
+    result = runner.invoke(app, ["convert", "llama-tiny", "--stages", "2", "--estimate", "--device", "h100",
+                                 "--seq-len", "32", "--for", "torchtitan", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    profile = json.loads((out / "profile.json").read_text())
+    names = [layer["name"] for layer in profile["layers"]]
+    assert plan["target"] == "torchtitan"
+    assert set(plan["boundaries"][1:-1]) <= set(module_cuts(names))
+    toml = (out / "export.torchtitan.toml").read_text()
+    assert "[parallelism]" in toml and "module_fqns_per_model_part" in toml
+    assert "export.torchtitan.toml" in result.output
+
+
+def test_an_unknown_target_is_refused_before_any_work() -> None:
+    """A misspelled engine fails when the settings are made, naming the ones there are."""
+    with pytest.raises(Exception, match="unknown target 'torchtitn'"):
+        ConvertSettings(stages=2, target="torchtitn")
