@@ -18,8 +18,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, TraceMismatchError
 from .cut_policy import Segment, group_blocks, is_glue, module_stack, segment
-from .sequence import IOSpec, LayerInfo, LayerSequence, TensorSig, TiedGroup, as_tuple
-from .tracer import as_args, trace_with_notes
+from .sequence import IOSpec, LayerInfo, LayerSequence, TensorSig, TiedGroup, as_tuple, retarget_device_
+from .tracer import as_args, trace_device, trace_with_notes
 
 __all__ = ["flatten", "Granularity"]
 
@@ -35,6 +35,7 @@ def flatten(
     blocks_per_layer: int = 1,
     validate: bool = True,
     name: str = "",
+    device_type: str | None = None,
 ) -> LayerSequence:
     """Trace ``model`` and flatten it into a pipe-compatible LayerSequence.
 
@@ -47,6 +48,9 @@ def flatten(
         blocks_per_layer: coarser layers: this many consecutive blocks per layer.
         validate: with real weights, compare the sequence's outputs with the eager model's and raise
             TraceMismatchError on a difference (the graph may have dropped a branch).
+        device_type: for a model on meta, the device type its Python branches are resolved for
+            (``x.device.type == "cuda"``); default cuda when torch sees one, else cpu. A model with
+            real tensors is traced where they are. ``seq.trace_device`` records it.
 
     Example:
         >>> import torch, autopipe
@@ -61,9 +65,15 @@ def flatten(
         raise TraceError(f"blocks_per_layer must be >= 1, got {blocks_per_layer}.")
     args = as_args(example_args)
     kwargs = dict(example_kwargs or {})
-    ep, notes = trace_with_notes(model, args, kwargs)
+    traced_for = trace_device(model, device_type)
+    ep, notes = trace_with_notes(model, args, kwargs, device_type=traced_for)
     seq = _flatten_program(model, ep, args, kwargs, granularity, blocks_per_layer, name)
     seq.notes.extend(notes)
+    seq.trace_device = traced_for
+    if _on_meta(model) and traced_for != "meta":
+        # traced as another device, its layers hold meta tensors (until build_stage); constants made
+        # in forward (torch.tensor(1)) keep the values the trace gave them
+        retarget_device_(seq, "meta", constants=False)
     if validate and not _on_meta(model):
         _validate(model, seq, args, kwargs)
     return seq
@@ -97,7 +107,7 @@ def _flatten_program(
         elif spec.kind == InputKind.BUFFER:
             attr_of[node] = (spec.target, "buffer", model.get_buffer(spec.target))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            attr_of[node] = (f"_autopipe_const.{spec.target}", "constant", ep.constants[spec.target])
+            attr_of[node] = (f"_autopipe_const.{spec.target}", "constant", _unfake(ep.constants[spec.target]))
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(node)
         else:
@@ -414,6 +424,13 @@ def _signature(model: nn.Module, infos: list[LayerInfo], io: IOSpec, options: di
     for info in infos:
         h.update(f"{info.name}|{info.structure}|{info.params}".encode())
     return h.hexdigest()[:16]
+
+
+def _unfake(t: torch.Tensor) -> torch.Tensor:
+    """A constant made while tracing on fake tensors holds no values, as one made on meta: meta then."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, FakeTensor) else t
 
 
 def _on_meta(model: nn.Module) -> bool:

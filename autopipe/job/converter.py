@@ -105,7 +105,7 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
 
         baselines = compare_baselines(prof, plan)
     with passes("emit"):
-        batch_size = found.best.microbatch_size if found is not None else s.batch_size
+        batch_size = found.best.microbatch_size if found is not None else loaded.spec.batch_size
         job_settings = JobSettings(
             model=_absolute_spec(model), stages=plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
             batch_size=batch_size, seq_len=s.seq_len, dtype=s.dtype, engine=s.engine, device=s.device, seed=s.seed,
@@ -191,7 +191,7 @@ def _flatten(model: str, loaded: _Loaded, s: ConvertSettings) -> Any:
     from ..graph.flattener import flatten
 
     seq = flatten(loaded.model, loaded.args, loaded.kwargs)
-    _check_job_inputs(model, seq, loaded.loss, s, factory_data=loaded.spec.data is not None)
+    _check_job_inputs(model, seq, loaded.loss, s, factory_data=loaded.spec.data is not None, rows=loaded.spec.batch_size)
     per_stage = s.chunks_per_stage
     if s.gpus is None and s.stages * per_stage > len(seq.layers):  # type: ignore[operator]
         most = len(seq.layers) // per_stage
@@ -258,7 +258,7 @@ def _absolute_spec(model: str) -> str:
     return model
 
 
-def _check_job_inputs(model: str, seq: Any, job_loss: Any, s: ConvertSettings, *, factory_data: bool) -> None:
+def _check_job_inputs(model: str, seq: Any, job_loss: Any, s: ConvertSettings, *, factory_data: bool, rows: int) -> None:
     """Refuse, before profiling, a job that could not train: no scalar loss, or data (--data, or the
     factory's) that does not fit the model."""
     from ..runtime.tasks import JobData, check_loss
@@ -267,7 +267,7 @@ def _check_job_inputs(model: str, seq: Any, job_loss: Any, s: ConvertSettings, *
     if s.data is not None or factory_data:
         from ..runtime.factory import model_factory
 
-        source = model_factory(model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed, loss=s.loss)
+        source = model_factory(model, batch_size=rows, seq_len=s.seq_len, seed=s.seed, loss=s.loss)
         JobData(source, str(s.data) if s.data is not None else None, seq_len=s.seq_len, seed=s.seed, seq=seq)
 
 

@@ -241,7 +241,9 @@ def build_stage(
     from ..graph.flattener import flatten
 
     model = meta_model(model_fn)
-    seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False, granularity=granularity)  # type: ignore[arg-type]
+    # traced for this rank's device type: Python branching on it runs the branch this rank will
+    seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False,  # type: ignore[arg-type]
+                  granularity=granularity, device_type=torch.device(device).type)
     if isinstance(boundaries, int):  # a chunk count: cut evenly (no plan yet)
         boundaries = even_boundaries(len(seq.layers), boundaries)
     layout = ChunkLayout.make(boundaries, pp_size=pp_size, schedule=schedule)
@@ -257,7 +259,9 @@ def build_stage(
         for i in layout.layers_of(c):
             layer = seq.layers[i]
             needed += [n for n, _ in layer.named_parameters(remove_duplicate=False)]
-            needed += [n for n, _ in layer.named_buffers(remove_duplicate=False)]
+            # the model's buffers; constants made in forward are the layer's own
+            needed += [n for n, _ in layer.named_buffers(remove_duplicate=False)
+                       if layer.autopipe_attrs.get(n) != "constant"]
     fill_tensors(model, model_fn, needed, seed=seed, weights=weights, device=device)
     seq.rebind_(model)
     for c in chunk_ids:

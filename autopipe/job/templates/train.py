@@ -26,7 +26,7 @@ DTYPE = 'fp32'  # training precision, one of DTYPES: autocast over fp32 weights 
 DTYPES = ('fp32', 'bf16', 'fp16')
 ENGINE = 'torch'  # one of ENGINES: torch.distributed.pipelining, or DeepSpeed's PipelineModule
 ENGINES = ('torch', 'deepspeed')
-LOSS = 'auto'  # auto | model (the model's own) | cross_entropy | mse
+LOSS = 'auto'  # auto | model (the model's own; model:PLACE picks one of its scalars) | cross_entropy | mse
 DATA = None  # token file, text, .npz/.pt with x and y, datasets files; None: synthetic
 SEED = 0
 DP = 1  # data-parallel replicas of each stage (the plan's)
@@ -49,8 +49,8 @@ parser.add_argument("--dp", type=int, default=DP, help="data-parallel replicas (
 parser.add_argument("--zero", default=None, help="ZeRO stage over the replicas: 0 replicate, 1 shard AdamW state, "
                     "2 and gradients, 3 and parameters (default: the plan's; on deepspeed: ds_config's, 0 or 1)")
 parser.add_argument("--plan", default=str(PLAN), help="plan.json; 'even' cuts the layers evenly")
-parser.add_argument("--loss", default=LOSS, choices=["auto", "model", "cross_entropy", "mse"],
-                    help="the model's own loss, or cross-entropy / MSE of its output against the data's targets")
+parser.add_argument("--loss", default=LOSS, help="auto | model (the model's own; model:PLACE picks one of "
+                    "several scalars it returns) | cross_entropy | mse (its output against the data's targets)")
 parser.add_argument("--data", default=DATA, help="token file (.bin/.npy/.pt), text, .npz/.pt with x and y, or "
                     ".parquet/.jsonl/.arrow; default: synthetic")
 parser.add_argument("--weights", default=None, help="safetensors file or HF folder to start from")
