@@ -214,7 +214,31 @@ def _flatten_program(
     )
     options = {"granularity": granularity, "blocks_per_layer": blocks_per_layer}
     signature = _signature(model, infos, io, options)
-    return LayerSequence(layers, infos, io, tied, signature, model_name=name or type(model).__name__, options=options)
+    seq = LayerSequence(layers, infos, io, tied, signature, model_name=name or type(model).__name__, options=options)
+    seq.layer_entries = _layer_entries(segments)
+    return seq
+
+
+def _layer_entries(segments: list[Segment]) -> list[tuple[str, int] | None]:
+    """Where each layer starts in the model's own forward: the first module call it enters (its
+    path, and which call of it: ALBERT calls one layer several times), or None when it enters none.
+
+    A layer starts at the outermost module on its first node's stack that the layer before had
+    not entered (``transformer.h.3``, not ``transformer``, which layer 0 entered already). The
+    untouched model, seeded there, draws the random numbers each layer draws in the pipeline
+    (autopipe.runtime.untouched).
+    """
+    entries: list[tuple[str, int] | None] = []
+    before: set[str] = set()
+    for seg in segments:
+        stacks = [module_stack(n) for n in seg.nodes]
+        first = next((s for s in stacks if s), [])
+        found = next(((path, int(key.rsplit("@", 1)[1]) if "@" in key else 0)
+                      for key, path, _ in first if key not in before), None)
+        entries.append(found)
+        last = next((s for s in reversed(stacks) if s), [])
+        before = {key for key, _, _ in last}
+    return entries
 
 
 def _build_layer(

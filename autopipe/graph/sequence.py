@@ -166,6 +166,8 @@ class LayerSequence(nn.Module):
         self.notes = list(notes)  # caveats found while tracing, e.g. custom autograd Functions
         # the device type the graph was traced for (its Python branches on x.device.type); set by flatten
         self.trace_device = "cpu"
+        # per layer, the module call of the model's forward where it starts (path, call index); set by flatten
+        self.layer_entries: list[tuple[str, int] | None] = [None] * len(self.layers)
 
     def __len__(self) -> int:
         return len(self.layers)

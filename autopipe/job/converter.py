@@ -101,6 +101,7 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
         prof = _profile(model, loaded, seq, s)
     with passes("partition"):
         prof, plan, found = _partition(prof, s)
+        plan = replace(plan, trace_device=seq.trace_device)
         from ..planner.partitioner import compare_baselines
 
         baselines = compare_baselines(prof, plan)

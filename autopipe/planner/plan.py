@@ -87,6 +87,10 @@ class Plan:
     dp: int = 1
     zero: int = 0
     zero_policy: str = "0"
+    # The device type the model was traced for ("cpu", "cuda"): Python in its forward that branches
+    # on it took that branch. A job on another type retraces (and refuses in one line if the layers
+    # differ); "" in plans made before this field.
+    trace_device: str = ""
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:

@@ -165,6 +165,11 @@ class StageBuild:
     # tied tensor name -> extra leaves sharing its storage, one per further local chunk using it
     aliases: dict[str, list[nn.Parameter]] = field(default_factory=dict)
     recompute: list[str] = field(default_factory=list)  # the recompute mode of every chunk of the plan
+    # how the model was made: its factory, the init seed and the weights file (--verify rebuilds the
+    # untouched model from them)
+    model_fn: ModelFn | None = None
+    seed: int = 0
+    weights: str | None = None
 
     def fold_alias_grads_(self) -> None:
         """Add the gradients of local alias leaves into the parameter they alias."""
@@ -248,6 +253,13 @@ def build_stage(
         boundaries = even_boundaries(len(seq.layers), boundaries)
     layout = ChunkLayout.make(boundaries, pp_size=pp_size, schedule=schedule)
     if layout.num_layers != len(seq.layers):
+        traced = getattr(boundaries, "trace_device", "") or seq.trace_device
+        if traced != seq.trace_device:
+            raise AutopipeError(
+                f"the plan was traced for {traced} and cuts {layout.num_layers} layers, but on {seq.trace_device} "
+                f"this model flattens into {len(seq.layers)} (its forward branches on the device type): convert it "
+                f"again for {seq.trace_device} (--device {seq.trace_device})."
+            )
         raise AutopipeError(
             f"the plan cuts {layout.num_layers} layers but this model flattens into {len(seq.layers)}; "
             "the plan was made for another model or flatten options: partition again."
@@ -309,6 +321,9 @@ def build_stage(
         tied=tied,
         aliases=aliases,
         recompute=modes,
+        model_fn=model_fn,
+        seed=seed,
+        weights=weights,
     )
 
 

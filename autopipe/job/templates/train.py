@@ -61,7 +61,7 @@ parser.add_argument("--resume", nargs="?", const="must", default=None, choices=[
                     help="continue from the newest checkpoint in --ckpt-dir ('--resume auto': start afresh if there is none)")
 parser.add_argument("--export", default=None, help="write the final weights to this folder (model.safetensors)")
 parser.add_argument("--log-json", default=None, help="append one JSON line per step to this file")
-parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with the layers run unpipelined")
+parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with your model run untouched (outputs, loss, gradients)")
 parser.add_argument("--engine", default=ENGINE, choices=ENGINES)
 parser.add_argument("--deepspeed_config", default=None, help="--engine deepspeed: a ds_config.json (default: the job's)")
 parser.add_argument("--check", action="store_true",
@@ -123,7 +123,8 @@ if args.resume:
     resume(trainer, args.ckpt_dir, mode=args.resume, steps=args.steps, data=data, say=log.info)
 if args.verify:
     report = rt.verify_step(trainer, *get_batch(trainer.step_count))
-    log.info(f"verify: loss {report.loss:.6f} vs {report.reference_loss:.6f}, max grad diff {report.max_grad_diff:.1e}: ok")
+    log.info(f"verify: loss {report.loss:.6f} vs the untouched model's {report.reference_loss:.6f}, max output diff "
+             f"{report.max_output_diff:.1e}, max grad diff {report.max_grad_diff:.1e}: ok")
 
 for step in range(trainer.step_count, args.steps):
     batch_args, batch_kwargs, target = get_batch(step)
