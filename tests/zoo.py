@@ -268,16 +268,25 @@ class _ConvNeXtBlock(nn.Module):
         return x + y.permute(0, 3, 1, 2)  # back to (N, C, H, W), channels-last in memory
 
 
+class _LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of (N, C, H, W): permute to channels-last and back, as timm's does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
 class ConvNeXtLike(nn.Module):
-    """ConvNeXt's layout: a patchify stem, stages of permuted blocks, LayerNorm downsampling; the
-    input runs in channels-last memory format, as timm's users run it."""
+    """ConvNeXt's layout: a patchify stem, stages of permuted blocks, LayerNorm2d-then-conv
+    downsampling (its first op permutes what it receives, so the gradient it sends back is a
+    permuted, non-contiguous tensor); the input runs in channels-last memory format, as timm's
+    users run it."""
 
     def __init__(self, dims: tuple[int, ...] = (8, 16), classes: int = 10) -> None:
         super().__init__()
-        self.stem = nn.Conv2d(3, dims[0], 2, stride=2)
-        self.stages = nn.Sequential(*[_ConvNeXtBlock(dims[0]) for _ in range(2)],
-                                    nn.Conv2d(dims[0], dims[1], 2, stride=2),
-                                    *[_ConvNeXtBlock(dims[1]) for _ in range(2)])
+        self.stem = nn.Sequential(nn.Conv2d(3, dims[0], 2, stride=2), _LayerNorm2d(dims[0]))
+        self.stages = nn.Sequential(*[_ConvNeXtBlock(dims[0]) for _ in range(3)],
+                                    nn.Sequential(_LayerNorm2d(dims[0]), nn.Conv2d(dims[0], dims[1], 2, stride=2)),
+                                    _ConvNeXtBlock(dims[1]))
         self.head = nn.Linear(dims[-1], classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

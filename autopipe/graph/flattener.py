@@ -202,6 +202,8 @@ def _flatten_program(
         _layer_info(i, seg, layer, live[i], live[i + 1], canonical_of)
         for i, (seg, layer) in enumerate(zip(segments, layers))
     ]
+    for layer, info in zip(layers, infos):
+        layer.autopipe_layer = (info.index, info.name, info.kind)  # what an error inside it names
     io = IOSpec(
         in_spec=in_spec,
         in_tensor_positions=tuple(tensor_positions),

@@ -31,7 +31,8 @@ from .weights import (
     tensor_names,
 )
 
-__all__ = ["MicrobatchSeeds", "PipeChunk", "StageBuild", "TiedSpec", "build_reference", "build_stage", "meta_model"]
+__all__ = ["MicrobatchSeeds", "PipeChunk", "StageBuild", "TiedSpec", "build_reference", "build_stage", "contiguous_grads",
+           "meta_model"]
 
 ModelFn = Callable[[], nn.Module]
 
@@ -123,6 +124,7 @@ class PipeChunk(nn.Module):
         self.seeds, self.microbatch = seeds, 0
 
     def forward(self, *xs: torch.Tensor) -> Any:
+        xs = contiguous_grads(xs)
         x: Any = xs[0] if len(xs) == 1 else tuple(xs)
         device_type = xs[0].device.type if xs else "cpu"
         # the schedule's shape inference runs the chunk once on meta: not a micro-batch
@@ -148,6 +150,29 @@ class PipeChunk(nn.Module):
         elif not x.is_contiguous():
             x = x.contiguous()
         return x
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the gradient goes back contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_grads(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A stage's inputs, whose gradients (what the stage sends back over the cut) come out contiguous.
+
+    A layer whose first op permutes what it receives (ConvNeXt's LayerNorm2d) gives its input a
+    permuted gradient; the engines send it as it is, and gloo refuses a non-contiguous tensor
+    ("input tensor has to be contiguous"; NCCL sends it wrongly strided). Forward outputs are
+    made contiguous at the end of the chunk (PipeChunk, DSLayer).
+    """
+    return tuple(_ContiguousGrad.apply(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in xs)
 
 
 @dataclass

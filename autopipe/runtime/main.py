@@ -3,8 +3,10 @@
 - ``one_line_errors(ckpt_dir)``: an :class:`AutopipeError` (or a file error) anywhere in train.py is
   printed once, by rank 0, as ``error: ...`` (what was wrong and what to do), and every rank exits
   with status 1; an error only another rank met reaches rank 0 through the process group's store. Ctrl-C (or the SIGTERM torchrun sends its workers then) ends each rank quietly;
-  rank 0 prints the newest checkpoint and the command that resumes from it (status 130). ``AUTOPIPE_DEBUG=1`` shows the tracebacks instead. Other
-  exceptions are bugs, shown with their traceback.
+  rank 0 prints the newest checkpoint and the command that resumes from it (status 130). ``AUTOPIPE_DEBUG=1`` shows the tracebacks instead. Any
+  other exception (a bug, ours or torch's, or the model failing in training) is one line too, naming
+  the stage, the layer and the operation that raised (``autopipe.runtime.failures``), with the path
+  of a file holding every rank's full traceback.
 - ``check_launch(plan, env)``: the process count fits the plan, or one line saying how to launch.
 - ``resume(trainer, ckpt_dir, ...)``: ``--resume`` continues from the newest checkpoint; with none
   there it is an error (``--resume auto`` starts afresh instead); a checkpoint made with another
@@ -90,6 +92,17 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                     os._exit(1)
             else:
                 os._exit(1)
+        if issubclass(kind, Exception):
+            from .failures import describe, write_traceback
+
+            path = write_traceback(kind, value, tb)
+            where = f"every rank's traceback: {path}" if path is not None else "its traceback"
+            message = f"{describe(value)} ({where}; AUTOPIPE_DEBUG=1 prints them here instead)"
+            if _rank() == 0:
+                _say(f"error: {message}")
+            else:
+                _leave_word(message)
+            os._exit(1)
         previous(kind, value, tb)
 
     sys.excepthook = hook
