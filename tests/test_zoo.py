@@ -21,6 +21,8 @@ import zoo
 from _launch import Launcher
 from safetensors.torch import save_file
 
+from autopipe.graph.flattener import flatten
+from autopipe.graph.sources import load_model
 from autopipe.job.script import write_train_script
 from autopipe.runtime import JobData, make_loss, model_factory
 from autopipe.runtime.engine import model_loss, split_batch
@@ -48,7 +50,9 @@ def save_weights(model: torch.nn.Module, path: Path) -> None:
 def reference(name: str, spec: str, rows: int, loss: str) -> tuple[float, dict[str, torch.Tensor]]:
     """The untouched model's first-step loss (mean over micro-batches) and gradients on the job's rows."""
     source = model_factory(spec, batch_size=rows, seq_len=SEQ, loss=loss)
-    args, kwargs, target = JobData(source, None, seq_len=SEQ, seed=0).batch(0, rows * MICRO)
+    shapes = load_model(spec, device="meta", batch_size=rows, seq_len=SEQ)  # the outputs' shapes: what targets are drawn like
+    seq = flatten(shapes.model, shapes.args, shapes.kwargs)
+    args, kwargs, target = JobData(source, None, seq_len=SEQ, seed=0, seq=seq).batch(0, rows * MICRO)
     model = untouched(name, None if name == "alexnet" else rows)
     fn = make_loss(source.loss)
     targets = list(target.chunk(MICRO)) if target is not None else [None] * MICRO
@@ -80,7 +84,8 @@ def make_job(root: Path, name: str) -> tuple[Path, int]:
                          reserve="0")
         rows = result.settings.batch_size
         assert rows == 8 and "BATCH_SIZE = 8" in (job / "train.py").read_text()
-        assert "8x3x32x32" in (job / "README.md").read_text()
+        assert "micro-batch args[0] 8×3×32×32." in (job / "README.md").read_text()
+        assert json.loads((job / "profile.json").read_text())["microbatch"] == {"args[0]": [8, 3, 32, 32]}
     else:
         rows = zoo.B if name not in ("resnet",) else 4
         job.mkdir()

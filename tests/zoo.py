@@ -208,13 +208,9 @@ class LitGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-def litgpt(batch_size: int = B) -> dict[str, Any]:
-    """litgpt's GPT returns logits; its users train it with cross-entropy against the next tokens."""
-    return {"model": LitGPT(), "args": (_ids(batch_size),), "loss": _next_token_loss}
-
-
-def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1) % V)
+def litgpt(batch_size: int = B) -> tuple[nn.Module, tuple]:
+    """litgpt's GPT returns logits; a job trains it with --loss cross_entropy against next tokens."""
+    return LitGPT(), (_ids(batch_size),)
 
 
 # ---- CNNs: BatchNorm (ResNet's basic block), ConvNeXt's permuted channels-last blocks, AlexNet ------
@@ -328,6 +324,6 @@ ZOO = {
     "alexnet": alexnet,
 }
 # what each trains with in a job: the model's own loss, or cross-entropy of its logits against the data's targets
-LOSS = {"alexnet": "cross_entropy"}
+LOSS = {"alexnet": "cross_entropy", "litgpt": "cross_entropy"}
 
 __all__ = ["ZOO", "LOSS", *ZOO, "NanoGPT", "LitGPT", "ResNetLike", "ConvNeXtLike", "AlexNet"]
