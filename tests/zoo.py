@@ -57,6 +57,10 @@ def qwen3_moe(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
                     mlp_only_layers=[])
 
 
+def llama(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
+    return _decoder("LlamaConfig", "LlamaForCausalLM", batch_size, intermediate_size=48)
+
+
 def gemma(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
     """Gemma: embeddings scaled by sqrt(hidden), RMSNorm of (1 + weight), tied head."""
     return _decoder("GemmaConfig", "GemmaForCausalLM", batch_size, intermediate_size=48, head_dim=8)
@@ -319,7 +323,7 @@ def alexnet() -> tuple[nn.Module, tuple]:
 
 
 ZOO = {
-    "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gemma": gemma, "gemma3": gemma3,
+    "llama": llama, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gemma": gemma, "gemma3": gemma3,
     "whisper": whisper, "nanogpt": nanogpt, "litgpt": litgpt, "resnet": resnet, "convnext": convnext,
     "alexnet": alexnet,
 }
