@@ -140,6 +140,22 @@ def test_zoo_model_trains_as_itself_on_2_and_1_processes(torchrun: Launcher, roo
                             "max_grad_diff": worst, "verify": verify.split("verify: ", 1)[1]}) + "\n")
 
 
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_permuted_channels_last_activations_cross_a_cut_on_deepspeed(torchrun: Launcher, root: Path) -> None:
+    """ConvNeXt's permuted, channels-last activations and the permuted gradients its LayerNorm2d sends
+    back cross the cut on DeepSpeed's engine too: the first step's loss and every gradient on 2
+    processes equal the untouched model's."""
+    job = root / "convnext-deepspeed"
+    job.mkdir()
+    spec = f"{ZOO_FILE}:convnext"
+    write_train_script(job, model=spec, stages=2, microbatches=MICRO, schedule="1f1b", batch_size=zoo.B, seq_len=SEQ,
+                       engine="deepspeed")
+    save_weights(untouched("convnext", zoo.B), job / "weights.safetensors")
+    loss, grads, _ = train(torchrun, job, 2)
+    check("convnext", loss, grads, reference("convnext", spec, zoo.B, "auto"))
+
+
 FAILS_IN_TRAINING = '''
 import torch
 from torch import nn
