@@ -56,7 +56,9 @@ def verify_step(
 ) -> VerifyReport:
     """Compare one pipelined step's outputs, loss and gradients with the untouched model's (collective call).
 
-    ``args``/``kwargs``/``target`` are this replica's batch, as ``Trainer.step`` takes it.
+    ``args``/``kwargs``/``target`` are this replica's batch, as ``Trainer.step`` takes it (a rank
+    that reads neither inputs nor targets may pass placeholders: the untouched model runs on the
+    batch the first and last chunks' ranks read, shared with every rank).
     Tolerances default to 1e-5 absolute / 1e-4 relative in fp32, 1e-3 / 1e-2 under bf16/fp16.
     """
     env, cfg, build = trainer.env, trainer.config, trainer.build
@@ -92,9 +94,9 @@ def verify_step(
     piped = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()}
     trainer.optimizer.zero_grad(set_to_none=False)
 
-    # ---- the user's model, untouched, on the same micro-batches ----
+    # ---- the user's model, untouched, on the same micro-batches (every rank runs all of it) ----
     model = untouched_model(build.model_fn, seed=build.seed, weights=build.weights, device=env.device)
-    ref_outputs, ref_loss = _run_untouched(trainer, model, args, kwargs, target)
+    ref_outputs, ref_loss = _run_untouched(trainer, model, *_whole_batch(trainer, args, kwargs, target))
 
     bad = False
     worst_out = 0.0
@@ -128,13 +130,48 @@ def verify_step(
     report = VerifyReport(float(losses[0]), float(losses[1]), float(verdict[1]), worst_name, not bool(verdict[0]),
                           float(verdict[2]))
     if not report.ok and raise_on_mismatch:
+        worst_name = _worst_anywhere(env, worst, worst_name)
         raise VerifyError(
             f"the pipelined step differs from the untouched model: loss {report.loss:.6f} vs {report.reference_loss:.6f}, "
             f"largest output difference {report.max_output_diff:.2e}, largest gradient difference "
-            f"{report.max_grad_diff:.2e} (tolerance atol={atol}, rtol={rtol}; worst on this rank: {worst_name or '-'}); "
+            f"{report.max_grad_diff:.2e} (tolerance atol={atol}, rtol={rtol}; worst: {worst_name or '-'}); "
             "report the model, the plan and the schedule."
         )
     return report
+
+
+def _worst_anywhere(env: Any, worst: float, name: str) -> str:
+    """The parameter with the largest gradient difference over all ranks, and the rank holding it."""
+    if env.world == 1:
+        return name
+    import torch.distributed as dist
+
+    rows = env.comm.all_gather(torch.tensor([worst], dtype=torch.float64, device=env.device), where="verify worst")
+    rank = int(rows.view(-1).argmax())
+    box = [name]
+    dist.broadcast_object_list(box, src=rank, device=env.device if env.device.type == "cuda" else None)
+    return f"{box[0]} on rank {rank}"
+
+
+def _whole_batch(trainer: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, target: Any
+                 ) -> tuple[Sequence[Any], Mapping[str, Any] | None, Any]:
+    """The batch as the first chunk's rank read it (inputs) and the last chunk's (target), on every
+    rank: a middle rank reads neither (train.py's get_batch gives it placeholders), and a zbv rank
+    0 holding both ends while rank 1 ran the untouched model on zeros was a 1.2 gradient "mismatch"."""
+    env, layout = trainer.env, trainer.build.layout
+    if env.pp_size == 1:
+        return args, kwargs, target
+    import torch.distributed as dist
+
+    first = env.global_rank(env.dp_rank, layout.owner(0))
+    last = env.global_rank(env.dp_rank, layout.owner(layout.num_chunks - 1))
+    host = lambda tree: pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, tree)  # noqa: E731
+    device = env.device if env.device.type == "cuda" else None
+    inputs = [host((tuple(args), dict(kwargs or {}))) if env.rank == first else None]
+    dist.broadcast_object_list(inputs, src=first, device=device)
+    targets = [host(target) if env.rank == last else None]
+    dist.broadcast_object_list(targets, src=last, device=device)
+    return inputs[0][0], inputs[0][1], targets[0]  # type: ignore[index]
 
 
 def _keep(chunk: Any, out: Any, into: list[tuple[torch.Tensor, ...]]) -> None:
