@@ -156,24 +156,34 @@ def test_check_catches_a_host_sync_in_the_step(
         t.step(args, kwargs)
 
 
-def test_verify_passes_the_trainer_and_catches_a_gradient_the_pipeline_got_wrong(
+def test_verify_compares_with_the_untouched_model_and_catches_what_differs(
     trainer: tuple[Trainer, tuple, dict], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--verify's comparison (each rank's own chunks, run unpipelined, no whole model built) passes the
-    trainer as written, leaves no gradient behind, and fails in one line naming the parameter when the
-    pipelined run's gradients are off by a little (one entry of one tensor, 1e-3)."""
+    """--verify runs the user's model as its factory builds it (never the flattened layers, never
+    autopipe's own unpipelined run): it passes the trainer as written and leaves no gradient behind;
+    it fails in one line when the job computes another function than the model (a weight of its
+    layers off by 1e-3, which a comparison of autopipe's layers with themselves cannot see), and when
+    the pipelined gradients are off by a little (one entry of one tensor, 1e-3), naming the parameter."""
+    import autopipe.runtime.verify as verify
     from autopipe.runtime.verify import VerifyError, verify_step
 
     t, args, kwargs = trainer
-    def whole_model(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("--verify built the whole model")
-
-    for where in ("autopipe.runtime.build.build_reference", "autopipe.runtime.build_reference",
-                  "autopipe.runtime.reference.SequenceModel.build_from"):
-        monkeypatch.setattr(where, whole_model)
+    built: list[torch.nn.Module] = []
+    untouched = verify.untouched_model
+    monkeypatch.setattr(verify, "untouched_model", lambda *a, **k: built.append(untouched(*a, **k)) or built[-1])
+    for where in ("autopipe.runtime.build.build_reference", "autopipe.runtime.reference.SequenceModel.build_from"):
+        monkeypatch.setattr(where, lambda *a, **k: pytest.fail("--verify compared autopipe with autopipe"))
     report = verify_step(t, args, kwargs)
     assert report.ok and report.loss == pytest.approx(report.reference_loss, abs=1e-6) and report.max_grad_diff < 1e-5
+    assert type(built[0]).__name__ == "GPT2LMHeadModel" and report.max_output_diff < 1e-5  # the model itself, its logits
     assert all(p.grad is None or not p.grad.any() for p in t.params.values())
+    first = sorted(t.params)[0]
+    with torch.no_grad():
+        t.params[first].view(-1)[0] += 1e-3
+    with pytest.raises(VerifyError, match=r"differs from the untouched model: loss .*largest output difference [1-9]"):
+        verify_step(t, args, kwargs)
+    with torch.no_grad():
+        t.params[first].view(-1)[0] -= 1e-3
     name = sorted(t.params)[-1]
     run = t.engine.run
 
@@ -184,6 +194,6 @@ def test_verify_passes_the_trainer_and_catches_a_gradient_the_pipeline_got_wrong
         return loss
 
     monkeypatch.setattr(t.engine, "run", off_by_a_little)
-    with pytest.raises(VerifyError, match=rf"largest gradient difference 1\.00e-03 .*worst on this rank: {name}\)") as err:
+    with pytest.raises(VerifyError, match=rf"largest gradient difference 1\.00e-03 .*worst: {name}\)") as err:
         verify_step(t, args, kwargs)
     assert "\n" not in str(err.value)

@@ -3,9 +3,11 @@
 For GPT-2 (causal LM, dropout on), BERT (masked LM, text through its folder's tokenizer), T5
 (seq2seq, a datasets .jsonl file), a CNN classifier with the factory's own loss (.npz x/y) and a
 custom (hidden, mask) model (.pt with arrays named after its inputs), train.py runs 2 stages on 2
-processes and must equal the unpipelined reference computed here on the same batches: the loss of
-every step, the logged gradient norm, and every gradient of the first step (1e-5), on the torch
-engine (under --check) and on DeepSpeed's. Tiny configs, 2 steps: one launch per model and engine.
+processes and must equal the untouched model trained here on the same batches (the model as its
+factory builds it, through its own forward, at the job's initial weights; with dropout on, seeded
+where each layer starts as the pipeline seeds it): the loss of every step, the logged gradient norm,
+and every gradient of the first step (1e-5), on the torch engine (under --check) and on DeepSpeed's.
+Tiny configs, 2 steps: one launch per model and engine.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch
 from _launch import Launcher
 
+from autopipe.graph.flattener import flatten
 from autopipe.job.script import write_train_script
 from autopipe.runtime import (
     JobData,
@@ -28,7 +31,9 @@ from autopipe.runtime import (
     make_loss,
     model_factory,
 )
-from autopipe.runtime.reference import ReferenceTrainer, SequenceModel
+from autopipe.runtime.build import meta_model
+from autopipe.runtime.reference import ReferenceTrainer
+from autopipe.runtime.untouched import untouched_model
 
 pytestmark = pytest.mark.slow  # every test starts train.py (most on several processes)
 
@@ -133,16 +138,16 @@ _REFS: dict[str, tuple[list[float], list[float], dict[str, torch.Tensor], dict[s
 
 def reference(job: dict) -> tuple[list[float], list[float], dict[str, torch.Tensor], dict[str, int]]:
     """(losses, gradient norms, first-step gradients by every name of each parameter, and which tensor
-    each name is) of unpipelined training on the job's batches:
-    the original model, or with dropout on, its flattened layers seeded per layer and micro-batch."""
+    each name is) of the untouched model trained on the job's batches, one micro-batch after another;
+    with dropout on, its forward seeded where each layer starts as the pipeline seeds that layer."""
     key = job["model"]
     if key not in _REFS:
         source = model_factory(job["model"], batch_size=ROWS, seq_len=SEQ, loss=job["loss"])
         data = JobData(source, str(job["data"]), seq_len=SEQ, seed=0)
-        model = (SequenceModel.build_from(source.factory, source.args, source.kwargs, seed=0) if job["dropout"]
-                 else build_reference(source.factory, seed=0))
+        model = untouched_model(source.factory, seed=0)
+        entries = flatten(meta_model(source.factory), source.args, source.kwargs, device_type="cpu").layer_entries
         trainer = ReferenceTrainer(model, TrainConfig(steps=STEPS, microbatches=MICRO, lr=LR, grad_clip=0.0, seed=0),
-                                   loss_fn=make_loss(source.loss))
+                                   loss_fn=make_loss(source.loss), layer_entries=entries if job["dropout"] else None)
         grads: list[dict[str, torch.Tensor]] = []
         trainer.optimizer.register_step_pre_hook(lambda *_: grads.append(
             {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}))

@@ -296,7 +296,8 @@ def test_pipelined_runs_draw_the_same_dropout_masks_on_every_layout(pipelined: d
 @pytest.mark.distributed
 def test_train_script_recompute_flag_trains_like_the_unpipelined_model(torchrun: Launcher, tmp_path: Path) -> None:
     """train.py --recompute selective on ZBV (split backward), 2 ranks: --verify passes (every gradient
-    of step 1 against the unpipelined model), the log names the mode, losses equal plain training."""
+    of step 1 against the untouched model, which rank 1, holding neither end of the V, runs on the
+    batch ranks 0 read), the log names the mode, losses equal plain training."""
     from autopipe.job.script import write_train_script
     from autopipe.runtime import TokenData, TrainConfig, build_reference, model_factory
     from autopipe.runtime.reference import ReferenceTrainer

@@ -29,7 +29,7 @@ def convert_command(
     stages: Annotated[Optional[int], typer.Option("--stages", "-s", help="Pipeline stages (one process each); or --gpus to search the layout.")] = None,
     microbatches: Annotated[Optional[int], typer.Option(help="Micro-batches per step (default 2 x stages).")] = None,
     schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved1f1b or zbv.")] = "1f1b",
-    batch_size: Annotated[int, typer.Option(help="Samples per micro-batch.")] = 1,
+    batch_size: Annotated[Optional[int], typer.Option(help="Samples per micro-batch (default: the model's own: a factory's example rows, else 1).")] = None,
     seq_len: Annotated[int, typer.Option(help="Sequence length (language models); small keeps CPU runs quick.")] = 64,
     device: Annotated[str, typer.Option(help="Profile on cpu or cuda; with --estimate also a100, h100, h200.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="Training precision: fp32, bf16 or fp16 (fp32 master weights).")] = "fp32",

@@ -20,7 +20,7 @@ ModelArg = Annotated[
 @handle_errors
 def inspect_command(
     model: ModelArg,
-    batch_size: Annotated[int, typer.Option(help="Micro-batch size of the example input.")] = 1,
+    batch_size: Annotated[Optional[int], typer.Option(help="Micro-batch size of the example input (default: the model's own).")] = None,
     seq_len: Annotated[int, typer.Option(help="Sequence length of the example input.")] = 128,
     device: Annotated[str, typer.Option(help="meta (no weights, any size) or cpu (real weights; the trace is checked numerically).")] = "meta",
     granularity: Annotated[str, typer.Option(help="block: cut at repeated blocks; leaf: at every module with parameters.")] = "block",
@@ -63,7 +63,7 @@ def profile_command(
     model: Annotated[str, typer.Argument(help="A built-in name (gpt2), a HuggingFace folder, or module:function.")],
     device: Annotated[str, typer.Option(help="Measure on cpu or cuda; with --estimate: cpu, cuda, a100, h100, h200.")] = "cpu",
     estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: FLOPs and bytes on meta tensors, priced by a roofline.")] = False,
-    batch_size: Annotated[int, typer.Option(help="Micro-batch size.")] = 1,
+    batch_size: Annotated[Optional[int], typer.Option(help="Micro-batch size (default: the model's own).")] = None,
     seq_len: Annotated[int, typer.Option(help="Sequence length of the example input.")] = 128,
     dtype: Annotated[Optional[str], typer.Option(help="Profile in this dtype (default: the model's).")] = None,
     mixed_precision: Annotated[bool, typer.Option("--mixed-precision", help="16-bit params/grads, fp32 master weights and optimizer state.")] = False,

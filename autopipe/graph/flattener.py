@@ -18,8 +18,16 @@ from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, TraceMismatchError
 from .cut_policy import Segment, group_blocks, is_glue, module_stack, segment
-from .sequence import IOSpec, LayerInfo, LayerSequence, TensorSig, TiedGroup, as_tuple
-from .tracer import as_args, trace_with_notes
+from .sequence import (
+    IOSpec,
+    LayerInfo,
+    LayerSequence,
+    TensorSig,
+    TiedGroup,
+    as_tuple,
+    retarget_device_,
+)
+from .tracer import as_args, trace_device, trace_with_notes
 
 __all__ = ["flatten", "Granularity"]
 
@@ -35,6 +43,7 @@ def flatten(
     blocks_per_layer: int = 1,
     validate: bool = True,
     name: str = "",
+    device_type: str | None = None,
 ) -> LayerSequence:
     """Trace ``model`` and flatten it into a pipe-compatible LayerSequence.
 
@@ -47,6 +56,9 @@ def flatten(
         blocks_per_layer: coarser layers: this many consecutive blocks per layer.
         validate: with real weights, compare the sequence's outputs with the eager model's and raise
             TraceMismatchError on a difference (the graph may have dropped a branch).
+        device_type: for a model on meta, the device type its Python branches are resolved for
+            (``x.device.type == "cuda"``); default cuda when torch sees one, else cpu. A model with
+            real tensors is traced where they are. ``seq.trace_device`` records it.
 
     Example:
         >>> import torch, autopipe
@@ -61,9 +73,15 @@ def flatten(
         raise TraceError(f"blocks_per_layer must be >= 1, got {blocks_per_layer}.")
     args = as_args(example_args)
     kwargs = dict(example_kwargs or {})
-    ep, notes = trace_with_notes(model, args, kwargs)
+    traced_for = trace_device(model, device_type)
+    ep, notes = trace_with_notes(model, args, kwargs, device_type=traced_for)
     seq = _flatten_program(model, ep, args, kwargs, granularity, blocks_per_layer, name)
     seq.notes.extend(notes)
+    seq.trace_device = traced_for
+    if _on_meta(model) and traced_for != "meta":
+        # traced as another device, its layers hold meta tensors (until build_stage); constants made
+        # in forward (torch.tensor(1)) keep the values the trace gave them
+        retarget_device_(seq, "meta", constants=False)
     if validate and not _on_meta(model):
         _validate(model, seq, args, kwargs)
     return seq
@@ -97,7 +115,7 @@ def _flatten_program(
         elif spec.kind == InputKind.BUFFER:
             attr_of[node] = (spec.target, "buffer", model.get_buffer(spec.target))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            attr_of[node] = (f"_autopipe_const.{spec.target}", "constant", ep.constants[spec.target])
+            attr_of[node] = (f"_autopipe_const.{spec.target}", "constant", _unfake(ep.constants[spec.target]))
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(node)
         else:
@@ -192,6 +210,8 @@ def _flatten_program(
         _layer_info(i, seg, layer, live[i], live[i + 1], canonical_of)
         for i, (seg, layer) in enumerate(zip(segments, layers))
     ]
+    for layer, info in zip(layers, infos):
+        layer.autopipe_layer = (info.index, info.name, info.kind)  # what an error inside it names
     io = IOSpec(
         in_spec=in_spec,
         in_tensor_positions=tuple(tensor_positions),
@@ -204,7 +224,31 @@ def _flatten_program(
     )
     options = {"granularity": granularity, "blocks_per_layer": blocks_per_layer}
     signature = _signature(model, infos, io, options)
-    return LayerSequence(layers, infos, io, tied, signature, model_name=name or type(model).__name__, options=options)
+    seq = LayerSequence(layers, infos, io, tied, signature, model_name=name or type(model).__name__, options=options)
+    seq.layer_entries = _layer_entries(segments)
+    return seq
+
+
+def _layer_entries(segments: list[Segment]) -> list[tuple[str, int] | None]:
+    """Where each layer starts in the model's own forward: the first module call it enters (its
+    path, and which call of it: ALBERT calls one layer several times), or None when it enters none.
+
+    A layer starts at the outermost module on its first node's stack that the layer before had
+    not entered (``transformer.h.3``, not ``transformer``, which layer 0 entered already). The
+    untouched model, seeded there, draws the random numbers each layer draws in the pipeline
+    (autopipe.runtime.untouched).
+    """
+    entries: list[tuple[str, int] | None] = []
+    before: set[str] = set()
+    for seg in segments:
+        stacks = [module_stack(n) for n in seg.nodes]
+        first = next((s for s in stacks if s), [])
+        found = next(((path, int(key.rsplit("@", 1)[1]) if "@" in key else 0)
+                      for key, path, _ in first if key not in before), None)
+        entries.append(found)
+        last = next((s for s in reversed(stacks) if s), [])
+        before = {key for key, _, _ in last}
+    return entries
 
 
 def _build_layer(
@@ -414,6 +458,13 @@ def _signature(model: nn.Module, infos: list[LayerInfo], io: IOSpec, options: di
     for info in infos:
         h.update(f"{info.name}|{info.structure}|{info.params}".encode())
     return h.hexdigest()[:16]
+
+
+def _unfake(t: torch.Tensor) -> torch.Tensor:
+    """A constant made while tracing on fake tensors holds no values, as one made on meta: meta then."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, FakeTensor) else t
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -97,9 +97,10 @@ class IOSpec:
             if not isinstance(value, torch.Tensor):
                 raise InputMismatchError(f"input '{name}' must be a Tensor, got {type(value).__name__}.")
             if tuple(value.shape) != shape:
+                rows = f" (a micro-batch of {shape[0]} rows: train.py --batch-size {shape[0]})" if shape else ""
                 raise InputMismatchError(
                     f"input '{name}' has shape {tuple(value.shape)} but the sequence was traced with "
-                    f"{shape}; flatten again with example inputs of this (micro-batch) shape."
+                    f"{shape}{rows}; pass inputs of that shape, or flatten with example inputs of this one."
                 )
             out.append(value)
         return tuple(out)
@@ -163,6 +164,10 @@ class LayerSequence(nn.Module):
         self.model_name = model_name
         self.options = dict(options or {})
         self.notes = list(notes)  # caveats found while tracing, e.g. custom autograd Functions
+        # the device type the graph was traced for (its Python branches on x.device.type); set by flatten
+        self.trace_device = "cpu"
+        # per layer, the module call of the model's forward where it starts (path, call index); set by flatten
+        self.layer_entries: list[tuple[str, int] | None] = [None] * len(self.layers)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -233,12 +238,13 @@ class LayerSequence(nn.Module):
         return self
 
 
-def retarget_device_(module: nn.Module, device: str | torch.device) -> None:
+def retarget_device_(module: nn.Module, device: str | torch.device, *, constants: bool = True) -> None:
     """Point the device constants baked into traced graphs (``arange(device=meta)``) at ``device``.
 
     A model traced on meta records ``meta`` in every op that creates a tensor; after its parameters
     are materialised elsewhere the graphs must create tensors there too. Lifted constant tensors
-    move along; traced on meta they have no data, which is an error.
+    move along (``constants=False`` leaves them where they are); traced on meta they have no data,
+    which is an error.
     """
     target = torch.device(device)
 
@@ -253,7 +259,7 @@ def retarget_device_(module: nn.Module, device: str | torch.device) -> None:
             node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
         sub.recompile()
         for name, kind in getattr(sub, "autopipe_attrs", {}).items():
-            if kind != "constant":
+            if kind != "constant" or not constants:
                 continue
             *path, leaf = name.split(".")
             owner = sub.get_submodule(".".join(path))

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import ModelNotFoundError
 
@@ -102,7 +103,7 @@ def load_model(
     spec: str,
     *,
     device: str | torch.device = "cpu",
-    batch_size: int = 1,
+    batch_size: int | None = None,
     seq_len: int = 128,
     seed: int = 0,
     dropout: float | None = None,
@@ -113,20 +114,25 @@ def load_model(
     ``weights=False`` leaves a folder's safetensors unread (the training runtime reads each rank's
     tensors itself, by key).
 
+    ``batch_size`` is the micro-batch: None takes the model's own (a factory's example inputs, 1 for
+    built-ins and folders). A factory that takes ``batch_size`` is asked for it; one that does not
+    keeps its example's rows, unless ``batch_size`` says otherwise: then every example tensor with
+    the example's rows is cut or repeated to ``batch_size`` rows (``spec.batch_size`` says which).
+
     Example:
         >>> ms = load_model("llama-70b", device="meta", batch_size=1, seq_len=16)
         >>> ms.task, ms.args[0].shape
         ('causal-lm', torch.Size([1, 16]))
     """
-    if batch_size < 1 or seq_len < 1:
+    if (batch_size is not None and batch_size < 1) or seq_len < 1:
         raise ModelNotFoundError(f"batch size and sequence length must be >= 1 (got {batch_size}, {seq_len}).")
     device = torch.device(device)
     torch.manual_seed(seed)
     if spec in BUILTINS:
-        return _from_builtin(spec, device, batch_size, seq_len, dropout)
+        return _from_builtin(spec, device, batch_size or 1, seq_len, dropout)
     path = Path(spec)
     if path.is_dir():
-        return _from_folder(path, device, batch_size, seq_len, dropout, weights)
+        return _from_folder(path, device, batch_size or 1, seq_len, dropout, weights)
     if ":" in spec:
         return _from_factory(spec, device, batch_size, seq_len)
     close = [n for n in BUILTINS if n.split("-")[0] == spec.split("-")[0]]
@@ -218,7 +224,7 @@ def _from_config(config: Any, cls: Any, task: str, name: str, source: str, devic
     return ModelSpec(name, model, (ids,), kwargs, task, source, vocab, b, t)
 
 
-def _from_factory(spec: str, device: torch.device, b: int, t: int) -> ModelSpec:
+def _from_factory(spec: str, device: torch.device, b: int | None, t: int) -> ModelSpec:
     target, _, func_name = spec.rpartition(":")
     module = _import_target(target)
     fn = getattr(module, func_name, None)
@@ -253,16 +259,63 @@ def _from_factory(spec: str, device: torch.device, b: int, t: int) -> ModelSpec:
     model, args, kwargs = result[0], result[1] if len(result) > 1 else (), result[2] if len(result) > 2 else {}
     if not isinstance(args, tuple):
         args = (args,)
+    kwargs = _no_cache(model, dict(kwargs))
+    own = _rows(args, kwargs)
+    if b is not None and own not in (None, b):
+        args, kwargs = _resize_rows((args, kwargs), own, b)
     config = getattr(model, "config", None)
     task = _task_of(type(model).__name__) if config is not None else "custom"
+    if task in ("causal-lm", "masked-lm", "seq2seq") and args and isinstance(args[0], torch.Tensor) \
+            and args[0].is_floating_point():
+        task = "custom"  # features in, not token ids (Whisper): no token data to feed it
     vocab = int(getattr(config, "vocab_size", 0) or 0) if config is not None else 0
-    return ModelSpec(spec, model, args, dict(kwargs), task, "factory", vocab, b, t, loss=loss, data=data)
+    rows = b if b is not None else (own or 1)
+    return ModelSpec(spec, model, args, dict(kwargs), task, "factory", vocab, rows, t, loss=loss, data=data)
 
 
-def _call_flexibly(fn: Callable[..., Any], b: int, t: int) -> Any:
-    """Pass batch_size / seq_len only to factories that take them."""
+def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The example's micro-batch: the rows of its first tensor with a dimension (None without one)."""
+    first = next((v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    return int(first.shape[0]) if first is not None else None
+
+
+def _resize_rows(tree: Any, own: int, rows: int) -> Any:
+    """Every example tensor of ``own`` rows cut or repeated (cyclically) to ``rows``: shapes and
+    values stay the model's (ids in its vocabulary, masks of its kind)."""
+
+    def resize(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != own:
+            return v
+        if v.is_meta:
+            return torch.empty((rows, *v.shape[1:]), dtype=v.dtype, device=v.device)
+        return v[torch.arange(rows, device=v.device) % own]
+
+    return tree_map(resize, tree)
+
+
+def _no_cache(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Training keeps no key/value cache: a HuggingFace model that would return one (its config's
+    ``use_cache``, on by default) returns a cache object that cannot cross a pipeline cut."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False
+    takes = "use_cache" in _parameters(model.forward)
+    if kwargs.get("use_cache") or (takes and config is not None and "use_cache" not in kwargs):
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _call_flexibly(fn: Callable[..., Any], b: int | None, t: int) -> Any:
+    """Pass batch_size / seq_len only to factories that take them (batch_size only when given)."""
     params = inspect.signature(fn).parameters
-    kwargs = {k: v for k, v in (("batch_size", b), ("seq_len", t)) if k in params}
+    kwargs = {k: v for k, v in (("batch_size", b), ("seq_len", t)) if k in params and v is not None}
     return fn(**kwargs)
 
 

@@ -22,10 +22,11 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..errors import InputMismatchError, TraceError
 
-__all__ = ["trace", "trace_with_notes"]
+__all__ = ["trace", "trace_device", "trace_with_notes"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -34,31 +35,38 @@ def trace(
     model: nn.Module,
     example_args: tuple[Any, ...] | list[Any] | Any,
     example_kwargs: dict[str, Any] | None = None,
+    *,
+    device_type: str | None = None,
 ) -> torch.export.ExportedProgram:
     """Export ``model`` on the example inputs, in the mode (train/eval) the model is in.
 
-    The graph is specialised to the example shapes. Errors name the module and source line that
-    failed and say what to try.
+    The graph is specialised to the example shapes, and to the device type the model runs on: its
+    tensors', or for a model on meta ``device_type`` (see :func:`trace_device`). Errors name the
+    module and source line that failed and say what to try.
 
     Example:
         >>> ep = trace(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
         >>> [s.target for s in ep.graph_signature.input_specs if s.target]
         ['weight', 'bias']
     """
-    return trace_with_notes(model, example_args, example_kwargs)[0]
+    return trace_with_notes(model, example_args, example_kwargs, device_type=device_type)[0]
 
 
 def trace_with_notes(
-    model: nn.Module, example_args: Any, example_kwargs: dict[str, Any] | None = None
+    model: nn.Module, example_args: Any, example_kwargs: dict[str, Any] | None = None, *, device_type: str | None = None
 ) -> tuple[torch.export.ExportedProgram, list[str]]:
-    """:func:`trace`, plus caveats seen while tracing (custom autograd Functions)."""
+    """:func:`trace`, plus caveats seen while tracing (custom autograd Functions).
+
+    A model on the meta device is traced as if it were on ``device_type`` (see :func:`trace_device`).
+    """
     args = as_args(example_args)
     kwargs = dict(example_kwargs or {})
     _check_signature(model, args, kwargs)
     log = Path(tempfile.gettempdir()) / f"autopipe-trace-{type(model).__name__}-{os.getpid()}.log"
+    fake = trace_device(model, device_type)
     try:
-        with _watch_custom_functions() as seen, _torch_log_to(log):
-            ep = torch.export.export(model, args, kwargs, strict=False)
+        with _watch_custom_functions() as seen, _torch_log_to(log), _as_device(model, fake) as to_fake:
+            ep = torch.export.export(model, to_fake(args), to_fake(kwargs), strict=False)
     except Exception as e:  # torch raises many kinds here; all become one readable TraceError
         where = f" torch's log of the failed trace (its FX graph): {log}." if log.is_file() else ""
         raise TraceError(_explain(model, e) + where) from e
@@ -68,6 +76,69 @@ def trace_with_notes(
         for name in sorted(seen)
     ]
     return ep, notes
+
+
+def trace_device(model: nn.Module, device_type: str | None = None) -> str:
+    """The device type ``model``'s forward runs as while it is traced.
+
+    A model with real tensors runs where they are. A model on the meta device (no memory: every
+    rank of a job traces one) runs on fake tensors of ``device_type`` (default: cuda when torch sees
+    one, else cpu), so Python that branches on ``x.device.type`` (transformers' MoE experts kernels
+    do) takes the branch of the device the job trains on. A device type this torch cannot fake
+    (cuda on a CPU-only build: fake CUDA tensors abort the process there) falls back to cpu; the
+    job then retraces on its own device (autopipe.runtime.build_stage).
+
+    Example:
+        >>> trace_device(torch.nn.Linear(2, 2, device="meta"), "cpu"), trace_device(torch.nn.Linear(2, 2))
+        ('cpu', 'cpu')
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    real = next((t for t in tensors if not t.is_meta), None)
+    if real is not None:
+        return real.device.type
+    if not tensors and device_type is None:
+        return "cpu"
+    wanted = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if wanted in ("cpu", "meta"):
+        return wanted
+    backend = getattr(torch, wanted, None)
+    available = getattr(backend, "is_available", None)
+    return wanted if callable(available) and available() else "cpu"
+
+
+@contextlib.contextmanager
+def _as_device(model: nn.Module, device_type: str) -> Iterator[Any]:
+    """While tracing a meta model for ``device_type``: its parameters and buffers are fake tensors
+    of that device (the same fake for every name of one tensor, so ties stay ties), put back after.
+    Yields the function that turns the example inputs into fakes of that device too."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if device_type == "meta" or not tensors or not all(t.is_meta for t in tensors):
+        yield lambda tree: tree
+        return
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # what torch.export makes for itself, which it takes over when the inputs are fakes of a mode
+    mode = FakeTensorMode(shape_env=ShapeEnv(tracked_fakes=[], prefer_deferred_runtime_asserts_over_guards=True,
+                                             trace_asserts=True), allow_non_fake_inputs=True, export=True)
+    device = torch.device(device_type)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            made = FakeTensor(mode, t if t.is_meta else t.to("meta"), device)
+            fakes[id(t)] = nn.Parameter(made, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else made
+        return fakes[id(t)]
+
+    slots = [(table, attr, t) for mod in model.modules() for table in (mod._parameters, mod._buffers)
+             for attr, t in table.items() if t is not None]
+    try:
+        for table, attr, t in slots:
+            table[attr] = fake(t)
+        yield lambda tree: tree_map(lambda v: fake(v) if isinstance(v, torch.Tensor) else v, tree)
+    finally:
+        for table, attr, t in slots:
+            table[attr] = t
 
 
 @contextlib.contextmanager

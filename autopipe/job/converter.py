@@ -101,11 +101,12 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
         prof = _profile(model, loaded, seq, s)
     with passes("partition"):
         prof, plan, found = _partition(prof, s)
+        plan = replace(plan, trace_device=seq.trace_device)
         from ..planner.partitioner import compare_baselines
 
         baselines = compare_baselines(prof, plan)
     with passes("emit"):
-        batch_size = found.best.microbatch_size if found is not None else s.batch_size
+        batch_size = found.best.microbatch_size if found is not None else loaded.spec.batch_size
         job_settings = JobSettings(
             model=_absolute_spec(model), stages=plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
             batch_size=batch_size, seq_len=s.seq_len, dtype=s.dtype, engine=s.engine, device=s.device, seed=s.seed,
@@ -190,8 +191,9 @@ def _flatten(model: str, loaded: _Loaded, s: ConvertSettings) -> Any:
     """The layer sequence, refused before profiling when the job could not train or not be cut."""
     from ..graph.flattener import flatten
 
-    seq = flatten(loaded.model, loaded.args, loaded.kwargs)
-    _check_job_inputs(model, seq, loaded.loss, s, factory_data=loaded.spec.data is not None)
+    # traced for the device the job will train on (a measured model is traced where it is)
+    seq = flatten(loaded.model, loaded.args, loaded.kwargs, device_type="cpu" if s.device == "cpu" else "cuda")
+    _check_job_inputs(model, seq, loaded.loss, s, factory_data=loaded.spec.data is not None, rows=loaded.spec.batch_size)
     per_stage = s.chunks_per_stage
     if s.gpus is None and s.stages * per_stage > len(seq.layers):  # type: ignore[operator]
         most = len(seq.layers) // per_stage
@@ -261,7 +263,7 @@ def _absolute_spec(model: str) -> str:
     return model
 
 
-def _check_job_inputs(model: str, seq: Any, job_loss: Any, s: ConvertSettings, *, factory_data: bool) -> None:
+def _check_job_inputs(model: str, seq: Any, job_loss: Any, s: ConvertSettings, *, factory_data: bool, rows: int) -> None:
     """Refuse, before profiling, a job that could not train: no scalar loss, or data (--data, or the
     factory's) that does not fit the model."""
     from ..runtime.tasks import JobData, check_loss
@@ -270,7 +272,7 @@ def _check_job_inputs(model: str, seq: Any, job_loss: Any, s: ConvertSettings, *
     if s.data is not None or factory_data:
         from ..runtime.factory import model_factory
 
-        source = model_factory(model, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed, loss=s.loss)
+        source = model_factory(model, batch_size=rows, seq_len=s.seq_len, seed=s.seed, loss=s.loss)
         JobData(source, str(s.data) if s.data is not None else None, seq_len=s.seq_len, seed=s.seed, seq=seq)
 
 

@@ -72,7 +72,7 @@ class ConvertSettings:
     bandwidth_intra: float | None = None  # bytes/s per device inside a node (default per known GPU)
     bandwidth_inter: float | None = None  # bytes/s per device between nodes
     # ---- what the job trains ----
-    batch_size: int = 1  # rows per micro-batch, trained on and profiled with
+    batch_size: int | None = None  # rows per micro-batch, trained on and profiled with; None: the model's own (a factory's example, else 1)
     seq_len: int = 128
     dtype: str = "fp32"  # fp32, bf16 or fp16: autocast (16-bit matmuls) over fp32 weights and AdamW state
     recompute: str = "auto"  # per chunk: auto (the fastest that fits), none, selective or full

@@ -101,6 +101,10 @@ class Plan:
     allowed_cuts: tuple[int, ...] | None = None
     unrestricted_step_time: float | None = None
     unrestricted_boundaries: tuple[int, ...] | None = None
+    # The device type the model was traced for ("cpu", "cuda"): Python in its forward that branches
+    # on it took that branch. A job on another type retraces (and refuses in one line if the layers
+    # differ); "" in plans made before this field.
+    trace_device: str = ""
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:

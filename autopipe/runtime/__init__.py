@@ -8,7 +8,9 @@ over replicas, clips the global norm and steps AdamW; ``save_checkpoint``/``load
 and read per-stage shards atomically; ``export`` joins them into one safetensors file;
 ``DeepSpeedTrainer`` does the same on DeepSpeed's engine (with ``ds_save_checkpoint``, ``ds_resume``
 and ``ds_latest_checkpoint`` for its own checkpoints); ``one_line_errors`` makes failures one line;
-``runtime_reserve`` (the ``reserve`` module) measures what a rank holds beyond the tensors.
+``runtime_reserve`` (the ``reserve`` module) measures what a rank holds beyond the tensors;
+``untouched_model`` builds the user's model as its factory does, at the job's weights: what
+``verify_step`` (``--verify``) and the tests compare a job with.
 
     env = init_dist(dp=1)
     source = model_factory("gpt2", batch_size=2, seq_len=128)
@@ -64,6 +66,8 @@ _LAZY = {
     "predictions": "logs",
     "PeakMemory": "peak",
     "verify_step": "verify",
+    "untouched_model": "untouched",
+    "seeded_like_pipeline": "untouched",
     "model_factory": "factory",
     "train_deepspeed": "ds",
     "DeepSpeedTrainer": "ds",
@@ -124,6 +128,8 @@ __all__ = [
     "to_device",
     "train_deepspeed",
     "verify_step",
+    "untouched_model",
+    "seeded_like_pipeline",
 ]
 
 

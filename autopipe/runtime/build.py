@@ -31,7 +31,8 @@ from .weights import (
     tensor_names,
 )
 
-__all__ = ["MicrobatchSeeds", "PipeChunk", "StageBuild", "TiedSpec", "build_reference", "build_stage", "meta_model"]
+__all__ = ["MicrobatchSeeds", "PipeChunk", "StageBuild", "TiedSpec", "build_reference", "build_stage", "contiguous_grads",
+           "meta_model"]
 
 ModelFn = Callable[[], nn.Module]
 
@@ -123,6 +124,7 @@ class PipeChunk(nn.Module):
         self.seeds, self.microbatch = seeds, 0
 
     def forward(self, *xs: torch.Tensor) -> Any:
+        xs = contiguous_grads(xs)
         x: Any = xs[0] if len(xs) == 1 else tuple(xs)
         device_type = xs[0].device.type if xs else "cpu"
         # the schedule's shape inference runs the chunk once on meta: not a micro-batch
@@ -150,6 +152,29 @@ class PipeChunk(nn.Module):
         return x
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the gradient goes back contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_grads(xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A stage's inputs, whose gradients (what the stage sends back over the cut) come out contiguous.
+
+    A layer whose first op permutes what it receives (ConvNeXt's LayerNorm2d) gives its input a
+    permuted gradient; the engines send it as it is, and gloo refuses a non-contiguous tensor
+    ("input tensor has to be contiguous"; NCCL sends it wrongly strided). Forward outputs are
+    made contiguous at the end of the chunk (PipeChunk, DSLayer).
+    """
+    return tuple(_ContiguousGrad.apply(x) if isinstance(x, torch.Tensor) and x.requires_grad else x for x in xs)
+
+
 @dataclass
 class StageBuild:
     """What one pipeline rank holds after building."""
@@ -165,6 +190,11 @@ class StageBuild:
     # tied tensor name -> extra leaves sharing its storage, one per further local chunk using it
     aliases: dict[str, list[nn.Parameter]] = field(default_factory=dict)
     recompute: list[str] = field(default_factory=list)  # the recompute mode of every chunk of the plan
+    # how the model was made: its factory, the init seed and the weights file (--verify rebuilds the
+    # untouched model from them)
+    model_fn: ModelFn | None = None
+    seed: int = 0
+    weights: str | None = None
 
     def fold_alias_grads_(self) -> None:
         """Add the gradients of local alias leaves into the parameter they alias."""
@@ -241,11 +271,20 @@ def build_stage(
     from ..graph.flattener import flatten
 
     model = meta_model(model_fn)
-    seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False, granularity=granularity)  # type: ignore[arg-type]
+    # traced for this rank's device type: Python branching on it runs the branch this rank will
+    seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False,  # type: ignore[arg-type]
+                  granularity=granularity, device_type=torch.device(device).type)
     if isinstance(boundaries, int):  # a chunk count: cut evenly (no plan yet)
         boundaries = even_boundaries(len(seq.layers), boundaries)
     layout = ChunkLayout.make(boundaries, pp_size=pp_size, schedule=schedule)
     if layout.num_layers != len(seq.layers):
+        traced = getattr(boundaries, "trace_device", "") or seq.trace_device
+        if traced != seq.trace_device:
+            raise AutopipeError(
+                f"the plan was traced for {traced} and cuts {layout.num_layers} layers, but on {seq.trace_device} "
+                f"this model flattens into {len(seq.layers)} (its forward branches on the device type): convert it "
+                f"again for {seq.trace_device} (--device {seq.trace_device})."
+            )
         raise AutopipeError(
             f"the plan cuts {layout.num_layers} layers but this model flattens into {len(seq.layers)}; "
             "the plan was made for another model or flatten options: partition again."
@@ -257,7 +296,9 @@ def build_stage(
         for i in layout.layers_of(c):
             layer = seq.layers[i]
             needed += [n for n, _ in layer.named_parameters(remove_duplicate=False)]
-            needed += [n for n, _ in layer.named_buffers(remove_duplicate=False)]
+            # the model's buffers; constants made in forward are the layer's own
+            needed += [n for n, _ in layer.named_buffers(remove_duplicate=False)
+                       if layer.autopipe_attrs.get(n) != "constant"]
     fill_tensors(model, model_fn, needed, seed=seed, weights=weights, device=device)
     seq.rebind_(model)
     for c in chunk_ids:
@@ -305,6 +346,9 @@ def build_stage(
         tied=tied,
         aliases=aliases,
         recompute=modes,
+        model_fn=model_fn,
+        seed=seed,
+        weights=weights,
     )
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import AutopipeError
 from ..graph.sequence import retarget_device_
-from .build import fill_tensors, meta_model, to_meta
+from .build import contiguous_grads, fill_tensors, meta_model, to_meta
 from .ds_parts import planned_pipeline_module
 
 __all__ = ["DSLayer", "LayerSource", "TiedHolder", "build_pipeline_module", "save_final_weights"]
@@ -43,7 +43,9 @@ class LayerSource:
 
         self.model_fn = model_fn
         self.model = meta_model(model_fn)
-        self.seq = flatten(self.model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs)), validate=False)
+        # traced for this rank's device type, as build_stage traces
+        self.seq = flatten(self.model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs)), validate=False,
+                           device_type=torch.device(device).type)
         self.seed, self.weights, self.device = seed, weights, device
         self.built: list[DSLayer] = []
 
@@ -83,7 +85,7 @@ class DSLayer(nn.Module):
         super().__init__()
         layer = ctx.seq.layers[index]
         names = [n for n, _ in layer.named_parameters(remove_duplicate=False)]
-        names += [n for n, _ in layer.named_buffers(remove_duplicate=False)]
+        names += [n for n, _ in layer.named_buffers(remove_duplicate=False) if layer.autopipe_attrs.get(n) != "constant"]
         ctx.materialize(names)
         retarget_device_(layer, ctx.device)
         self.ctx, self.index, self.layer = ctx, index, layer
@@ -116,7 +118,7 @@ class DSLayer(nn.Module):
         xs = xs[: len(xs) - self.num_tied]
         for (mod, attr), w in zip(self.slots, _expand(weights, self.slots)):
             mod.__dict__[attr] = w
-        xs = [t.bool() if i in self.bool_inputs else t for i, t in enumerate(xs)]
+        xs = [t.bool() if i in self.bool_inputs else t for i, t in enumerate(contiguous_grads(xs))]
         if self.seeds is not None:  # the torch engine's per-layer, per-micro-batch seeds (MicrobatchSeeds)
             torch.manual_seed(self.seeds.layer_seed(self.microbatch, self.index))
             self.microbatch += 1
@@ -125,6 +127,8 @@ class DSLayer(nn.Module):
             out = self.layer(xs[0] if len(xs) == 1 else tuple(xs))
         outs = out if isinstance(out, tuple) else (out,)
         outs = tuple(t.to(torch.uint8) if t.dtype == torch.bool else t for t in outs)
+        # DeepSpeed sends what a stage returns as it is: gloo refuses a non-contiguous (channels-last) tensor
+        outs = tuple(t if t.is_contiguous() else t.contiguous() for t in outs)
         if torch.is_grad_enabled():
             # DeepSpeed backpropagates through every floating output a stage sends (Llama's rotary
             # cos/sin need no gradient and failed "element 0 of tensors does not require grad"); as

@@ -24,24 +24,65 @@ from ..planner.memory import splits_backward
 from .build import MicrobatchSeeds, PipeChunk, StageBuild
 from .comm import Comm
 
-__all__ = ["PipelineEngine", "Stopwatch", "model_loss", "pack_batch", "split_batch"]
+__all__ = ["PipelineEngine", "Stopwatch", "model_loss", "pack_batch", "scalar_outputs", "split_batch"]
 
 
-def model_loss(outputs: Any) -> torch.Tensor:
-    """The loss the model computed itself: ``.loss``, ``["loss"]``, or a scalar first output."""
+def model_loss(outputs: Any, pick: str | None = None) -> torch.Tensor:
+    """The loss the model computed itself: ``.loss`` or ``["loss"]``, else the one scalar it returns
+    anywhere in its tuple, dict or ModelOutput (nanoGPT's ``(logits, loss)``); ``pick`` names one
+    by its place (``"1"``, ``"aux.loss"``) when there are several.
+
+    Example:
+        >>> logits, loss = torch.zeros(2, 3), torch.tensor(0.5)
+        >>> model_loss((logits, loss)), model_loss({"out": logits, "total": loss})
+        (tensor(0.5000), tensor(0.5000))
+    """
+    if pick is not None:
+        found = dict(scalar_outputs(outputs, scalars_only=False)).get(pick)
+        if not isinstance(found, torch.Tensor) or found.dim() != 0:
+            raise AutopipeError(
+                f"--loss model:{pick}: the model's outputs hold no scalar at {pick!r}; "
+                f"its scalars: {', '.join(p for p, _ in scalar_outputs(outputs)) or 'none'}."
+            )
+        return found
     loss = getattr(outputs, "loss", None)
     if loss is None and isinstance(outputs, dict):
         loss = outputs.get("loss")
-    if loss is None and isinstance(outputs, (tuple, list)) and outputs:
-        loss = outputs[0]
-    if loss is None and isinstance(outputs, torch.Tensor):
-        loss = outputs
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    candidates = scalar_outputs(outputs)
+    if len(candidates) == 1:
+        return candidates[0][1]
+    if len(candidates) > 1:
+        names = ", ".join(p for p, _ in candidates)
         raise AutopipeError(
-            "the model's outputs hold no scalar loss; pass labels to the model (HF models compute "
-            "the loss then) or give the trainer a loss_fn(outputs, target)."
+            f"the model returns {len(candidates)} scalars ({names}); say which is the loss with "
+            f"--loss model:{candidates[0][0]} (or model:<place> of another)."
         )
-    return loss
+    raise AutopipeError(
+        "the model's outputs hold no scalar loss; pass labels to the model (HF models compute "
+        "the loss then) or give the trainer a loss_fn(outputs, target)."
+    )
+
+
+def scalar_outputs(outputs: Any, *, scalars_only: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """Every floating 0-dim tensor in a model's outputs with its place: ``"1"`` for a tuple's
+    second item, ``"aux.loss"`` for a nested key (``scalars_only=False``: every tensor)."""
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, place: str) -> None:
+        if isinstance(value, torch.Tensor):
+            if not scalars_only or (value.dim() == 0 and value.is_floating_point()):
+                found.append((place, value))
+        elif isinstance(value, dict):  # ModelOutput is an OrderedDict of the fields that are set
+            for key, item in value.items():
+                walk(item, f"{place}.{key}" if place else str(key))
+        elif isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                walk(item, f"{place}.{i}" if place else str(i))
+
+    walk(outputs, "")
+    return found
 
 
 def split_batch(args: Sequence[Any], kwargs: dict[str, Any] | None, n: int) -> list[tuple[tuple, dict]]:

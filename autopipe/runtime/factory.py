@@ -37,6 +37,7 @@ class ModelSource:
     loss: Any = "model"  # "model" | "cross_entropy" | "mse" | a factory's loss(outputs, target)
     data: Any = None  # the factory's samples (autopipe.runtime.data.SampleData), if it gave some
     arg_names: tuple[str, ...] = ()  # the forward's names of the positional args
+    batch_size: int = 1  # rows per micro-batch the model was traced with (the factory's own, unless asked)
     tokenizer_dir: str | None = None  # a HF folder, whose tokenizer (if any) reads text data
     mask_token_id: int = 0  # masked LM: the id chosen tokens become
     pad_token_id: int = 0
@@ -75,9 +76,11 @@ class ModelSource:
 
 
 def model_factory(
-    spec: str, *, batch_size: int, seq_len: int, dropout: float | None = None, seed: int = 0, loss: Any = "auto"
+    spec: str, *, batch_size: int | None, seq_len: int, dropout: float | None = None, seed: int = 0, loss: Any = "auto"
 ) -> ModelSource:
     """Resolve a model spec once (on meta) and return how to rebuild it anywhere.
+
+    ``batch_size`` is the micro-batch; None keeps the model's own (a factory's example rows).
 
     ``dropout`` None (the default) keeps the model's own dropout (the runtime seeds it per
     micro-batch and layer, so pipelined and unpipelined runs still agree); a number overrides it.
@@ -99,6 +102,7 @@ def model_factory(
 
     with torch.random.fork_rng(devices=[]):
         example = load_model(spec, device="meta", batch_size=batch_size, seq_len=seq_len, seed=seed, dropout=dropout)
+    batch_size = example.batch_size
     task, vocab = example.task, example.vocab_size
     config = getattr(example.model, "config", None)
     loss, kwargs = resolve_loss(spec, task, example.loss, loss, example.kwargs)
@@ -120,6 +124,7 @@ def model_factory(
         loss=loss,
         data=data,
         arg_names=_arg_names(example.model, len(example.args)),
+        batch_size=batch_size,
         tokenizer_dir=tokenizer_dir,
         mask_token_id=mask_id,
         pad_token_id=pad_id,

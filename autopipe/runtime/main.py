@@ -3,8 +3,10 @@
 - ``one_line_errors(ckpt_dir)``: an :class:`AutopipeError` (or a file error) anywhere in train.py is
   printed once, by rank 0, as ``error: ...`` (what was wrong and what to do), and every rank exits
   with status 1; an error only another rank met reaches rank 0 through the process group's store. Ctrl-C (or the SIGTERM torchrun sends its workers then) ends each rank quietly;
-  rank 0 prints the newest checkpoint and the command that resumes from it (status 130). ``AUTOPIPE_DEBUG=1`` shows the tracebacks instead. Other
-  exceptions are bugs, shown with their traceback.
+  rank 0 prints the newest checkpoint and the command that resumes from it (status 130). ``AUTOPIPE_DEBUG=1`` shows the tracebacks instead. Any
+  other exception (a bug, ours or torch's, or the model failing in training) is one line too, naming
+  the stage, the layer and the operation that raised (``autopipe.runtime.failures``), with the path
+  of a file holding every rank's full traceback.
 - ``watch_peers()`` (``init_dist`` starts it): a rank that fails marks the store before it leaves;
   every other rank then leaves too (rank 0 saying why), even one blocked inside a collective that
   will never finish: NCCL may not notice a peer that left until its timeout, 10 minutes later.
@@ -101,8 +103,20 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                     os._exit(1)
             else:
                 os._exit(1)
+        if issubclass(kind, Exception):
+            from .failures import describe, write_traceback
+
+            path = write_traceback(kind, value, tb)
+            where = f"every rank's traceback: {path}" if path is not None else "its traceback"
+            message = f"{describe(value)} ({where}; AUTOPIPE_DEBUG=1 prints them here instead)"
+            if _rank() == 0:
+                _say(f"error: {message}")
+                _announce_failure()
+            else:
+                _leave_word(message)
+            os._exit(1)
         previous(kind, value, tb)
-        _announce_failure()  # a bug here: the other ranks leave too, rather than wait for this one
+        _announce_failure()  # not an Exception (SystemExit and kin): the other ranks leave too
 
     sys.excepthook = hook
     # torchrun answers Ctrl-C by sending its workers SIGTERM, which would end them without a word

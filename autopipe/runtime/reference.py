@@ -3,14 +3,16 @@
 Same weights (``build_reference``), same micro-batches, same loss, same clipping, same AdamW and LR
 schedule as the pipelined ``Trainer``; ``--verify`` and the tests compare the two.
 
-With dropout (or any random op) on, the reference is the flattened model run whole in this process
-(``SequenceModel``), its RNG seeded before each layer and micro-batch as the pipeline seeds it
-(``MicrobatchSeeds``): the original model's forward has no place to reseed between layers. With
-dropout off, the two references are the same (flatten reproduces the model: tested).
+With dropout (or any random op) on, give ``layer_entries`` (``seq.layer_entries``): the model's own
+forward is then seeded where each flattened layer starts, per micro-batch, as the pipeline seeds
+that layer (``autopipe.runtime.untouched.seeded_like_pipeline``), so both draw the same masks.
+``SequenceModel`` (the flattened model run whole in this process) is the other way, for tests of
+the runtime that take the layers as given.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -93,8 +95,10 @@ class ReferenceTrainer:
         config: TrainConfig,
         *,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        layer_entries: list[tuple[str, int] | None] | None = None,
     ) -> None:
         self.model = model
+        self.layer_entries = layer_entries
         self.config = config
         self.loss_fn = loss_fn
         self.params = unique_parameters(model)
@@ -114,16 +118,20 @@ class ReferenceTrainer:
         targets = list(target.chunk(m)) if isinstance(target, torch.Tensor) else [None] * m
         total = 0.0
         dtype = self.config.autocast_dtype
-        if isinstance(self.model, SequenceModel):
-            from .build import MicrobatchSeeds
+        from .build import MicrobatchSeeds
+        from .untouched import seeded_like_pipeline
 
-            self.model.start_step(MicrobatchSeeds(self.config.seed, self.step_count, 0))
-        for (a, k), t in zip(split_batch(args, kwargs, m), targets):
-            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                out = self.model(*a, **k)
-            loss = model_loss(out) if self.loss_fn is None else self.loss_fn(out, t)
-            (loss * self.scaler.scale / m).backward()
-            total += float(loss.detach())
+        seeds = MicrobatchSeeds(self.config.seed, self.step_count, 0)
+        if isinstance(self.model, SequenceModel):
+            self.model.start_step(seeds)
+        entries = self.layer_entries
+        with seeded_like_pipeline(self.model, entries, seeds) if entries else contextlib.nullcontext():
+            for (a, k), t in zip(split_batch(args, kwargs, m), targets):
+                with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                    out = self.model(*a, **k)
+                loss = model_loss(out) if self.loss_fn is None else self.loss_fn(out, t)
+                (loss * self.scaler.scale / m).backward()
+                total += float(loss.detach())
         if self.scaler.enabled:
             for p in self.params.values():
                 if p.grad is not None:

@@ -33,7 +33,7 @@ from ..errors import AutopipeError
 from .data import DataError, EpochOrder, TokenData, TokenStream, open_data
 from .weights import module_seed
 
-__all__ = ["JobData", "LABEL_NAMES", "LOSSES", "LossError", "check_loss", "loss_name", "resolve_loss", "make_loss", "mlm_mask", "model_outputs_logits"]
+__all__ = ["JobData", "LABEL_NAMES", "LOSSES", "LossError", "check_loss", "is_model_loss", "loss_name", "resolve_loss", "make_loss", "mlm_mask", "model_outputs_logits"]
 
 LOSSES = ("auto", "model", "cross_entropy", "mse")
 LABEL_NAMES = ("labels", "label", "targets", "target", "y")
@@ -79,16 +79,22 @@ def resolve_loss(name: str, task: str, factory_loss: Any, loss: Any, kwargs: dic
     ``auto`` is the factory's loss if it gave one, else the model's own. A HuggingFace model trained
     with another loss than its own is traced without ``labels``, so that it returns its logits.
     """
-    if not callable(loss) and loss not in LOSSES:
-        raise LossError(f"unknown --loss {loss!r}; use one of {', '.join(LOSSES)}.")
+    if not callable(loss) and loss not in LOSSES and not is_model_loss(loss):
+        raise LossError(f"unknown --loss {loss!r}; use one of {', '.join(LOSSES)} (or model:<place> to pick one of the model's scalars).")
     if loss == "auto":
         loss = factory_loss if factory_loss is not None else "model"
     kwargs = dict(kwargs)
-    if loss != "model" and task != "custom":
+    if not is_model_loss(loss) and task != "custom":
         if task == "seq2seq":
             raise LossError(f"{name} is a seq2seq model: train it with its own loss (--loss model); its decoder inputs come from the labels.")
         kwargs.pop("labels", None)
     return loss, kwargs
+
+
+def is_model_loss(loss: Any) -> bool:
+    """Whether the job trains on a loss the model returns: ``model``, or ``model:<place>`` naming
+    which of its scalars (``model:1`` for the second item of a tuple)."""
+    return loss in (None, "model") or (isinstance(loss, str) and loss.startswith("model:") and len(loss) > 6)
 
 
 def loss_name(loss: Any) -> str:
@@ -102,6 +108,16 @@ def make_loss(name: str | Callable[..., torch.Tensor] | None) -> Callable[[Any, 
         return name
     if name in (None, "model"):
         return None
+    if is_model_loss(name):
+        from .engine import model_loss
+
+        place = str(name).split(":", 1)[1]
+
+        def picked(outputs: Any, target: Any = None) -> torch.Tensor:
+            return model_loss(outputs, pick=place)
+
+        picked.__name__ = str(name)
+        return picked
     if name == "cross_entropy":
         return cross_entropy
     if name == "mse":
@@ -122,15 +138,20 @@ def check_loss(seq: Any, loss: Any, name: str) -> tuple[tuple[int, ...], torch.d
     metas = tuple(torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in sigs)
     outputs = seq.unpack_outputs(metas[0] if len(metas) == 1 else metas)
     described = ", ".join(f"{s.dtype}{list(s.shape)}" for s in sigs)
-    if loss in (None, "model"):
-        try:
-            model_loss(outputs)
-        except AutopipeError:
+    if is_model_loss(loss):
+        from .engine import scalar_outputs
+
+        pick = None if loss in (None, "model") else str(loss).split(":", 1)[1]
+        if pick is None and not scalar_outputs(outputs) and not isinstance(getattr(outputs, "loss", None), torch.Tensor):
             raise LossError(
                 f"{name} returns {described}, no scalar loss: train it with --loss cross_entropy (class targets, "
                 "y in --data) or --loss mse, give the factory's dict a \"loss\", or return the "
                 "loss from forward."
-            ) from None
+            )
+        try:
+            model_loss(outputs, pick=pick)
+        except AutopipeError as e:
+            raise LossError(f"{name}: {e}") from None
         return (), torch.float32
     pred = model_outputs_logits(outputs)
     if loss == "cross_entropy" and (not pred.is_floating_point() or pred.dim() < 2):
@@ -199,7 +220,7 @@ class JobData:
         self.seq_len = seq_len
         self.seed = seed
         self.task = source.task
-        self.loss = source.loss
+        self.loss = "model" if is_model_loss(source.loss) else source.loss  # model:<place> too: no target
         self.inputs = _inputs_of(source)
         self.path = str(data) if data is not None else None
         self.tokens: TokenStream | None = None

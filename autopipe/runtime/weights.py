@@ -181,13 +181,37 @@ def init_weights_(model: nn.Module, tensors: Iterable[torch.Tensor], *, seed: in
             if not any(id(t) in wanted for t in _subtree_tensors(mod)):
                 continue
             torch.manual_seed(module_seed(seed, name))
-            init(name, mod)
+            with _writes_only(mod, wanted):
+                init(name, mod)
     names = tensor_names(model)
     return [
         names[i][0]
         for i, t in wanted.items()
         if not t.is_floating_point() or bool(torch.isnan(t).any())
     ]
+
+
+@contextlib.contextmanager
+def _writes_only(mod: nn.Module, wanted: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Let a module's init function write only the wanted tensors, in place, as they are.
+
+    An init function initialises every tensor of its module: run to fill a buffer the checkpoint
+    lacks (Gemma's non-persistent ``embed_scale`` sits beside the embedding weight), it would
+    overwrite the weight just loaded; its other real tensors are put back. It may also assign new
+    tensors instead of writing (litgpt's ``reset_parameters`` makes new rotary tables): their
+    values are copied into the tensors the layers hold, which go back into their slots.
+    """
+    before = [(table, attr, t, None if id(t) in wanted or t.is_meta else t.detach().clone())
+              for table in (mod._parameters, mod._buffers) for attr, t in table.items() if t is not None]
+    yield
+    with torch.no_grad():
+        for table, attr, t, saved in before:
+            now = table.get(attr)
+            if saved is not None:
+                t.copy_(saved)
+            elif now is not t and isinstance(now, torch.Tensor) and now.shape == t.shape and not now.is_meta:
+                t.copy_(now)
+            table[attr] = t
 
 
 def _subtree_tensors(mod: nn.Module) -> list[torch.Tensor]:

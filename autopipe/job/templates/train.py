@@ -26,7 +26,7 @@ DTYPE = 'fp32'  # training precision, one of DTYPES: autocast over fp32 weights 
 DTYPES = ('fp32', 'bf16', 'fp16')
 ENGINE = 'torch'  # one of ENGINES: torch.distributed.pipelining, or DeepSpeed's PipelineModule
 ENGINES = ('torch', 'deepspeed')
-LOSS = 'auto'  # auto | model (the model's own) | cross_entropy | mse
+LOSS = 'auto'  # auto | model (the model's own; model:PLACE picks one of its scalars) | cross_entropy | mse
 DATA = None  # token file, text, .npz/.pt with x and y, datasets files; None: synthetic
 SEED = 0
 DP = 1  # data-parallel replicas of each stage (the plan's)
@@ -49,8 +49,8 @@ parser.add_argument("--dp", type=int, default=DP, help="data-parallel replicas (
 parser.add_argument("--zero", default=None, help="ZeRO stage over the replicas: 0 replicate, 1 shard AdamW state, "
                     "2 and gradients, 3 and parameters (default: the plan's; on deepspeed: ds_config's, 0 or 1)")
 parser.add_argument("--plan", default=str(PLAN), help="plan.json; 'even' cuts the layers evenly")
-parser.add_argument("--loss", default=LOSS, choices=["auto", "model", "cross_entropy", "mse"],
-                    help="the model's own loss, or cross-entropy / MSE of its output against the data's targets")
+parser.add_argument("--loss", default=LOSS, help="auto | model (the model's own; model:PLACE picks one of "
+                    "several scalars it returns) | cross_entropy | mse (its output against the data's targets)")
 parser.add_argument("--data", default=DATA, help="token file (.bin/.npy/.pt), text, .npz/.pt with x and y, or "
                     ".parquet/.jsonl/.arrow; default: synthetic")
 parser.add_argument("--weights", default=None, help="safetensors file or HF folder to start from")
@@ -61,7 +61,7 @@ parser.add_argument("--resume", nargs="?", const="must", default=None, choices=[
                     help="continue from the newest checkpoint in --ckpt-dir ('--resume auto': start afresh if there is none)")
 parser.add_argument("--export", default=None, help="write the final weights to this folder (model.safetensors)")
 parser.add_argument("--log-json", default=None, help="append one JSON line per step to this file")
-parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with the layers run unpipelined")
+parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with your model run untouched (outputs, loss, gradients)")
 parser.add_argument("--engine", default=ENGINE, choices=ENGINES)
 parser.add_argument("--deepspeed_config", default=None, help="--engine deepspeed: a ds_config.json (default: the job's)")
 parser.add_argument("--check", action="store_true",
@@ -124,7 +124,8 @@ if args.resume:
     resume(trainer, args.ckpt_dir, mode=args.resume, steps=args.steps, data=data, say=log.info)
 if args.verify:
     report = rt.verify_step(trainer, *get_batch(trainer.step_count))
-    log.info(f"verify: loss {report.loss:.6f} vs {report.reference_loss:.6f}, max grad diff {report.max_grad_diff:.1e}: ok")
+    log.info(f"verify: loss {report.loss:.6f} vs the untouched model's {report.reference_loss:.6f}, max output diff "
+             f"{report.max_output_diff:.1e}, max grad diff {report.max_grad_diff:.1e}: ok")
 
 for step in range(trainer.step_count, args.steps):
     batch_args, batch_kwargs, target = get_batch(step)
