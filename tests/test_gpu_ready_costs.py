@@ -70,3 +70,89 @@ def test_the_generators_of_the_model_s_devices_are_captured_and_put_back(monkeyp
     state.restore()
     assert int(cuda.rng[1]) == 1
     assert ("set_rng_state", 1) in cuda.calls and ("set_rng_state", 0) not in cuda.calls
+
+
+# ---- defect 9: the profiler's clock times the profiled device, not the current one -------------
+
+
+class _ClockCuda(types.SimpleNamespace):
+    """A stand-in ``torch.cuda`` for the clock: records which device each call is about."""
+
+    def __init__(self) -> None:
+        super().__init__(calls=[])
+        calls = self.calls
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                pass
+
+            def record(self, stream: Any = None) -> None:
+                calls.append(("record", 0 if stream is None else stream.index))  # None: the current device's
+
+            def elapsed_time(self, other: Any) -> float:
+                return 2.0  # milliseconds
+
+        self.Event = Event
+
+    def synchronize(self, device: Any = None) -> None:
+        self.calls.append(("synchronize", 0 if device is None else torch.device(device).index))
+
+    def current_stream(self, device: Any = None) -> Any:
+        return types.SimpleNamespace(index=0 if device is None else torch.device(device).index)
+
+
+def test_the_profiler_clock_records_and_waits_on_the_profiled_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``profile --device cuda:1`` times cuda:1: its events go on cuda:1's stream and the clock waits
+    for cuda:1, not for the current device (cuda:0), which would time nothing of the layer's."""
+    from autopipe.costs.measure import median_seconds
+
+    cuda = _ClockCuda()
+    monkeypatch.setattr(torch, "cuda", cuda)
+    seconds = median_seconds(lambda: None, device=torch.device("cuda", 1), repeats=3)
+    assert seconds == pytest.approx(0.002)
+    assert cuda.calls and all(index == 1 for _, index in cuda.calls), cuda.calls
+
+
+# ---- defect 10: device errors are not taken for "this layer cannot be split" -------------------
+
+
+def _small() -> tuple[Any, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    return autopipe.flatten(model, (x,)), x
+
+
+def _fail_split_with(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
+    import torch.distributed.pipelining._backward as backward
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    monkeypatch.setattr(backward, "stage_backward_input", failing)
+
+
+def test_out_of_memory_while_profiling_a_layer_reaches_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An out-of-memory error in a layer's split backward is an error, one line naming the layer,
+    not a profile that quietly falls back to guessed split times."""
+    seq, x = _small()
+    _fail_split_with(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    with pytest.raises(autopipe.AutopipeError, match=r"profiling layer .* ran out of device memory"):
+        autopipe.profile(seq, (x,), repeats=1, warmup=0, progress=False)
+
+
+def test_a_cuda_error_while_profiling_a_layer_reaches_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA error (sticky: the context is unusable after it) stops the profile at the layer."""
+    seq, x = _small()
+    _fail_split_with(monkeypatch, RuntimeError("CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(autopipe.AutopipeError, match="failed with a device error.*illegal memory access"):
+        autopipe.profile(seq, (x,), repeats=1, warmup=0, progress=False)
+
+
+def test_a_layer_torch_cannot_split_still_keeps_the_guess(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the suppression was for stays: an operator error of the split (not the device's) leaves
+    the layer's split unmeasured and the profile made."""
+    seq, x = _small()
+    _fail_split_with(monkeypatch, RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn"))
+    prof = autopipe.profile(seq, (x,), repeats=1, warmup=0, progress=False)
+    assert all(layer.backward_input_time == 0 for layer in prof.layers)

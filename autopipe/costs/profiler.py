@@ -48,6 +48,7 @@ from .measure import (
     StateGuard,
     Value,
     as_tuple,
+    is_device_error,
     median_seconds,
     saved_pass,
     storage_key,
@@ -142,7 +143,12 @@ def profile(
             task = bar.add_task("profile", total=len(layers))
             for i, layer in enumerate(layers):
                 bar.update(task, description=f"{'estimate' if estimate else 'measure'} {walk.name(i)}")
-                x = walk.layer(i, layer, x)
+                try:
+                    x = walk.layer(i, layer, x)
+                except RuntimeError as e:
+                    if not is_device_error(e):
+                        raise
+                    raise _device_failed(e, walk.name(i), run.device) from e
                 bar.advance(task)
     finally:
         torch.set_num_threads(old_threads)
@@ -385,6 +391,21 @@ def check_signature(profile: Profile, seq: Any) -> None:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+def _device_failed(error: RuntimeError, name: str, device: torch.device) -> AutopipeError:
+    """One line for a device that failed while a layer was measured: out of memory, or a CUDA error
+    (after which this process cannot use the GPU again)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in first:
+        return AutopipeError(
+            f"profiling layer {name} on {device} ran out of device memory ({first}); profile a smaller "
+            "micro-batch (--batch-size, --seq-len) and let the planner rescale it, free the device, or --estimate."
+        )
+    return AutopipeError(
+        f"profiling layer {name} on {device} failed with a device error ({first}); the process cannot use the "
+        "device after it: fix the cause (CUDA_LAUNCH_BLOCKING=1 names the kernel) and profile again."
+    )
 
 
 # Identical layers whose timings differ by more than this factor (and more than their spreads)
