@@ -95,6 +95,15 @@ class DeviceInfo:
     peak_flops: float = 0.0  # per second, for the dtype profiled; 0 when unknown
     memory_bandwidth: float = 0.0  # bytes per second; 0 when unknown
     threads: int = 0
+    # On a GPU, what a training process holds there beyond its tensors, for the memory model
+    # (autopipe.costs.gpu_memory says what each is and where its figure comes from); 0 elsewhere,
+    # and in profiles made before they were modelled.
+    context_bytes: int = 0  # the CUDA context
+    workspace_bytes: int = 0  # cuBLAS workspaces
+    nccl_group_bytes: int = 0  # per NCCL communicator over more than 2 ranks
+    nccl_pair_bytes: int = 0  # per NCCL communicator over 2 ranks
+    nccl_peer_bytes: int = 0  # per point-to-point peer (pipeline neighbour)
+    allocator_slack: float = 0.0  # the caching allocator's reserved-but-free share of the tensors' peak
 
 
 @dataclass(frozen=True)
