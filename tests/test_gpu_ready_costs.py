@@ -308,3 +308,41 @@ def test_a_probe_beside_the_user_s_model_on_the_gpu_is_known_to_be(monkeypatch: 
     assert not holds_gpu_memory()
     state.update(init=True, reserved=GIB)
     assert holds_gpu_memory()
+
+
+# ---- defect 15: initial weights are the same on every device type -------------------------------
+
+
+def test_weights_on_a_gpu_are_initialised_from_the_cpu_generator() -> None:
+    """A GPU's init draws from the GPU's generator, whose numbers for a seed differ from the CPU's:
+    the same job started from other weights on a GPU than on a CPU. ``host_init`` has the model
+    hold CPU twins of its ``cuda`` tensors while they are initialised (fake tensors here: the random
+    ops are recorded by device), then the tensors again, the same objects. (Fake CUDA tensors cannot
+    take the twins' values back on a CPU-only torch, so the test leaves by an exception, which skips
+    that copy.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopipe.runtime.weights import host_init, materialize_
+
+    drawn: list[str] = []
+
+    class Random(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func._overloadpacket in (torch.ops.aten.normal_, torch.ops.aten.uniform_):
+                drawn.append(args[0].device.type)
+            return func(*args, **(kwargs or {}))
+
+    class Leave(Exception):
+        pass
+
+    layer = nn.Linear(8, 8, device="meta")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        materialize_(layer, ["weight", "bias"], device="cuda")  # as a rank builds its stage on its GPU
+        weight = layer.weight
+        with pytest.raises(Leave), Random(), host_init(layer, [layer.weight, layer.bias]):
+            assert layer.weight.device.type == "cpu"
+            layer.reset_parameters()
+            raise Leave
+    assert drawn and set(drawn) == {"cpu"}, drawn
+    assert layer.weight is weight and {p.device.type for p in layer.parameters()} == {"cuda"}
