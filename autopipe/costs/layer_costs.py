@@ -68,11 +68,16 @@ class LayerCost:
     # recompute mode -> bytes a micro-batch holds between those two passes, waiting for its weight
     # gradients (on the same ledger as activation_bytes); a mode absent here was not measured
     weight_hold_bytes: dict[str, int] = field(default_factory=dict)
+    # This layer's share of what the whole model's forward (backward) took beyond its layers timed
+    # alone (Profile.sequence_forward_time), in proportion to the bytes it allocates; seconds per
+    # micro-batch, part of ``time`` and of every plan's stage times. 0: not measured.
+    forward_gap: float = 0.0
+    backward_gap: float = 0.0
 
     @property
     def time(self) -> float:
-        """Forward plus backward time."""
-        return self.forward_time + self.backward_time
+        """Forward plus backward time, the layer's share of the whole model's gap included."""
+        return self.forward_time + self.backward_time + self.forward_gap + self.backward_gap
 
     @property
     def split_timed(self) -> bool:
@@ -141,6 +146,10 @@ class Profile:
     # Bytes the training runtime holds on this device beyond the model's tensors (allocator, process
     # group, traced graph), measured once per device; part of every rank's predicted peak.
     reserve_bytes: int = 0
+    # The whole model's forward and backward seconds per micro-batch, measured in one run after the
+    # layers (0: not measured): what the layers' forward_gap / backward_gap bring their sum up to.
+    sequence_forward_time: float = 0.0
+    sequence_backward_time: float = 0.0
     # What the profiler noticed that makes its figures doubtful (identical layers that disagreed,
     # timings that stayed noisy): said wherever the profile is shown.
     warnings: tuple[str, ...] = ()
@@ -152,6 +161,8 @@ class Profile:
         _check_layers(self.layers)
         for label, value in (("input_bytes", self.input_bytes), ("reserve_bytes", self.reserve_bytes)):
             _check_number(value, f"profile {label}", integer=True)
+        for label in ("sequence_forward_time", "sequence_backward_time"):
+            _check_number(getattr(self, label), f"profile {label}")
         for name, size in self.tied_static_bytes.items():
             _check_number(size, f"tied_static_bytes[{name!r}]", integer=True)
         for name, seconds in self.tied_grad_time.items():
@@ -266,7 +277,7 @@ class Profile:
 
 
 _TIMES = ("forward_time", "backward_time", "forward_spread", "backward_spread", "flops", "backward_input_time",
-          "backward_weight_time")
+          "backward_weight_time", "forward_gap", "backward_gap")
 _BYTES = ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_forward_bytes",
           "peak_backward_bytes", "output_bytes")
 

@@ -77,8 +77,10 @@ class CostModel:
             # (measured per layer; a layer without a timed split at the timed layers' ratio)
             backward = [l.backward_input_time + l.backward_weight_time if l.split_timed else l.backward_time * split[1]
                         for l in layers]  # fmt: skip
+        # each layer's share of what the whole model took beyond its layers timed alone (profiler)
+        backward = [b + l.backward_gap for b, l in zip(backward, layers)]
         self.costs = ChunkCosts(
-            [l.forward_time for l in layers],
+            [l.forward_time + l.forward_gap for l in layers],
             backward,
             self.one_way,
             static,
