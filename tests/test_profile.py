@@ -171,7 +171,7 @@ def test_identical_layers_measured_once() -> None:
     # Layer 0's input needs no gradient, the others' do: two signatures, two measurements.
     assert [l.source for l in prof.layers] == ["measured", "measured", "reused", "reused"]
     own = [(l.forward_time, l.backward_time) for l in prof.layers]
-    assert own[2] == own[3] == own[1]  # (each carries its share of the whole model's gap on top: charge_gap)
+    assert own[2] == own[3] == own[1]  # (each carries its own time inside the model on top: autopipe.costs.in_model)
     # Each Linear's output is saved by the next Linear and charged to its producer; the last's is not.
     assert [l.activation_bytes for l in prof.layers] == [B * 32 * 4 * 2, B * 32 * 4, B * 32 * 4, 0]
 

@@ -68,15 +68,15 @@ class LayerCost:
     # recompute mode -> bytes a micro-batch holds between those two passes, waiting for its weight
     # gradients (on the same ledger as activation_bytes); a mode absent here was not measured
     weight_hold_bytes: dict[str, int] = field(default_factory=dict)
-    # This layer's share of what the whole model's forward (backward) took beyond its layers timed
-    # alone (Profile.sequence_forward_time), in proportion to the bytes it allocates; seconds per
-    # micro-batch, part of ``time`` and of every plan's stage times. 0: not measured.
+    # What this layer's forward (backward) took inside the whole model beyond its own figure above
+    # (autopipe.costs.in_model: caches, and on a CPU page faults, a layer timed alone does not meet);
+    # signed seconds per micro-batch, part of ``time`` and of every plan's stage times. 0: not measured.
     forward_gap: float = 0.0
     backward_gap: float = 0.0
 
     @property
     def time(self) -> float:
-        """Forward plus backward time, the layer's share of the whole model's gap included."""
+        """Forward plus backward time as the layer runs inside the whole model (its gaps included)."""
         return self.forward_time + self.backward_time + self.forward_gap + self.backward_gap
 
     @property
@@ -146,8 +146,8 @@ class Profile:
     # Bytes the training runtime holds on this device beyond the model's tensors (allocator, process
     # group, traced graph), measured once per device; part of every rank's predicted peak.
     reserve_bytes: int = 0
-    # The whole model's forward and backward seconds per micro-batch, measured in one run after the
-    # layers (0: not measured): what the layers' forward_gap / backward_gap bring their sum up to.
+    # The whole model's forward and backward seconds per micro-batch, measured after the layers with
+    # each layer's span marked (autopipe.costs.in_model; 0: not measured): the layers' times add up to them.
     sequence_forward_time: float = 0.0
     sequence_backward_time: float = 0.0
     # What the profiler noticed that makes its figures doubtful (identical layers that disagreed,
@@ -277,7 +277,7 @@ class Profile:
 
 
 _TIMES = ("forward_time", "backward_time", "forward_spread", "backward_spread", "flops", "backward_input_time",
-          "backward_weight_time", "forward_gap", "backward_gap")
+          "backward_weight_time")
 _BYTES = ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_forward_bytes",
           "peak_backward_bytes", "output_bytes")
 
@@ -300,6 +300,12 @@ def _check_layers(layers: Sequence[LayerCost]) -> None:
             raise RecordError(f"{where} has index {layer.index}; layers must be numbered 0, 1, 2, ... in order.")
         for f in _TIMES:
             _check_number(getattr(layer, f), f"{where} {f}")
+        # a gap is signed (a layer may be faster inside the model than alone); its time in the model is not
+        for f, gap in (("forward_time", "forward_gap"), ("backward_time", "backward_gap")):
+            if not isinstance(getattr(layer, gap), (int, float)) or not math.isfinite(getattr(layer, gap)):
+                raise RecordError(f"{where} {gap} is {getattr(layer, gap)!r}, not a number of seconds; "
+                                  "profile the model again rather than edit it.")
+            _check_number(getattr(layer, f) + getattr(layer, gap), f"{where} {f} + {gap}")
         for f in _BYTES:
             _check_number(getattr(layer, f), f"{where} {f}", integer=True)
         for mode, rc in layer.recompute.items():

@@ -10,7 +10,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 from torch import Tensor, nn
@@ -29,8 +29,9 @@ __all__ = [
     "static_storage_keys",
     "backward_targets",
     "time_layer",
-    "time_sequence",
     "time_split",
+    "grad_outputs",
+    "median_iqr",
     "weight_hold_change",
     "LiveBytes",
     "peak_bytes",
@@ -129,6 +130,11 @@ class Timing:
     samples: int = 0  # timed runs taken (more than asked for when the spread stayed wide)
 
 
+def median_iqr(samples: list[float]) -> tuple[float, float]:
+    """(median, interquartile range) of ``samples``; (the one sample, 0) for fewer than two."""
+    return _median_iqr(samples)
+
+
 def is_device_error(error: BaseException) -> bool:
     """Whether ``error`` is the device failing (out of memory, a CUDA or NCCL error, a device-side
     assert) rather than an operator torch refuses: the former must reach the user, never be taken
@@ -208,42 +214,6 @@ def time_layer(
         if outs and targets:
             tb, _ = clock(lambda: torch.autograd.grad(outs, targets, grads, allow_unused=True))
         out = outs = None  # free this run's graph before the next forward
-        if i >= warmup:
-            fwd.append(tf)
-            bwd.append(tb)
-    (f, fs), (b, bs) = _median_iqr(fwd), _median_iqr(bwd)
-    return Timing(forward=f, backward=b, forward_spread=fs, backward_spread=bs, samples=len(fwd))
-
-
-def time_sequence(layers: Sequence[nn.Module], x: Value, *, device: torch.device, warmup: int,
-                  repeats: int) -> Timing:
-    """Median forward and backward seconds of ``layers`` run one after another on ``x``: the whole
-    model on one micro-batch, as a training step runs it, every layer's activations alive until the
-    backward, which computes the gradients of every parameter (a tied one's uses summed) and input.
-
-    Why: what the whole model takes beyond its layers timed alone is a cost the plan must carry.
-    On a CPU under the runtime's allocator settings (``keep_freed_memory``) the whole step's live
-    set outgrows the heap, so its large tensors are mapped afresh and page-faulted in; a layer alone
-    finds room in the heap (bench/results/profile.md)."""
-    clock = _Clock(device)
-    params = list(dict.fromkeys(p for layer in layers for p in layer.parameters() if p.requires_grad))
-    targets = params + [t for t in as_tuple(x) if isinstance(t, Tensor) and t.requires_grad]
-
-    def forward() -> Value:
-        y = x
-        for layer in layers:
-            y = run_layer(layer, y, "none")
-        return y
-
-    fwd: list[float] = []
-    bwd: list[float] = []
-    for i in range(warmup + repeats):
-        tf, out = clock(forward)
-        outs, grads = grad_outputs(out)
-        tb = 0.0
-        if outs and targets:
-            tb, _ = clock(lambda: torch.autograd.grad(outs, targets, grads, allow_unused=True))
-        out = outs = grads = None  # free this run's graph before the next forward
         if i >= warmup:
             fwd.append(tf)
             bwd.append(tb)

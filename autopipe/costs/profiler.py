@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -41,6 +41,7 @@ from .accounting import (
 )
 from .devices import describe_device, device_spec, dtype_name, keep_freed_memory
 from .estimate import data_free, estimate_layer, meta_copy
+from .in_model import InModelTiming, charge_in_model, time_in_model
 from .layer_costs import LayerCost, Profile, optimizer_state_factor
 from .measure import (
     MAX_REPEAT_FACTOR,
@@ -54,12 +55,11 @@ from .measure import (
     storage_key,
     tensor_bytes,
     time_layer,
-    time_sequence,
     time_split,
     weight_hold_change,
 )
 
-__all__ = ["profile", "check_signature", "charge_gap"]
+__all__ = ["profile", "check_signature"]
 
 
 def profile(
@@ -162,7 +162,13 @@ def profile(
         torch.set_num_threads(old_threads)
 
     if sequence is not None:
-        layer_costs, note = charge_gap(layer_costs, sequence.forward, sequence.backward, sum(tied_time.values()))
+        # a tied tensor's two gradients are summed where the first of its users finishes its backward
+        users = {g.canonical: min(g.layers) for g in getattr(seq, "tied", []) if g.layers}
+        tied_at: dict[int, float] = {}
+        for name, seconds in tied_time.items():
+            if name in users:
+                tied_at[users[name]] = tied_at.get(users[name], 0.0) + seconds
+        layer_costs, note = charge_in_model(layer_costs, sequence, tied_at)
         walk.warnings.extend([note] if note else [])
     warnings = walk.warnings + ([] if estimate else _noisy(layer_costs))
     amp, tdtype = run.amp, run.dtype
@@ -182,8 +188,8 @@ def profile(
         warnings=tuple(warnings),
         reserve_bytes=int(reserve),
         tied_grad_time=tied_time,
-        sequence_forward_time=sequence.forward if sequence is not None else 0.0,
-        sequence_backward_time=sequence.backward if sequence is not None else 0.0,
+        sequence_forward_time=sum(sequence.forward) if sequence is not None else 0.0,
+        sequence_backward_time=sum(sequence.backward) if sequence is not None else 0.0,
     )
 
 
@@ -358,63 +364,26 @@ def _cost_layer(work: nn.Module, x: Value, run: _Run) -> dict[str, Any]:
                 hold_change={m: d for m, d in hold.items() if d is not None})
 
 
-def _whole_model(layers: list[nn.Module], x: Value, run: _Run, warnings: list[str]) -> Any:
-    """The whole model's forward and backward on one micro-batch (``measure.time_sequence``), its
-    buffers put back after; None (and a warning) where the device cannot hold it all at once."""
+def _whole_model(layers: list[nn.Module], x: Value, run: _Run, warnings: list[str]) -> InModelTiming | None:
+    """Each layer's forward and backward inside the whole model on one micro-batch (autopipe.costs.in_model),
+    the buffers put back after; None (and a warning) where the device cannot hold it all at once."""
     snapshots = [StateGuard.snapshot_buffers(layer) for layer in layers]
     for layer in layers:
         layer.train()
     try:
         with run.autocast():
-            return time_sequence(layers, x, device=run.device, warmup=1, repeats=max(3, run.repeats // 2))
+            return time_in_model(layers, x, device=run.device, warmup=1, repeats=max(3, run.repeats // 2))
     except RuntimeError as e:
         if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)):
             raise
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
         warnings.append(f"the whole model's activations for one micro-batch do not fit {run.device} at once, so "
-                        "what it takes beyond its layers timed alone was not measured or charged.")  # fmt: skip
+                        "each layer keeps its own figures, not its time inside the model.")  # fmt: skip
         return None
     finally:
         for snapshot in snapshots:
             StateGuard.restore_buffers(snapshot)
-
-
-# The gap (whole model against its layers) above which the profile says so.
-GAP_NOTE = 0.10
-
-
-def charge_gap(layers: Sequence[LayerCost], forward: float, backward: float,
-               tied: float = 0.0) -> tuple[tuple[LayerCost, ...], str]:
-    """The layers with what the whole model's ``forward`` and ``backward`` (seconds per micro-batch,
-    ``backward`` less the ``tied`` gradient sums, which the profile keeps apart) took beyond the
-    layers' own medians charged to them (``LayerCost.forward_gap``, ``backward_gap``), each in
-    proportion to the bytes it allocates (its activations and gradients), and a note when the gap
-    is more than ``GAP_NOTE`` of the whole. A whole model faster than its layers charges nothing.
-
-    >>> from autopipe.costs.layer_costs import Profile
-    >>> prof = Profile.from_costs([3.0, 3.0], param_bytes=[100, 300], forward_times=[1.0, 1.0])
-    >>> charged, note = charge_gap(prof.layers, forward=2.0, backward=6.0)
-    >>> [round(l.backward_gap, 3) for l in charged], sum(l.time for l in charged)
-    ([0.5, 1.5], 8.0)
-    """
-    fwd_gap = max(0.0, forward - sum(l.forward_time for l in layers))
-    bwd_gap = max(0.0, backward - tied - sum(l.backward_time for l in layers))
-    weights = [l.activation_bytes + l.grad_bytes for l in layers]
-    total = sum(weights)
-    if total <= 0:
-        weights, total = [l.time for l in layers], sum(l.time for l in layers) or 1.0
-    charged = tuple(replace(l, forward_gap=fwd_gap * w / total, backward_gap=bwd_gap * w / total)
-                    for l, w in zip(layers, weights))  # fmt: skip
-    whole = forward + backward - tied
-    alone = sum(l.forward_time + l.backward_time for l in layers)
-    if whole <= 0 or abs(whole - alone) <= GAP_NOTE * whole:
-        return charged, ""
-    return charged, (f"the whole model's forward+backward took {whole * 1e3:.3g} ms per micro-batch, its layers "
-                     f"timed alone {alone * 1e3:.3g} ms ({alone / whole:.2f}); "
-                     + ("the difference is charged to the layers in proportion to the bytes they allocate (on a "
-                        "CPU: page faults of the large tensors the whole step maps afresh, bench/results/profile.md)."
-                        if whole > alone else "nothing is charged back: the layers' own figures stand."))
 
 
 def _tied_grad_time(
