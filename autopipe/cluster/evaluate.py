@@ -134,7 +134,7 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
 
 def _peak_if_fits(prof: Profile, free: Plan, x: Layout, optimizer: str | None, limit: int | None) -> int | None:
     """The rank peak of the unconstrained cut ``free`` under x's replicas and ZeRO stage, if each of its
-    chunks fits (limit − reserve) / v as partition requires; else None."""
+    chunks fits the tensors' budget / v as partition requires; else None."""
     lm = layer_memory(prof, optimizer, dp=x.dp, zero=x.zero, schedule=x.schedule)
     common = dict(inflight=free.stage_inflight, microbatches=free.microbatches, recompute=free.stage_recompute,
                   reserve=prof.reserve_bytes, waiting=free.stage_waiting, schedule=x.schedule)  # fmt: skip

@@ -117,7 +117,7 @@ def time_in_model(layers: Sequence[nn.Module], x: Value, *, device: torch.device
         handles = []
         for i, tensors in enumerate(boundary):
             for t in tensors:
-                def hook(grad: Tensor, i: int = i) -> None:
+                def hook(grad: Tensor, i: int = i, done: list[int | None] = done, marks: _Marks = marks) -> None:
                     done[i] = marks.mark()  # the last of the layer's inputs to be ready wins
 
                 handles.append(t.register_hook(hook))
