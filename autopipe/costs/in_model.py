@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from ..graph.recompute import run_layer
 from ..graph.sequence import as_tuple
 from .layer_costs import LayerCost
-from .measure import Value, grad_outputs, median_iqr
+from .measure import MAX_REPEAT_FACTOR, TARGET_SPREAD, Value, grad_outputs, median_iqr
 
 __all__ = ["InModelTiming", "charge_in_model", "time_in_model", "GAP_NOTE"]
 
@@ -94,14 +94,19 @@ def _fresh(value: Value, given: set[int]) -> list[Tensor]:
 def time_in_model(layers: Sequence[nn.Module], x: Value, *, device: torch.device, warmup: int,
                   repeats: int) -> InModelTiming:
     """Median seconds of each layer's forward and backward inside the whole model on one micro-batch
-    (the module docstring), over ``repeats`` runs after ``warmup``."""
+    (the module docstring), over ``repeats`` runs after ``warmup``, and more (up to
+    ``MAX_REPEAT_FACTOR`` times as many) while the whole model's interquartile range stays above
+    ``TARGET_SPREAD`` of its median: one window of a busy machine would otherwise be charged to every
+    layer of the plan."""
     params = list(dict.fromkeys(p for layer in layers for p in layer.parameters() if p.requires_grad))
     targets = params + [t for t in as_tuple(x) if isinstance(t, Tensor) and t.requires_grad]
     n = len(layers)
     forwards: list[list[float]] = [[] for _ in range(n)]
     backwards: list[list[float]] = [[] for _ in range(n)]
     totals: list[float] = []
-    for run in range(warmup + repeats):
+    for run in range(warmup + repeats * MAX_REPEAT_FACTOR):
+        if run >= warmup + repeats and _settled(totals):
+            break
         marks = _Marks(device)
         marks.sync()
         ends = [marks.mark()]
@@ -145,6 +150,11 @@ def time_in_model(layers: Sequence[nn.Module], x: Value, *, device: torch.device
                          backward=tuple(median_iqr(b)[0] for b in backwards), spread=median_iqr(totals)[1])
 
 
+def _settled(totals: list[float]) -> bool:
+    median, spread = median_iqr(totals)
+    return median <= 0 or spread <= TARGET_SPREAD * median
+
+
 def charge_in_model(layers: Sequence[LayerCost], inside: InModelTiming,
                     tied: Mapping[int, float] | None = None) -> tuple[tuple[LayerCost, ...], str]:
     """The layers with their gaps (in the model less alone, signed) set, and a note when their own
@@ -158,10 +168,14 @@ def charge_in_model(layers: Sequence[LayerCost], inside: InModelTiming,
         charged.append(replace(l, forward_gap=f - l.forward_time, backward_gap=b - l.backward_time))
     whole = sum(c.time for c in charged)
     alone = sum(l.forward_time + l.backward_time for l in layers)
+    noisy = ""
+    if inside.total > 0 and inside.spread > 2 * TARGET_SPREAD * inside.total:
+        noisy = (f" The whole model's timings stayed noisy (interquartile range {inside.spread / inside.total:.0%} of "
+                 "the median): the gaps may carry a busy machine's time; profile again on a quiet machine.")
     if whole <= 0 or abs(whole - alone) <= GAP_NOTE * whole:
-        return tuple(charged), ""
+        return tuple(charged), noisy.strip()
     return tuple(charged), (
         f"the layers timed alone add up to {alone / whole:.2f} of the whole model's forward+backward "
         f"({alone * 1e3:.3g} of {whole * 1e3:.3g} ms per micro-batch); each layer carries its time inside the "
         "model (LayerCost.forward_gap, backward_gap: caches and, on a CPU, page faults a layer alone does not "
-        "meet; bench/results/profile.md).")
+        "meet; bench/results/profile.md)." + noisy)
