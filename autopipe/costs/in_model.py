@@ -12,8 +12,8 @@ forward+backward of a 6 x 256 GPT-2, none for its layers alone).
 So the profiler also runs the whole model on one micro-batch, as a step does, and marks where each
 layer's forward ends (a clock reading between layers) and where each layer's backward ends (a hook
 on the gradient of the tensor the layer was given, which autograd computes when the layer's
-backward is done). Each layer's time in the model is the span between its marks; the spans add up
-to the whole model's time. The difference from the layer's own figure is its gap
+backward is done). Each layer's time in the model is the span between its marks (the least over
+the runs, ``time_in_model``); the spans add up to the whole model's time. The difference from the layer's own figure is its gap
 (``LayerCost.forward_gap``, ``backward_gap``, signed), which ``LayerCost.time`` and every plan's
 stage times include.
 
@@ -48,11 +48,12 @@ GAP_NOTE = 0.10
 
 @dataclass(frozen=True)
 class InModelTiming:
-    """Per layer, the median seconds of its forward and its backward inside the whole model."""
+    """Per layer, the seconds of its forward and its backward inside the whole model (the least over
+    the runs: see ``time_in_model``)."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
-    spread: float = 0.0  # interquartile range of the whole model's forward+backward
+    spread: float = 0.0  # interquartile range of the whole model's runs, scaled to ``total``
 
     @property
     def total(self) -> float:
@@ -93,11 +94,16 @@ def _fresh(value: Value, given: set[int]) -> list[Tensor]:
 
 def time_in_model(layers: Sequence[nn.Module], x: Value, *, device: torch.device, warmup: int,
                   repeats: int) -> InModelTiming:
-    """Median seconds of each layer's forward and backward inside the whole model on one micro-batch
-    (the module docstring), over ``repeats`` runs after ``warmup``, and more (up to
+    """Seconds of each layer's forward and backward inside the whole model on one micro-batch (the
+    module docstring): the least over ``repeats`` runs after ``warmup``, and more runs (up to
     ``MAX_REPEAT_FACTOR`` times as many) while the whole model's interquartile range stays above
-    ``TARGET_SPREAD`` of its median: one window of a busy machine would otherwise be charged to every
-    layer of the plan."""
+    ``TARGET_SPREAD`` of its median.
+
+    Why the least, where a layer alone takes the median: a whole-model run lasts seconds on a CPU,
+    long enough for every run to meet other work on a shared machine (two torch threads on two busy
+    cores: 0.54, 1.19 and 6.68 s for the same GPT-2 step), and other work only ever adds time; a
+    layer's runs last milliseconds, and most meet none. On a quiet machine the two agree within the
+    runs' spread."""
     params = list(dict.fromkeys(p for layer in layers for p in layer.parameters() if p.requires_grad))
     targets = params + [t for t in as_tuple(x) if isinstance(t, Tensor) and t.requires_grad]
     n = len(layers)
@@ -146,8 +152,8 @@ def time_in_model(layers: Sequence[nn.Module], x: Value, *, device: torch.device
             forwards[i].append(marks.seconds(ends[i], ends[i + 1]))
             later = mark
         totals.append(marks.seconds(ends[0], ends[-1]) + marks.seconds(start, end))
-    return InModelTiming(forward=tuple(median_iqr(f)[0] for f in forwards),
-                         backward=tuple(median_iqr(b)[0] for b in backwards), spread=median_iqr(totals)[1])
+    return InModelTiming(forward=tuple(min(f) for f in forwards), backward=tuple(min(b) for b in backwards),
+                         spread=median_iqr(totals)[1] / max(median_iqr(totals)[0], 1e-12) * min(totals))
 
 
 def _settled(totals: list[float]) -> bool:
