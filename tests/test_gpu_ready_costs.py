@@ -346,3 +346,29 @@ def test_weights_on_a_gpu_are_initialised_from_the_cpu_generator() -> None:
             raise Leave
     assert drawn and set(drawn) == {"cpu"}, drawn
     assert layer.weight is weight and {p.device.type for p in layer.parameters()} == {"cuda"}
+
+
+def test_init_weights_initialises_the_cpu_twins_of_a_gpu_rank_s_tensors() -> None:
+    """``init_weights_`` on a rank's GPU tensors initialises every module holding one (through its
+    CPU twin), with random numbers drawn on the CPU. (Its last step, copying the values onto the
+    fake CUDA tensors, cannot run on a CPU-only torch: everything before it can, and is checked.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopipe.runtime.weights import init_weights_, materialize_
+
+    drawn: list[str] = []
+
+    class Random(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func._overloadpacket in (torch.ops.aten.normal_, torch.ops.aten.uniform_):
+                drawn.append(args[0].device.type)
+            return func(*args, **(kwargs or {}))
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to("meta")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tensors = materialize_(model, ["0.weight", "0.bias", "1.weight", "1.bias"], device="cuda")
+        with Random(), pytest.raises(RuntimeError, match="cuda"):
+            init_weights_(model, tensors, seed=0)
+    assert len(drawn) == 4 and set(drawn) == {"cpu"}, drawn  # both Linears' weights and biases
+    assert [p.device.type for p in model.parameters()] == ["cuda"] * 4

@@ -181,9 +181,10 @@ def init_weights_(model: nn.Module, tensors: Iterable[torch.Tensor], *, seed: in
         if t.is_floating_point():
             t.fill_(float("nan"))
     init = _init_fn(model)
-    with torch.random.fork_rng(devices=[]), host_init(model, wanted.values()):
+    with torch.random.fork_rng(devices=[]), host_init(model, wanted.values()) as held:
+        here = {id(t) for t in held.values()}  # what the model holds meanwhile: a GPU tensor's CPU twin
         for name, mod in _post_order(model):
-            if not any(id(t) in wanted for t in _subtree_tensors(mod)):
+            if not any(id(t) in here for t in _subtree_tensors(mod)):
                 continue
             torch.manual_seed(module_seed(seed, name))
             init(name, mod)
@@ -196,23 +197,27 @@ def init_weights_(model: nn.Module, tensors: Iterable[torch.Tensor], *, seed: in
 
 
 @contextlib.contextmanager
-def host_init(model: nn.Module, tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+def host_init(model: nn.Module, tensors: Iterable[torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
     """Inside, ``model`` holds a CPU twin of each of ``tensors`` on an accelerator (cuda, ...), in
     every place it holds the tensor (ties stay ties); after, the twin's values are in the tensor and
     the model holds the tensor again. What initialises the twins draws from the CPU generator, the
-    same on every machine for a seed, where a GPU's generator gives other numbers.
+    same on every machine for a seed, where a GPU's generator gives other numbers. Yields
+    ``id(tensor) -> what the model holds instead`` (the tensor itself where it stays).
     """
     slots = _slots(model)
     twins = []
+    held: dict[int, torch.Tensor] = {}
     for t in dict.fromkeys(tensors):
+        held[id(t)] = t
         if t.device.type in ("cpu", "meta"):
             continue
         data = t.detach().to("cpu")
         twin = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
         _rebind(slots[id(t)], twin)
         twins.append((t, twin))
+        held[id(t)] = twin
     try:
-        yield
+        yield held
         with torch.no_grad():
             for t, twin in twins:
                 t.copy_(twin)
