@@ -182,7 +182,7 @@ def init_weights_(model: nn.Module, tensors: Iterable[torch.Tensor], *, seed: in
             t.fill_(float("nan"))
     init = _init_fn(model)
     with torch.random.fork_rng(devices=[]), host_init(model, wanted.values()) as held:
-        here = {id(t) for t in held.values()}  # what the model holds meanwhile: a GPU tensor's CPU twin
+        here = {id(t): t for t in held.values()}  # what the model holds meanwhile: a GPU tensor's CPU twin
         for name, mod in _post_order(model):
             if not any(id(t) in here for t in _subtree_tensors(mod)):
                 continue
