@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 import autopipe
-from autopipe.runtime.reserve import ASSUMED_CUDA_RESERVE
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,9 +28,9 @@ def _estimate(model: torch.nn.Module, seq_len: int, name: str, out: str) -> None
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     seq = autopipe.flatten(model, (ids,))
     # As train.py --dtype bf16 trains: autocast over fp32 masters (estimated on the 16-bit model, with
-    # autocast's weight copies added), and the runtime reserve assumed for a GPU.
-    prof = autopipe.profile(seq, (ids,), estimate=True, device="h100", autocast="bfloat16",
-                            reserve=ASSUMED_CUDA_RESERVE)
+    # autocast's weight copies added). No reserve: the H100's row of the CUDA memory model (context,
+    # workspaces, NCCL, allocator slack; autopipe/costs/gpu_memory.py) stands for the runtime's own.
+    prof = autopipe.profile(seq, (ids,), estimate=True, device="h100", autocast="bfloat16", reserve=0)
     prof = dataclasses.replace(prof, model=name)
     prof.save(HERE / out)
     print(f"{out}: {len(prof.layers)} layers, {sum(prof.times) * 1e3:.2f} ms per micro-batch", file=sys.stderr)

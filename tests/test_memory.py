@@ -29,15 +29,18 @@ def _profile(n: int = 4, *, tied: bool = False) -> Profile:
 
 def test_each_term_of_a_two_stage_1f1b_cut() -> None:
     """Static bytes, activations x in-flight, the last output held, one receive buffer per micro-batch
-    on each cut facing another rank, the worst one-layer transient, the reserve."""
+    on each cut facing another rank, the worst one-layer transient, the reserve; and AdamW's step
+    temporaries (one state-sized tensor: 1000 B per layer), which peak after the activations are gone."""
     prof = _profile()
     m0, m1 = rank_memory(prof, (0, 2, 4), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)
     assert m0 == RankMemory(weights=2000, gradients=2000, optimizer=4000, activations=2 * 200, outputs=0,
-                            buffers=4 * 10, transient=50, data_parallel=0, reserve=7)  # fmt: skip
+                            buffers=4 * 10, transient=50, data_parallel=0, reserve=7, optimizer_step=2000)  # fmt: skip
     assert m1 == RankMemory(weights=2000, gradients=2000, optimizer=4000, activations=1 * 200, outputs=1 * 10,
-                            buffers=4 * 10, transient=50, data_parallel=0, reserve=7)  # fmt: skip
-    assert m0.total == 8000 + 40 + 7 + 400 + 50
+                            buffers=4 * 10, transient=50, data_parallel=0, reserve=7, optimizer_step=2000)  # fmt: skip
+    assert m0.total == 8000 + 40 + 7 + max(400 + 50, 2000)
     # transient: max(peak forward - saved, peak backward - gradients written) = max(30, 50)
+    (busy,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(12,), microbatches=12)
+    assert busy.total == 16000 + 7 + 12 * 400 + 12 * 10 + 50  # 12 micro-batches in flight outweigh the step's 4000
 
 
 def test_tied_tensor_counts_once_per_rank_and_on_each_rank_holding_it() -> None:
@@ -84,8 +87,9 @@ def test_zero_stages_shard_what_they_shard(zero, schedule, weights, grads, state
                        schedule=schedule)
     assert (m.weights, m.gradients, m.optimizer, m.gathered, m.data_parallel, m.reduce_scatter) == (
         weights, grads, state, gathered, buckets, scatter)
-    assert m.total == weights + grads + state + gathered + buckets + m.buffers + m.reserve + m.activations + m.outputs + max(
-        m.transient, scatter)
+    assert m.optimizer_step == state // 2  # AdamW steps this replica's share: one of its two state tensors
+    assert m.total == weights + grads + state + gathered + buckets + m.buffers + m.reserve + max(
+        m.activations + m.outputs + max(m.transient, scatter), m.optimizer_step)
 
 
 def test_one_replica_shards_nothing_whatever_the_zero_stage() -> None:
@@ -148,10 +152,11 @@ def test_profiled_mlp_terms_match_first_principles() -> None:
 
 @pytest.mark.parametrize("inflight", [1, 3])
 def test_total_grows_by_one_micro_batch_of_activations_per_micro_batch_in_flight(inflight: int) -> None:
-    """Each further micro-batch in flight adds exactly the chunk's activations and held outputs."""
+    """Each further micro-batch in flight adds exactly the chunk's activations and held outputs (SGD:
+    no step temporaries for the activations to stay below)."""
     prof = _profile()
-    (a,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(inflight,), microbatches=4)
-    (b,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(inflight + 1,), microbatches=4)
+    (a,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(inflight,), microbatches=4, optimizer="sgd")
+    (b,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(inflight + 1,), microbatches=4, optimizer="sgd")
     assert b.total - a.total == 4 * 100 + 10
 
 

@@ -101,9 +101,10 @@ def test_tied_tensor_counted_once_per_stage() -> None:
 
 
 def test_optimizer_override_changes_static_memory() -> None:
-    """AdamW keeps 2 state bytes per parameter byte, SGD none."""
+    """AdamW keeps 2 state bytes per parameter byte, and one more while it steps (foreach AdamW's
+    sqrt of exp_avg_sq); SGD none."""
     prof = Profile.from_costs([1.0, 1.0], param_bytes=[100, 100])
-    assert partition(prof, 2, bandwidth=None).stage_memory == (400, 400)
+    assert partition(prof, 2, bandwidth=None).stage_memory == (500, 500)
     assert partition(prof, 2, bandwidth=None, optimizer="sgd").stage_memory == (200, 200)
 
 

@@ -170,7 +170,8 @@ def test_identical_layers_measured_once() -> None:
     prof = autopipe.profile(seq, (x,), warmup=0, repeats=2, progress=False)
     # Layer 0's input needs no gradient, the others' do: two signatures, two measurements.
     assert [l.source for l in prof.layers] == ["measured", "measured", "reused", "reused"]
-    assert prof.layers[2].time == prof.layers[3].time == prof.layers[1].time
+    own = [(l.forward_time, l.backward_time) for l in prof.layers]
+    assert own[2] == own[3] == own[1]  # (each carries its own time inside the model on top: autopipe.costs.in_model)
     # Each Linear's output is saved by the next Linear and charged to its producer; the last's is not.
     assert [l.activation_bytes for l in prof.layers] == [B * 32 * 4 * 2, B * 32 * 4, B * 32 * 4, 0]
 
@@ -294,9 +295,10 @@ def test_identical_layers_that_disagree_are_named_and_take_the_faster_time(monke
 
     monkeypatch.setattr(prof_mod, "time_layer", fake_time)
     prof = autopipe.profile(seq, (x,), warmup=0, repeats=3, progress=False)
-    assert len(prof.warnings) == 1
-    assert "identical layers 1 and 3 measured 3 and 30 ms per micro-batch (10.0x apart)" in prof.warnings[0]
-    assert [round(c.time, 6) for c in prof.layers[1:]] == [0.003] * 3
+    twins = [w for w in prof.warnings if "identical layers" in w]
+    assert len(twins) == 1  # (the whole model, timed for real, disagrees with these fake figures too)
+    assert "identical layers 1 and 3 measured 3 and 30 ms per micro-batch (10.0x apart)" in twins[0]
+    assert [round(c.forward_time + c.backward_time, 6) for c in prof.layers[1:]] == [0.003] * 3
 
 
 def test_timings_that_stay_noisy_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,8 +332,9 @@ def test_zero_bubble_split_is_timed_as_torch_runs_it_and_zbv_plans_use_it() -> N
     plan = autopipe.partition(prof, 2, microbatches=4, schedule="zbv", bandwidth=None, memory_limit=None)
     assert plan.weight_share == share
     bounds = plan.boundaries
-    fwd = [sum(l.forward_time for l in prof.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
-    bwd = [sum(l.backward_input_time + l.backward_weight_time for l in prof.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    fwd = [sum(l.forward_time + l.forward_gap for l in prof.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    bwd = [sum(l.backward_input_time + l.backward_weight_time + l.backward_gap for l in prof.layers[a:b])
+           for a, b in zip(bounds, bounds[1:])]
     sim = simulate("zbv", forward=fwd, backward=bwd, comm=[0.0] * len(fwd), ranks=2, microbatches=4, weight_share=share)
     assert plan.step_time == pytest.approx(sim.step_time, rel=1e-9)
     # a profile without the split (estimated, given, older) keeps the 0.5 guess

@@ -86,15 +86,16 @@ def test_timeline_has_every_operation_and_idle_rows():
 def test_baselines_are_compared_and_over_limit_marked():
     """autopipe's plan sits beside every baseline; one that breaks the memory limit is marked."""
     # The first layers hold much memory and little time: balancing parameters or layer counts
-    # crowds them into one stage, over the limit that autopipe's cut respects.
+    # crowds them into one stage, over the limit that autopipe's cut respects (1600 B static and 400 B
+    # of AdamW step temporaries per heavy layer).
     prof = Profile.from_costs([1, 1, 1, 1, 3, 3, 3, 3], param_bytes=[400, 400, 400, 400, 1, 1, 1, 1])
-    plan = partition(prof, 2, memory_limit=3300, bandwidth=None)
+    plan = partition(prof, 2, memory_limit=4100, bandwidth=None)
     baselines = compare_baselines(prof, plan)
     assert set(baselines) == set(BASELINES)
     page = _Page(render_report(plan, prof, baselines=baselines))
     methods = [a["data-method"] for a in page.all("tr", "method")]
     assert methods == ["autopipe", *BASELINES]
-    over = [m for m, p in baselines.items() if p.peak_memory > 3300]
+    over = [m for m, p in baselines.items() if p.peak_memory > 4100]
     assert over  # the fixture makes at least one baseline break the limit
     assert render_report(plan, prof, baselines=baselines).count("over limit") == len(over)
 

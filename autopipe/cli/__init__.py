@@ -2,12 +2,12 @@
 
 Each command parses, calls the library, renders with rich; errors become one red line and exit 1
 (``cli.app``). The commands live in ``pass_commands`` (inspect, profile, plan), ``job_commands``
-(convert, report) and ``export_commands`` (export); importing them registers them on ``app``.
+(convert, report), ``export_commands`` (export) and ``doctor_commands`` (doctor); importing them registers them on ``app``.
 """
 
 from __future__ import annotations
 
-from . import export_commands, job_commands, pass_commands  # noqa: F401  (register the commands)
+from . import doctor_commands, export_commands, job_commands, pass_commands  # noqa: F401  (register the commands)
 from .app import app
 
 __all__ = ["app", "main"]

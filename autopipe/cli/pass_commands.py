@@ -103,19 +103,19 @@ def profile_command(
         m = m.to(target)
         args, kwargs = tree_map(lambda v: v.to(target) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
                                 (args, kwargs))
+    from ..runtime.reserve import reserve_for
+
+    # measured before the model is on the GPU: a probe beside it would compete with it for memory
+    reserve_bytes = reserve_for(device, estimate=estimate, given=reserve, dtype=precision(autocast) if autocast else "fp32",
+                                config=getattr(m, "config", None))  # fmt: skip
     if not estimate and device != "cpu":
         # Trace where it will be measured: traced graphs keep their device.
         m = m.to(device)
         args, kwargs = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
-    from ..runtime.reserve import reserve_for
-
     seq = flatten(m, args, kwargs)
     prof = profile(seq, args, kwargs, device=device, estimate=estimate, dtype=dtype,
                    mixed_precision=mixed_precision, autocast=autocast, optimizer=optimizer, repeats=repeats, warmup=warmup,
-                   progress=not json_output,
-                   reserve=reserve_for(device, estimate=estimate, given=reserve,
-                                       dtype=precision(autocast) if autocast else "fp32",
-                                       config=getattr(m, "config", None)))
+                   progress=not json_output, reserve=reserve_bytes)
     prof = dataclasses.replace(prof, model=model)
     prof.save(out)
     if json_output:

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from ..costs.layer_costs import Profile
 from ..costs.rescale import scale_microbatch, tokens_per_sample
-from ..planner.memory import layer_memory, rank_memory
+from ..planner.memory import LayerMemory, layer_memory, rank_memory, tensor_budget
 from ..planner.partitioner import fits_memory, partition, resolve_limit
 from ..planner.plan import Plan
 from ..planner.schedules import chunk_ranks, inflight_counts
@@ -29,24 +29,25 @@ class SearchBounds:
         # a tied tensor's repeats may all sit on one rank: leave them out of what must be reduced
         self.grads = sum(base.gradients) - sum((len(u) - 1) * tg for _s, u, _w, tg, *_ in base.tied)
         self.weights = sum(base.weights) - sum((len(u) - 1) * tw for _s, u, tw, *_ in base.tied)
-        self._static: dict[tuple[int, int], tuple[int, int]] = {}
+        self._static: dict[tuple[int, int], tuple[int, int, LayerMemory]] = {}
 
-    def _memory(self, dp: int, zero: int) -> tuple[int, int]:
-        """(static bytes of the whole model, least activation bytes per micro-batch) under (dp, zero)."""
+    def _memory(self, dp: int, zero: int) -> tuple[int, int, LayerMemory]:
+        """(static bytes of the whole model, least activation bytes per micro-batch, the per-layer
+        figures) under (dp, zero)."""
         if (dp, zero) not in self._static:
             # DDP's terms (the default schedule's): no more than replicate's, so still a lower bound under zbv
             lm = layer_memory(self.profile, self.optimizer, dp=dp, zero=zero)
             static = sum(lm.static) - sum((len(u) - 1) * size for size, u, *_ in lm.tied)
             acts = sum(min(col) for col in zip(*lm.activations.values()))
-            self._static[(dp, zero)] = (static, acts)
+            self._static[(dp, zero)] = (static, acts, lm)
         return self._static[(dp, zero)]
 
     def fits(self, x: Layout, scale: float) -> bool:
         if self.limit is None:
             return True
-        static, acts = self._memory(x.dp, x.zero)
+        static, acts, lm = self._memory(x.dp, x.zero)
         least = min(inflight_counts(x.schedule, x.stages, x.virtual_stages, x.microbatches))
-        chunk = (self.limit - self.profile.reserve_bytes) // x.virtual_stages
+        chunk = tensor_budget(lm, self.limit, stages=x.stages, reserve=self.profile.reserve_bytes) // x.virtual_stages
         return chunk > 0 and static + least * acts * scale <= x.stages * x.virtual_stages * chunk
 
     def throughput(self, x: Layout, scale: float) -> float:
@@ -139,7 +140,7 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
 
 def _peak_if_fits(prof: Profile, free: Plan, x: Layout, optimizer: str | None, limit: int | None) -> int | None:
     """The rank peak of the unconstrained cut ``free`` under x's replicas and ZeRO stage, if each of its
-    chunks fits (limit − reserve) / v as partition requires; else None."""
+    chunks fits the tensors' budget / v as partition requires; else None."""
     lm = layer_memory(prof, optimizer, dp=x.dp, zero=x.zero, schedule=x.schedule)
     common = dict(inflight=free.stage_inflight, microbatches=free.microbatches, recompute=free.stage_recompute,
                   reserve=prof.reserve_bytes, waiting=free.stage_waiting, schedule=x.schedule)  # fmt: skip
@@ -150,5 +151,5 @@ def _peak_if_fits(prof: Profile, free: Plan, x: Layout, optimizer: str | None, l
     if x.virtual_stages == 1:
         return peak if peak <= limit else None
     chunks = rank_memory(lm, free.boundaries, stage_ranks=tuple(range(free.num_chunks)), **common)  # type: ignore[arg-type]
-    share = (limit - prof.reserve_bytes) // x.virtual_stages
-    return peak if all(c.total - prof.reserve_bytes <= share for c in chunks) else None
+    share = tensor_budget(lm, limit, stages=x.stages, reserve=prof.reserve_bytes) // x.virtual_stages
+    return peak if all(c.tensors <= share for c in chunks) else None

@@ -17,7 +17,8 @@ Method: branch and bound over the enumerated layouts.
 
 1. Memory bound. Over all S·v chunks a layout holds at least the whole model's weights, gradients
    and optimizer state as sharded under (R, ZeRO) plus, in every chunk, the fewest in-flight
-   micro-batches of its least-keeping recompute mode; each chunk may use (limit − reserve) / v. A
+   micro-batches of its least-keeping recompute mode; each chunk may use the tensors' budget / v
+   (the limit less the reserve and a GPU's fixed terms, over its allocator slack: memory.tensor_budget). A
    layout whose total exceeds S·v chunk limits cannot fit: pruned without solving.
 2. Step bound. A rank's ops form a chain, so ``step >= M·(its work)``; with one chunk per rank its
    first forward waits for micro-batch 0 through the stages before it and its last backward's

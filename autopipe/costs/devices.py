@@ -2,7 +2,9 @@
 
 The estimate mode turns FLOPs and bytes into time with a roofline over these numbers. GPU figures
 are the vendors' published dense peaks (no sparsity); the CPU is measured once per process by timing
-a matmul, a large copy and a tiny op, so a laptop plans with its own numbers.
+a matmul, a large copy and a tiny op, so a laptop plans with its own numbers. A GPU's DeviceInfo
+also carries the CUDA memory model's per-GPU figures (context, workspaces, NCCL, allocator slack:
+:mod:`autopipe.costs.gpu_memory`, which says which are published and which assumed).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import AutopipeError
+from .gpu_memory import cuda_memory, expandable_segments
 from .layer_costs import DeviceInfo
 
 __all__ = ["DeviceSpec", "KNOWN_DEVICES", "device_spec", "describe_device", "probe_cpu", "dtype_name"]
@@ -59,6 +62,7 @@ class DeviceSpec:
             peak_flops=self.peak_flops(dtype),
             memory_bandwidth=self.memory_bandwidth,
             threads=self.threads,
+            **(_cuda_fields(self.name) if self.type == "cuda" else {}),
         )
 
 
@@ -191,10 +195,18 @@ def describe_device(device: torch.device) -> DeviceInfo:
     """Name, type, memory and thread count of the device a profile is measured on."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return DeviceInfo(name=props.name, type="cuda", memory_bytes=int(props.total_memory))
+        return DeviceInfo(name=props.name, type="cuda", memory_bytes=int(props.total_memory),
+                          **_cuda_fields(props.name, hopper=props.major == 9))  # fmt: skip
     if device.type == "cpu":
         return DeviceInfo(name=cpu_name(), type="cpu", memory_bytes=_cpu_memory(), threads=torch.get_num_threads())
     return DeviceInfo(name=device.type, type=device.type)
+
+
+def _cuda_fields(name: str, hopper: bool | None = None) -> dict[str, float]:
+    """The CUDA memory model's figures for GPU ``name`` under this process's allocator settings
+    (``PYTORCH_CUDA_ALLOC_CONF``: train with the same), as a profile's DeviceInfo carries them."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return cuda_memory(name, expandable_segments=expandable_segments(conf), hopper=hopper).device_fields()
 
 
 # Allocations at least this large get their own mapping (returned to the OS on free); smaller ones

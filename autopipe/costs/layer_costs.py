@@ -68,11 +68,16 @@ class LayerCost:
     # recompute mode -> bytes a micro-batch holds between those two passes, waiting for its weight
     # gradients (on the same ledger as activation_bytes); a mode absent here was not measured
     weight_hold_bytes: dict[str, int] = field(default_factory=dict)
+    # What this layer's forward (backward) took inside the whole model beyond its own figure above
+    # (autopipe.costs.in_model: caches, and on a CPU page faults, a layer timed alone does not meet);
+    # signed seconds per micro-batch, part of ``time`` and of every plan's stage times. 0: not measured.
+    forward_gap: float = 0.0
+    backward_gap: float = 0.0
 
     @property
     def time(self) -> float:
-        """Forward plus backward time."""
-        return self.forward_time + self.backward_time
+        """Forward plus backward time as the layer runs inside the whole model (its gaps included)."""
+        return self.forward_time + self.backward_time + self.forward_gap + self.backward_gap
 
     @property
     def split_timed(self) -> bool:
@@ -95,6 +100,15 @@ class DeviceInfo:
     peak_flops: float = 0.0  # per second, for the dtype profiled; 0 when unknown
     memory_bandwidth: float = 0.0  # bytes per second; 0 when unknown
     threads: int = 0
+    # On a GPU, what a training process holds there beyond its tensors, for the memory model
+    # (autopipe.costs.gpu_memory says what each is and where its figure comes from); 0 elsewhere,
+    # and in profiles made before they were modelled.
+    context_bytes: int = 0  # the CUDA context
+    workspace_bytes: int = 0  # cuBLAS workspaces
+    nccl_group_bytes: int = 0  # per NCCL communicator over more than 2 ranks
+    nccl_pair_bytes: int = 0  # per NCCL communicator over 2 ranks
+    nccl_peer_bytes: int = 0  # per point-to-point peer (pipeline neighbour)
+    allocator_slack: float = 0.0  # the caching allocator's reserved-but-free share of the tensors' peak
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,10 @@ class Profile:
     # Bytes the training runtime holds on this device beyond the model's tensors (allocator, process
     # group, traced graph), measured once per device; part of every rank's predicted peak.
     reserve_bytes: int = 0
+    # The whole model's forward and backward seconds per micro-batch, measured after the layers with
+    # each layer's span marked (autopipe.costs.in_model; 0: not measured): the layers' times add up to them.
+    sequence_forward_time: float = 0.0
+    sequence_backward_time: float = 0.0
     # What the profiler noticed that makes its figures doubtful (identical layers that disagreed,
     # timings that stayed noisy): said wherever the profile is shown.
     warnings: tuple[str, ...] = ()
@@ -143,6 +161,8 @@ class Profile:
         _check_layers(self.layers)
         for label, value in (("input_bytes", self.input_bytes), ("reserve_bytes", self.reserve_bytes)):
             _check_number(value, f"profile {label}", integer=True)
+        for label in ("sequence_forward_time", "sequence_backward_time"):
+            _check_number(getattr(self, label), f"profile {label}")
         for name, size in self.tied_static_bytes.items():
             _check_number(size, f"tied_static_bytes[{name!r}]", integer=True)
         for name, seconds in self.tied_grad_time.items():
@@ -280,6 +300,12 @@ def _check_layers(layers: Sequence[LayerCost]) -> None:
             raise RecordError(f"{where} has index {layer.index}; layers must be numbered 0, 1, 2, ... in order.")
         for f in _TIMES:
             _check_number(getattr(layer, f), f"{where} {f}")
+        # a gap is signed (a layer may be faster inside the model than alone); its time in the model is not
+        for f, gap in (("forward_time", "forward_gap"), ("backward_time", "backward_gap")):
+            if not isinstance(getattr(layer, gap), (int, float)) or not math.isfinite(getattr(layer, gap)):
+                raise RecordError(f"{where} {gap} is {getattr(layer, gap)!r}, not a number of seconds; "
+                                  "profile the model again rather than edit it.")
+            _check_number(getattr(layer, f) + getattr(layer, gap), f"{where} {f} + {gap}")
         for f in _BYTES:
             _check_number(getattr(layer, f), f"{where} {f}", integer=True)
         for mode, rc in layer.recompute.items():

@@ -30,12 +30,15 @@ __all__ = [
     "backward_targets",
     "time_layer",
     "time_split",
+    "grad_outputs",
+    "median_iqr",
     "weight_hold_change",
     "LiveBytes",
     "peak_bytes",
     "saved_pass",
     "StateGuard",
     "tensor_bytes",
+    "is_device_error",
 ]
 
 Value = Union[Tensor, tuple[Tensor, ...]]
@@ -94,19 +97,24 @@ def _grads_put_back(tensors: list[Tensor]) -> Iterator[None]:
 
 
 class _Clock:
-    """Elapsed seconds of a region: CUDA events on a GPU (kernels are asynchronous), else wall clock."""
+    """Elapsed seconds of a region: CUDA events on a GPU (kernels are asynchronous), else wall clock.
+
+    The events are recorded on, and the wait is for, the profiled device's stream: ``--device
+    cuda:1`` times cuda:1's kernels, whichever device is current (cuda:0 unless set)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
+            torch.cuda.synchronize(self.device)
+            start.record(stream)
             result = fn()
-            end.record()
-            torch.cuda.synchronize()
+            end.record(stream)
+            torch.cuda.synchronize(self.device)
             return start.elapsed_time(end) / 1000.0, result
         t0 = time.perf_counter()
         result = fn()
@@ -120,6 +128,36 @@ class Timing:
     forward_spread: float
     backward_spread: float
     samples: int = 0  # timed runs taken (more than asked for when the spread stayed wide)
+
+
+def median_iqr(samples: list[float]) -> tuple[float, float]:
+    """(median, interquartile range) of ``samples``; (the one sample, 0) for fewer than two."""
+    return _median_iqr(samples)
+
+
+def is_device_error(error: BaseException) -> bool:
+    """Whether ``error`` is the device failing (out of memory, a CUDA or NCCL error, a device-side
+    assert) rather than an operator torch refuses: the former must reach the user, never be taken
+    for "this layer cannot be split" (a sticky CUDA error would surface later somewhere else)."""
+    if isinstance(error, (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError))):
+        return True
+    text = str(error)
+    return any(mark in text for mark in _DEVICE_ERRORS)
+
+
+_DEVICE_ERRORS = ("out of memory", "CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error", "NCCL error",
+                  "device-side assert", "HIP error")
+
+
+@contextlib.contextmanager
+def _unless_unsplittable() -> Iterator[None]:
+    """Swallow the RuntimeError of a layer torch cannot split into input and weight passes; let
+    device errors (``is_device_error``) through."""
+    try:
+        yield
+    except RuntimeError as error:
+        if is_device_error(error):
+            raise
 
 
 def _median_iqr(samples: list[float]) -> tuple[float, float]:
@@ -209,7 +247,7 @@ def time_split(layer: nn.Module, x: Value, *, device: torch.device, warmup: int,
     b_times: list[float] = []
     w_times: list[float] = []
     grads: list[Tensor] | None = None
-    with _grads_put_back(params + inputs), contextlib.suppress(RuntimeError):
+    with _grads_put_back(params + inputs), _unless_unsplittable():
         for p in params:
             p.grad = None  # W adds into an existing .grad in place: keep the caller's out of reach
         for i in range(warmup + repeats):
@@ -253,7 +291,7 @@ def weight_hold_change(layer: nn.Module, x: Value, *, mode: str = "none") -> int
     if not inputs:
         return None
     live = LiveBytes()
-    with _grads_put_back(params + inputs), contextlib.suppress(RuntimeError), live:
+    with _grads_put_back(params + inputs), _unless_unsplittable(), live:
         out = run_layer(layer, x, mode)
         outs, grads = grad_outputs(out)
         if not outs:
@@ -405,12 +443,13 @@ class StateGuard:
             for buf, copy in snapshot:
                 buf.copy_(copy)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         for m, flag in self._training:
             m.training = flag
         for p, g in self._grads:
             if p.grad is not g:
                 p.grad = g
         torch.set_rng_state(self._rng)
-        if self._cuda_rng is not None:
+        # after a CUDA error every call into the device fails: let the error that says why pass
+        if self._cuda_rng is not None and not (exc is not None and is_device_error(exc)):
             torch.cuda.set_rng_state_all(self._cuda_rng)

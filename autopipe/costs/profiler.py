@@ -41,6 +41,7 @@ from .accounting import (
 )
 from .devices import describe_device, device_spec, dtype_name, keep_freed_memory
 from .estimate import data_free, estimate_layer, meta_copy
+from .in_model import InModelTiming, charge_in_model, time_in_model
 from .layer_costs import LayerCost, Profile, optimizer_state_factor
 from .measure import (
     MAX_REPEAT_FACTOR,
@@ -48,6 +49,7 @@ from .measure import (
     StateGuard,
     Value,
     as_tuple,
+    is_device_error,
     median_seconds,
     saved_pass,
     storage_key,
@@ -138,16 +140,36 @@ def profile(
     try:
         with StateGuard(layers), _progress_bar(progress, len(layers)) as bar, run.no_data():
             x = _to(x, run.device, estimate=estimate)
+            first = x
             walk = _Walk(run, infos, x)
             task = bar.add_task("profile", total=len(layers))
             for i, layer in enumerate(layers):
                 bar.update(task, description=f"{'estimate' if estimate else 'measure'} {walk.name(i)}")
-                x = walk.layer(i, layer, x)
+                try:
+                    x = walk.layer(i, layer, x)
+                except RuntimeError as e:
+                    if not is_device_error(e):
+                        raise
+                    raise _device_failed(e, walk.name(i), run.device) from e
                 bar.advance(task)
+            layer_costs = walk.results()
+            tied_time = _tied_grad_time(seq, layers, run.device, run.spec, repeats, estimate)
+            sequence = None
+            if not estimate:
+                bar.update(task, description="measure the whole model")
+                sequence = _whole_model(layers, first, run, walk.warnings)
     finally:
         torch.set_num_threads(old_threads)
 
-    layer_costs = walk.results()
+    if sequence is not None:
+        # a tied tensor's two gradients are summed where the first of its users finishes its backward
+        users = {g.canonical: min(g.layers) for g in getattr(seq, "tied", []) if g.layers}
+        tied_at: dict[int, float] = {}
+        for name, seconds in tied_time.items():
+            if name in users:
+                tied_at[users[name]] = tied_at.get(users[name], 0.0) + seconds
+        layer_costs, note = charge_in_model(layer_costs, sequence, tied_at)
+        walk.warnings.extend([note] if note else [])
     warnings = walk.warnings + ([] if estimate else _noisy(layer_costs))
     amp, tdtype = run.amp, run.dtype
     return Profile(
@@ -165,7 +187,9 @@ def profile(
         tied_static_bytes=tied_bytes(seq, layers, run.sizes),
         warnings=tuple(warnings),
         reserve_bytes=int(reserve),
-        tied_grad_time=_tied_grad_time(seq, layers, run.device, run.spec, repeats, estimate),
+        tied_grad_time=tied_time,
+        sequence_forward_time=sum(sequence.forward) if sequence is not None else 0.0,
+        sequence_backward_time=sum(sequence.backward) if sequence is not None else 0.0,
     )
 
 
@@ -340,6 +364,28 @@ def _cost_layer(work: nn.Module, x: Value, run: _Run) -> dict[str, Any]:
                 hold_change={m: d for m, d in hold.items() if d is not None})
 
 
+def _whole_model(layers: list[nn.Module], x: Value, run: _Run, warnings: list[str]) -> InModelTiming | None:
+    """Each layer's forward and backward inside the whole model on one micro-batch (autopipe.costs.in_model),
+    the buffers put back after; None (and a warning) where the device cannot hold it all at once."""
+    snapshots = [StateGuard.snapshot_buffers(layer) for layer in layers]
+    for layer in layers:
+        layer.train()
+    try:
+        with run.autocast():
+            return time_in_model(layers, x, device=run.device, warmup=1, repeats=max(3, run.repeats // 2))
+    except RuntimeError as e:
+        if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)):
+            raise
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
+        warnings.append(f"the whole model's activations for one micro-batch do not fit {run.device} at once, so "
+                        "each layer keeps its own figures, not its time inside the model.")  # fmt: skip
+        return None
+    finally:
+        for snapshot in snapshots:
+            StateGuard.restore_buffers(snapshot)
+
+
 def _tied_grad_time(
     seq: Any, layers: list[nn.Module], device: torch.device, spec: Any, repeats: int, estimate: bool
 ) -> dict[str, float]:
@@ -385,6 +431,21 @@ def check_signature(profile: Profile, seq: Any) -> None:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+def _device_failed(error: RuntimeError, name: str, device: torch.device) -> AutopipeError:
+    """One line for a device that failed while a layer was measured: out of memory, or a CUDA error
+    (after which this process cannot use the GPU again)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in first:
+        return AutopipeError(
+            f"profiling layer {name} on {device} ran out of device memory ({first}); profile a smaller "
+            "micro-batch (--batch-size, --seq-len) and let the planner rescale it, free the device, or --estimate."
+        )
+    return AutopipeError(
+        f"profiling layer {name} on {device} failed with a device error ({first}); the process cannot use the "
+        "device after it: fix the cause (CUDA_LAUNCH_BLOCKING=1 names the kernel) and profile again."
+    )
 
 
 # Identical layers whose timings differ by more than this factor (and more than their spreads)

@@ -1,7 +1,7 @@
 """A profile at another micro-batch size, without profiling again. No torch.
 
 The model (one function, so a re-profiling pass can replace it): a layer's forward, backward and
-recompute seconds, the activations it saves, its transient peaks above its gradients, and the bytes it
+recompute seconds (its share of the whole model's gap too), the activations it saves, its transient peaks above its gradients, and the bytes it
 passes on all scale linearly with the samples in a micro-batch; its parameters, gradients and
 optimizer state do not. Linear time ignores that small micro-batches use an accelerator less well
 (so it favours large ones no more than the hardware does, and small ones slightly more); linear
@@ -56,6 +56,7 @@ def scale_microbatch(profile: Profile, samples: int) -> Profile:
     def layer(l: LayerCost) -> LayerCost:
         return replace(
             l, forward_time=l.forward_time * k, backward_time=l.backward_time * k,
+            forward_gap=l.forward_gap * k, backward_gap=l.backward_gap * k,
             backward_input_time=l.backward_input_time * k, backward_weight_time=l.backward_weight_time * k,
             forward_spread=l.forward_spread * k, backward_spread=l.backward_spread * k,
             activation_bytes=per_mb(l.activation_bytes), peak_forward_bytes=per_mb(l.peak_forward_bytes),

@@ -6,6 +6,7 @@
     flattener    flatten: graph -> LayerSequence, values live across each cut packed in a tuple (mechanism)
     sequence     LayerSequence and its stage modules
     recompute    activation recompute per layer: none, selective, full
+    rng          the random state of every device a computation draws from (CPU and each accelerator)
 """
 
 from __future__ import annotations

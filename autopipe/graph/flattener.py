@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, TraceMismatchError
 from .cut_policy import Segment, group_blocks, is_glue, module_stack, segment
+from .rng import RngState
 from .sequence import (
     IOSpec,
     LayerInfo,
@@ -474,7 +475,9 @@ def _on_meta(model: nn.Module) -> bool:
 def _validate(model: nn.Module, seq: LayerSequence, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Run the eager model and the sequence on the same inputs, RNG and buffers; compare outputs."""
     saved = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
-    rng = torch.get_rng_state()
+    # every generator the model can draw from: dropout on a GPU draws from that GPU's, not the CPU's
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    rng = RngState.capture([*saved.values(), *model.parameters(), *leaves])
 
     def restore() -> None:
         with torch.no_grad():
@@ -486,11 +489,11 @@ def _validate(model: nn.Module, seq: LayerSequence, args: tuple[Any, ...], kwarg
         with torch.no_grad():
             ref = model(*args, **kwargs)
             restore()
-            torch.set_rng_state(rng)
+            rng.restore()
             got = seq(*args, **kwargs)
     finally:
         restore()
-        torch.set_rng_state(rng)
+        rng.restore()
     ref_leaves = [x for x in pytree.tree_leaves(ref) if isinstance(x, torch.Tensor)]
     got_leaves = [x for x in pytree.tree_leaves(got) if isinstance(x, torch.Tensor)]
     if len(ref_leaves) != len(got_leaves):

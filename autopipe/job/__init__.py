@@ -6,6 +6,7 @@ the folder (plan.json, profile.json, train.py, report.html, README.md).
     folder     emit: the job folder, written whole or not at all
     readme     the job folder's README.md
     script     train.py, from templates/train.py (a Python file; its settings block and launch lines filled in)
+    doctor     autopipe doctor: profile, plan and train a small GPT-2 here; the plan's figures beside the run's
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ A recompute mode changes two things per layer: the activation bytes kept per mic
 seconds added to the backward. "none" is the layer's own figures. The memory follows autopipe.planner.memory
 (one source for the plan's figures and the partitioner's):
 
-    memory(a, b) = static(a, b) - tied repeats + inflight * kept_m(a, b) + max(transient_m[a:b])
-                   + waiting * (hold_m(a, b) - kept_m(a, b))   (zero-bubble: units past B, before W)
-                   + inflight * held   (the model's last output, held until its backward; b = L only)
+    memory(a, b) = static(a, b) - tied repeats
+                   + max(inflight * kept_m(a, b) + max(transient_m[a:b])
+                         + waiting * (hold_m(a, b) - kept_m(a, b))   (zero-bubble: units past B, before W)
+                         + inflight * held,   (the model's last output, held until its backward; b = L only)
+                         step(a, b) - tied repeats)   (the optimizer step's temporaries, after the backward)
                    + M * cut(a - 1) + M * cut(b - 1)   (torch's receive buffers; a > 0, b < L only)
 
 where transient_m is a layer's one-layer peak on top (under recompute: its plain activations,
@@ -61,7 +63,8 @@ class ChunkCosts:
             a chunk pays the cut on each side once forward and once backward.
         static: parameter + gradient + optimizer bytes per layer (tied tensors in each user).
         activation: bytes kept for backward per micro-batch per layer without recompute.
-        tied: (bytes of one copy, indices of its users) per tied tensor; counted once per chunk.
+        tied: (bytes of one copy, indices of its users[, its step temporaries]) per tied tensor;
+            counted once per chunk.
         modes: name -> (extra backward seconds per layer, kept activation bytes per layer).
         transient: mode name -> one-layer peak per layer (default: 0 for none, a layer's plain
             activations under a recompute mode).
@@ -71,6 +74,8 @@ class ChunkCosts:
         buffers: micro-batches M of torch's receive buffers at each cut facing another chunk
             (each holds the bytes crossing that cut, ``cut_bytes``).
         cut_bytes: bytes crossing the cut after layer i (L-1 values; default none).
+        step: bytes per layer of the optimizer step's temporaries (foreach AdamW's), alive after
+            the backward, when the activations are gone (default none).
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class ChunkCosts:
         hold: Mapping[str, Sequence[int]] | None = None,
         buffers: int = 0,
         cut_bytes: Sequence[int] | None = None,
+        step: Sequence[int] | None = None,
     ) -> None:
         n = len(forward)
         self.n = n
@@ -107,10 +113,11 @@ class ChunkCosts:
         st = ints if static is None else np.asarray(static, dtype=np.int64)
         self.act = ints if activation is None else np.asarray(activation, dtype=np.int64)
         self.static_prefix = _prefix(st)
-        self.tied = [
-            (int(w), _prefix(np.isin(np.arange(n), list(users)).astype(np.int64))) for w, users in tied if len(users) > 1
-        ]
-        self.tied_most = sum(w * (len(users) - 1) for w, users in tied if len(users) > 1)
+        self.step_prefix = _prefix(ints if step is None else np.asarray(step, dtype=np.int64))
+        shared = [(w, users, rest[0] if rest else 0) for w, users, *rest in tied if len(users) > 1]
+        self.tied = [(int(w), _prefix(np.isin(np.arange(n), list(users)).astype(np.int64))) for w, users, _ in shared]
+        self.tied_step = [int(t) for _, _, t in shared]  # a tied tensor's step temporaries, once per chunk too
+        self.tied_most = sum(w * (len(users) - 1) for w, users, _ in shared)
         names, extra, kept = ["none"], [_prefix(zero)], [_prefix(self.act)]
         for name, (x, k) in (modes or {}).items():
             if name == "none":
@@ -210,20 +217,24 @@ class ChunkCosts:
         """Bytes chunk [a, b) holds with ``inflight`` micro-batches in flight, ``waiting`` of them
         past their input pass (zero-bubble), vectorises over a, b."""
         a, b = np.asarray(a), np.asarray(b)
-        held = np.where(b == self.n, (inflight - waiting) * self.held, 0)
-        return self._core(a, b, inflight, mode, waiting) + self.buf_in[a] + self.buf_out[b] + held
+        return self._core(a, b, inflight, mode, waiting) + self.buf_in[a] + self.buf_out[b]
 
     def _core(self, a, b, inflight, mode, waiting=0):
-        """Memory without the terms of the chunk's two ends (receive buffers, the held output)."""
+        """Memory without the receive buffers at the chunk's two ends."""
         a, b = np.asarray(a), np.asarray(b)
-        m = (self.static_prefix[b] - self.static_prefix[a]) + inflight * self._kept(a, b, mode)
+        m = self.static_prefix[b] - self.static_prefix[a]
+        step = self.step_prefix[b] - self.step_prefix[a]
+        for (w, count), t in zip(self.tied, self.tied_step):
+            repeats = np.maximum(count[b] - count[a] - 1, 0)
+            m, step = m - w * repeats, step - t * repeats
+        act = inflight * self._kept(a, b, mode) + np.where(b == self.n, (inflight - waiting) * self.held, 0)
         if np.any(waiting):
-            m = m + waiting * self._of(self.hold_extra, a, b, mode)
-        for w, count in self.tied:
-            m = m - w * np.maximum(count[b] - count[a] - 1, 0)
+            act = act + waiting * self._of(self.hold_extra, a, b, mode)
         if np.isscalar(mode):
-            return m + self._tables[int(mode)].query(a, b)
-        return m + np.choose(np.asarray(mode), [t.query(a, b) for t in self._tables])
+            act = act + self._tables[int(mode)].query(a, b)
+        else:
+            act = act + np.choose(np.asarray(mode), [t.query(a, b) for t in self._tables])
+        return m + np.maximum(act, step)
 
     def hold_range(self, mode: int) -> tuple[float, float]:
         """The least and the largest ratio of a waiting unit's bytes to a held one's that any chunk
@@ -281,13 +292,14 @@ class ChunkCosts:
         g[0] = np.inf  # a chunk after the first never starts at 0
         g_env = np.minimum.accumulate(g[::-1])[::-1]
         in_env = np.where(b >= 1, q - g_env, 0).astype(np.int64)
-        out = self.buf_out + held
+        out = self.buf_out  # the held output is _core's (b = L)
         if position == "middle":  # end terms: their running maximum (with q) over ends, never falling
             out = (np.maximum.accumulate(q + out) - q).astype(np.int64)
         # Bracket with the plain prefix sums, then bisect inside: without the tied savings and with the
         # largest transient and end terms a chunk fits less (hi); with every saving and none, more (lo).
         top = int(self._tables[mode].table[0].max(initial=0)) + int(in_env[1:].max(initial=0))
-        hi = np.minimum(np.searchsorted(q, q[b] - (limit - top - out), side="left"), b)
+        qs = q + self.step_prefix  # the optimizer step's temporaries, at most added to the rest
+        hi = np.minimum(np.searchsorted(qs, qs[b] - (limit - top - out - held), side="left"), b)
         lo = np.minimum(np.searchsorted(q, q[b] - (limit + self.tied_most), side="left"), b)
         lo, hi = np.maximum(lo, 1), np.maximum(hi, 1)
         open_ = np.flatnonzero(lo < hi)

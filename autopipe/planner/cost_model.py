@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..costs.layer_costs import Profile
 from ..errors import PartitionError
 from .chunk_costs import ChunkCosts
-from .memory import holds_sends, layer_memory
+from .memory import holds_sends, layer_memory, tensor_budget
 from .schedules import peak_states
 
 __all__ = ["CostModel", "CutRequest", "recompute_times", "unit_states"]
@@ -56,14 +56,14 @@ class CostModel:
         self.memory = lm
         static = list(lm.static)
         tied = []
-        for size, users, *_ in lm.tied:
+        for size, users, *rest in lm.tied:
             for i in users:
                 if static[i] < size:
                     raise PartitionError(
                         f"layer {i} ({self.names[i]}) lists a tied tensor of {size} bytes but holds only "
                         f"{static[i]} static bytes; its figures must include the tied tensor. Profile again."
                     )
-            tied.append((size, list(users)))
+            tied.append((size, list(users), rest[-1]))  # rest[-1]: its step temporaries
         bw = float("inf") if bandwidth is None else float(bandwidth)
         if not bw > 0:
             raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
@@ -79,8 +79,10 @@ class CostModel:
             # (measured per layer; a layer without a timed split at the timed layers' ratio)
             backward = [l.backward_input_time + l.backward_weight_time if l.split_timed else l.backward_time * split[1]
                         for l in layers]  # fmt: skip
+        # each layer's share of what the whole model took beyond its layers timed alone (profiler)
+        backward = [b + l.backward_gap for b, l in zip(backward, layers)]
         self.costs = ChunkCosts(
-            [l.forward_time for l in layers],
+            [l.forward_time + l.forward_gap for l in layers],
             backward,
             self.one_way,
             static,
@@ -95,10 +97,16 @@ class CostModel:
             # receive buffers, and under torch's runtime-driven schedules the sends held to the step's end
             buffers=microbatches * (2 if holds_sends(schedule) else 1),
             cut_bytes=list(lm.outputs[:-1]),
+            step=list(lm.step),
         )
         self.reserve = profile.reserve_bytes
         self.params = [l.params or l.param_bytes for l in layers]
         self.tied = tied
+
+    def budget(self, limit: int, stages: int) -> int:
+        """What a rank's tensors may use of ``limit`` (``memory.tensor_budget``): the limit less
+        the GPU's fixed terms and the reserve, less the allocator's slack."""
+        return tensor_budget(self.memory, limit, stages=stages, reserve=self.reserve)
 
     def allowed(self, recompute: str) -> tuple[int, ...]:
         """Indices (into costs.modes) of the modes a chunk may use under a recompute policy."""

@@ -51,25 +51,39 @@ ZeRO stage K over R replicas divides what it shards by R (DeepSpeed's stages, FS
 K ≥ 1 the optimizer state, K ≥ 2 the gradients at rest, and since FSDP2 shards parameters at rest
 whenever it shards gradients, K ≥ 2 the weights at rest too; K = 3 differs from 2 only in
 re-gathering parameters for the backward, which pipelining keeps gathered anyway (``ZERO_TERMS``).
-- ``reserve``: what the runtime holds on the device beyond these tensors (allocator, process group,
-  the traced graph), measured once per device (``Profile.reserve_bytes``).
+- ``optimizer_step``: the optimizer step's temporaries. torch's foreach AdamW (the runtime's) takes
+  the square root of every ``exp_avg_sq`` of a parameter group at once (``torch._foreach_sqrt``):
+  one more state-sized tensor per parameter, alive during the step, after the backward has freed
+  the activations. So the peak is the steady terms plus the larger of the activation side and this.
+- ``allocator``, ``context``, ``workspace``, ``nccl`` (GPU only, the CUDA memory model: per-GPU
+  figures in the profile's DeviceInfo, sources in autopipe/costs/gpu_memory.py): the caching
+  allocator's reserved-but-free slack as a share of the tensors' peak; the CUDA context; cuBLAS
+  workspaces; one NCCL communicator per group the rank is in (the world's, the pipeline's and the
+  replicas' when both are larger than one, one per tied tensor held by several ranks) and
+  point-to-point buffers per pipeline neighbour.
+- ``reserve``: what the runtime holds on the device beyond all of these (on a CPU: glibc's heap
+  holes, the traced graph's tensors), measured once per device (``Profile.reserve_bytes``).
+
+``--memory-limit device`` is the GPU's memory; the tensors may use what is left after the fixed
+terms (context, workspace, NCCL, reserve) divided by one plus the slack (``tensor_budget``).
 
 Example:
     >>> from autopipe.costs.layer_costs import Profile
-    >>> prof = Profile.from_costs([1, 1], param_bytes=[400, 400], activation_bytes=[10, 20], output_bytes=[8, 8])
-    >>> [m.total for m in rank_memory(prof, (0, 1, 2), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)]
-    [1652, 1660]
+    >>> prof = Profile.from_costs([1, 1], param_bytes=[400, 400], activation_bytes=[300, 20], output_bytes=[8, 8])
+    >>> ranks = rank_memory(prof, (0, 1, 2), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)
+    >>> [(m.activations, m.optimizer_step, m.total) for m in ranks]  # rank 1 peaks in AdamW's step
+    [(600, 400, 2232), (20, 400, 2032)]
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from ..costs.layer_costs import Profile, optimizer_state_factor
+from ..costs.layer_costs import DeviceInfo, Profile, optimizer_state_factor
 
-__all__ = ["RankMemory", "LayerMemory", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "holds_sends", "layer_memory",
-           "rank_memory", "splits_backward", "zero_share"]
+__all__ = ["RankMemory", "LayerMemory", "DeviceTerms", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "holds_sends",
+           "layer_memory", "rank_memory", "splits_backward", "tensor_budget", "zero_share"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 # schedules that split the backward into input and weight passes (the partitioner's and torch's spellings)
@@ -152,6 +166,29 @@ def zero_share(zero: int, dp: int, *, schedule: str = "1f1b") -> ZeroShare:
 
 
 @dataclass(frozen=True)
+class DeviceTerms:
+    """The CUDA memory model's per-GPU figures (all 0 on a CPU): see autopipe/costs/gpu_memory.py."""
+
+    context: int = 0
+    workspace: int = 0
+    nccl_group: int = 0  # one communicator over more than 2 ranks
+    nccl_pair: int = 0  # one communicator over 2 ranks
+    nccl_peer: int = 0  # point-to-point buffers per pipeline neighbour
+    slack: float = 0.0  # the allocator's reserved-but-free share of the tensors' peak
+
+    @classmethod
+    def of(cls, device: DeviceInfo) -> "DeviceTerms":
+        """The figures a profile's device carries (a CPU's, or an old profile's, are 0)."""
+        return cls(int(device.context_bytes), int(device.workspace_bytes), int(device.nccl_group_bytes),
+                   int(device.nccl_pair_bytes), int(device.nccl_peer_bytes), float(device.allocator_slack))  # fmt: skip
+
+    def nccl(self, groups: Sequence[int], peers: int) -> int:
+        """NCCL's bytes for communicators over groups of these sizes (one rank: none) and ``peers``
+        point-to-point neighbours."""
+        return sum(self.nccl_pair if n == 2 else self.nccl_group for n in groups if n > 1) + peers * self.nccl_peer
+
+
+@dataclass(frozen=True)
 class RankMemory:
     """One pipeline rank's predicted peak, by what holds it (bytes)."""
 
@@ -167,13 +204,28 @@ class RankMemory:
     reserve: int = 0
     gathered: int = 0
     reduce_scatter: int = 0
+    optimizer_step: int = 0
+    allocator: int = 0
+    context: int = 0
+    workspace: int = 0
+    nccl: int = 0
+
+    @property
+    def tensors(self) -> int:
+        """The tensors' peak: what lives all step, then the larger of the backward's side (the
+        activations in flight and the heaviest one-off on top) and the optimizer step's temporaries."""
+        steady = self.weights + self.gradients + self.optimizer + self.buffers + self.sends + self.gathered + self.data_parallel
+        return steady + max(self.activations + self.outputs + max(self.transient, self.reduce_scatter), self.optimizer_step)
+
+    @property
+    def fixed(self) -> int:
+        """What the rank holds whatever its tensors: CUDA context, workspaces, NCCL, the reserve."""
+        return self.context + self.workspace + self.nccl + self.reserve
 
     @property
     def total(self) -> int:
-        """The peak: what lives all step, the activations in flight and the heaviest one-off on top."""
-        steady = (self.weights + self.gradients + self.optimizer + self.buffers + self.sends + self.reserve + self.gathered
-                  + self.data_parallel)  # fmt: skip
-        return steady + self.activations + self.outputs + max(self.transient, self.reduce_scatter)
+        """The peak: the tensors', the allocator's slack on them, and the fixed terms."""
+        return self.tensors + self.allocator + self.fixed
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -192,14 +244,17 @@ class LayerMemory:
     transient: dict[str, tuple[int, ...]]  # recompute mode -> one-layer peak on top
     outputs: tuple[int, ...]  # bytes leaving each layer (what crosses a cut after it)
     input_bytes: int  # bytes entering layer 0
-    # (static size, users, weights, grads, state, gathered, buckets) of each tied tensor, as one rank holds it
-    tied: tuple[tuple[int, tuple[int, ...], int, int, int, int, int], ...]
+    # (static size, users, weights, grads, state, gathered, buckets, step temporaries) of each tied
+    # tensor, as one rank holds it
+    tied: tuple[tuple[int, tuple[int, ...], int, int, int, int, int, int], ...]
     # ZeRO over data-parallel replicas (weights/gradients/optimizer above are this rank's shards)
     gathered: tuple[int, ...] = ()  # per layer: whole weights + gradients held during the step
     buckets: tuple[int, ...] = ()  # per layer: replicate's weight copy + accumulated gradient (ZeRO 0/1)
     reduce_scatter: tuple[int, ...] = ()  # per layer: its reduce-scatter input (ZeRO 2/3), a one-off
     dp: int = 1
     zero: int = 0
+    step: tuple[int, ...] = ()  # per layer: the optimizer step's temporaries (this rank's share)
+    device: DeviceTerms = DeviceTerms()  # the GPU's fixed terms and slack (zeros on a CPU)
 
     @property
     def static(self) -> tuple[int, ...]:
@@ -222,6 +277,11 @@ def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1,
     old = optimizer_state_factor(profile.optimizer)
     new = old if optimizer is None else optimizer_state_factor(optimizer)
     opt = [l.optimizer_bytes if new == old else int(l.param_bytes * new) for l in layers]
+    # the step's temporaries: one state-sized tensor per parameter (foreach Adam/AdamW's sqrt of
+    # exp_avg_sq); optimizer_bytes holds the states (and under mixed precision the fp32 master copy)
+    states = new + (1 if profile.mixed_precision else 0)
+    adam = (optimizer or profile.optimizer).lower() in ("adam", "adamw")
+    step = [int(o // states) if adam and states > 0 else 0 for o in opt]
     inputs = [profile.input_bytes] + [l.output_bytes for l in layers[:-1]]
     base_transient = [
         max(l.peak_forward_bytes - l.activation_bytes, l.peak_backward_bytes - l.grad_bytes, 0) for l in layers
@@ -258,7 +318,8 @@ def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1,
         sw, sg, so = _shard(w, share.weights), _shard(g, share.gradients), _shard(size - w - g, share.optimizer)
         whole = w + g if share.gathered else 0
         bucket = w + g if share.buckets else 0
-        tied.append((sw + sg + so + whole + bucket, users, sw, sg, so, whole, bucket))
+        ts = int(so // states) if adam and states > 0 else 0
+        tied.append((sw + sg + so + whole + bucket, users, sw, sg, so, whole, bucket, ts))
     return LayerMemory(
         weights=tuple(_shard(l.param_bytes, share.weights) for l in layers),
         gradients=tuple(_shard(l.grad_bytes, share.gradients) for l in layers),
@@ -274,6 +335,8 @@ def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1,
         reduce_scatter=tuple(l.grad_bytes if share.gathered else 0 for l in layers),
         dp=dp,
         zero=zero,
+        step=tuple(_shard(t, share.optimizer) for t in step),
+        device=DeviceTerms.of(profile.device),
     )
 
 
@@ -319,6 +382,9 @@ def rank_memory(
     modes = list(recompute) or ["none"] * len(chunks)
     sends = holds_sends(schedule)
     ranks = max(stage_ranks) + 1
+    step = lm.step or (0,) * n
+    dev = lm.device
+    owner_of = {i: stage_ranks[c] for c, (a, b) in enumerate(chunks) for i in range(a, b)}
     out: list[RankMemory] = []
     for r in range(ranks):
         mine = [c for c, owner in enumerate(stage_ranks) if owner == r]
@@ -328,10 +394,12 @@ def rank_memory(
         o = sum(lm.optimizer[i] for i in layers)
         x = sum(gathered[i] for i in layers)
         dpb = sum(buckets[i] for i in layers)
-        for _size, users, tw, tg, to, tx, tb in lm.tied:  # a tied tensor: once per rank, not per user layer
+        temp = sum(step[i] for i in layers)
+        for _size, users, tw, tg, to, tx, tb, *rest in lm.tied:  # a tied tensor: once per rank, not per user layer
             extra = sum(1 for i in layers if i in users) - 1
             if extra > 0:
                 w, g, o, x, dpb = w - extra * tw, g - extra * tg, o - extra * to, x - extra * tx, dpb - extra * tb
+                temp -= extra * (rest[0] if rest else 0)
         act = outs = buf = trans = sent = 0
         for c in mine:
             a, b = chunks[c]
@@ -351,9 +419,52 @@ def rank_memory(
                 sent += 2 * microbatches * lm.outputs[b - 1]
         if sends:
             sent += buf  # every send of the step, alive until its end
-        out.append(RankMemory(
+        mem = RankMemory(
             weights=w, gradients=g, optimizer=o, activations=act, outputs=outs, buffers=buf, sends=sent,
             transient=trans, data_parallel=dpb, reserve=int(reserve), gathered=x,
-            reduce_scatter=max((scatter[i] for i in layers), default=0),
-        ))  # fmt: skip
+            reduce_scatter=max((scatter[i] for i in layers), default=0), optimizer_step=temp,
+        )  # fmt: skip
+        if dev != DeviceTerms():
+            # the GPU's terms: the allocator's slack on the tensors, context, workspaces, NCCL
+            peers = {stage_ranks[d] for c in mine for d in (c - 1, c + 1)
+                     if 0 <= d < len(chunks) and stage_ranks[d] != r}  # fmt: skip
+            tied_ranks = [{owner_of[i] for i in users} for _size, users, *_ in lm.tied]
+            groups = _groups(ranks, lm.dp, [len(t) for t in tied_ranks if r in t and len(t) > 1])
+            mem = replace(mem, allocator=_ceil(dev.slack * mem.tensors), context=dev.context, workspace=dev.workspace,
+                          nccl=dev.nccl(groups, len(peers)))  # fmt: skip
+        out.append(mem)
     return out
+
+
+def _groups(stages: int, dp: int, tied: Sequence[int]) -> list[int]:
+    """The sizes of the process groups a rank of a ``stages`` x ``dp`` layout runs NCCL over: the
+    world's; the pipeline's and the replicas' where both exceed one (else one of them is the world
+    and torch's DeviceMesh reuses its communicator); one per tied tensor it shares (``tied``)."""
+    world = [stages * dp]
+    split = [stages, dp] if stages > 1 and dp > 1 else []
+    return world + split + list(tied)
+
+
+def _ceil(x: float) -> int:
+    return int(-(-x // 1))
+
+
+def tensor_budget(memory: LayerMemory, limit: int, *, stages: int, reserve: int = 0) -> int:
+    """What one rank's tensors may use of ``limit`` bytes per device: the limit less the fixed terms
+    of the rank that has the most (CUDA context, workspaces, NCCL: every tied tensor shared, two
+    pipeline neighbours; and the runtime ``reserve``), divided by one plus the allocator's slack. On
+    a CPU (no such terms) the limit less the reserve.
+
+    >>> from autopipe.costs.layer_costs import DeviceInfo, Profile
+    >>> prof = Profile.from_costs([1, 1], param_bytes=[400, 400])
+    >>> tensor_budget(layer_memory(prof), 10_000, stages=2, reserve=1_000)
+    9000
+    >>> gpu = DeviceInfo(type="cuda", context_bytes=500, nccl_group_bytes=300, nccl_pair_bytes=200, allocator_slack=0.25)
+    >>> tensor_budget(layer_memory(replace(prof, device=gpu)), 10_000, stages=2)  # (10000 - 500 - 200) / 1.25
+    7440
+    """
+    dev = memory.device
+    tied = [min(len(users), stages) for _size, users, *_ in memory.tied if len(users) > 1] if stages > 1 else []
+    peers = min(stages - 1, 2)
+    fixed = dev.context + dev.workspace + dev.nccl(_groups(stages, memory.dp, tied), peers) + int(reserve)
+    return int((limit - fixed) // (1 + dev.slack))

@@ -264,7 +264,7 @@ def fits_memory(profile: Profile, stages: int, *, microbatches: int, schedule: s
     if limit is None:
         return True
     model = CostModel(profile, optimizer, None, schedule, microbatches, dp=dp, zero=zero)
-    chunk_limit = (limit - model.reserve) // virtual_stages
+    chunk_limit = model.budget(limit, stages) // virtual_stages
     states = unit_states(schedule, stages, virtual_stages, microbatches)
     costs = model.costs if cuts is None else model.costs.restrict(cuts)
     k = stages * virtual_stages
@@ -309,12 +309,15 @@ def _partition_one(profile: Profile, model: CostModel, req: CutRequest, *, bound
     """The plan for one ZeRO stage (the model's): see partition()."""
     n = len(profile.layers)
     limit, k, states = req.limit, req.stages * req.v, req.states
-    # the runtime's own reserve first, then each of a rank's v chunks gets a share of the rest
-    chunk_limit = None if limit is None else (limit - model.reserve) // req.v
+    # the runtime's own fixed terms first (reserve; on a GPU context, workspaces, NCCL, the
+    # allocator's slack), then each of a rank's v chunks gets a share of the rest
+    chunk_limit = None if limit is None else model.budget(limit, req.stages) // req.v
     if chunk_limit is not None and chunk_limit <= 0:
+        fixed = limit - model.budget(limit, req.stages)
         raise InfeasibleMemoryError(
             f"a memory limit of {format_bytes(limit)} per device leaves nothing for the model: the runtime itself "
-            f"holds {format_bytes(model.reserve)} per rank on this device (the profile's reserve). Raise the limit."
+            f"holds {format_bytes(fixed)} per rank on this device (the profile's reserve, and on a GPU its context, "
+            "workspaces and NCCL buffers). Raise the limit."
         )
     allowed = model.allowed(req.recompute)
 

@@ -115,7 +115,10 @@ def render_report(
                           + ". The peak is what lives all step (weights, gradients, optimizer state, buffers, "
                           "reserve; with data-parallel replicas the all-reduce buckets, or under ZeRO 2/3 the weights "
                           "and gradients gathered for the step) plus the activations held for the micro-batches in "
-                          "flight, the last output, and the larger of the largest transient and the reduce-scatter input"
+                          "flight, the last output, and the larger of the largest transient and the reduce-scatter input; "
+                          "or, if larger, the optimizer step's temporaries, after the activations are freed. On a GPU "
+                          "the caching allocator's slack, the CUDA context, cuBLAS workspaces and NCCL's buffers come "
+                          "on top (autopipe/costs/gpu_memory.py says which figures are published and which assumed)"
                           + (f". Each stage has {plan.dp} data-parallel replicas under ZeRO {plan.zero}: weights, "
                              "gradients and optimizer state are this rank's shards" if plan.dp > 1 else "") + "."))
     if baselines:
@@ -227,6 +230,9 @@ _BREAKDOWN = (("weights", "weights"), ("gradients", "gradients"), ("optimizer", 
               ("buffers", "send/recv buffers"), ("transient", "largest transient"),
               ("gathered", "gathered weights + gradients (ZeRO 2/3)"),
               ("data_parallel", "all-reduce buckets (ZeRO 0/1)"), ("reduce_scatter", "reduce-scatter input (ZeRO 2/3)"),
+              ("optimizer_step", "optimizer step temporaries (peak: the larger of this and the activations' side)"),
+              ("allocator", "CUDA caching allocator slack"), ("context", "CUDA context"),
+              ("workspace", "cuBLAS workspaces"), ("nccl", "NCCL communicators and peer buffers"),
               ("reserve", "runtime reserve"))  # fmt: skip
 
 

@@ -8,9 +8,20 @@
   (``/proc/self/clear_refs``), so each step reports its own peak. With freed memory kept in the
   process (``keep_freed_memory``, as the runtime does), what the process once held stays resident,
   so this is the high-water mark of the heap: what the OS has to give the rank.
-- CUDA: ``torch.cuda.max_memory_allocated`` during the step, plus what the device holds outside
-  torch's allocator (CUDA context, NCCL, cuBLAS workspaces), measured at the baseline as the used
-  device memory less torch's reserved bytes. Not yet verified on a GPU.
+- CUDA: what the process holds on its GPU at the step's peak: torch's caching allocator's peak
+  *reserved* bytes (the tensors, the allocator's cached-but-free slack, cuBLAS workspaces), plus
+  what the process holds outside the allocator (CUDA context, NCCL's buffers), read for this
+  process alone from NVML (``process_device_bytes``: its usage less torch's reserved bytes), never
+  device-wide: another process on the GPU (the one that profiled, say) is not this rank's. Where
+  NVML cannot see the process (no ``pynvml``, a container's PID namespace), the outside part is 0
+  and ``outside_known`` is False. The peak allocated bytes are kept too (``PeakMemory.detail``).
+
+The step's peak includes its optimizer step. The trainer reads the peak once per step, with the
+loss, before the optimizer steps (whether to step depends on that read); so each ``reset`` (at the
+next step's start) keeps what was held after that read, the previous step's optimizer step, and
+``read`` reports the larger of it and the step so far. A read after ``Trainer.step`` returns (the
+reserve probe, the doctor) covers the whole step. The first step reports no optimizer step (none
+ran before it): compare steps after the first.
 
 Example:
     >>> peak = PeakMemory(torch.device("cpu"))
@@ -21,14 +32,16 @@ Example:
 from __future__ import annotations
 
 import gc
+import os
 import re
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from ..costs.devices import release_freed_memory
 
-__all__ = ["PeakMemory", "resident_bytes"]
+__all__ = ["PeakMemory", "PeakDetail", "process_device_bytes", "resident_bytes"]
 
 
 def _status_kib(field: str) -> int | None:
@@ -46,6 +59,36 @@ def resident_bytes() -> int:
     return 1024 * kib if kib is not None else 0
 
 
+def process_device_bytes(device: torch.device) -> int | None:
+    """Bytes this process holds on GPU ``device`` as the driver counts them (NVML's per-process
+    figure: context, allocator segments, NCCL), or None where NVML is missing or does not list this
+    process (a container's PID namespace hides it)."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory:
+                return int(proc.usedGpuMemory)
+    except (pynvml.NVMLError, AttributeError, RuntimeError):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class PeakDetail:
+    """The CUDA counters behind a peak (bytes): torch's allocated and reserved peaks, and what the
+    process held outside the allocator; on a CPU allocated = reserved = the resident peak."""
+
+    allocated: int = 0
+    reserved: int = 0
+    outside: int = 0
+
+
 class PeakMemory:
     """Per-step peak memory of this rank, in bytes above its baseline (see the module docstring)."""
 
@@ -53,13 +96,13 @@ class PeakMemory:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.outside_allocator = 0
-        if self.cuda:
-            free, total = torch.cuda.mem_get_info(self.device)
-            self.outside_allocator = max(0, total - free - torch.cuda.memory_reserved(self.device))
-            self.baseline = 0
-        else:
-            self.baseline = resident_bytes()
+        self.outside_known = not self.cuda
+        self.baseline = 0 if self.cuda else resident_bytes()
         self.supported = self.cuda or (sys.platform.startswith("linux") and _status_kib("VmHWM") is not None)
+        self.detail = PeakDetail()
+        self._tail = PeakDetail()  # held after the last read: the optimizer step of the step read
+        self._seen = PeakDetail()  # this step's window up to its last read
+        self._read_once = False
 
     def rebase(self, tensor_bytes: int) -> None:
         """Take the CPU baseline now, with the stage built and holding ``tensor_bytes`` of tensors."""
@@ -71,7 +114,23 @@ class PeakMemory:
             self.baseline = resident_bytes() - int(tensor_bytes)
 
     def reset(self) -> None:
-        """Start a new measurement window (each step calls it first)."""
+        """Start a new step's window (each step calls it first), keeping what the last step held
+        after its read (its optimizer step) to report with this one."""
+        self._tail = self._window() if self._read_once else PeakDetail()
+        self._seen = PeakDetail()
+        self._restart()
+
+    def read(self) -> int:
+        """The step's peak so far above the baseline, its optimizer step included (the last step's
+        where the read comes before this one's); 0 where it cannot be measured."""
+        self._seen = _larger(self._seen, self._window())
+        self._restart()
+        self._read_once = True
+        self.detail = _larger(self._seen, self._tail)
+        return self.detail.reserved + self.detail.outside
+
+    # --- one measurement window -------------------------------------------------------------
+    def _restart(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
@@ -81,9 +140,20 @@ class PeakMemory:
         except OSError:
             pass
 
-    def read(self) -> int:
-        """The peak since ``reset()``, above the baseline; 0 where it cannot be measured."""
+    def _window(self) -> PeakDetail:
+        """The peak since the last restart."""
         if self.cuda:
-            return int(torch.cuda.max_memory_allocated(self.device)) + self.outside_allocator
+            reserved = int(torch.cuda.max_memory_reserved(self.device))
+            used = process_device_bytes(self.device)
+            if used is not None:
+                # context and NCCL only grow (communicators appear at first use): keep the largest
+                self.outside_allocator = max(self.outside_allocator, used - int(torch.cuda.memory_reserved(self.device)))
+                self.outside_known = True
+            return PeakDetail(int(torch.cuda.max_memory_allocated(self.device)), reserved, self.outside_allocator)
         kib = _status_kib("VmHWM")
-        return max(0, 1024 * kib - self.baseline) if kib is not None else 0
+        rss = max(0, 1024 * kib - self.baseline) if kib is not None else 0
+        return PeakDetail(rss, rss, 0)
+
+
+def _larger(a: PeakDetail, b: PeakDetail) -> PeakDetail:
+    return PeakDetail(max(a.allocated, b.allocated), max(a.reserved, b.reserved), max(a.outside, b.outside))

@@ -1,25 +1,33 @@
-"""The runtime reserve of a device: what a training rank holds beyond the tensors the memory model counts.
+"""The runtime reserve of a device: what a training rank holds beyond everything the memory model counts.
 
-The memory model (:mod:`autopipe.planner.memory`) adds up tensors: weights, gradients, optimizer state,
-activations, buffers. A real rank holds more: on a GPU the CUDA context, NCCL's buffers and the
-caching allocator's slack; on a CPU what glibc keeps between the tensors (a heap that never shrinks
-fragments) and the runtime's own allocations. That depends on the device and the runtime, and also
-on the precision and on the architecture's pattern of allocations, so it is measured once per
-device, precision and architecture by a probe: a small model of the user's architecture (their
-HuggingFace causal-LM config shrunk by ``probe_config`` to 4 layers of width 256 and a vocabulary of
-4096; a GPT-2 of that size for anything else) is profiled in the mode training runs in (autocast for
-bf16/fp16), cut into 2 stages (1 on a GPU: NCCL will not put two ranks on one), trained a few steps
-by the real runtime under torchrun, and the reserve is the ranks' mean measured peak
-(``autopipe.runtime.peak``) less what the memory model predicts for them. Each profile keeps the
-reserve it was made with (``Profile.reserve_bytes``); every plan adds it to each rank.
+The memory model (:mod:`autopipe.planner.memory`) adds up tensors: weights, gradients, optimizer state
+and its step's temporaries, activations, buffers; on a GPU also the CUDA memory model's per-GPU terms
+(context, cuBLAS workspaces, NCCL's buffers, the caching allocator's slack:
+:mod:`autopipe.costs.gpu_memory`). A real rank holds more: on a CPU what glibc keeps between the
+tensors (a heap that never shrinks fragments) and the runtime's own allocations; on a GPU whatever
+the assumed figures miss. That depends on the device and the runtime, and also on the precision and
+on the architecture's pattern of allocations, so it is measured once per device, precision and
+architecture by a probe: a small model of the user's architecture (their HuggingFace causal-LM
+config shrunk by ``probe_config`` to 4 layers of width 256 and a vocabulary of 4096; a GPT-2 of that
+size for anything else) is profiled in the mode training runs in (autocast for bf16/fp16), cut into
+2 stages (1 on a GPU: NCCL will not put two ranks on one), trained a few steps by the real runtime
+under torchrun, and the reserve is the ranks' mean measured peak (``autopipe.runtime.peak``, read
+after each step's optimizer step) less what the memory model predicts for them, at least 0. Each
+profile keeps the reserve it was made with (``Profile.reserve_bytes``); every plan adds it to each rank.
+
+On a GPU the probe's ranks measure their own process (NVML's per-process figure), never the whole
+device: the process that asks (which may hold the user's model on the GPU already) is not theirs. A
+measurement is cached only when it is clean: on a GPU, NVML saw the probe's processes and the
+asking process held no GPU memory while it ran; otherwise the figure serves this run and the next
+run measures again.
 
 Measured on this CPU, three probes each (MiB): GPT-2-shaped fp32 28.0-29.3, bf16 36.3-37.5;
 Llama-shaped fp32 35.2-38.0, bf16 45.1-51.5. The GPT-2 fp32 probe alone under-charged every rank of a
 Llama plan by 7-10 MiB and of a bf16 plan by 8-23: hence the precision and the architecture in the key.
 
 The figure is cached per device, thread count, torch version, precision and architecture in
-``$AUTOPIPE_CACHE`` (default ``~/.cache/autopipe/reserve.json``). Known GPUs nobody measured here
-get ``ASSUMED_CUDA_RESERVE``.
+``$AUTOPIPE_CACHE`` (default ``~/.cache/autopipe/reserve.json``). An estimate for a named GPU
+(``--estimate --device h100``) carries no reserve: the device table's terms stand for the GPU.
 
     python -m autopipe.runtime.reserve --device cpu                        # GPT-2 probe, fp32 (or the cache)
     python -m autopipe.runtime.reserve --device cpu --model llama-7b --dtype bf16
@@ -46,11 +54,7 @@ from typing import Any
 from ..choices import PRECISIONS
 from ..errors import AutopipeError
 
-__all__ = ["ASSUMED_CUDA_RESERVE", "measure_reserve", "probe_config", "reserve_for", "runtime_reserve"]
-
-# CUDA context (~0.5 GiB on Hopper with lazy module loading), NCCL communicators and cuBLAS
-# workspaces: a common allowance, used for estimates of GPUs nobody measured here.
-ASSUMED_CUDA_RESERVE = 1 << 30
+__all__ = ["holds_gpu_memory", "measure_reserve", "probe_config", "reserve_for", "runtime_reserve"]
 
 _ROWS, _SEQ, _MICRO, _STEPS = 4, 128, 4, 6
 _LAYERS, _WIDTH, _HEADS, _VOCAB = 4, 256, 4, 4096  # the probe's size, GPT-2 or the user's architecture
@@ -68,7 +72,9 @@ def _key(device: str, dtype: str = "fp32", arch: str = "gpt2") -> str:
     from ..costs.devices import ALLOCATOR_SETTINGS, cpu_name
 
     if device == "cuda":
-        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda"
+        # "model 2": measured per process after the optimizer step, beside the CUDA memory model's
+        # terms; figures cached before (device-wide, with the asking process's model in them) are not reused
+        name = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda") + " (model 2)"
     else:
         # the allocator's settings change what a CPU rank holds beyond its tensors: measure again
         name = f"{cpu_name()} x{os.environ.get('OMP_NUM_THREADS', '1')} ({ALLOCATOR_SETTINGS})"
@@ -148,7 +154,10 @@ def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
             cache = {}
     if key in cache and not refresh:
         return int(cache[key])
-    value = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None)["reserve_bytes"]
+    measured = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None)
+    value = int(measured["reserve_bytes"])
+    if not measured.get("clean", True):
+        return value  # polluted (module docstring): good for this run, measured again next time
     cache[key] = value
     try:
         from ..files import write_text_atomic
@@ -162,21 +171,31 @@ def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
 def reserve_for(device: str, *, estimate: bool, given: str | int | None = None, dtype: str = "fp32",
                 config: Any = None) -> int:
     """The reserve a profile for ``device`` should carry: ``given`` (a size like 80MiB, or 0) if set;
-    estimating for a named GPU, the assumed figure; else this machine's for training ``dtype`` a
-    model of ``config``'s architecture, measured once (cpu or cuda)."""
+    estimating for a named GPU, none (the device table's CUDA memory model stands for it); else this
+    machine's for training ``dtype`` a model of ``config``'s architecture, measured once (cpu or
+    cuda). Call it before the model is moved to the GPU: a measurement taken beside it is not cached."""
     if given is not None:
         from ..units import parse_size
 
         return 0 if str(given).strip().lower() in ("0", "none") else parse_size(given)
     if estimate and device not in ("cpu", "cuda"):
-        return ASSUMED_CUDA_RESERVE
+        return 0
     return runtime_reserve("cuda" if device.startswith("cuda") else "cpu", dtype=dtype, config=config)
+
+
+def holds_gpu_memory() -> bool:
+    """Whether this process holds GPU memory (the user's model moved there already): a probe run
+    beside it competes for the device, so its figure is not cached."""
+    import torch
+
+    return bool(torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0)
 
 
 def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = None) -> dict[str, int]:
     """Run the probe: profile and cut the probe model (``config``'s architecture shrunk by
     ``probe_config``, else a small GPT-2) here, in the mode ``dtype`` trains in; train it under
-    torchrun in fresh processes; compare each rank's measured peak with the memory model's prediction."""
+    torchrun in fresh processes; compare each rank's measured peak with the memory model's prediction.
+    ``clean`` (0 or 1) says whether the figure may be cached (module docstring)."""
     import torch
     from transformers import GPT2Config
 
@@ -187,6 +206,7 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
     from ..planner.partitioner import partition
 
     ranks = 1 if device == "cuda" else 2
+    beside = holds_gpu_memory() if device == "cuda" else False
     small = probe_config(config) if config is not None else None
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -217,14 +237,17 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
         if done.returncode != 0:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise AutopipeError(f"measuring the runtime reserve on {device} failed: {tail}")
-        measured = [int(json.loads((root / f"peak{r}.json").read_text())) for r in range(ranks)]
+        readings = [json.loads((root / f"peak{r}.json").read_text()) for r in range(ranks)]
+    measured = [int(r["peak"]) for r in readings]
     gaps = [m - p.total for m, p in zip(measured, predicted)]
+    clean = all(r["outside_known"] for r in readings) and not beside
     return {"measured_bytes": max(measured), "model_bytes": max(p.total for p in predicted),
-            "reserve_bytes": max(0, int(statistics.mean(gaps)))}  # fmt: skip
+            "reserve_bytes": max(0, int(statistics.mean(gaps))), "clean": int(clean)}  # fmt: skip
 
 
 def _worker(root: Path, dtype: str) -> None:
-    """One probe rank: train the planned cut a few steps and write its largest peak after warm-up."""
+    """One probe rank: train the planned cut a few steps and write its largest peak after warm-up,
+    each read after the step's optimizer step."""
     from .build import build_stage
     from .data import TokenData
     from .distenv import init_dist
@@ -245,10 +268,12 @@ def _worker(root: Path, dtype: str) -> None:
         rows = _ROWS * _MICRO
         for step in range(_STEPS):
             args, kwargs = source.batch(data.batch(step, rows), rows, step=step)
-            stats = trainer.step(args, kwargs)
+            trainer.step(args, kwargs)
+            whole = env.peak.read()  # after the step returned: its optimizer step included
             if step >= 1:  # the first step also infers shapes and allocates what later steps reuse
-                peak = max(peak, stats.peak_memory[env.pp_rank])
-        (root / f"peak{env.rank}.json").write_text(json.dumps(peak))
+                peak = max(peak, whole)
+        reading = {"peak": peak, "outside_known": env.peak.outside_known}
+        (root / f"peak{env.rank}.json").write_text(json.dumps(reading))
     finally:
         env.close()
 

@@ -9,6 +9,10 @@ subtree holds a wanted tensor is initialised; other modules stay on meta and cos
 
 Tensors are identified by object, not by name: GPT-2's ``lm_head.weight`` *is*
 ``transformer.wte.weight``, so materialising it once rebinds both names and ties stay ties.
+
+Initialisation runs on the CPU whatever device the tensors live on (``host_init``): a GPU's
+init would draw from that GPU's generator, whose numbers differ from the CPU's for the same seed,
+so a job would start from other weights on a GPU than on a CPU (and than its CPU reference).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ..errors import AutopipeError, ModelNotFoundError
 
 __all__ = [
     "SafetensorsSource",
+    "host_init",
     "init_weights_",
     "load_weights_",
     "materialize_",
@@ -176,12 +181,13 @@ def init_weights_(model: nn.Module, tensors: Iterable[torch.Tensor], *, seed: in
         if t.is_floating_point():
             t.fill_(float("nan"))
     init = _init_fn(model)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), host_init(model, wanted.values()) as held:
+        here = {id(t): t for t in held.values()}  # what the model holds meanwhile: a GPU tensor's CPU twin
         for name, mod in _post_order(model):
-            if not any(id(t) in wanted for t in _subtree_tensors(mod)):
+            if not any(id(t) in here for t in _subtree_tensors(mod)):
                 continue
             torch.manual_seed(module_seed(seed, name))
-            with _writes_only(mod, wanted):
+            with _writes_only(mod, here):  # the twins the model holds, not the GPU tensors they stand for
                 init(name, mod)
     names = tensor_names(model)
     return [
@@ -212,6 +218,41 @@ def _writes_only(mod: nn.Module, wanted: dict[int, torch.Tensor]) -> Iterator[No
             elif now is not t and isinstance(now, torch.Tensor) and now.shape == t.shape and not now.is_meta:
                 t.copy_(now)
             table[attr] = t
+
+
+@contextlib.contextmanager
+def host_init(model: nn.Module, tensors: Iterable[torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside, ``model`` holds a CPU twin of each of ``tensors`` on an accelerator (cuda, ...), in
+    every place it holds the tensor (ties stay ties); after, the twin's values are in the tensor and
+    the model holds the tensor again. What initialises the twins draws from the CPU generator, the
+    same on every machine for a seed, where a GPU's generator gives other numbers. Yields
+    ``id(tensor) -> what the model holds instead`` (the tensor itself where it stays).
+    """
+    slots = _slots(model)
+    twins = []
+    held: dict[int, torch.Tensor] = {}
+    for t in dict.fromkeys(tensors):
+        held[id(t)] = t
+        if t.device.type in ("cpu", "meta"):
+            continue
+        data = t.detach().to("cpu")
+        twin = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+        _rebind(slots[id(t)], twin)
+        twins.append((t, twin))
+        held[id(t)] = twin
+    try:
+        yield held
+        with torch.no_grad():
+            for t, twin in twins:
+                t.copy_(twin)
+    finally:
+        for t, _ in twins:
+            _rebind(slots[id(t)], t)
+
+
+def _rebind(places: list[tuple[nn.Module, str, bool]], tensor: torch.Tensor) -> None:
+    for mod, attr, is_param in places:
+        (mod._parameters if is_param else mod._buffers)[attr] = tensor
 
 
 def _subtree_tensors(mod: nn.Module) -> list[torch.Tensor]:

@@ -1,0 +1,77 @@
+"""Each layer timed inside the whole model (issue 22, item 5): the profile's per-layer times add up to
+the whole model's forward+backward, and the plan charges them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import autopipe
+from autopipe.costs.in_model import time_in_model
+
+FWD, BWD = 0.06, 0.08  # seconds slept: known costs, which load can only lengthen
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        time.sleep(BWD)
+        return grad
+
+
+class _Delay(nn.Module):
+    """A linear layer that sleeps in its forward, or (slow_backward) in its backward."""
+
+    def __init__(self, forward: float = 0.0, slow_backward: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.sleep, self.slow_backward = forward, slow_backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sleep:
+            time.sleep(self.sleep)
+        y = self.linear(x)
+        return _SlowBackward.apply(y) if self.slow_backward else y
+
+
+def test_each_layer_s_span_inside_the_model_is_its_own() -> None:
+    """The forward's clock readings between layers and the hooks on each layer's input gradient
+    put each layer's cost in its own span: the forward sleep in layer 1, the backward sleep in
+    layer 2 (autograd runs it between layer 3's input gradient and layer 2's)."""
+    layers = [_Delay(), _Delay(forward=FWD), _Delay(slow_backward=True), _Delay()]
+    x = torch.randn(4, 16)
+    inside = time_in_model(layers, x, device=torch.device("cpu"), warmup=1, repeats=3)
+    assert inside.forward[1] >= FWD and max(inside.forward[0], inside.forward[2], inside.forward[3]) < FWD
+    assert inside.backward[2] >= BWD and max(inside.backward[0], inside.backward[1], inside.backward[3]) < BWD
+
+
+def test_the_profile_s_layers_add_up_to_the_whole_model_and_the_plan_charges_them() -> None:
+    """Each layer's time is its time inside the whole model (its own figure plus a signed gap), so
+    they add up to the whole model's measured forward+backward; a plan's stage times include them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
+    x = torch.randn(32, 64)
+    seq = autopipe.flatten(model, (x,))
+    prof = autopipe.profile(seq, (x,), repeats=3, warmup=1, progress=False)
+    whole = prof.sequence_forward_time + prof.sequence_backward_time
+    assert whole > 0
+    assert sum(l.time for l in prof.layers) == pytest.approx(whole, rel=1e-9)
+    assert any(l.forward_gap or l.backward_gap for l in prof.layers)
+    plan = autopipe.partition(prof, 2, microbatches=4, bandwidth=None)
+    for (a, b), fwd, bwd in zip(zip(plan.boundaries, plan.boundaries[1:]), plan.stage_forward, plan.stage_backward):
+        assert fwd == pytest.approx(sum(l.forward_time + l.forward_gap for l in prof.layers[a:b]))
+        assert bwd == pytest.approx(sum(l.backward_time + l.backward_gap for l in prof.layers[a:b]))
+
+
+def test_a_profile_saved_before_the_gaps_still_loads_and_plans() -> None:
+    """Profiles without in-model figures (older ones, estimates, given costs) plan on their own figures."""
+    prof = autopipe.Profile.from_costs([1.0, 2.0, 3.0])
+    assert prof.sequence_forward_time == 0 and all(l.forward_gap == l.backward_gap == 0 for l in prof.layers)
+    assert autopipe.partition(prof, 2, bandwidth=None).step_time > 0
