@@ -160,12 +160,14 @@ class _Loaded:
     kwargs: dict[str, Any]
     loss: Any  # what the job trains with (resolve_loss)
     spec: Any  # load_model's ModelSpec: config, task, the factory's data
+    reserve: int  # bytes the training runtime holds per rank beyond the tensors (runtime.reserve)
 
 
 def _load(model: str, s: ConvertSettings) -> _Loaded:
     import torch
 
     from ..graph.sources import load_model
+    from ..runtime.reserve import reserve_for
     from ..runtime.tasks import resolve_loss
 
     spec = load_model(model, device="meta" if s.estimate else "cpu", batch_size=s.batch_size, seq_len=s.seq_len,
@@ -179,12 +181,16 @@ def _load(model: str, s: ConvertSettings) -> _Loaded:
         torch_dtype = getattr(torch, PRECISIONS[s.dtype])
         m = m.to(torch_dtype)
         args, kwargs = _cast_floats((args, kwargs), torch_dtype)
+    if not s.estimate and s.device == "cuda" and not torch.cuda.is_available():
+        raise AutopipeError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --estimate.")
+    # the runtime's reserve is measured before this process holds the model on the GPU: else the probe
+    # would see a device this process already fills (it then measures, but caches nothing)
+    reserve = reserve_for(s.device, estimate=s.estimate, given=s.reserve, dtype=s.dtype,
+                          config=getattr(spec.model, "config", None))  # fmt: skip
     if not s.estimate and s.device == "cuda":
-        if not torch.cuda.is_available():
-            raise AutopipeError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --estimate.")
         m = m.to("cuda")
         args, kwargs = _move((args, kwargs), "cuda")
-    return _Loaded(m, args, kwargs, job_loss, spec)
+    return _Loaded(m, args, kwargs, job_loss, spec, reserve)
 
 
 def _flatten(model: str, loaded: _Loaded, s: ConvertSettings) -> Any:
@@ -207,13 +213,10 @@ def _flatten(model: str, loaded: _Loaded, s: ConvertSettings) -> Any:
 
 def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profile:
     from ..costs.profiler import profile
-    from ..runtime.reserve import reserve_for
 
-    reserve = reserve_for(s.device, estimate=s.estimate, given=s.reserve, dtype=s.dtype,
-                          config=getattr(loaded.spec.model, "config", None))  # fmt: skip
     prof = profile(seq, loaded.args, loaded.kwargs, device=s.device, estimate=s.estimate, repeats=s.repeats,
                    warmup=s.warmup, autocast=PRECISIONS[s.dtype] if s.dtype != "fp32" else None,
-                   progress=s.progress, reserve=reserve)  # fmt: skip
+                   progress=s.progress, reserve=loaded.reserve)  # fmt: skip
     return replace(prof, model=model)
 
 

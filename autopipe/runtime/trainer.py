@@ -236,8 +236,8 @@ class Trainer:
             mine[1] = norm
             mine[2] = self._run_clock.total()
             mine[3] = self.engine.forward_time
-            # the optimizer step comes after this read; its state exists from the first step on,
-            # so from step 2 the peak of the backward (gradients + state + activations) is the step's
+            # the peak so far, with the previous step's optimizer step (runtime.peak): this step's comes
+            # after the read and is reported with the next step
             mine[4] = env.peak.read()
             rows = comm.all_gather(mine, where="step statistics").tolist()
         return {
