@@ -160,14 +160,13 @@ class _Loaded:
     kwargs: dict[str, Any]
     loss: Any  # what the job trains with (resolve_loss)
     spec: Any  # load_model's ModelSpec: config, task, the factory's data
-    reserve: int  # bytes the training runtime holds per rank beyond the tensors (runtime.reserve)
+    reserve: int | None  # measured early on a GPU (runtime.reserve), else at profile time
 
 
 def _load(model: str, s: ConvertSettings) -> _Loaded:
     import torch
 
     from ..graph.sources import load_model
-    from ..runtime.reserve import reserve_for
     from ..runtime.tasks import resolve_loss
 
     spec = load_model(model, device="meta" if s.estimate else "cpu", batch_size=s.batch_size, seq_len=s.seq_len,
@@ -183,11 +182,11 @@ def _load(model: str, s: ConvertSettings) -> _Loaded:
         args, kwargs = _cast_floats((args, kwargs), torch_dtype)
     if not s.estimate and s.device == "cuda" and not torch.cuda.is_available():
         raise AutopipeError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or --estimate.")
-    # the runtime's reserve is measured before this process holds the model on the GPU: else the probe
-    # would see a device this process already fills (it then measures, but caches nothing)
-    reserve = reserve_for(s.device, estimate=s.estimate, given=s.reserve, dtype=s.dtype,
-                          config=getattr(spec.model, "config", None))  # fmt: skip
+    reserve = None
     if not s.estimate and s.device == "cuda":
+        # the runtime's reserve is measured before this process holds the model on the GPU: else the
+        # probe sees a device this process already fills (it then measures, but caches nothing)
+        reserve = _reserve(spec, s)
         m = m.to("cuda")
         args, kwargs = _move((args, kwargs), "cuda")
     return _Loaded(m, args, kwargs, job_loss, spec, reserve)
@@ -216,8 +215,15 @@ def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profi
 
     prof = profile(seq, loaded.args, loaded.kwargs, device=s.device, estimate=s.estimate, repeats=s.repeats,
                    warmup=s.warmup, autocast=PRECISIONS[s.dtype] if s.dtype != "fp32" else None,
-                   progress=s.progress, reserve=loaded.reserve)  # fmt: skip
+                   progress=s.progress, reserve=_reserve(loaded.spec, s) if loaded.reserve is None else loaded.reserve)
     return replace(prof, model=model)
+
+
+def _reserve(spec: Any, s: ConvertSettings) -> int:
+    from ..runtime.reserve import reserve_for
+
+    return reserve_for(s.device, estimate=s.estimate, given=s.reserve, dtype=s.dtype,
+                       config=getattr(spec.model, "config", None))
 
 
 def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
