@@ -177,7 +177,7 @@ class ChunkCosts:
         out.positions = self.positions[p]
         out.pf, out.pb, out.pt = self.pf[p], self.pb[p], self.pt[p]
         out.comm_in, out.comm_out = self.comm_in[p], self.comm_out[p]
-        out.static_prefix = self.static_prefix[p]
+        out.static_prefix, out.step_prefix = self.static_prefix[p], self.step_prefix[p]
         out.act = np.diff(_prefix(self.act)[p])
         out.tied = [(w, count[p]) for w, count in self.tied]
         out.extra = [x[p] for x in self.extra]
