@@ -52,24 +52,19 @@ def _tied(seq) -> list[list[str]]:  # noqa: ANN001
     return [[g.canonical for g in seq.tied if i in g.layers] for i in range(len(seq.layers))]
 
 
-def test_deepspeed_user_pipeline_trains_like_autopipes_engine(torchrun: Launcher, tmp_path: Path) -> None:
+def test_deepspeed_user_pipeline_trains_like_the_whole_model(torchrun: Launcher, tmp_path: Path) -> None:
     tiny_gpt2_job(tmp_path, layers=BLOCKS, microbatches=MICRO, rows=ROWS, seq=SEQ)
     prof, plan = _plan(tmp_path)
     assert plan.boundaries == (0, 2, 7)  # uneven: embedding + 1 block | 3 blocks + norm + head
     plan.save(tmp_path / "plan.json")
     ds_file = tmp_path / "ds_pipeline.py"
     ds_file.write_text(export_plan(plan, prof, "deepspeed").text)
-    common = ("--steps", STEPS, "--lr", LR, "--grad-clip", 0)
-    run = tmp_path / "torch"
-    run.mkdir()
-    torchrun(tmp_path / "train.py", *common, "--plan", tmp_path / "plan.json", "--log-json", run / "log.json",
-             "--ckpt-dir", run / "ckpt", nproc=2, cwd=run, timeout=240)  # fmt: skip
-    torch_losses = [r["loss"] for r in map(json.loads, (run / "log.json").read_text().splitlines())]
+    # the user's script is compared with the whole model below; autopipe's own engine against the
+    # whole model is test_jobs' (a launch of it here cost the suite ~25 s and checked nothing more)
     torchrun(HERE / "_ds_user_train.py", tmp_path / "tiny", ds_file, STEPS, LR, MICRO, ROWS, SEQ, tmp_path / "ds.json",
              nproc=2, cwd=tmp_path, env={"DS_ACCELERATOR": "cpu"}, pythonpath=[HERE], timeout=300)  # fmt: skip
     ds = json.loads((tmp_path / "ds.json").read_text())
     assert ds["parts"] == [0, 3, 8]  # the user's 8 layers (embedding in two) cut where the plan cuts
-    assert ds["losses"] == pytest.approx(torch_losses, abs=1e-5)
     # and the whole model trained here, micro-batch by micro-batch, without a pipeline
     source = model_factory(str(tmp_path / "tiny"), batch_size=ROWS, seq_len=SEQ)
     trainer = ReferenceTrainer(build_reference(source.factory, seed=0),

@@ -31,6 +31,9 @@ pytestmark = pytest.mark.slow
 
 ZOO_FILE = Path(zoo.__file__).resolve()
 PROBES = Path(__file__).parent / "probes"
+# the one-process leg (every stage in one process) for one model of each kind only: the 2-process leg
+# already compares every model with the untouched one, and each launch costs the suite ~10 s
+ONE_PROCESS = {"gemma", "llama", "whisper", "resnet"}
 MICRO, SEQ, TOL = 2, zoo.T, 1e-5
 
 
@@ -126,14 +129,17 @@ def check(name: str, loss: float, grads: dict[str, torch.Tensor], ref: tuple[flo
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(zoo.ZOO))
 def test_zoo_model_trains_as_itself_on_2_and_1_processes(torchrun: Launcher, root: Path, name: str) -> None:
-    """2 stages on 2 processes (with --verify against the untouched model) and on 1 process: the
-    first step's loss and every gradient equal the untouched model's within 1e-5."""
+    """2 stages on 2 processes (with --verify against the untouched model) and, for ONE_PROCESS, on 1
+    process: the first step's loss and every gradient equal the untouched model's within 1e-5."""
     job, rows = make_job(root, name)
     ref = reference(name, f"{ZOO_FILE}:{name}", rows, zoo.LOSS.get(name, "auto"))
     loss2, grads2, out2 = train(torchrun, job, 2, "--verify")
     assert "verify: loss" in out2 and ": ok" in out2, out2[-2000:]
-    loss1, grads1, _ = train(torchrun, job, 1)
-    worst = max(check(name, loss2, grads2, ref), check(name, loss1, grads1, ref))
+    worst = check(name, loss2, grads2, ref)
+    loss1 = None
+    if name in ONE_PROCESS:
+        loss1, grads1, _ = train(torchrun, job, 1)
+        worst = max(worst, check(name, loss1, grads1, ref))
     verify = next(line for line in out2.splitlines() if "verify:" in line)
     with open(root / "figures.jsonl", "a") as f:  # what bench/results/zoo.md reports
         f.write(json.dumps({"model": name, "loss_2proc": loss2, "loss_1proc": loss1, "untouched": ref[0],
