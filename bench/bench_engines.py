@@ -9,7 +9,7 @@ Three probes, each on one thread per process as a job's ranks run:
    fitted as latency + bytes / bandwidth.
 2. The optimizer: a foreach AdamW step over 4 M parameters in 40 tensors; seconds per parameter.
 3. Each engine (torch, deepspeed): 2-stage jobs (1F1B, fp32) of a small GPT-2 (4 blocks, n_embd 128,
-   vocab 1024, 2x64 tokens per micro-batch) at 2, 4 and 8 micro-batches, at the same cut. Each job's
+   vocab 1024, 2x64 tokens per micro-batch) at 2 and 8 micro-batches, at the same cut. Each job's
    measured whole step (median of the steps after warm-up) is set against the plan's simulation of
    that cut with the P2P figures of probe 1 and no engine terms; what is left is fitted, least
    squares, as ``per_op`` x (F and B ops on the simulated critical path) + a per-step constant; the
@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "bench" / "results"
-ROWS, SEQ, STEPS, WARMUP = 2, 64, 8, 3
-MICROBATCHES = (2, 4, 8)
+ROWS, SEQ, STEPS, WARMUP = 2, 64, 10, 3
+MICROBATCHES = (2, 8)
 CONFIG = dict(n_layer=4, n_embd=128, n_head=4, vocab_size=1024, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
               attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -188,7 +188,7 @@ def fit_engine(prof, boundaries, measured: dict[int, float], latency: float, ban
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", default="torch,deepspeed")
     opts = parser.parse_args()
     load0 = os.getloadavg()[0]
@@ -217,6 +217,8 @@ def main() -> None:
             per_op, per_step, rows = fit_engine(prof, boundaries, measured, latency, bandwidth, rate)
             fitted[e] = {"per_op": per_op, "per_step": per_step, "rows": rows}
             print(f"{e}: per_op {per_op * 1e3:.2f} ms, per_step {per_step * 1e3:.1f} ms", flush=True)
+            for row in rows:
+                print("   ", {k: round(v, 4) for k, v in row.items()}, flush=True)
     load1 = os.getloadavg()[0]
     if not opts.no_write:
         write(fitted, latency, bandwidth, rate, p2p_rows, (load0, load1), boundaries)

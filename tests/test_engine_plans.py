@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -131,3 +132,20 @@ def test_bad_engine_is_one_short_error(table, tmp_path) -> None:
     with pytest.raises(AutopipeError, match="unknown engine 'tf'"):
         ConvertSettings(stages=2, engine="tf")
     assert ConvertSettings(stages=2, engine="AUTO", schedule="zbv").engine == "auto"  # auto refuses nothing itself
+
+
+def test_convert_engine_auto_writes_the_faster_engines_job(table, tmp_path, monkeypatch) -> None:
+    """`convert --engine auto` trains on the engine whose plan predicts the shorter whole step and
+    says so (what DeepSpeed cannot run is skipped with why: test_auto_picks_the_faster_engine...)."""
+    from _factories import net_factory_source
+
+    (tmp_path / "tiny.py").write_text(net_factory_source(batch_size=4))
+    monkeypatch.chdir(tmp_path)
+    args = ["convert", "tiny.py:build", "--stages", "2", "--estimate", "--microbatches", "4", "--engine", "auto"]
+    result = runner.invoke(app, [*args, "--out", "auto"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    line = next(l for l in result.output.splitlines() if l.startswith("engine "))
+    steps = dict(re.findall(r"(torch|deepspeed) ([0-9.]+) s", line))
+    assert set(steps) == {"torch", "deepspeed"} and plan["engine"] == min(steps, key=lambda e: float(steps[e]))
+    assert f"ENGINE = {plan['engine']!r}" in (tmp_path / "auto" / "train.py").read_text()

@@ -243,7 +243,7 @@ def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
 
 
 def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
-    """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth and optimizer.
+    """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth, optimizer and engine.
 
     A baseline that cannot be made (e.g. fewer layers than it needs) is left out; one that breaks the
     memory limit is kept (the report marks it), because that is exactly what the comparison shows.
@@ -256,7 +256,7 @@ def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
                 profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
                 memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
                 method=method, weight_share=plan.weight_share, optimizer=plan.optimizer, recompute=plan.recompute,
-                dp=plan.dp, zero="auto" if plan.zero_policy == "auto" else plan.zero,
+                dp=plan.dp, zero="auto" if plan.zero_policy == "auto" else plan.zero, engine=plan.engine or None,
             )  # fmt: skip
         except AutopipeError:
             continue
