@@ -19,7 +19,7 @@ from autopipe.errors import AutopipeError
 from autopipe.job.settings import ConvertSettings
 from autopipe.planner.cost_model import CostModel
 from autopipe.planner.engine_choice import plan_engines
-from autopipe.planner.partitioner import partition
+from autopipe.planner.partitioner import compare_baselines, partition
 from autopipe.planner.schedules import simulate
 
 runner = CliRunner()
@@ -77,6 +77,8 @@ def test_engine_plan_is_exact_for_its_cost_model(table, stages) -> None:
         held = max(sum(CostModel(prof, None, None).param_counts[a:b]) for a, b in zip(plan.boundaries, plan.boundaries[1:]))
         assert plan.step_overhead == pytest.approx(costs.per_step + costs.optimizer_rate * held)
         assert plan.total_step_time == pytest.approx(plan.step_time + plan.step_overhead)
+        # the baselines beside it are costed for the same engine
+        assert {p.engine for p in compare_baselines(prof, plan).values()} == {engine}
     alone = partition(prof, 2, microbatches=4, recompute="none")
     assert alone.engine == "" and alone.step_overhead == 0.0
     assert partition(prof, 2, microbatches=4, recompute="none", engine="torch").boundaries != alone.boundaries
