@@ -39,7 +39,7 @@ def test_settings_normalise_the_spellings_a_person_uses() -> None:
     ({}, "give --stages N (the cut for N stages) or --gpus N"),
     ({"stages": 0}, "--stages must be at least 1, got 0."),
     ({"stages": 2, "microbatches": 0}, "--microbatches must be at least 1, got 0."),
-    ({"stages": 2, "engine": "megatron"}, "unknown engine 'megatron'; use one of torch, deepspeed."),
+    ({"stages": 2, "engine": "megatron"}, "unknown engine 'megatron'; use one of torch, deepspeed, auto."),
     ({"stages": 2, "dtype": "fp8"}, "unknown dtype 'fp8'; use fp32, bf16 or fp16."),
     ({"stages": 2, "schedule": "zigzag"}, "unknown schedule 'zigzag'"),
     ({"stages": 2, "engine": "deepspeed", "schedule": "zbv"}, "--schedule zbv does not run on --engine deepspeed"),

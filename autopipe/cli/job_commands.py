@@ -43,7 +43,7 @@ def convert_command(
     bandwidth_intra: Annotated[Optional[str], typer.Option("--bandwidth-intra", help="Bytes/s per device inside a node, like 450GB (default per known GPU).")] = None,
     bandwidth_inter: Annotated[Optional[str], typer.Option("--bandwidth-inter", help="Bytes/s per device between nodes, like 50GB (default per known GPU).")] = None,
     estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: cost layers from FLOPs and bytes on the meta device.")] = False,
-    engine: Annotated[str, typer.Option(help="torch (torch.distributed.pipelining) or deepspeed.")] = "torch",
+    engine: Annotated[str, typer.Option(help="torch (torch.distributed.pipelining), deepspeed, or auto (the faster of those that can run the options, by each engine's measured overheads).")] = "torch",
     for_target: Annotated[Optional[str], typer.Option("--for", help="Plan for the trainer you run: torchtitan, megatron, deepspeed or fqns (cut only between whole modules, only what it runs); the job folder then holds its export too.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Job folder (default jobs/<model name>).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the job files of an existing folder.")] = False,
@@ -90,9 +90,12 @@ def convert_command(
         gain = best[1].step_time / plan.step_time - 1
         versus = f"; best baseline ({best[0]}) {gain:+.1%}" if abs(gain) >= 0.0005 else f"; best baseline ({best[0]}) equal"
     how = "measured on" if prof.mode == "measured" else "estimated for"
-    console.print(f"{how} {prof.device.name}: step {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%}, "
+    simulated = f"simulated for {plan.engine}, + {format_time(plan.step_overhead)} after the schedule" if plan.engine else "simulated"
+    console.print(f"{how} {prof.device.name}: step {format_time(plan.total_step_time)} ({simulated}), bubble {plan.bubble_fraction:.0%}, "
                   f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
                   f"{sharding_phrase(plan)}{recompute_phrase(plan)}{versus}", highlight=False, soft_wrap=True)
+    if result.engine_choice is not None:
+        console.print(result.engine_choice.why, highlight=False, soft_wrap=True)
     took = sum(result.seconds.values())
     written = ", ".join(p.name for p in result.job.files)  # the job's files, train.sbatch and the like included
     console.print(f"wrote {result.job.job_dir}/ ({written}) in {took:.1f} s", highlight=False, soft_wrap=True)

@@ -152,7 +152,8 @@ def plan_command(
     top: Annotated[int, typer.Option("--top", help="Layouts shown (and kept exact) by the search.")] = 3,
     boundaries: Annotated[Optional[str], typer.Option(help="Your own cut as layer indices, like 0,7,14,21,26.")] = None,
     stage_names: Annotated[Optional[str], typer.Option("--stage-names", help="Your own cut as module names per stage: stages split by ';', names by ',', like 'wte,h.0,h.1;h.2,h.3,ln_f'. A name covers the layers it prefixes.")] = None,
-    compare: Annotated[bool, typer.Option("--compare", help="Show the baseline partitioners beside autopipe.")] = False,
+    compare: Annotated[bool, typer.Option("--compare", help="Show the baseline partitioners beside autopipe, and each engine's best plan (torch, deepspeed).")] = False,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="Cost the cut for the engine the job trains on, by its measured overheads: torch, deepspeed, or auto (the faster that can run the options). Default: the layers alone.")] = None,
     for_target: Annotated[Optional[str], typer.Option("--for", help="Plan for the engine you run: torchtitan, megatron, deepspeed or fqns (cut only between whole modules, only what it runs); then `autopipe export`.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Save the plan JSON here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
@@ -164,7 +165,11 @@ def plan_command(
     from ..costs.layer_costs import Profile
     from ..errors import PartitionError
     from ..planner.baselines import BASELINES
+    from ..choices import precision
+    from ..costs.engines import check_engine
+    from ..planner.engine_choice import plan_engines
     from ..planner.partitioner import DEFAULT_BANDWIDTH, partition
+    from ..report.engine_tables import engine_table
     from ..report.tables import compare_table, plan_summary, plan_table
     from ..units import parse_bandwidth
 
@@ -193,25 +198,42 @@ def plan_command(
     names = None
     if stage_names is not None:  # "a,b;c" -> [["a", "b"], ["c"]]; an empty stage is left for partition to name
         names = [[n.strip() for n in part.split(",") if n.strip()] for part in stage_names.split(";")]
+    key = check_engine(engine) if engine is not None else None  # a bad name fails before the profile is read
     prof = Profile.load(profile)
     options = dict(microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
                    optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw, recompute=recompute,
                    dp=dp, zero=zero_option(zero))  # fmt: skip
-    plan = partition(prof, stages, boundaries=cut, stage_names=names, method=method, target=for_target, **options)  # type: ignore[arg-type]
+    choice = None
+    if key == "auto" or compare:  # every engine's own best plan (method autopipe), the fastest chosen
+        dtype = "fp32" if not prof.autocast else precision(prof.autocast)
+        choice = plan_engines(prof, stages, dtype=dtype, target=for_target, **options)  # type: ignore[arg-type]
+    if key == "auto" and cut is None and names is None and method == "autopipe":
+        assert choice is not None
+        plan = choice.plan
+    else:
+        plan = partition(prof, stages, boundaries=cut, stage_names=names, method=method, target=for_target,
+                         engine=choice.engine if key == "auto" and choice else key, **options)  # type: ignore[arg-type]
     others = []
     if compare:
         names = ["autopipe"] + [b for b in BASELINES] + ([plan.method] if plan.method not in ("autopipe", *BASELINES) else [])
-        others = [plan if m == plan.method else partition(prof, stages, method=m, **options) for m in names]  # type: ignore[arg-type]
+        others = [plan if m == plan.method else partition(prof, stages, method=m, engine=plan.engine or None, **options)  # type: ignore[arg-type]
+                  for m in names]
     if out is not None:
         plan.save(out)
     if json_output:
         data = {"plan": plan.to_dict(), "compare": [p.to_dict() for p in others]}
+        if choice is not None:
+            data["engines"] = {"chosen": choice.engine, "plans": {e: p.to_dict() for e, p in choice.plans},
+                               "skipped": dict(choice.skipped)}
         typer.echo(json.dumps(data, indent=1))
         return
     console.print(plan_table(plan))
     console.print(plan_summary(plan), highlight=False)
     if others:
         console.print(compare_table(others))
+    if choice is not None:
+        console.print(engine_table(choice))
+        console.print(choice.why, highlight=False, soft_wrap=True)
     if out is not None:
         console.print(f"saved {out}", highlight=False)
 

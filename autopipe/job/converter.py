@@ -15,7 +15,7 @@ Example:
     >>> convert("gpt2", ConvertSettings(stages=4, engine="deepspeed", schedule="zbv"))
     Traceback (most recent call last):
     ...
-    autopipe.errors.AutopipeError: --schedule zbv does not run on --engine deepspeed (its own 1F1B schedule; bf16 or fp32): drop it or use --engine torch.
+    autopipe.errors.AutopipeError: --schedule zbv does not run on --engine deepspeed (its own 1F1B schedule; bf16 or fp32): drop it or use --engine torch (or auto).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class ConvertResult:
     seconds: dict[str, float] = field(default_factory=dict)  # per pass, wall clock
     search: Any = None  # the cluster search's SearchResult when convert searched the layout (gpus=)
     options: ConvertSettings | None = None  # what convert was asked for
+    engine_choice: Any = None  # with --engine auto: each engine's plan and why the job's won (planner.engine_choice)
 
 
 def default_job_dir(model: str) -> Path:
@@ -100,7 +101,7 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
     with passes("profile"):
         prof = _profile(model, loaded, seq, s)
     with passes("partition"):
-        prof, plan, found = _partition(prof, s)
+        prof, plan, found, choice = _partition(prof, s)
         plan = replace(plan, trace_device=seq.trace_device)
         from ..planner.partitioner import compare_baselines
 
@@ -109,12 +110,12 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
         batch_size = found.best.microbatch_size if found is not None else loaded.spec.batch_size
         job_settings = JobSettings(
             model=_absolute_spec(model), stages=plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
-            batch_size=batch_size, seq_len=s.seq_len, dtype=s.dtype, engine=s.engine, device=s.device, seed=s.seed,
+            batch_size=batch_size, seq_len=s.seq_len, dtype=s.dtype, engine=_job_engine(s, plan), device=s.device, seed=s.seed,
             loss=s.loss, data=os.path.abspath(s.data) if s.data is not None else None,
         )  # fmt: skip
         job = emit(job_dir, settings=job_settings, profile=prof, plan=plan, baselines=baselines, force=s.force,
                    search=found)
-    return ConvertResult(job_settings, prof, plan, baselines, job, passes.seconds, found, s)
+    return ConvertResult(job_settings, prof, plan, baselines, job, passes.seconds, found, s, choice)
 
 
 def _settings(settings: ConvertSettings | None, options: dict[str, Any]) -> ConvertSettings:
@@ -226,21 +227,35 @@ def _reserve(spec: Any, s: ConvertSettings) -> int:
                        config=getattr(spec.model, "config", None))
 
 
-def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
-    """(the profile the plan is for, the plan, the SearchResult or None): the cut for ``stages``, or
-    with ``gpus`` the best layout of the cluster search (its profile rescaled to the micro-batch it chose)."""
+def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, Any]:
+    """(the profile the plan is for, the plan, the SearchResult or None, the EngineChoice or None): the
+    cut for ``stages`` costed for the job's engine (with ``auto``, each engine's best cut and the
+    faster of them), or with ``gpus`` the best layout of the cluster search (its profile rescaled to
+    the micro-batch it chose)."""
     if s.gpus is not None:
-        return _search(prof, s)
+        return (*_search(prof, s), None)
+    from ..planner.engine_choice import plan_engines
     from ..planner.partitioner import partition
 
     # Interleaved schedules need chunks to interleave: two per rank, the smallest that helps.
     virtual = 2 if s.schedule == "interleaved1f1b" else None
-    plan = partition(prof, s.stages, microbatches=s.microbatches, schedule=s.schedule,  # type: ignore[arg-type]
-                     memory_limit=s.memory_limit, virtual_stages=virtual, recompute=s.recompute, dp=s.dp, zero=s.zero,
-                     target=s.target)
+    options = dict(microbatches=s.microbatches, schedule=s.schedule, memory_limit=s.memory_limit, virtual_stages=virtual,
+                   recompute=s.recompute, dp=s.dp, zero=s.zero, target=s.target)  # fmt: skip
+    choice = None
+    if s.engine == "auto":
+        choice = plan_engines(prof, s.stages, dtype=s.dtype, **options)  # type: ignore[arg-type]
+        plan = choice.plan
+    else:
+        plan = partition(prof, s.stages, engine=s.engine, **options)  # type: ignore[arg-type]
     if s.gpus_per_node is not None:  # the job's launch lines (and train.sbatch) span the nodes it needs
         plan = replace(plan, gpus_per_node=s.gpus_per_node)
-    return prof, plan, None
+    return prof, plan, None, choice
+
+
+def _job_engine(s: ConvertSettings, plan: Plan) -> str:
+    """The engine the job trains on: the one asked for, auto's pick, or torch (auto over a cluster
+    search, which costs the layers alone)."""
+    return plan.engine or (s.engine if s.engine != "auto" else "torch")
 
 
 def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
@@ -257,6 +272,7 @@ def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
     schedules = SEARCH_SCHEDULES
     if s.engine == "deepspeed":
         zeros, schedules = tuple(z for z in zeros if z <= 1), (("1f1b", 1),)
+    # the layout search costs the layers alone (no engine terms); auto then trains on torch
     found = search(prof, cluster, global_batch=s.global_batch, memory_limit=s.memory_limit, recompute=s.recompute,
                    zeros=zeros, schedules=schedules, target=s.target)  # fmt: skip
     return scale_microbatch(prof, found.best.microbatch_size), found.plan, found

@@ -52,7 +52,7 @@ runs every stage in turn, for debugging.
 
 ## The plan
 
-Predicted step time {format_time(plan.step_time)} (simulated), bubble {plan.bubble_fraction:.0%},
+Predicted step time {format_time(plan.total_step_time)} (simulated{_engine_words(plan)}), bubble {plan.bubble_fraction:.0%},
 slowest stage / mean {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}.
 
 | stage | rank | layers | time per micro-batch | memory |
@@ -67,3 +67,10 @@ Open `report.html` for the per-layer costs, the baselines and the schedule timel
 - `profile.json`: what each layer costs; `autopipe plan` can cut it again for other stage counts.
 - `train.py`: the training script (settings at the top).{chr(10) + "- `train.sbatch`: the job under SLURM, one torchrun per node." if nodes > 1 else ""}
 """
+
+
+def _engine_words(plan: Plan) -> str:
+    """How the step was costed: for which engine, and what follows the schedule."""
+    if not plan.engine:
+        return ""
+    return f" for {plan.engine}: the schedule {format_time(plan.step_time)}, then norm and optimizer {format_time(plan.step_overhead)}"

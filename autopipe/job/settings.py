@@ -21,17 +21,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..choices import ENGINES, RECOMPUTE_POLICIES, precision
+from ..choices import RECOMPUTE_POLICIES, precision
+from ..costs.engines import check_engine
 from ..errors import AutopipeError, PartitionError
+from ..planner.engine_choice import deepspeed_refusal
 from ..planner.partitioner import zero_choices
 from ..planner.schedules import normalize_schedule
 from ..planner.targets import target_info
 from ..units import parse_size
 
 __all__ = ["ConvertSettings", "JobSettings", "refuse_unknown"]
-
-# What DeepSpeed's pipeline engine runs: its own 1F1B (GPipe-like when asked), ZeRO 0 or 1.
-_DEEPSPEED_SCHEDULES = ("1f1b", "gpipe")
 
 
 def refuse_unknown(what: str, given: Iterable[str], valid: Iterable[str]) -> None:
@@ -76,7 +75,7 @@ class ConvertSettings:
     seq_len: int = 128
     dtype: str = "fp32"  # fp32, bf16 or fp16: autocast (16-bit matmuls) over fp32 weights and AdamW state
     recompute: str = "auto"  # per chunk: auto (the fastest that fits), none, selective or full
-    engine: str = "torch"  # torch (torch.distributed.pipelining) or deepspeed (PipelineModule)
+    engine: str = "torch"  # torch (torch.distributed.pipelining), deepspeed (PipelineModule) or auto (the faster that runs)
     target: str | None = None  # plan for another engine's trainer (torchtitan, megatron, deepspeed, fqns): its cuts only
     loss: str = "auto"  # auto (a factory's, else the model's own), model, cross_entropy or mse (vs the data's targets)
     data: str | os.PathLike[str] | None = None  # the job's --data, checked against the model before profiling
@@ -114,29 +113,26 @@ class ConvertSettings:
                                      f"nodes of {self.gpus_per_node} (--gpus-per-node); change one of them.")
         if self.microbatches is not None and self.microbatches < 1:
             raise PartitionError(f"--microbatches must be at least 1, got {self.microbatches}.")
-        if self.engine not in ENGINES:
-            raise AutopipeError(f"unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}.")
-        self._set(dtype=precision(self.dtype), schedule=normalize_schedule(self.schedule))
+        self._set(engine=check_engine(self.engine), dtype=precision(self.dtype), schedule=normalize_schedule(self.schedule))
         deepspeed = self.engine == "deepspeed"
-        if deepspeed and (self.schedule not in _DEEPSPEED_SCHEDULES or self.dtype == "fp16"):
-            what = f"--schedule {self.schedule}" if self.schedule not in _DEEPSPEED_SCHEDULES else "--dtype fp16"
-            raise AutopipeError(f"{what} does not run on --engine deepspeed (its own 1F1B schedule; bf16 or fp32): "
-                                "drop it or use --engine torch.")
+        why = deepspeed_refusal(schedule=self.schedule, dtype=self.dtype) if deepspeed else None
+        if why:  # recompute and ZeRO are checked below, after their own names
+            raise AutopipeError(f"{why}: drop it or use --engine torch (or auto).")
         if self.memory_limit is not None and str(self.memory_limit).strip().lower() not in ("device", "none"):
             parse_size(self.memory_limit)  # a bad size is refused before any work
         if self.recompute not in RECOMPUTE_POLICIES:
             raise AutopipeError(f"unknown --recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
         if deepspeed:  # DeepSpeed's engine recomputes nothing the plan asks for: plan without it
             if self.recompute in ("selective", "full"):
-                raise AutopipeError(f"--recompute {self.recompute} does not run on --engine deepspeed (set activation "
-                                    "checkpointing in its ds_config.json): drop it or use --engine torch.")
+                raise AutopipeError(f"{deepspeed_refusal(schedule=self.schedule, recompute=self.recompute)}: drop it or "
+                                    "use --engine torch (or auto).")
             self._set(recompute="none")
         if self.target is not None:
             self._set(target=target_info(self.target).key)  # an unknown engine is refused before any work
         zero_choices(self.zero, self.dp)  # a bad --dp/--zero
         if deepspeed and (self.zero == "auto" or int(self.zero) > 1):
-            raise AutopipeError(f"--zero {self.zero} does not run on --engine deepspeed (its pipeline engine has ZeRO 0 "
-                                "and 1 only): use --zero 0 or 1, or --engine torch.")
+            raise AutopipeError(f"{deepspeed_refusal(schedule=self.schedule, zero=self.zero)}: use --zero 0 or 1, or "
+                                "--engine torch (or auto).")
         if self.estimate and self.device not in ("cpu", "cuda") and not _is_known_target(self.device):
             raise AutopipeError(f"unknown --device {self.device!r}; use cpu or cuda (with --estimate also a100, h100, h200).")
         if not self.estimate and self.device not in ("cpu", "cuda"):

@@ -76,6 +76,8 @@ class ChunkCosts:
         cut_bytes: bytes crossing the cut after layer i (L-1 values; default none).
         step: bytes per layer of the optimizer step's temporaries (foreach AdamW's), alive after
             the backward, when the activations are gone (default none).
+        per_op: the engine's seconds per forward and per backward of every chunk, beyond its layers
+            and cuts (autopipe.costs.engines); counted in ``comm`` (default none).
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class ChunkCosts:
         buffers: int = 0,
         cut_bytes: Sequence[int] | None = None,
         step: Sequence[int] | None = None,
+        per_op: float = 0.0,
     ) -> None:
         n = len(forward)
         self.n = n
@@ -109,6 +112,11 @@ class ChunkCosts:
         self.comm_out = np.concatenate([[0.0], ow, [0.0]])[: n + 1]
         self.comm_out[n] = 0.0  # the last chunk sends nothing on
         self.comm_in[0] = 0.0  # the first reads the data loader
+        # the engine's own seconds per F and per B of any chunk (autopipe.costs.engines), half on each
+        # side: every chunk has one comm_in and one comm_out entry, so comm(a, b) gains per_op whatever
+        # its cuts, and the solver's bounds over comm_in / comm_out hold as they are
+        self.comm_in = self.comm_in + per_op / 2
+        self.comm_out = self.comm_out + per_op / 2
         ints = np.zeros(n, dtype=np.int64)
         st = ints if static is None else np.asarray(static, dtype=np.int64)
         self.act = ints if activation is None else np.asarray(activation, dtype=np.int64)

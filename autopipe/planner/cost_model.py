@@ -8,7 +8,9 @@ seconds from the profile; any chunk ``[a, b)`` is then O(1) through autopipe/pla
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
+from ..costs.engines import EngineCosts
 from ..costs.layer_costs import Profile
 from ..errors import PartitionError
 from .chunk_costs import ChunkCosts
@@ -41,13 +43,16 @@ class CostModel:
     """The profile as per-chunk costs, for one (optimizer, bandwidth, schedule, micro-batch count).
 
     Bytes come from autopipe.planner.memory (the same figures the plan's per-rank memory adds up); seconds
-    from the profile. On zbv a recomputed layer runs its forward again in each of its two backward
+    from the profile, plus, with ``engine``, what that engine adds per op and per send (measured:
+    autopipe.costs.engines). On zbv a recomputed layer runs its forward again in each of its two backward
     passes (input, then weight gradients), so its extra time counts twice.
     """
 
     def __init__(self, profile: Profile, optimizer: str | None, bandwidth: float | None,
-                 schedule: str = "1f1b", microbatches: int = 1, dp: int = 1, zero: int = 0) -> None:  # fmt: skip
+                 schedule: str = "1f1b", microbatches: int = 1, dp: int = 1, zero: int = 0,
+                 engine: EngineCosts | None = None) -> None:  # fmt: skip
         layers = profile.layers
+        self.engine = engine
         self.names = [layer.name or f"layer{i}" for i, layer in enumerate(layers)]
         self.optimizer = (optimizer or profile.optimizer).lower()
         self.dp, self.zero = dp, zero
@@ -68,7 +73,9 @@ class CostModel:
         if not bw > 0:
             raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
         self.bandwidth = bw
-        self.one_way = [l.output_bytes / bw for l in layers[:-1]]
+        # a send at a cut: its bytes over the link, plus the engine's measured latency per send
+        latency = engine.send_latency if engine is not None else 0.0
+        self.one_way = [l.output_bytes / bw + latency for l in layers[:-1]]
         passes = 2 if schedule == "zbv" else 1
         modes = {name: ([passes * x for x in extra], list(lm.activations[name]))
                  for name, extra in recompute_times(profile).items()}  # fmt: skip
@@ -98,10 +105,24 @@ class CostModel:
             buffers=microbatches * (2 if holds_sends(schedule) else 1),
             cut_bytes=list(lm.outputs[:-1]),
             step=list(lm.step),
+            per_op=engine.per_op if engine is not None else 0.0,
         )
         self.reserve = profile.reserve_bytes
         self.params = [l.params or l.param_bytes for l in layers]
+        self.param_counts = [l.params or l.param_bytes // 4 for l in layers]  # fp32 where only bytes are known
         self.tied = tied
+
+    def after_schedule(self, bounds: Sequence[int], ranks: Sequence[int], stages: int) -> float:
+        """Seconds a step spends after the schedule (norm, optimizer step: ``EngineCosts.after_schedule``)
+        on its slowest rank: every rank waits for the global norm, so the step ends with the slowest.
+        0 without engine costs. Not minimised by the solver: it moves with the largest rank's
+        parameters only (the cut of the schedule's step decides the plan)."""
+        if self.engine is None:
+            return 0.0
+        held = [0] * stages
+        for c, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            held[ranks[c]] += sum(self.param_counts[a:b])
+        return max(self.engine.after_schedule(p) for p in held)
 
     def budget(self, limit: int, stages: int) -> int:
         """What a rank's tensors may use of ``limit`` (``memory.tensor_budget``): the limit less

@@ -33,6 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from ..choices import RECOMPUTE_POLICIES, ZERO_STAGES
+from ..costs.engines import engine_costs
 from ..costs.layer_costs import Profile
 from ..errors import AutopipeError, InfeasibleMemoryError, PartitionError
 from ..units import format_bytes, parse_size
@@ -85,6 +86,7 @@ def partition(
     zero: int | str = 0,
     cuts: Sequence[int] | None = None,
     target: str | None = None,
+    engine: str | None = None,
 ) -> Plan:
     """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
@@ -119,6 +121,10 @@ def partition(
         target: plan for an engine that splits by module: torchtitan, megatron, deepspeed or fqns
             (autopipe.planner.targets): only the cuts it allows (with ``cuts``, those of both), and
             only what it can run (its schedules, virtual stages, ZeRO stages).
+        engine: the engine the job trains on (torch or deepspeed): its measured seconds per op, per
+            send and per step (autopipe.costs.engines) join the layers' in the cost model, so the
+            cut is the best for that engine; its measured P2P bandwidth replaces the default link.
+            None, or an engine not measured on the profile's device: the layers alone.
 
     Returns:
         A :class:`~autopipe.planner.plan.Plan`; ``plan.step_lower_bound`` is a proven bound on the step of
@@ -144,7 +150,7 @@ def partition(
             return partition(profile, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
                              optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bandwidth,
                              boundaries=boundaries, stage_names=stage_names, method=method, weight_share=weight_share,
-                             recompute=mode, dp=dp, zero=zero, cuts=cuts, target=cut_for)  # fmt: skip
+                             recompute=mode, dp=dp, zero=zero, cuts=cuts, target=cut_for, engine=engine)  # fmt: skip
 
         plan = _one_mode(target_info(target).recompute, plan_with)
         if plan.method != "autopipe" or cuts is not None:
@@ -187,8 +193,12 @@ def partition(
                        signature=profile.signature, zero_policy=str(zero),
                        cuts=None if allowed is None else allowed.cuts, target=target_info(target).key if target else "")  # fmt: skip
 
+    costs = engine_costs(engine, profile.device.type)
+    if costs is not None and costs.bandwidth is not None and bandwidth == DEFAULT_BANDWIDTH:
+        bandwidth = costs.bandwidth  # the engine's measured link, not a GPU's PCIe guess
+
     def attempt(z: int) -> Plan:
-        model = CostModel(profile, optimizer, bandwidth, schedule, m, dp=dp, zero=z)
+        model = CostModel(profile, optimizer, bandwidth, schedule, m, dp=dp, zero=z, engine=costs)
         return _partition_one(profile, model, request, boundaries=boundaries, stage_names=stage_names, method=method)
 
     plans: list[Plan] = []
@@ -233,7 +243,7 @@ def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
 
 
 def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
-    """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth and optimizer.
+    """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth, optimizer and engine.
 
     A baseline that cannot be made (e.g. fewer layers than it needs) is left out; one that breaks the
     memory limit is kept (the report marks it), because that is exactly what the comparison shows.
@@ -246,7 +256,7 @@ def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
                 profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
                 memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
                 method=method, weight_share=plan.weight_share, optimizer=plan.optimizer, recompute=plan.recompute,
-                dp=plan.dp, zero="auto" if plan.zero_policy == "auto" else plan.zero,
+                dp=plan.dp, zero="auto" if plan.zero_policy == "auto" else plan.zero, engine=plan.engine or None,
             )  # fmt: skip
         except AutopipeError:
             continue
@@ -499,4 +509,6 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
         dp=model.dp,
         zero=model.zero,  # what the job runs; with one replica it shards nothing (memory.zero_share)
         zero_policy=req.zero_policy,
+        engine=model.engine.engine if model.engine is not None else "",
+        step_overhead=model.after_schedule(bounds, ranks, stages),
     )

@@ -49,7 +49,7 @@ class Plan:
     stage_times: tuple[float, ...]  # per chunk: forward + backward + 2 x send/recv at its cuts
     stage_forward: tuple[float, ...]  # per chunk: forward compute
     stage_backward: tuple[float, ...]  # per chunk: backward compute, recomputation included
-    stage_comm: tuple[float, ...]  # per chunk: send/recv seconds in one direction
+    stage_comm: tuple[float, ...]  # per chunk: send/recv seconds in one direction (+ the engine's per op)
     stage_memory: tuple[int, ...]  # per chunk: static bytes (tied once) + activations in flight
     stage_inflight: tuple[int, ...]  # per chunk: micro-batches of activations held at the peak
     rank_times: tuple[float, ...]  # per rank: sum of its chunks' times
@@ -105,6 +105,11 @@ class Plan:
     # on it took that branch. A job on another type retraces (and refuses in one line if the layers
     # differ); "" in plans made before this field.
     trace_device: str = ""
+    # The engine the cut was costed for (torch, deepspeed; "" the layers alone) and the seconds its
+    # step spends after the schedule (norm, optimizer step) on the slowest rank, measured per engine
+    # (autopipe.costs.engines); step_time + step_overhead is the whole step (``total_step_time``).
+    engine: str = ""
+    step_overhead: float = 0.0
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:
@@ -112,6 +117,11 @@ class Plan:
             value = getattr(self, f.name)
             if isinstance(value, list):
                 object.__setattr__(self, f.name, tuple(value))
+
+    @property
+    def total_step_time(self) -> float:
+        """The whole step: the schedule's simulated step plus what follows it (``step_overhead``)."""
+        return self.step_time + self.step_overhead
 
     @property
     def num_chunks(self) -> int:

@@ -1,0 +1,102 @@
+"""What a training engine adds to a step beyond the layers' own seconds, measured per engine. No torch.
+
+The profile times each layer alone; a job runs them inside an engine (torch.distributed.pipelining's
+PipelineStage + schedule, or DeepSpeed's PipelineEngine), which adds its own work:
+
+- ``per_op``: seconds per forward (F) and per backward (B) of a chunk, beyond its layers: the engine's
+  bookkeeping per micro-batch (its action loop, shape checks, autograd entry, loss, buffers);
+- ``send_latency`` and ``bandwidth``: one P2P send or receive at a cut, latency + bytes / bandwidth;
+- ``per_step``: seconds per step outside the schedule beyond the optimizer's own arithmetic
+  (gradient norm, the step's host read, zero_grad, the engine's step bookkeeping);
+- ``optimizer_rate``: seconds per parameter of the optimizer step (AdamW, fp32 state).
+
+The figures are not constants in code: ``bench/bench_engines.py`` measures them on a machine (a P2P
+ping-pong on gloo, an AdamW step, and 2-stage jobs of a small GPT-2 at several micro-batch counts on
+each engine, fitted against the plan's own simulation) and writes ``engine_costs.json`` beside this
+module with where each figure came from. A device type the table has no entry for (a GPU, which
+this machine has none of) gets no engine terms: :func:`engine_costs` returns None and plans stay as
+the layers alone predict them.
+
+Example:
+    >>> costs = EngineCosts("torch", "cpu", per_op=0.002, send_latency=1e-4, bandwidth=1e9,
+    ...                     per_step=0.01, optimizer_rate=1e-8, source="example")
+    >>> round(costs.send_time(10**6), 6), round(costs.after_schedule(2 * 10**6), 6)
+    (0.0011, 0.03)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..choices import ENGINES
+from ..errors import AutopipeError
+
+__all__ = ["EngineCosts", "TABLE", "engine_costs", "load_table", "check_engine", "ENGINE_CHOICES"]
+
+TABLE = Path(__file__).with_name("engine_costs.json")
+# What --engine accepts: an engine, or auto (the faster of those the model and options can run on).
+ENGINE_CHOICES = (*ENGINES, "auto")
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """One engine's measured overheads on one device type (see the module docstring)."""
+
+    engine: str
+    device: str  # the device type measured on: cpu
+    per_op: float  # seconds per F and per B of a chunk
+    send_latency: float  # seconds per P2P send or receive, beyond bytes / bandwidth
+    bandwidth: float | None  # P2P bytes/s between two ranks; None: not measured
+    per_step: float  # seconds per step outside the schedule, beyond the optimizer's arithmetic
+    optimizer_rate: float  # seconds per parameter of an AdamW step
+    source: str  # how and when it was measured (the bench, the machine, the load)
+
+    def send_time(self, nbytes: int) -> float:
+        """Seconds of one send (or receive) of ``nbytes`` at a cut."""
+        bw = self.bandwidth or float("inf")
+        return self.send_latency + nbytes / bw
+
+    def after_schedule(self, params: int) -> float:
+        """Seconds a step spends after the schedule on the rank holding ``params`` parameters."""
+        return self.per_step + self.optimizer_rate * params
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_engine(name: str, *, auto: bool = True) -> str:
+    """The engine name, lower-cased; one short error for any other.
+
+    >>> check_engine("DeepSpeed")
+    'deepspeed'
+    >>> check_engine("tensorflow")
+    Traceback (most recent call last):
+    ...
+    autopipe.errors.AutopipeError: unknown engine 'tensorflow'; use one of torch, deepspeed, auto.
+    """
+    key = str(name).strip().lower()
+    valid = ENGINE_CHOICES if auto else ENGINES
+    if key not in valid:
+        raise AutopipeError(f"unknown engine {name!r}; use one of {', '.join(valid)}.")
+    return key
+
+
+def load_table(path: Path | None = None) -> dict[str, dict[str, EngineCosts]]:
+    """device type -> engine -> its costs, from the table the bench wrote ({} when there is none)."""
+    p = path or TABLE
+    if not p.is_file():
+        return {}
+    raw = json.loads(p.read_text())
+    return {device: {name: EngineCosts(**row) for name, row in engines.items()}
+            for device, engines in raw.get("devices", {}).items()}  # fmt: skip
+
+
+def engine_costs(engine: str | None, device_type: str, *, path: Path | None = None) -> EngineCosts | None:
+    """The measured costs of ``engine`` on ``device_type``; None for no engine, or none measured there."""
+    if not engine:
+        return None
+    key = check_engine(engine, auto=False)
+    return load_table(path).get(device_type, {}).get(key)

@@ -1,0 +1,153 @@
+"""Plans per engine: the engine's measured overheads in the cost model, exact cuts for that model,
+``--engine auto`` and ``plan --compare`` (each engine's best plan), and one-line refusals."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import autopipe.costs.engines as engines_mod
+from autopipe import Profile
+from autopipe.cli import app
+from autopipe.costs.engines import EngineCosts, engine_costs
+from autopipe.errors import AutopipeError
+from autopipe.job.settings import ConvertSettings
+from autopipe.planner.cost_model import CostModel
+from autopipe.planner.engine_choice import plan_engines
+from autopipe.planner.partitioner import compare_baselines, partition
+from autopipe.planner.schedules import simulate
+
+runner = CliRunner()
+
+# made-up figures for the tests (the real table is measured by bench/bench_engines.py)
+TORCH = dict(per_op=0.004, send_latency=0.002, bandwidth=1e6, per_step=0.010, optimizer_rate=1e-9)
+DEEPSPEED = dict(per_op=0.001, send_latency=0.001, bandwidth=1e6, per_step=0.020, optimizer_rate=1e-9)
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    path = tmp_path / "engine_costs.json"
+    rows = {e: {"engine": e, "device": "cpu", "source": "test", **f} for e, f in (("torch", TORCH), ("deepspeed", DEEPSPEED))}
+    path.write_text(json.dumps({"devices": {"cpu": rows}}))
+    monkeypatch.setattr(engines_mod, "TABLE", path)
+    return path
+
+
+def _profile() -> Profile:
+    # a large output after layer 3 (where the layers alone cut in two) and small ones elsewhere: a slow
+    # link moves the cut
+    times = [0.02, 0.05, 0.05, 0.05, 0.06, 0.05, 0.04]
+    outputs = [4000, 4000, 4000, 200_000, 4000, 4000, 0]
+    return Profile.from_costs(times, param_bytes=[4_000_000] * 7, activation_bytes=[1000] * 7, output_bytes=outputs)
+
+
+def _brute_force(prof: Profile, stages: int, m: int, costs: EngineCosts) -> tuple[float, tuple[int, ...]]:
+    """The least simulated step over every cut, each chunk costed by the engine's model."""
+    model = CostModel(prof, None, costs.bandwidth, "1f1b", m, engine=costs)
+    c, n = model.costs, len(prof.layers)
+    best = (float("inf"), ())
+    for inner in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *inner, n)
+        a, b = np.array(bounds[:-1]), np.array(bounds[1:])
+        step = simulate("1f1b", forward=c.forward(a, b).tolist(), backward=c.backward(a, b).tolist(),
+                        comm=c.comm(a, b).tolist(), ranks=stages, microbatches=m).step_time  # fmt: skip
+        best = min(best, (step, bounds))
+    return best
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_engine_plan_is_exact_for_its_cost_model(table, stages) -> None:
+    """partition(engine=...) finds the best cut under that engine's per-op, per-send and link terms
+    (brute force over every cut agrees), and those terms change the cut the layers alone pick."""
+    prof = _profile()
+    for engine in ("torch", "deepspeed"):
+        costs = engine_costs(engine, "cpu")
+        assert costs is not None and costs.per_op == {"torch": TORCH, "deepspeed": DEEPSPEED}[engine]["per_op"]
+        plan = partition(prof, stages, microbatches=4, recompute="none", engine=engine)
+        step, bounds = _brute_force(prof, stages, 4, costs)
+        assert plan.engine == engine
+        assert plan.step_time == pytest.approx(step, rel=1e-12)
+        assert _brute_force(prof, stages, 4, costs)[0] <= plan.step_time * (1 + 1e-12)
+        # the whole step adds the slowest rank's norm + optimizer step after the schedule
+        held = max(sum(CostModel(prof, None, None).param_counts[a:b]) for a, b in zip(plan.boundaries, plan.boundaries[1:]))
+        assert plan.step_overhead == pytest.approx(costs.per_step + costs.optimizer_rate * held)
+        assert plan.total_step_time == pytest.approx(plan.step_time + plan.step_overhead)
+        # the baselines beside it are costed for the same engine
+        assert {p.engine for p in compare_baselines(prof, plan).values()} == {engine}
+    alone = partition(prof, 2, microbatches=4, recompute="none")
+    assert alone.engine == "" and alone.step_overhead == 0.0
+    assert partition(prof, 2, microbatches=4, recompute="none", engine="torch").boundaries != alone.boundaries
+
+
+def test_auto_picks_the_faster_engine_and_says_why_not(table) -> None:
+    """plan_engines plans each engine, picks the least whole step, and skips what cannot run."""
+    prof = _profile()
+    choice = plan_engines(prof, 2, microbatches=4, importable=lambda name: True)
+    steps = {e: p.total_step_time for e, p in choice.plans}
+    assert set(steps) == {"torch", "deepspeed"} and choice.engine == min(steps, key=steps.get)
+    assert choice.plan.engine == choice.engine and "predicted whole step" in choice.why
+    zbv = plan_engines(prof, 2, microbatches=4, schedule="zbv", importable=lambda name: True)
+    assert zbv.engine == "torch" and "--schedule zbv does not run on --engine deepspeed" in dict(zbv.skipped)["deepspeed"]
+    missing = plan_engines(prof, 2, microbatches=4, importable=lambda name: False)
+    assert missing.engine == "torch" and "not installed" in dict(missing.skipped)["deepspeed"]
+
+
+def test_no_table_entry_means_the_layers_alone(tmp_path, monkeypatch) -> None:
+    """A device the table has not measured gets no engine terms (a plan as before)."""
+    monkeypatch.setattr(engines_mod, "TABLE", tmp_path / "none.json")
+    prof = _profile()
+    assert engine_costs("torch", "cpu") is None
+    plan = partition(prof, 2, microbatches=4, recompute="none", engine="torch")
+    alone = partition(prof, 2, microbatches=4, recompute="none")
+    assert plan.step_time == alone.step_time and plan.boundaries == alone.boundaries and plan.step_overhead == 0.0
+
+
+def test_plan_cli_engine_auto_and_compare(table, tmp_path) -> None:
+    """`plan --engine auto` plans for the faster engine; `--compare` shows both engines' plans."""
+    path = tmp_path / "profile.json"
+    _profile().save(path)
+    result = runner.invoke(app, ["plan", str(path), "-s", "2", "-m", "4", "--engine", "auto", "--json"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    chosen = data["engines"]["chosen"]
+    assert data["plan"]["engine"] == chosen
+    totals = {e: p["step_time"] + p["step_overhead"] for e, p in data["engines"]["plans"].items()}
+    assert chosen == min(totals, key=totals.get)
+    result = runner.invoke(app, ["plan", str(path), "-s", "2", "-m", "4", "--compare"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "engines: each one's best plan" in out and "torch" in out and "deepspeed" in out
+
+
+def test_bad_engine_is_one_short_error(table, tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    _profile().save(path)
+    result = runner.invoke(app, ["plan", str(path), "-s", "2", "--engine", "tensorflow"], env={"COLUMNS": "200"})
+    assert result.exit_code != 0
+    assert "unknown engine 'tensorflow'; use one of torch, deepspeed, auto." in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+    with pytest.raises(AutopipeError, match="unknown engine 'tf'"):
+        ConvertSettings(stages=2, engine="tf")
+    assert ConvertSettings(stages=2, engine="AUTO", schedule="zbv").engine == "auto"  # auto refuses nothing itself
+
+
+def test_convert_engine_auto_writes_the_faster_engines_job(table, tmp_path, monkeypatch) -> None:
+    """`convert --engine auto` trains on the engine whose plan predicts the shorter whole step and
+    says so (what DeepSpeed cannot run is skipped with why: test_auto_picks_the_faster_engine...)."""
+    from _factories import net_factory_source
+
+    (tmp_path / "tiny.py").write_text(net_factory_source(batch_size=4))
+    monkeypatch.chdir(tmp_path)
+    args = ["convert", "tiny.py:build", "--stages", "2", "--estimate", "--microbatches", "4", "--engine", "auto"]
+    result = runner.invoke(app, [*args, "--out", "auto"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    line = next(l for l in result.output.splitlines() if l.startswith("engine "))
+    steps = dict(re.findall(r"(torch|deepspeed) ([0-9.]+) s", line))
+    assert set(steps) == {"torch", "deepspeed"} and plan["engine"] == min(steps, key=lambda e: float(steps[e]))
+    assert f"ENGINE = {plan['engine']!r}" in (tmp_path / "auto" / "train.py").read_text()
