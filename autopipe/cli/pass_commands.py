@@ -162,11 +162,11 @@ def plan_command(
     """Cut a profiled model into pipeline stages for the shortest simulated step under the memory limit."""
     import json
 
+    from ..choices import precision
+    from ..costs.engines import check_engine
     from ..costs.layer_costs import Profile
     from ..errors import PartitionError
     from ..planner.baselines import BASELINES
-    from ..choices import precision
-    from ..costs.engines import check_engine
     from ..planner.engine_choice import plan_engines
     from ..planner.partitioner import DEFAULT_BANDWIDTH, partition
     from ..report.engine_tables import engine_table
