@@ -228,8 +228,12 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of every run (default 1; 2+ on a quiet machine)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 6: the first 2 are warm-up)")
+    ap.add_argument("--models", default=",".join(MODELS), help="a subset: gpt2, llama")
+    ap.add_argument("--stages", default="2,4", help="a subset: 2, 4")
     a = ap.parse_args()
-    models, stage_counts = (["gpt2"], [2]) if a.quick else (list(MODELS), [2, 4])
+    models, stage_counts = a.models.split(","), [int(x) for x in a.stages.split(",")]
+    if a.quick:
+        models, stage_counts = ["gpt2"], [2]
     rounds = a.rounds or 1
     steps, warmup = a.steps or (5 if a.quick else 6), 2
     started, t_start = load(), time.perf_counter()
@@ -260,8 +264,9 @@ def main() -> None:
                     print(f"round {rnd + 1}/{rounds} {name:<16} {method:<21} {statistics.median(out['ranks'][0]['periods'][warmup:]):.3f} s "
                           f"load {out['load'][0]:.1f}", flush=True)  # fmt: skip
         profiled: dict = {}
-        for name, job, cut, stages, *_ in configs:  # the breakdown: one profiled run each, GPT-2 on 2 stages only
-            if name != "gpt2, 2 stages":
+        profile_at = next((c[0] for c in configs if c[3] == 2), None)  # GPT-2's, when it runs
+        for name, job, cut, stages, *_ in configs:  # the breakdown: one profiled run each, on one 2-stage model
+            if name != profile_at:
                 continue
             for method in PROFILED:
                 out = run(method, job, cut, stages, steps, root / "records" / f"prof-{job.name}-{method.replace(' ', '_')}",
@@ -297,6 +302,9 @@ def main() -> None:
                 f"{rounds} round(s) of {steps} steps, median of steps {warmup + 1}-{steps}; {os.cpu_count()} CPUs, "
                 f"gloo, one thread per rank; `uptime` at the start: {uptime}; load {started:.1f} -> {finished:.1f}.\n")  # fmt: skip
         (RESULTS / "peers.md").write_text(head + text)
+        # for `autopipe report PLAN --breakdown`: the profiled configuration's methods, per rank
+        rows = [{"method": m, "ranks": ranks} for res in results.values() for m, ranks in res["breakdown"].items()]
+        (RESULTS / "peers-breakdown.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":
