@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.profiler import record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from layers import loss_fn, param_groups, user_layers
@@ -71,10 +72,12 @@ def main() -> None:
             schedule.step(target=ids, losses=losses)
         else:
             schedule.step()
-        if tied:
-            dist.all_reduce((layers[0] if first else layers[-1].head).weight.grad, group=tie_group)
-        squares = torch.nn.utils.get_total_norm([q.grad for q in counted if q.grad is not None]) ** 2
-        dist.all_reduce(squares)
+        if tied:  # (the ranges name the parts for bench_peers' breakdown; no cost unless profiled)
+            with record_function("part: tied + dp reduce"):
+                dist.all_reduce((layers[0] if first else layers[-1].head).weight.grad, group=tie_group)
+        with record_function("part: grad norm/clip"):
+            squares = torch.nn.utils.get_total_norm([q.grad for q in counted if q.grad is not None]) ** 2
+            dist.all_reduce(squares)
         torch.nn.utils.clip_grads_with_norm_(params, args.clip, squares.sqrt())
         opt.step()
         opt.zero_grad()
