@@ -72,7 +72,7 @@ def main() -> None:
             schedule.step(target=ids, losses=losses)
         else:
             schedule.step()
-        if tied:  # (the ranges name the parts for bench_peers' breakdown; no cost unless profiled)
+        if tied and (first or last):  # (the ranges name the parts for bench_peers' breakdown; no cost unless profiled)
             with record_function("part: tied + dp reduce"):
                 dist.all_reduce((layers[0] if first else layers[-1].head).weight.grad, group=tie_group)
         with record_function("part: grad norm/clip"):
