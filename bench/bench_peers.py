@@ -183,20 +183,34 @@ def blocks(parts: list[int]) -> str:
     return " / ".join(str(b - a) for a, b in zip(parts, parts[1:]))
 
 
+def why(error: str) -> str:
+    """The line of a failed run's output that says what failed (short)."""
+    lines = [x.strip() for x in error.splitlines() if x.strip()]
+    for key in ("enforce fail", "error:", "Error:"):
+        hit = next((x for x in lines if key in x and "ChildFailedError" not in x), None)
+        if hit:
+            return hit[-240:].replace("|", "/")
+    return (lines[-1] if lines else "?")[-240:].replace("|", "/")
+
+
 def table(results: dict) -> str:
     lines = []
     for name, res in results.items():
-        base = res["methods"]["autopipe torch"]["step"]
+        base = res["methods"]["autopipe torch"].get("step", float("nan"))
         lines += [f"\n### {name} (autopipe's plan predicts {res['predicted']:.3f} s)\n",
                   "| method | layers per stage | step (median, IQR) | vs autopipe torch | CPU s/step (all ranks) | peak RSS per rank (MiB) | load |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for method, m in res["methods"].items():
+            if "failed" in m:
+                lines.append(f"| {method} | | failed: {m['failed']} | | | | |")
+                continue
             rss = " / ".join(f"{b / 2**20:.0f}" for b in m["peak_rss"])
             label = f"{method} (= {m['same_as']}: same cut)" if m.get("same_as") else method
             lines.append(f"| {label} | {blocks(m['parts'])} | {m['step']:.3f} s ({m['iqr'][0]:.3f}-{m['iqr'][1]:.3f}) | "
                          f"{m['step'] / base:.2f}x | {m['cpu']:.2f} | {rss} | {min(m['load']):.1f}-{max(m['load']):.1f} |")  # fmt: skip
-        bt, bd = res["methods"].get("bare torch"), res["methods"].get("bare deepspeed")
-        if bt and bd:
+        ms = res["methods"]
+        if all("step" in ms[m] for m in ("autopipe torch", "bare torch", "autopipe deepspeed", "bare deepspeed")):
+            bt, bd = ms["bare torch"], ms["bare deepspeed"]
             lines.append(f"\nautopipe over the bare script at its cut: torch {base / bt['step']:.3f}x, "
                          f"deepspeed {res['methods']['autopipe deepspeed']['step'] / bd['step']:.3f}x")  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -254,12 +268,18 @@ def main() -> None:
             for method, c in cuts.items():
                 first.setdefault(tuple(c), method)
             same[name] = {m: first[tuple(c)] for m, c in cuts.items() if first[tuple(c)] != m}
+        failed: dict = {name: {} for name, *_ in configs}  # a method that fails is reported, the bench goes on
         for rnd in range(rounds):
             for name, job, cut, stages, *_ in configs:
                 for method in METHODS:
-                    if method in same[name]:
+                    if method in same[name] or method in failed[name]:
                         continue
-                    out = run(method, job, cut, stages, steps, root / "records" / f"{rnd}-{job.name}-{method.replace(' ', '_')}")
+                    try:
+                        out = run(method, job, cut, stages, steps, root / "records" / f"{rnd}-{job.name}-{method.replace(' ', '_')}")
+                    except RuntimeError as e:
+                        failed[name][method] = why(str(e))
+                        print(f"round {rnd + 1}/{rounds} {name:<16} {method:<21} FAILED: {failed[name][method]}", flush=True)
+                        continue
                     raw[name][method].append(out)
                     print(f"round {rnd + 1}/{rounds} {name:<16} {method:<21} {statistics.median(out['ranks'][0]['periods'][warmup:]):.3f} s "
                           f"load {out['load'][0]:.1f}", flush=True)  # fmt: skip
@@ -269,23 +289,31 @@ def main() -> None:
             if name != profile_at:
                 continue
             for method in PROFILED:
-                out = run(method, job, cut, stages, steps, root / "records" / f"prof-{job.name}-{method.replace(' ', '_')}",
-                          profile_from=warmup)  # fmt: skip
+                if method in failed[name]:
+                    continue
+                try:
+                    out = run(method, job, cut, stages, steps, root / "records" / f"prof-{job.name}-{method.replace(' ', '_')}",
+                              profile_from=warmup)  # fmt: skip
+                except RuntimeError as e:
+                    print(f"profiled {name:<16} {method} FAILED: {why(str(e))}", flush=True)
+                    continue
                 profiled.setdefault(name, {})[method] = [rk["breakdown"] for rk in out["ranks"]]
                 print(f"profiled {name:<16} {method}", flush=True)
     results = {}
     for name, job, cut, stages, predicted, terms in configs:
-        methods = {m: summary(raw[name][m], warmup) for m in METHODS if m not in same[name]}
+        methods = {m: summary(raw[name][m], warmup) for m in METHODS if m not in same[name] and m not in failed[name]}
+        methods.update({m: {"failed": msg} for m, msg in failed[name].items()})
         for m, c in predicted_cuts[name].items():  # DeepSpeed cut where it was predicted to (else the twins are wrong)
-            if m not in same[name] and methods[m]["parts"] != c:
+            if m not in same[name] and m not in failed[name] and methods[m]["parts"] != c:
                 raise SystemExit(f"{name}: {m} cut at {methods[m]['parts']}, predicted {c}")
         for m, twin in same[name].items():  # the same cut: one run stands for both
             methods[m] = {**methods[twin], "same_as": twin}
         methods = {m: methods[m] for m in METHODS}
-        first = methods["bare torch"]["first_loss"]
-        off = {m: s["first_loss"] for m, s in methods.items() if abs(s["first_loss"] - first) > 1e-4}
+        ran = {m: x for m, x in methods.items() if "failed" not in x}
+        first = next(iter(ran.values()))["first_loss"]
+        off = {m: x["first_loss"] for m, x in ran.items() if abs(x["first_loss"] - first) > 1e-4}
         if off:  # different weights, batches or loss: the timings would compare different work
-            raise SystemExit(f"{name}: first-step losses differ from the bare torch script's {first:.6f}: {off}")
+            raise SystemExit(f"{name}: first-step losses differ from {next(iter(ran))}'s {first:.6f}: {off}")
         results[name] = {"cut": cut, "predicted": predicted, "methods": methods, "plan_terms": terms,
                          "breakdown": profiled.get(name, {})}  # fmt: skip
     finished = load()
