@@ -1,6 +1,7 @@
 """autopipe's job on each engine against the pipelines a user writes by hand, in one interleaved run.
 
-    python bench/bench_peers.py              # writes bench/results/peers.{json,md} (under ~12 min)
+    python bench/bench_peers.py              # writes bench/results/peers.{json,md}: 29 launches, ~15 min quiet (est.)
+    python bench/bench_peers.py --stages 2   # the 2-stage half (15 launches, the breakdown included)
     python bench/bench_peers.py --quick      # GPT-2, 2 stages, 1 round, few steps: a check that it all runs
     python bench/bench_peers.py --no-write   # print only
 
