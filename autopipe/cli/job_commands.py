@@ -111,6 +111,7 @@ def report_command(
     out: Annotated[Optional[Path], typer.Option(help="Where to write the HTML (default: report.html beside the plan).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out file.")] = False,
     log: Annotated[Optional[Path], typer.Option("--log", help="A train.py --log-json file: show what the run measured beside the predictions.")] = None,
+    breakdown: Annotated[Optional[Path], typer.Option("--breakdown", help="A step breakdown (bench/bench_peers.py): where measured steps went, beside the plan's terms.")] = None,
 ) -> None:
     """Rebuild report.html from a plan (and its profile); --log adds a run's measurements beside it."""
     from ..costs.layer_costs import Profile
@@ -130,6 +131,11 @@ def report_command(
         from ..report.steplog import compare, read_step_log
 
         measured = compare(plan, read_step_log(log))
+    breakdowns = None
+    if breakdown is not None:
+        from ..report.breakdown import read_breakdowns
+
+        breakdowns = read_breakdowns(breakdown)
     target = out or plan_path.parent / "report.html"
     if out is None and target.exists() and not force and not _is_autopipe_report(target):
         raise FileExistsError(f"{target} exists and is not an autopipe report; pass --force to overwrite it, or choose --out.")
@@ -138,7 +144,7 @@ def report_command(
     found = search_path(plan_path)
     search = SearchResult.load(str(found)) if found.exists() else None
     baselines = compare_baselines(prof, plan) if prof is not None else None
-    write_report(target, plan, prof, baselines=baselines, measured=measured, search=search)
+    write_report(target, plan, prof, baselines=baselines, measured=measured, search=search, breakdowns=breakdowns)
     what = "" if prof is not None else " (no profile: per-layer charts and baselines left out)"
     console.print(f"wrote {target}{what}", highlight=False, soft_wrap=True)
     if measured is not None:

@@ -20,7 +20,7 @@ from ..errors import AutopipeError
 from .gpu_memory import cuda_memory, expandable_segments
 from .layer_costs import DeviceInfo
 
-__all__ = ["DeviceSpec", "KNOWN_DEVICES", "device_spec", "describe_device", "probe_cpu", "dtype_name"]
+__all__ = ["DeviceSpec", "KNOWN_DEVICES", "device_spec", "describe_device", "probe_cpu", "dtype_name", "heap_kept"]
 
 _TB = 1e12
 _GIB = 1024**3
@@ -222,20 +222,33 @@ MMAP_THRESHOLD = 1 << 20
 ALLOCATOR_SETTINGS = f"glibc mmap>={MMAP_THRESHOLD >> 20}MiB, no trim"  # part of the reserve's cache key
 
 
-def keep_freed_memory() -> bool:
-    """Make glibc keep freed heap memory for reuse instead of returning it to the OS (Linux only).
+_HEAP_KEPT = False  # whether keep_freed_memory took effect in this process (it cannot be undone)
 
-    By default glibc trims the heap and its mmap threshold adapts, so every training step page-faults
-    its activations and gradients back in: for GPT-2 124M on a 2-core VM that was ~300 ms of a
-    1.55 s CPU step, and per-layer timings (which free little) then sum to only ~0.85 of the whole
-    model's. Blocks of ``MMAP_THRESHOLD`` bytes or more still get their own mapping (see there).
-    The profiler and autopipe.runtime call this on CPU. Returns whether it took effect.
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed heap memory for reuse instead of returning it to the OS (Linux only),
+    with blocks of ``MMAP_THRESHOLD`` bytes or more in mappings of their own (see there): a CPU
+    process's resident peak then counts its tensors, as the plan's memory model does.
+
+    It costs time: every such block is page-faulted in afresh each time it is allocated. A GPT-2
+    pipeline's LM-head rank (16 MiB of logits per micro-batch, several times over) spent 1.86 s of
+    CPU per step under it against 1.45 s under glibc's own settings (bench/results/peers.md), so the
+    runtime calls it only when asked to measure memory (``init_dist(exact_memory=True)``,
+    ``train.py --exact-memory``) and the profiler not at all: both time what a job runs. Returns
+    whether it took effect (``heap_kept`` says it later).
     """
+    global _HEAP_KEPT
     mallopt = getattr(_libc(), "mallopt", None)  # musl and others have no mallopt
     if mallopt is None:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # a fixed threshold also stops glibc adapting it
-    return bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    _HEAP_KEPT = bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    return _HEAP_KEPT
+
+
+def heap_kept() -> bool:
+    """Whether this process runs under ``keep_freed_memory`` (its resident peak then counts tensors)."""
+    return _HEAP_KEPT
 
 
 def release_freed_memory() -> bool:

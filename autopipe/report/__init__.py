@@ -7,6 +7,7 @@
     search_tables   rich tables: the cluster search's top layouts
     layer_tables    rich tables: a LayerSequence's layers
     steplog         a training run's step log read back and set beside its plan
+    breakdown       where measured steps went (a bench's profile), beside the plan's terms
 """
 
 from __future__ import annotations

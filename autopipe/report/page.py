@@ -35,6 +35,7 @@ from ..errors import AutopipeError
 from ..files import write_text_atomic
 from ..planner.plan import Plan
 from ..units import format_bytes, format_microbatch, format_time, shorten
+from .breakdown import StepBreakdown, breakdown_table
 from .steplog import Comparison
 from .svg import (
     LEFT,
@@ -60,9 +61,11 @@ def write_report(
     title: str | None = None,
     measured: Comparison | None = None,
     search: object | None = None,
+    breakdowns: Sequence[StepBreakdown] | None = None,
 ) -> Path:
     """Render the report and write it to ``path`` (via a temporary name, so no half-written file)."""
-    text = render_report(plan, profile, baselines=baselines, title=title, measured=measured, search=search)
+    text = render_report(plan, profile, baselines=baselines, title=title, measured=measured, search=search,
+                         breakdowns=breakdowns)  # fmt: skip
     return write_text_atomic(path, text)
 
 
@@ -74,10 +77,12 @@ def render_report(
     title: str | None = None,
     measured: Comparison | None = None,
     search: object | None = None,
+    breakdowns: Sequence[StepBreakdown] | None = None,
 ) -> str:
     """The report as one HTML string. Without a profile the per-layer charts and baselines are left out;
     with ``measured`` (``autopipe.report.steplog.compare``) a section sets the run beside the predictions; with
-    ``search`` (the SearchResult the plan came from) the layouts' throughput against peak memory."""
+    ``search`` (the SearchResult the plan came from) the layouts' throughput against peak memory; with
+    ``breakdowns`` (``autopipe.report.breakdown``) where measured steps went, beside the plan's terms."""
     if profile is not None and len(profile.layers) != plan.num_layers:
         raise AutopipeError(
             f"the profile has {len(profile.layers)} layers but the plan cuts {plan.num_layers}: they belong to "
@@ -99,6 +104,12 @@ def render_report(
                               f"From the training run's step log ({measured.steps} steps after warm-up): the median "
                               "step time and each pipeline rank's largest peak memory, beside what the plan "
                               "predicted. A ratio above 1 means the run took more than the plan said."))
+    if breakdowns:
+        parts.append(_section("Where a step went", breakdown_table(plan, list(breakdowns)),
+                              "Seconds per step of each part on each pipeline rank, from torch's profiler (which slows "
+                              "a step) with ranges around each part (bench/bench_peers.py), beside what the plan "
+                              "charges each rank: its forward, backward and sends times the micro-batches. Waiting "
+                              "for a neighbour shows in p2p; 'other' is the rest of the step."))
     if profile is not None:
         parts.append(_section("Per layer: time", _layer_time_chart(plan, profile),
                               "Forward (light) and backward (dark) time per micro-batch of each layer, coloured by "

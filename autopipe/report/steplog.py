@@ -79,19 +79,22 @@ class Comparison:
 
     @property
     def memory_ratios(self) -> tuple[float, ...]:
-        """measured / predicted peak per rank."""
-        return tuple(m / p if p > 0 else float("nan") for m, p in zip(self.measured_memory, self.predicted_memory))
+        """measured / predicted peak per rank (nan where nothing comparable was measured)."""
+        return tuple(m / p if p > 0 and m > 0 else float("nan") for m, p in zip(self.measured_memory, self.predicted_memory))
 
 
 def compare(plan: Any, records: list[dict[str, Any]], *, warmup: int = 1) -> Comparison:
     """The plan's predictions against a step log, skipping the first ``warmup`` steps (when the log
-    has more). Per-rank peaks are the maximum over the kept steps: the plan promises a ceiling."""
+    has more). Per-rank peaks are the maximum over the kept steps: the plan promises a ceiling; 0
+    where the run did not measure what the plan counts (a CPU job without ``--exact-memory``)."""
     kept = records[warmup:] if len(records) > warmup else records
     times = [float(r["step_time"]) for r in kept]
     q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [times[0]] * 3
     ranks = len(plan.rank_memory)
     peaks = [0] * ranks
     for r in kept:
+        if r.get("memory_exact") is False:  # a CPU heap's resident peak, not the tensors the plan counts
+            continue
         for i, m in enumerate((r.get("peak_memory") or [])[:ranks]):
             peaks[i] = max(peaks[i], int(m))
     return Comparison(

@@ -164,7 +164,7 @@ class DistEnv:
 
 def init_dist(
     *, dp: int = 1, placement: str = "pipeline-inner", backend: str | None = None, timeout_s: float = 600,
-    check: bool | None = None,
+    check: bool | None = None, exact_memory: bool | None = None,
 ) -> DistEnv:
     """Join (or make) the process group and lay the world out as dp × pp, numbered by ``placement``.
 
@@ -172,6 +172,9 @@ def init_dist(
     this process is the whole world. ``placement`` is the plan's (``Plan.placement``): which ranks
     form a pipeline and which the replicas of a stage. ``check`` turns on the collectives' checking
     mode (default: ``AUTOPIPE_CHECK=1`` in the environment; see :mod:`autopipe.runtime.comm`).
+    ``exact_memory`` (default: ``AUTOPIPE_EXACT_MEMORY=1`` in the environment) makes a CPU rank's
+    resident peak count its tensors, as the plan does, at a price in time
+    (``autopipe.costs.devices.keep_freed_memory``); a GPU's allocator counts them anyway.
 
     Example (16 ranks as 8 stages x 2 replicas; torch's fake backend stands in for 16 processes):
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -184,8 +187,10 @@ def init_dist(
     if placement not in PLACEMENTS:
         raise AutopipeError(f"unknown placement {placement!r}; use one of {', '.join(PLACEMENTS)}.")
     device = rank_device()  # before the process group: NCCL binds to the current GPU
-    if device.type == "cpu":
-        keep_freed_memory()  # else each step page-faults its activations back in (~20% on CPU)
+    if exact_memory is None:
+        exact_memory = os.environ.get("AUTOPIPE_EXACT_MEMORY", "") not in ("", "0")
+    if device.type == "cpu" and exact_memory:
+        keep_freed_memory()  # the resident peak then measures the tensors; each step page-faults its large ones
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
     bind = {"device_id": device} if device.type == "cuda" else {}

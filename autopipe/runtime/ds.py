@@ -190,7 +190,35 @@ def _import_deepspeed() -> Any:
         import deepspeed
     except ImportError:
         raise AutopipeError("--engine deepspeed needs DeepSpeed: pip install deepspeed (or --engine torch).") from None
+    _typed_receive_buffers(deepspeed)
     return deepspeed
+
+
+def _typed_receive_buffers(deepspeed: Any) -> None:
+    """Make DeepSpeed's pipeline engine reuse a receive buffer only for a tensor of its own dtype.
+
+    Why: its engine keeps one list of receive buffers, by position, for the activations a stage
+    receives and the gradients it receives back, and reuses a buffer of enough elements whatever
+    its dtype. A middle stage of a traced Llama receives (ids int64, mask uint8, cos, sin, hidden)
+    and gets gradients for (cos, sin, hidden): the second gradient landed in the mask's uint8 buffer,
+    8192 bytes for a 32768-byte float tensor, and gloo aborted ("Received data size doesn't match
+    expected size") on any Llama cut into 3 or more stages. A buffer of another dtype is replaced;
+    the activations' buffers keep their own reference, so each is still allocated once.
+    """
+    engine = deepspeed.runtime.pipe.engine.PipelineEngine
+    reuse = engine._allocate_or_extend_buffers
+    if getattr(reuse, "autopipe_typed", False):
+        return
+
+    def allocate_or_extend(self: Any, idx: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        bufs = self._grad_layer_buf
+        if idx < len(bufs) and bufs[idx].dtype != dtype:
+            bufs[idx] = self._allocate_buffer(shape, dtype=dtype, num_buffers=1)[0]
+            return bufs[idx]
+        return reuse(self, idx, shape, dtype)
+
+    allocate_or_extend.autopipe_typed = True  # type: ignore[attr-defined]
+    engine._allocate_or_extend_buffers = allocate_or_extend
 
 
 def _loss_fn(seq: Any, user_loss: Any) -> Any:

@@ -14,7 +14,12 @@ from typing import Any
 from ..errors import AutopipeError
 from .optim import TrainConfig
 
-__all__ = ["ds_config", "load_ds_config", "refuse_flags", "refuse_plan"]
+__all__ = ["CLIP_NOTE", "ds_config", "load_ds_config", "refuse_flags", "refuse_plan"]
+
+
+# what the job's ds_config.json says of its clip (ZeRO 0), beside DeepSpeed's own gradient_clipping of 0
+CLIP_NOTE = ("autopipe clips by the whole model's gradient norm (every stage, each tied tensor once, as the "
+             "unpipelined model); DeepSpeed's gradient_clipping would take stage 0's norm only, so it is 0")
 
 
 def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
@@ -22,16 +27,24 @@ def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
 
     autopipe builds the optimizer and the LR schedule itself from the ``optimizer`` section (AdamW,
     decay on matrices only, warmup + cosine: the torch engine's, so both engines train the same
-    numbers) and clips with ``gradient_clipping`` counting each tied tensor once (DeepSpeed's fp32
-    clip counts it once per stage holding it). ZeRO stage 0 keeps that parity; stage 1 (what
-    DeepSpeed allows with pipelines) shards the optimizer state over replicas, and then DeepSpeed
-    clips and reports the norm itself.
+    numbers). Under ZeRO stage 0 autopipe clips by the whole model's gradient norm (every stage's
+    gradients, each tied tensor once, as the unpipelined model's ``clip_grad_norm_``): DeepSpeed's
+    own ``gradient_clipping`` on a pipeline takes stage 0's norm (8.56 where the whole model's was
+    10.11 on a 2-stage GPT-2), so the file sets it to 0 and says so under ``"autopipe"``, with the
+    clip autopipe applies. Stage 1 (what DeepSpeed allows with pipelines) shards the optimizer state
+    over replicas, and then DeepSpeed clips and reports the norm itself.
+
+    Example:
+        >>> from autopipe.runtime.optim import TrainConfig
+        >>> cfg = ds_config(TrainConfig(microbatches=8, grad_clip=1.0), rows=4, dp=1)
+        >>> cfg["gradient_clipping"], cfg["autopipe"]["gradient_clipping"]
+        (0.0, 1.0)
     """
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": rows,
         "gradient_accumulation_steps": config.microbatches,
         "train_batch_size": rows * config.microbatches * dp,
-        "gradient_clipping": config.grad_clip,
+        "gradient_clipping": config.grad_clip if config.zero >= 1 else 0.0,
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": config.lr, "betas": list(config.betas), "eps": config.eps,
@@ -41,6 +54,8 @@ def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if config.zero == 0:
+        cfg["autopipe"] = {"gradient_clipping": config.grad_clip, "clip_norm": CLIP_NOTE}
     if config.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif config.dtype == "fp16":
@@ -86,6 +101,7 @@ def load_ds_config(path: str | None, config: TrainConfig, args: Any, dp: int) ->
     if stage > 1:
         raise AutopipeError(f"ZeRO stage {stage} in the ds_config: DeepSpeed's pipeline engine allows stage 0 or 1.")
     cfg["gradient_clipping"] = config.grad_clip if stage >= 1 else 0.0  # stage 0: autopipe.runtime.ds clips (each tied tensor once)
+    cfg.pop("autopipe", None)  # what autopipe.runtime.ds does, not DeepSpeed: the --grad-clip flag sets the clip
     cfg.pop("optimizer", None)  # built here (see ds_config)
     cfg.pop("scheduler", None)
     return cfg, config

@@ -97,7 +97,7 @@ class StepLogger:
             memory = ""
             if getattr(stats, "peak_memory", None) and any(stats.peak_memory):
                 memory = "  mem(MiB) " + " ".join(_mib(m) for m in stats.peak_memory)
-                if pred is not None:
+                if pred is not None and getattr(stats, "memory_exact", True):  # else not what the plan counts
                     memory += " (plan " + " ".join(_mib(m) for m in pred.rank_memory) + ")"
             self.console.print(
                 f"step [bold]{stats.step:>5}[/]  loss [cyan]{stats.loss:.4f}[/]  lr {stats.lr:.2e}  "

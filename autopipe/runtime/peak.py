@@ -6,8 +6,12 @@
   the allocator holds for them, but not the host-side Python objects of the traced graph, which on
   a GPU would not be in device memory either. The peak is reset at each step start
   (``/proc/self/clear_refs``), so each step reports its own peak. With freed memory kept in the
-  process (``keep_freed_memory``, as the runtime does), what the process once held stays resident,
-  so this is the high-water mark of the heap: what the OS has to give the rank.
+  process (``keep_freed_memory``, as the runtime does when asked to measure memory:
+  ``init_dist(exact_memory=True)``), what the process once held stays resident, so this is the
+  high-water mark of the heap: what the OS has to give the rank, and what the plan predicts. Under
+  glibc's own settings (a job's default: they are faster) the heap's free blocks stay resident
+  too and its peak reads well above the tensors' (1.2-1.7x on a GPT-2 pipeline's ranks):
+  ``PeakMemory.exact`` is False then, and the step log sets no plan beside it.
 - CUDA: what the process holds on its GPU at the step's peak: torch's caching allocator's peak
   *reserved* bytes (the tensors, the allocator's cached-but-free slack, cuBLAS workspaces), plus
   what the process holds outside the allocator (CUDA context, NCCL's buffers), read for this
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..costs.devices import release_freed_memory
+from ..costs.devices import heap_kept, release_freed_memory
 
 __all__ = ["PeakMemory", "PeakDetail", "process_device_bytes", "resident_bytes"]
 
@@ -95,6 +99,8 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        # whether the peak counts what the plan counts: a GPU's allocator does; a CPU heap only when kept
+        self.exact = self.cuda or heap_kept()
         self.outside_allocator = 0
         self.outside_known = not self.cuda
         self.baseline = 0 if self.cuda else resident_bytes()

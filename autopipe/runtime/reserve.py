@@ -257,7 +257,7 @@ def _worker(root: Path, dtype: str) -> None:
     from .trainer import Trainer
 
     source = model_factory(str(root / "model"), batch_size=_ROWS, seq_len=_SEQ)
-    env = init_dist(dp=1)
+    env = init_dist(dp=1, exact_memory=True)  # the peak then counts tensors, as the memory model does
     try:
         plan = load_plan(root / "plan.json")
         build = build_stage(source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank,

@@ -58,6 +58,9 @@ class StepStats:
     # per pipeline rank: bytes at the step's peak above the rank's baseline (autopipe.runtime.peak),
     # what the plan's rank_memory predicts
     peak_memory: list[int] = field(default_factory=list)
+    # whether peak_memory counts what the plan counts (autopipe.runtime.peak: a CPU rank only with
+    # train.py --exact-memory); else it is the resident peak of glibc's heap, with its free blocks
+    memory_exact: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -203,6 +206,7 @@ class Trainer:
             skipped=not finite,
             loss_scale=self.scaler.scale,
             peak_memory=[stats["peak_memory"][r] for r in first],
+            memory_exact=env.peak.exact,
         )
 
     @property

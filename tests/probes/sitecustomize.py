@@ -7,7 +7,8 @@ the unpipelined reference's: AdamW would hide a constant gradient scale in the w
 
 With ``AUTOPIPE_TEST_GRADS_AT=norm`` the torch engine's gradients are saved earlier: when the
 trainer takes their global norm (after the data-parallel reduce and the tied sums, before clipping,
-which would hide a scale too). Sharded gradients (ZeRO 2/3 DTensors) are saved whole: every
+which would hide a scale too). With ``AUTOPIPE_TEST_GRADS_AT=clipped`` the DeepSpeed engine's are
+saved just after autopipe's clip (ZeRO 0), before AdamW's update. Sharded gradients (ZeRO 2/3 DTensors) are saved whole: every
 replica gathers them, in the same order.
 
 With ``AUTOPIPE_TEST_DDP=1`` as well, each stage's module type is recorded, and a stage run by
@@ -93,15 +94,33 @@ if _DIR:
         return module
 
     _ds.build_pipeline_module = _build_and_keep
-    _step = _ds._ClippingAdamW.step
 
-    def _probe_then_step(self, closure=None):  # noqa: ANN001, ANN202
+    def _named_ds():  # noqa: ANN202
         named = []
         for child in _modules[0].modules():
             if isinstance(child, _ds.DSLayer):
                 named += list(child.layer.named_parameters())
-        named += [(h.tied_name, h.weight) for h in getattr(_modules[0], "tied_modules", {}).values()]
-        _dump(named)
+        return named + [(h.tied_name, h.weight) for h in getattr(_modules[0], "tied_modules", {}).values()]
+
+    if os.environ.get("AUTOPIPE_TEST_GRADS_AT") == "clipped":
+        _make_clip = _ds._make_clip
+
+        def _clip_then_probe(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            clip = _make_clip(*args, **kwargs)
+
+            def clipped():  # noqa: ANN202
+                norm = clip()
+                _dump(_named_ds())
+                return norm
+
+            return clipped
+
+        _ds._make_clip = _clip_then_probe
+    _step = _ds._ClippingAdamW.step
+
+    def _probe_then_step(self, closure=None):  # noqa: ANN001, ANN202
+        if os.environ.get("AUTOPIPE_TEST_GRADS_AT") != "clipped":  # else the clip's probe saves them, after it
+            _dump(_named_ds())
         return _step(self, closure)
 
     _ds._ClippingAdamW.step = _probe_then_step

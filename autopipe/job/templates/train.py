@@ -66,6 +66,8 @@ parser.add_argument("--engine", default=ENGINE, choices=ENGINES)
 parser.add_argument("--deepspeed_config", default=None, help="--engine deepspeed: a ds_config.json (default: the job's)")
 parser.add_argument("--check", action="store_true",
                     help="debug: refuse tensors off this rank's device at collectives and stages, and host syncs in the step (slow)")
+parser.add_argument("--exact-memory", action="store_true",
+                    help="CPU: keep freed memory so each step's peak counts the tensors, as the plan does (slower)")
 parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
 args = parser.parse_args()
 rt.one_line_errors(args.ckpt_dir)  # an autopipe error is one line from rank 0; Ctrl-C says how to resume
@@ -88,7 +90,8 @@ if args.engine == "deepspeed":
     save_checkpoint, resume, latest_checkpoint = rt.ds_save_checkpoint, rt.ds_resume, rt.ds_latest_checkpoint
 else:
     # the plan's placement numbers the ranks (which of them share a node): the groups are made by it
-    env = rt.init_dist(dp=args.dp, placement=rt.plan_placement(args.plan), check=args.check or None)
+    env = rt.init_dist(dp=args.dp, placement=rt.plan_placement(args.plan), check=args.check or None,
+                       exact_memory=args.exact_memory or None)
     plan = env.pp_size if args.plan == "even" else rt.load_plan(args.plan)
     rt.check_launch(plan, env.pp_size, env.dp_size, plan_path=args.plan)
     build = rt.build_stage(
