@@ -16,7 +16,7 @@ from .plan import Plan
 from .schedules import check_schedule
 from .step_bound import fits, least_memory
 
-__all__ = ["explain_infeasible", "chunk_need", "recompute_hint", "with_zero_hint"]
+__all__ = ["device_limit", "explain_infeasible", "chunk_need", "limit_text", "recompute_hint", "with_zero_hint"]
 
 
 def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | None, what: str) -> InfeasibleMemoryError:
@@ -38,7 +38,7 @@ def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | Non
             f"{head}: layer {worst} ({model.names[worst]}) alone needs {format_bytes(int(alone[worst]))} "
             f"(parameters, gradients, optimizer state and {fewest} micro-batch of activations, recomputed "
             f"or not), so no number of stages fits; raise the memory limit to at least "
-            f"{format_bytes(int(alone[worst]) * v)} or use a lighter optimizer."
+            f"{limit_text(device_limit(model, int(alone[worst]), v))} or use a lighter optimizer."
         )
     hints = []
     if set(allowed) != set(everything) and fits(c, stages * v, limit=chunk_limit, modes=everything, states=states):
@@ -66,9 +66,38 @@ def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | Non
     if schedule == "gpipe":
         fixes.append("use 1f1b (it holds fewer micro-batches than gpipe)")
     return InfeasibleMemoryError(
-        f"{head}: {'; '.join(hints)}; {format_bytes(need)} per device fits {stages} stages. "
-        f"{', '.join(fixes[:-1]).capitalize()} or {fixes[-1]}."
+        f"{head}: {'; '.join(hints)}; --memory-limit {limit_text(device_limit(model, need // v, v))} fits "
+        f"{stages} stages ({format_bytes(need)} of tensors per device, and the {format_bytes(model.reserve)} the "
+        f"runtime holds beside them). {', '.join(fixes[:-1]).capitalize()} or {fixes[-1]}."
     )
+
+
+def device_limit(model: CostModel, chunk_bytes: int, v: int) -> int:
+    """The smallest ``--memory-limit`` under which each of a rank's ``v`` chunks may hold
+    ``chunk_bytes``: the partitioner gives each chunk ``(limit - reserve) // v``, the runtime's
+    reserve (what a rank holds beyond its tensors: never below it) coming first."""
+    return chunk_bytes * v + model.reserve
+
+
+def limit_text(n: int) -> str:
+    """``n`` bytes as a ``--memory-limit`` a person can type, rounded up (never below ``n``).
+
+    >>> limit_text(38_514_000), limit_text(3 * 2**30)
+    ('36.73MiB', '3.00GiB')
+    """
+    from math import ceil
+
+    from ..units import parse_size
+
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        scale = 1024 ** ("B", "KiB", "MiB", "GiB", "TiB").index(unit)
+        if n < 1024 * scale or unit == "TiB":
+            if unit == "B":
+                return f"{n}B"
+            text = f"{ceil(n / scale * 100) / 100:.2f}{unit}"
+            assert parse_size(text) >= n, text
+            return text
+    raise AssertionError("unreachable")
 
 
 def chunk_need(c: ChunkCosts, a: int, b: int, states: Sequence[tuple[int, int]], mode: int) -> int:
