@@ -2,7 +2,7 @@
 
 Each step, rank 0 prints one line: step of steps, loss, learning rate, gradient norm, tokens (or
 samples) per second, step time, the time left (``ETA``, from the recent steps' wall-clock pace,
-evaluation and checkpoints included), and the model FLOPs utilisation (``MFU``: the model's
+evaluation and checkpoints included: the last 50 steps), and the model FLOPs utilisation (``MFU``: the model's
 forward-and-backward FLOPs per step over the devices' peak, on GPUs whose peak is known; elsewhere
 the model FLOP/s), then the stages' times and each pipeline rank's peak memory. On a terminal the
 line is live: redrawn in place every step, kept every ``log_every`` steps (default 10; 1 when the
@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,7 @@ class StepLogger:
         self._sinks: list[Any] | None = None
         self._resumed: int | None = None
         self._live: Any = None
-        self._pace: float | None = None  # seconds per step, smoothed
+        self._intervals: deque[float] = deque(maxlen=50)  # seconds between the last steps
         self._last: float | None = None
         if rank == 0 and not quiet:
             if console is None:
@@ -184,17 +185,18 @@ class StepLogger:
         if self.rank != 0:
             return
         now = time.perf_counter()
-        interval = stats.step_time if self._last is None else now - self._last
+        if self._last is not None:  # the wall clock between steps: evaluations and checkpoints included
+            self._intervals.append(now - self._last)
         self._last = now
-        # the recent pace, evaluations and checkpoints included: what the rest of the run will take
-        self._pace = interval if self._pace is None else 0.8 * self._pace + 0.2 * interval
+        # the recent pace (the first step, which also sets the pipeline up, only until there is one)
+        pace = sum(self._intervals) / len(self._intervals) if self._intervals else stats.step_time
         record = {**stats.to_dict(), **extra}
         pred = self.predicted
         if pred is not None:
             record["predicted_step_time"] = pred.step_time
             record["predicted_peak_memory"] = list(pred.rank_memory)
         if self.steps is not None:
-            record["eta_s"] = max(0, self.steps - stats.step) * self._pace
+            record["eta_s"] = max(0, self.steps - stats.step) * pace
         if self.flops_per_step and stats.step_time > 0:
             record["model_flops_per_s"] = self.flops_per_step / stats.step_time
             if self.peak_flops:
@@ -231,11 +233,10 @@ class StepLogger:
 
     # ---- the terminal ---------------------------------------------------------------------------
     def _print(self, line: str) -> None:
-        if self._live is not None:
-            self._live.console.print(line)
-            self._live.update("")
-        else:
-            self.console.print(line)  # type: ignore[union-attr]
+        if self._live is not None:  # the live line makes way (transient: it leaves nothing behind)
+            self._live.stop()
+            self._live = None
+        self.console.print(line)  # type: ignore[union-attr]
 
     def _show(self, line: str) -> None:
         from rich.live import Live
