@@ -123,6 +123,7 @@ def test_tensorboard_gets_the_record_and_a_resume_purges_what_is_trained_again(t
         first.step(_stats(s, loss=float(s)))
     first.close()
     again = StepLogger(0, tensorboard=tmp_path / "tb", quiet=True)
+    again.open()  # as train.py does: the sinks open before the checkpoint is loaded
     again.resumed(1)
     again.step(_stats(2, loss=7.0))
     again.close()

@@ -160,9 +160,8 @@ class StepLogger:
                     self._sinks.append(TensorBoard(self._tensorboard, resume_step=self._resumed))
                 if self._wandb is not None:
                     self._sinks.append(WandB(self._wandb, config=self._run_config))
-                if self._resumed is not None:
-                    for sink in self._sinks:
-                        sink.resumed(self._resumed)
+                if self._resumed is not None and self.json_path is not None:
+                    self._sinks[0].resumed(self._resumed)
         return self._sinks
 
     def resumed(self, step: int) -> None:

@@ -84,13 +84,19 @@ class TensorBoard:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise AutopipeError("--tensorboard needs the tensorboard package: pip install tensorboard.") from None
+        self._writer_class = SummaryWriter
+        self.log_dir = Path(log_dir)
+        self.writer = self._open(resume_step)
+
+    def _open(self, resume_step: int | None) -> Any:
         # a resumed run writes its steps again: events from a step after the checkpoint are purged
         purge = None if resume_step is None else resume_step + 1
-        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge)
-        self.log_dir = Path(log_dir)
+        return self._writer_class(log_dir=str(self.log_dir), purge_step=purge)
 
     def resumed(self, step: int) -> None:
-        pass  # done by purge_step when the writer was made
+        """TensorBoard purges when a writer starts: start again, purging what this run trains again."""
+        self.writer.close()
+        self.writer = self._open(step)
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
