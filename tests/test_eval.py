@@ -134,12 +134,22 @@ def test_eval_accuracy_of_a_classifier_equals_the_untouched_model_s(torchrun: La
 
 def test_evaluating_does_not_change_training_dropout_on(torchrun: Launcher, root: Path, tmp_path: Path) -> None:
     """GPT-2 with dropout 0.1: 3 steps evaluating after each give the same losses and norms as 3 steps
-    without (eval mode is undone; the training RNG is the step's own)."""
+    without (eval mode is undone; the training RNG is the step's own), and the evaluation has dropout
+    off: it equals the exported model's in eval mode (the traced layers hold dropout's flags as
+    constants, which .eval() alone left on)."""
+    from transformers import GPT2LMHeadModel
+
     script = _dropout_job(tmp_path)
     quiet = _train(torchrun, script, "--steps", "3")
-    evaluating = _train(torchrun, script, "--steps", "3", "--eval-data", root / "val.bin", "--eval-every", "1")
+    evaluating = _train(torchrun, script, "--steps", "3", "--eval-data", root / "val.bin", "--eval-every", "1",
+                        "--export", tmp_path / "exported")
     assert [(r["loss"], r["grad_norm"]) for r in evaluating] == [(r["loss"], r["grad_norm"]) for r in quiet]
     assert all("eval_loss" in r for r in evaluating)
+    source = model_factory(str(tmp_path / "m"), batch_size=ROWS, seq_len=SEQ)
+    trained = GPT2LMHeadModel.from_pretrained(tmp_path / "exported")
+    assert trained.config.attn_pdrop == 0.1  # the reference has dropout too, off in eval mode
+    assert evaluating[-1]["eval_loss"] == pytest.approx(_reference(trained, source, root / "val.bin")["eval_loss"],
+                                                        abs=TOL)
 
 
 def test_eval_under_zero_2_replicas_equals_the_untouched_model_and_leaves_training_alone(torchrun: Launcher,
@@ -180,5 +190,11 @@ def test_eval_on_deepspeed_equals_the_untouched_model_and_leaves_training_alone(
     script = _dropout_job(tmp_path)
     quiet = _train(torchrun, script, "--engine", "deepspeed", "--steps", "2")
     log = _train(torchrun, script, "--engine", "deepspeed", "--steps", "2", "--eval-data", root / "val.bin",
-                 "--eval-every", "1")
+                 "--eval-every", "1", "--export", tmp_path / "exported")
     assert [r["loss"] for r in log] == [r["loss"] for r in quiet] and all("eval_loss" in r for r in log)
+    from transformers import GPT2LMHeadModel
+
+    dropout_source = model_factory(str(tmp_path / "m"), batch_size=ROWS, seq_len=SEQ)
+    trained = GPT2LMHeadModel.from_pretrained(tmp_path / "exported")  # dropout 0.1, off in eval mode
+    assert log[-1]["eval_loss"] == pytest.approx(_reference(trained, dropout_source, root / "val.bin")["eval_loss"],
+                                                 abs=TOL)

@@ -40,6 +40,7 @@ from ..errors import AutopipeError
 from .ds_module import DSLayer, LayerSource, build_pipeline_module, save_final_weights
 from .ds_settings import ds_config, load_ds_config, refuse_flags, refuse_plan
 from .engine import model_loss, split_batch
+from .eval_mode import traced_eval_mode
 from .layout import ChunkLayout, even_boundaries, load_plan
 from .optim import TrainConfig, make_lr_scheduler, make_optimizer, optimizer_class
 from .trainer import StepStats, batch_tokens
@@ -186,11 +187,13 @@ class DeepSpeedTrainer:
             layer.seeds, layer.microbatch = None, 0
         self.loss_fn.metrics, self.loss_fn.classify = [], labels is not None
         try:
-            self.engine.eval_batch(data_iter=iter(micro), bcast_loss=False)
+            # the traced layers' dropout and batch-norm flags, which eval_batch's .eval() leaves on;
+            # train mode after (eval_batch leaves the module in eval mode)
+            with traced_eval_mode([self.engine.module]):
+                self.engine.eval_batch(data_iter=iter(micro), bcast_loss=False)
             figures = self.loss_fn.metrics
         finally:
             self.loss_fn.metrics = None
-            self.engine.module.train()  # eval_batch leaves the module in eval mode (dropout off)
         if not figures:
             return torch.zeros(4, dtype=torch.float64, device=self.env.device)
         return torch.stack(figures).sum(0).to(self.env.device)

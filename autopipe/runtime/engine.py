@@ -23,6 +23,7 @@ from ..graph.recompute import shared_recompute
 from ..planner.memory import splits_backward
 from .build import MicrobatchSeeds, PipeChunk, StageBuild
 from .comm import Comm
+from .eval_mode import traced_eval_mode
 
 __all__ = ["PipelineEngine", "Stopwatch", "model_loss", "pack_batch", "scalar_outputs", "split_batch"]
 
@@ -262,16 +263,14 @@ class PipelineEngine:
         if self.is_last and tgt is None:
             tgt = torch.zeros(self.microbatches, device=self.device)
         modules = [stage.submod for stage in self.stages]
-        for m in modules:
-            m.eval()
         self._metrics, self._classify, self._figures = [], classify, figures
         try:
-            self.schedule.eval(*args, target=tgt, losses=[], return_outputs=False)
+            # the traced layers' dropout and batch-norm flags, which .eval() alone leaves on
+            with traced_eval_mode(modules):
+                self.schedule.eval(*args, target=tgt, losses=[], return_outputs=False)
             figures = self._metrics
         finally:
             self._metrics = None
-            for m in modules:
-                m.train()
             _reshard(modules)
         if not figures:
             return torch.zeros(4, dtype=torch.float64, device=self.device)
