@@ -24,7 +24,6 @@ from autopipe.runtime.checkpoint import (
     CheckpointFolderError,
     check_ckpt_dir,
     claim_ckpt_dir,
-    latest_checkpoint,
     save_checkpoint,
 )
 from autopipe.runtime.exports import checkpoint_params, export
