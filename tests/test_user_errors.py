@@ -110,16 +110,18 @@ def test_data_too_small_for_a_step_is_a_warning_with_the_numbers(tmp_path: Path)
     assert data.epoch(3, 32) == 12.0
 
 
-def test_the_memory_limit_the_advice_names_fits_when_tried(tmp_path: Path) -> None:
+@pytest.mark.parametrize("limit,why", [("20.5MiB", "stages would fit"), ("20.01MiB", "alone needs")])
+def test_the_memory_limit_the_advice_names_fits_when_tried(tmp_path: Path, limit: str, why: str) -> None:
     """convert a tiny GPT-2 under a limit too small for 2 stages (the runtime's reserve given, 20 MiB,
-    as the probe would measure it): the refusal names a --memory-limit above the reserve, and convert
-    under exactly that limit writes the job."""
+    as the probe would measure it), also one below its largest layer alone: the refusal names a
+    --memory-limit above the reserve, and convert under exactly that limit writes the job."""
     from autopipe.job.converter import convert
 
     tiny = tiny_gpt2_job(tmp_path, layers=2, microbatches=2, rows=2, seq=16)
     options = dict(stages=2, estimate=True, seq_len=16, batch_size=2, reserve="20MiB", progress=False)
     with pytest.raises(InfeasibleMemoryError) as info:
-        convert(str(tiny), out=tmp_path / "small", memory_limit="20.5MiB", **options)
+        convert(str(tiny), out=tmp_path / "small", memory_limit=limit, **options)
+    assert why in str(info.value), str(info.value)
     found = re.search(r"--memory-limit (\S+) fits 2 stages", str(info.value))
     assert found, str(info.value)
     assert parse_size(found[1]) > 20 * 2**20

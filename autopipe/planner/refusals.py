@@ -33,17 +33,21 @@ def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | Non
     where = f"{stages} stages ({schedule}, {m} micro-batches{f', {v} virtual' if v > 1 else ''})"
     head = f"no cut into {where} fits {what}"
     worst = int(np.argmax(alone))
+    need = least_memory(c, stages * v, modes=allowed, states=states) * v
+    fits_text = (f"--memory-limit {limit_text(device_limit(model, need // v, v))} fits {stages} stages "
+                 f"({format_bytes(need)} of tensors per device, and the {format_bytes(model.reserve)} the runtime "
+                 "holds beside them)")
     if alone[worst] > chunk_limit:
+        # name a limit that fits the stages asked for, not only the layer's own bound (a user who
+        # tried that bound was refused again)
         return InfeasibleMemoryError(
             f"{head}: layer {worst} ({model.names[worst]}) alone needs {format_bytes(int(alone[worst]))} "
             f"(parameters, gradients, optimizer state and {fewest} micro-batch of activations, recomputed "
-            f"or not), so no number of stages fits; raise the memory limit to at least "
-            f"{limit_text(device_limit(model, int(alone[worst]), v))} or use a lighter optimizer."
+            f"or not), so no number of stages fits; {fits_text}. Raise --memory-limit or use a lighter optimizer."
         )
     hints = []
     if set(allowed) != set(everything) and fits(c, stages * v, limit=chunk_limit, modes=everything, states=states):
         hints.append("recompute auto (--recompute auto) would fit")
-    need = least_memory(c, stages * v, modes=allowed, states=states) * v
     more = None
     tried = min(n // v, 8 * stages)  # each try is a feasibility test: stay within a second or so
     for s in range(stages + 1, tried + 1):
@@ -66,9 +70,7 @@ def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | Non
     if schedule == "gpipe":
         fixes.append("use 1f1b (it holds fewer micro-batches than gpipe)")
     return InfeasibleMemoryError(
-        f"{head}: {'; '.join(hints)}; --memory-limit {limit_text(device_limit(model, need // v, v))} fits "
-        f"{stages} stages ({format_bytes(need)} of tensors per device, and the {format_bytes(model.reserve)} the "
-        f"runtime holds beside them). {', '.join(fixes[:-1]).capitalize()} or {fixes[-1]}."
+        f"{head}: {'; '.join(hints)}; {fits_text}. {', '.join(fixes[:-1]).capitalize()} or {fixes[-1]}."
     )
 
 
