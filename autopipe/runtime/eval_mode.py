@@ -6,14 +6,14 @@ dropout_p=0.1)`` and ``aten.batch_norm(..., training=True, ...)`` with those con
 Evaluation through the pipeline then drew dropout masks (a CNN's held-out accuracy read 88.7 % where
 the same weights score 91.4 % in eval mode) and would have moved batch norm's running statistics.
 
-``traced_eval_mode(modules)`` puts every ``torch.fx.GraphModule`` below ``modules`` in eval mode for
-the duration of a ``with`` block: each call of an aten operator whose schema names a ``train`` or
-``training`` flag gets ``False`` and each ``dropout_p`` gets ``0.0`` (only literal constants: a
-flag computed in the graph is left as it is), the graph is recompiled, and on exit the constants
-are put back and the modules returned to train mode. Operators are found by their schema, not by
-name, so every dropout variant, attention with dropout and batch norm are covered alike. Python
-code of the user's that branched on ``self.training`` at trace time is not reachable here: the
-branch taken in train mode is what the graph holds.
+``traced_eval_mode(modules)`` puts ``modules`` in eval mode for the duration of a ``with`` block and
+runs it under a ``TorchFunctionMode`` that gives every call of an operator whose schema names a
+``train`` or ``training`` flag ``False``, and every ``dropout_p`` ``0.0`` (literal values only), then
+back to train mode. Operators are found by their schema, not by name, so every dropout variant,
+attention with dropout and batch norm are covered alike; the graphs themselves are not touched
+(recompiling a graph wrapped by FSDP2, whose class is a subclass made at wrap time, recursed
+without end). Python code of the user's that branched on ``self.training`` at trace time is not
+reachable here: the branch taken in train mode is what the graph holds.
 """
 
 from __future__ import annotations
@@ -23,42 +23,34 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["traced_eval_mode", "train_mode_constants"]
+__all__ = ["traced_eval_mode"]
 
 _OFF = {"train": False, "training": False, "dropout_p": 0.0}  # an argument's name -> its value in eval mode
 
 
-def train_mode_constants(graph: fx.Graph) -> list[tuple[fx.Node, int | str, object]]:
-    """The train-mode constants of ``graph``: (node, argument position or keyword, value now) for
-    every literal ``train``/``training`` True and non-zero ``dropout_p`` of an aten operator call."""
-    found: list[tuple[fx.Node, int | str, object]] = []
-    for node in graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None:
+def _eval_arguments(func: object, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of an operator call with its train-mode constants set off."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for i, arg in enumerate(schema.arguments):
+        off = _OFF.get(arg.name)
+        if off is None:
             continue
-        for i, arg in enumerate(schema.arguments):
-            if arg.name not in _OFF:
-                continue
-            where: int | str
-            if i < len(node.args):
-                where, value = i, node.args[i]
-            elif arg.name in node.kwargs:
-                where, value = arg.name, node.kwargs[arg.name]
-            else:
-                continue  # the default: dropout_p 0.0, or no train flag given
-            if isinstance(value, (bool, int, float)) and value != _OFF[arg.name]:
-                found.append((node, where, value))
-    return found
+        if i < len(args) and isinstance(args[i], (bool, int, float)):
+            args[i] = off
+        elif isinstance(kwargs.get(arg.name), (bool, int, float)):
+            kwargs[arg.name] = off
+    return tuple(args), kwargs
 
 
-def _set(node: fx.Node, where: int | str, value: object) -> None:
-    if isinstance(where, int):
-        args = list(node.args)
-        args[where] = value
-        node.args = tuple(args)
-    else:
-        node.kwargs = {**node.kwargs, where: value}
+class _EvalMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        args, kwargs = _eval_arguments(func, tuple(args), dict(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -76,32 +68,11 @@ def traced_eval_mode(modules: Iterable[nn.Module]) -> Iterator[None]:
     (False, True)
     """
     modules = list(modules)
-    changed: list[tuple[fx.GraphModule, list[tuple[fx.Node, int | str, object]]]] = []
-    seen: set[int] = set()
-    for top in modules:
-        for m in top.modules():
-            if isinstance(m, fx.GraphModule) and id(m) not in seen:
-                seen.add(id(m))
-                constants = train_mode_constants(m.graph)
-                if constants:
-                    changed.append((m, constants))
     try:
-        for m, constants in changed:
-            for node, where, value in constants:
-                _set(node, where, _OFF[_argument_name(node, where)])
-            m.recompile()
-        for top in modules:
-            top.eval()
-        yield
+        for m in modules:
+            m.eval()
+        with _EvalMode():
+            yield
     finally:
-        for m, constants in changed:
-            for node, where, value in constants:
-                _set(node, where, value)
-            m.recompile()
-        for top in modules:
-            top.train()
-
-
-def _argument_name(node: fx.Node, where: int | str) -> str:
-    return where if isinstance(where, str) else node.target._schema.arguments[where].name  # type: ignore[union-attr]
-
+        for m in modules:
+            m.train()
