@@ -27,7 +27,7 @@ AUTOPIPE = [str(Path(sys.executable).with_name("autopipe"))]
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("launcher")
     tiny_gpt2_job(root, layers=2, microbatches=2, rows=2, seq=16)
-    (root / "plan.json").write_text('{"boundaries": [0, 2, 4]}')  # 2 stages: autopipe run starts 2 processes
+    (root / "plan.json").write_text('{"boundaries": [0, 2, 5]}')  # 2 stages of the 5 layers: autopipe run starts 2 processes
     return root
 
 

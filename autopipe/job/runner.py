@@ -46,8 +46,9 @@ def job_script(job: str | os.PathLike[str]) -> Path:
 
 
 def _processes(script: Path, flags: Sequence[str]) -> int:
-    """stages x replicas: the plan's stages, the replicas of ``--dp`` among the flags, else the plan's."""
-    from ..planner.plan import Plan
+    """stages x replicas: the plan's stages, the replicas of ``--dp`` among the flags, else the plan's.
+    The plan is read as train.py reads it: a hand-written ``{"boundaries": [...]}`` too."""
+    from ..runtime.layout import load_plan
 
     plan_path = script.with_name("plan.json")
     given = _flag(flags, "--plan")
@@ -55,7 +56,7 @@ def _processes(script: Path, flags: Sequence[str]) -> int:
         plan_path = Path(given)
     if not plan_path.is_file():
         raise AutopipeError(f"{plan_path} does not exist; give --nproc-per-node N to autopipe run.")
-    plan = Plan.load(plan_path)
+    plan = load_plan(plan_path)
     if int(getattr(plan, "nodes", 1)) > 1:
         raise AutopipeError(f"{plan_path} spans {plan.nodes} nodes; launch each node with the torchrun line in "
                             f"{script.with_name('README.md')} (or sbatch {script.with_name('train.sbatch')}).")
@@ -64,7 +65,11 @@ def _processes(script: Path, flags: Sequence[str]) -> int:
         replicas = int(dp) if dp is not None else int(getattr(plan, "dp", 1) or 1)
     except ValueError:
         raise AutopipeError(f"--dp {dp}: give a whole number of replicas.") from None
-    return int(plan.stages) * replicas
+    stages = getattr(plan, "stages", None)
+    if stages is None:  # hand-written: its chunks' ranks, else one chunk per stage
+        ranks = tuple(plan.stage_ranks)
+        stages = max(ranks) + 1 if ranks else len(plan.boundaries) - 1
+    return int(stages) * replicas
 
 
 def _flag(flags: Sequence[str], name: str) -> str | None:
@@ -123,11 +128,19 @@ def run_job(job: str | os.PathLike[str], flags: Sequence[str] = (), *, nproc: in
         for t in tails:
             t.join(timeout=10)
         quiet()
-    if failed is not None and not any(line.startswith(("error:", "interrupted:")) for line in said):
-        rank, failure = next(iter(sorted(failed.failures.items())))
-        why = f"signal {failure.signal_name()}" if failure.signal else f"exit code {failure.exitcode}"
+    held = [line for line in said if line.startswith("error:")]  # rank 0's error lines, held back by _tail
+    # a negative exit code is the signal that ended the process (torch's ProcessFailure.signal_name)
+    killed = sorted(((r, f) for r, f in failed.failures.items() if f.exitcode < 0), key=lambda rf: rf[0]) \
+        if failed is not None else []
+    if failed is not None and (killed or not any(line.startswith(("error:", "interrupted:")) for line in said)):
+        # a rank killed by a signal is the cause; rank 0's error is then only its lost connection
+        rank, failure = killed[0] if killed else min(failed.failures.items(), key=lambda rf: rf[0])
+        why = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         print(f"error: rank {rank} stopped ({why}) without a word; its output: {_rank_dir(logs, rank)}",
               file=err, flush=True)
+    else:
+        err.writelines(held)
+        err.flush()
     return status
 
 
@@ -153,8 +166,9 @@ def _tail(logs: Path, name: str, dst: TextIO, done: threading.Event, said: list[
             line = f.readline()
             if line:
                 said.append(line)
-                dst.write(line)
-                dst.flush()
+                if not line.startswith("error:"):  # said at the end, once it is known which rank failed first
+                    dst.write(line)
+                    dst.flush()
             elif done.is_set():
                 return
             else:
