@@ -140,7 +140,7 @@ def test_the_sbatch_script_trains_and_resumes_on_two_nodes(tmp_path: Path) -> No
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc
 
-    first = run("--steps", "2")
+    first = run("--steps", "2", "--ckpt-every", "2")  # a run saves only when asked
     assert "on 2 stage(s) x 1 replica(s)" in first.stdout and "step     2" in first.stdout, first.stdout[-2000:]
     (saved,) = ckpt.glob("step_*")
     assert sorted(p.name for p in saved.iterdir()) == ["meta.json", "rank00000.pt", "rank00001.pt", "sharded"]
