@@ -4,11 +4,13 @@ The data set is scikit-learn's handwritten digits (1,797 8x8 images, shipped ins
 nothing is downloaded). The factory gives autopipe the model, its example input and its training
 data; the model returns logits, so the job trains it with ``--loss cross_entropy``:
 
-    autopipe convert examples/digits_cnn.py:build --stages 2 --batch-size 16 --loss cross_entropy
-    torchrun --nproc-per-node 2 jobs/digits_cnn/train.py --steps 150 --lr 3e-3 --export trained/
+    autopipe convert examples/digits_cnn.py:build --stages 2 --batch-size 16 --loss cross_entropy --eval-data test.npz
+    autopipe run jobs/digits_cnn-build --steps 150 --lr 3e-3 --eval-every 50 --export trained/
 
-Run as a script it does the same from Python, then loads the exported weights into the plain model
-and measures its accuracy on the 297 images it never trained on:
+The job evaluates on the 297 images it never trains on (``test.npz``, saved by this script) every
+50 steps and at the end: loss and accuracy, forward-only through the pipeline. Run as a script it
+does the same from Python, then loads the exported weights into the plain model and measures its
+accuracy on those images itself, which equals the job's last evaluation:
 
     python examples/digits_cnn.py [--steps 150] [--workdir DIR]
 """
@@ -16,6 +18,7 @@ and measures its accuracy on the 297 images it never trained on:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -65,17 +68,18 @@ def build(batch_size: int = 16) -> dict:
     return {"model": DigitsCNN(), "args": (torch.zeros(batch_size, 1, 8, 8),), "data": lambda: digits("train")}
 
 
-def accuracy(weights: Path) -> float:
-    """Held-out accuracy of the plain model with the trained weights."""
+def accuracy(weights: Path, rows: int | None = None) -> float:
+    """Held-out accuracy of the plain model with the trained weights (on the first ``rows`` images)."""
     from safetensors.torch import load_file
 
     model = DigitsCNN()
     model.load_state_dict(load_file(str(weights)))
     model.eval()
     test = digits("test")
+    x, y = test["x"][:rows], test["y"][:rows]
     with torch.no_grad():
-        predicted = model(torch.from_numpy(test["x"])).argmax(-1).numpy()
-    return float((predicted == test["y"]).mean())
+        predicted = model(torch.from_numpy(x)).argmax(-1).numpy()
+    return float((predicted == y).mean())
 
 
 def main() -> None:
@@ -86,16 +90,23 @@ def main() -> None:
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="autopipe-digits-"))
     from autopipe.job.converter import convert
 
+    work.mkdir(parents=True, exist_ok=True)
+    np.savez(work / "test.npz", **digits("test"))  # the held-out images the job evaluates on
     result = convert(f"{Path(__file__).resolve()}:build", stages=2, batch_size=16, microbatches=4, loss="cross_entropy",
-                     out=work / "job", repeats=2, progress=False)
+                     eval_data=work / "test.npz", out=work / "job", repeats=2, progress=False)
     print(f"{result.plan.num_layers} layers -> 2 stages, cut before layer {result.plan.boundaries[1]}")
-    command = shlex.split(result.job.launch) + ["--steps", str(opts.steps), "--lr", "3e-3", "--export", str(work / "trained"),
-                                                "--log-json", str(work / "log.json")]
+    every = max(1, opts.steps // 2)
+    command = shlex.split(result.job.launch) + ["--steps", str(opts.steps), "--lr", "3e-3", "--eval-every", str(every),
+                                                "--export", str(work / "trained"), "--log-json", str(work / "log.json")]
     print("$", shlex.join(command))
     subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
-    acc = accuracy(work / "trained" / "model.safetensors")
+    evaluated = [r for r in map(json.loads, (work / "log.json").read_text().splitlines()) if "eval_accuracy" in r]
+    print("the job's evaluations: " + ", ".join(f"step {r['step']} accuracy {r['eval_accuracy']:.1%}" for r in evaluated))
+    rows = HELD_OUT // (16 * 4) * (16 * 4)  # whole evaluation batches of 4 micro-batches of 16
+    acc = accuracy(work / "trained" / "model.safetensors", rows=rows)
     chance = 0.1
-    print(f"held-out accuracy: {acc:.1%} on {HELD_OUT} images never trained on (chance {chance:.0%})")
+    print(f"held-out accuracy: {acc:.1%} on the job's {rows} evaluation images, never trained on "
+          f"(chance {chance:.0%}; the job's last evaluation: {evaluated[-1]['eval_accuracy']:.1%})")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The text is autopipe's own documentation (README.md and docs/*.md, beside this file). A small
 word-level tokenizer is made from it and saved in the model's folder with the config, as a
 HuggingFace folder holds them; the job then reads the text through that tokenizer (``--data
-corpus.txt``). BERT trains with HuggingFace's masked-LM corruption (15% of tokens: 80% [MASK],
+corpus.txt``) and evaluates on its last tenth (``--eval-data``: the held-out perplexity every few
+steps). BERT trains with HuggingFace's masked-LM corruption (15% of tokens: 80% [MASK],
 10% random, 10% kept); T5 learns to continue each window of text (the next window is its labels).
 
     python examples/text_lm.py --task mlm      [--steps 30] [--workdir DIR]
@@ -30,6 +31,14 @@ def corpus(path: Path) -> Path:
     """autopipe's documentation as one text file."""
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     path.write_text("\n".join(f.read_text() for f in files))
+    return path
+
+
+def held_out(text: Path, path: Path, share: float = 0.1) -> Path:
+    """The last ``share`` of ``text`` as the evaluation text (the job also trains on it: a small
+    corpus, and the point is the figure, not generalisation)."""
+    words = text.read_text().split()
+    path.write_text(" ".join(words[int(len(words) * (1 - share)):]))
     return path
 
 
@@ -68,17 +77,22 @@ def main() -> None:
     folder = model_folder(work / opts.task, opts.task, text.read_text())
     from autopipe.job.converter import convert
 
-    result = convert(str(folder), stages=2, batch_size=4, seq_len=32, microbatches=4, data=text, out=work / "job",
-                     repeats=2, progress=False)
+    evaluation = held_out(text, work / "held_out.txt")
+    result = convert(str(folder), stages=2, batch_size=4, seq_len=32, microbatches=4, data=text, eval_data=evaluation,
+                     out=work / "job", repeats=2, progress=False)
     print(f"{result.plan.num_layers} layers -> 2 stages, cut before layer {result.plan.boundaries[1]}")
     log = work / "log.json"
-    command = shlex.split(result.job.launch) + ["--steps", str(opts.steps), "--lr", "2e-3", "--log-json", str(log)]
+    command = shlex.split(result.job.launch) + ["--steps", str(opts.steps), "--lr", "2e-3", "--log-json", str(log),
+                                                "--eval-every", str(max(1, opts.steps // 2)), "--eval-steps", "4"]
     print("$", shlex.join(command))
     subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
-    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    losses = [r["loss"] for r in records]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     print(f"{opts.task}: loss {first:.3f} (first 3 steps) -> {last:.3f} (last 3)")
     print("loss fell" if last < first else "loss did not fall")
+    print("held-out perplexity: " + ", ".join(f"{r['eval_perplexity']:.1f} at step {r['step']}" for r in records
+                                              if "eval_perplexity" in r))
 
 
 if __name__ == "__main__":

@@ -47,19 +47,19 @@ def test_convert_writes_the_job_folder(factory: str):
     """Success: plan, profile, train.py, report and README in jobs/<name>, a stage table and the launch command."""
     result = _convert(factory, "--stages", "2")
     assert result.exit_code == 0, result.output
-    job = Path("jobs/tiny")
+    job = Path("jobs/tiny-build")
     assert sorted(p.name for p in job.iterdir()) == ["README.md", "plan.json", "profile.json", "report.html", "train.py"]
     plan = json.loads((job / "plan.json").read_text())
     assert plan["kind"] == "autopipe.plan" and plan["stages"] == 2 and len(plan["boundaries"]) == 3
     assert plan["boundaries"][0] == 0 and plan["boundaries"][-1] == 6  # inp, 4 blocks, out
     profile = json.loads((job / "profile.json").read_text())
     assert profile["model"] == factory and len(profile["layers"]) == 6
-    assert "torchrun --nproc-per-node 2 jobs/tiny/train.py" in result.output
+    assert "torchrun --nproc-per-node 2 jobs/tiny-build/train.py" in result.output
     names = [layer["name"] for layer in profile["layers"]]
     for a in plan["boundaries"][:-1]:  # the stage table names each stage's first layer
         assert names[a] in result.output
     assert (job / "train.py").stat().st_size > 0
-    assert "torchrun --nproc-per-node 2 jobs/tiny/train.py" in (job / "README.md").read_text()
+    assert "torchrun --nproc-per-node 2 jobs/tiny-build/train.py" in (job / "README.md").read_text()
 
 
 def test_convert_estimate_and_options_reach_the_plan(factory: str):
@@ -116,7 +116,7 @@ def test_bad_schedule_and_engine_are_one_line(factory: str):
 
 def test_existing_folder_is_not_overwritten(factory: str):
     """An existing job folder is refused and left exactly as it was."""
-    job = Path("jobs/tiny")
+    job = Path("jobs/tiny-build")
     job.mkdir(parents=True)
     (job / "plan.json").write_text("my precious plan")
     _fails_cleanly(_convert(factory, "--stages", "2"), "already exists")
@@ -126,7 +126,7 @@ def test_existing_folder_is_not_overwritten(factory: str):
 
 def test_force_replaces_job_files_but_keeps_others(factory: str):
     """--force rewrites the job's own files; other files in the folder (a checkpoint) survive."""
-    job = Path("jobs/tiny")
+    job = Path("jobs/tiny-build")
     (job / "checkpoints").mkdir(parents=True)
     (job / "checkpoints" / "step1.pt").write_text("weights")
     (job / "plan.json").write_text("old")
@@ -205,13 +205,14 @@ def test_force_failing_midway_keeps_the_old_job(tmp_path: Path, monkeypatch: pyt
         ("llama-1b", "llama-1b"),
         ("models/Llama-3.2-1B", "Llama-3.2-1B"),
         ("models/Llama-3.2-1B/", "Llama-3.2-1B"),
-        ("mypkg.nets.resnet:build", "resnet"),
-        ("tiny.py:build", "tiny"),
-        ("src/v1.2/my.models.py:build", "my.models"),
+        ("mypkg.nets.resnet:build", "resnet-build"),
+        ("tiny.py:build", "tiny-build"),
+        ("src/v1.2/my.models.py:build", "my.models-build"),
     ],
 )
 def test_default_job_dir_names(model: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """jobs/<name>: a folder's last component (dots kept), a module's last part, a factory file's stem."""
+    """jobs/<name>: a folder's last component (dots kept); for a factory its module's last part or its
+    file's stem, and the function's name."""
     from autopipe.job.converter import default_job_dir
 
     monkeypatch.chdir(tmp_path)
@@ -273,7 +274,7 @@ def test_a_job_without_a_loss_is_refused_before_profiling(tmp_path: Path, monkey
     np.savez("good.npz", x=np.zeros((8, 16), np.float32), y=np.zeros(8, np.int64))
     result = _convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "good.npz")
     assert result.exit_code == 0, result.output
-    script = Path("jobs/logits/train.py").read_text()
+    script = Path("jobs/logits-build/train.py").read_text()
     assert "LOSS = 'cross_entropy'" in script and f"DATA = {str(tmp_path / 'good.npz')!r}" in script
     assert f"MODEL = {str(tmp_path / 'logits.py') + ':build'!r}" in script  # runs from any folder
 
@@ -282,10 +283,10 @@ def test_deepspeed_job_gets_an_editable_ds_config_and_a_torchrun_launch(factory:
     """--engine deepspeed: ds_config.json in the job folder (batch sizes, optimizer, ZeRO), launched with torchrun."""
     result = _convert(factory, "--stages", "2", "--engine", "deepspeed", "--batch-size", "4")
     assert result.exit_code == 0, result.output
-    cfg = json.loads(Path("jobs/tiny/ds_config.json").read_text())
+    cfg = json.loads(Path("jobs/tiny-build/ds_config.json").read_text())
     assert cfg["train_micro_batch_size_per_gpu"] == 4 and cfg["optimizer"]["type"] == "AdamW"
     assert cfg["zero_optimization"]["stage"] == 0
-    assert "torchrun --nproc-per-node 2 jobs/tiny/train.py" in result.output
+    assert "torchrun --nproc-per-node 2 jobs/tiny-build/train.py" in result.output
     _fails_cleanly(_convert(factory, "--stages", "2", "--engine", "deepspeed", "--schedule", "zbv", "--out", "x"),
                    "--schedule zbv does not run on --engine deepspeed")
 
@@ -318,7 +319,7 @@ def test_deepspeed_jobs_are_planned_without_recompute(factory: str):
 def test_report_keeps_a_report_html_it_did_not_write(factory: str):
     """`autopipe report PLAN` rebuilds its own report.html, but a report.html of the user's beside the plan needs --force."""
     assert _convert(factory, "--stages", "2").exit_code == 0
-    job = Path("jobs/tiny")
+    job = Path("jobs/tiny-build")
     assert runner.invoke(app, ["report", str(job / "plan.json")]).exit_code == 0  # its own: rebuilt
     (job / "report.html").write_text("<html>my notes</html>")
     _fails_cleanly(runner.invoke(app, ["report", str(job / "plan.json")]), "is not an autopipe report")

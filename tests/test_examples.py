@@ -72,11 +72,14 @@ def test_gpt2_example_trains_with_falling_loss(tmp_path: Path):
 @pytest.mark.distributed
 def test_digits_cnn_learns_real_images_pipelined(tmp_path: Path):
     """A CNN trained on 2 processes on scikit-learn's digits (the factory's data, --loss cross_entropy)
-    classifies held-out images far above chance (10%)."""
+    classifies held-out images far above chance (10%); the job's own evaluation (--eval-data) says the
+    same accuracy as the plain model with the exported weights."""
     out = _run("examples/digits_cnn.py", "--workdir", str(tmp_path), "--steps", "80")
     line = next(l for l in out.splitlines() if l.startswith("held-out accuracy:"))
     accuracy = float(line.split()[2].rstrip("%")) / 100
     assert accuracy > 0.8, line
+    assert line.endswith(f"the job's last evaluation: {line.split()[2]})"), line
+    assert next(l for l in out.splitlines() if l.startswith("the job's evaluations:")).count("accuracy") == 2
 
 
 @pytest.mark.slow
@@ -86,3 +89,5 @@ def test_masked_lm_and_seq2seq_learn_local_text(tmp_path: Path):
     for task in ("mlm", "seq2seq"):
         out = _run("examples/text_lm.py", "--task", task, "--workdir", str(tmp_path / task), "--steps", "12")
         assert f"data {tmp_path / task / 'corpus.txt'}" in out and "loss fell" in out, out[-2000:]
+        perplexities = next(l for l in out.splitlines() if l.startswith("held-out perplexity:"))
+        assert perplexities.count(" at step ") == 2, perplexities  # evaluated at step 6 and at the end

@@ -61,7 +61,8 @@ def test_written_script_is_the_template_but_settings_and_launch_lines(tmp_path: 
     doc = ast.get_docstring(ast.parse(text))
     assert doc.startswith("Pipeline-parallel training of /models/my llama, written by autopipe.")
     launches = [line.split("#")[0].strip() for line in doc.splitlines() if "train.py" in line and "#" in line]
-    assert launches[:4] == ["torchrun --nproc-per-node 3 train.py", "torchrun --nproc-per-node 6 train.py --dp 2",
+    assert launches[:5] == ["autopipe run train.py", "torchrun --nproc-per-node 3 train.py",
+                            "torchrun --nproc-per-node 6 train.py --dp 2",
                             "torchrun --nproc-per-node 6 train.py --dp 2 --zero 3",
                             "torchrun --nproc-per-node 3 train.py --engine deepspeed"]  # the README's command
     assert "deepspeed --num_gpus" not in text and "$" not in text
@@ -124,10 +125,11 @@ def test_both_engines_run_the_same_sections() -> None:
     after = text[text.index("# ---- data"):]
     assert "engine" not in after.replace("on {args.engine}", "")  # nothing below the branch depends on the engine
     for line in ("stats = trainer.step(batch_args, batch_kwargs, target)", "save_checkpoint(trainer, args.ckpt_dir",
-                 "resume(trainer, args.ckpt_dir", "latest_checkpoint(args.ckpt_dir)", "env.close()"):
+                 "resume(trainer, args.ckpt_dir", "rt.export_final(trainer, args.export",
+                 "rt.Evaluator(trainer, eval_data", "env.close()"):
         assert line in after, line
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "rt"}
-    assert {"DeepSpeedTrainer", "ds_save_checkpoint", "ds_resume", "ds_latest_checkpoint"} <= used
+    assert {"DeepSpeedTrainer", "ds_save_checkpoint", "ds_resume", "export_final", "Evaluator"} <= used
     for name in used:
         assert getattr(rt, name) is not None, name
 

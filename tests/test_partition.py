@@ -139,7 +139,26 @@ def test_infeasible_says_how_many_stages_would_fit() -> None:
         partition(prof, 2, memory_limit=100, bandwidth=None)
     best_two = min(max(sum(static[:c]), sum(static[c:])) for c in range(1, 8))
     assert f"{fewest} stages would fit" in str(info.value)
-    assert f"{best_two} B per device fits 2 stages" in str(info.value)
+    assert f"--memory-limit {best_two}B fits 2 stages" in str(info.value)
+
+
+@pytest.mark.parametrize("reserve", [0, 77_000_000])
+def test_the_memory_limit_a_refusal_suggests_fits_when_tried(reserve: int) -> None:
+    """The limit the refusal names is never below what the runtime holds alone (the profile's
+    reserve), and partitioning under it, as a person would type it, succeeds: tried here."""
+    import re
+    from dataclasses import replace
+
+    params = [3_000_000, 1_000_000, 2_000_000, 4_000_000, 1_000_000, 3_000_000, 2_000_000, 1_000_000]
+    prof = replace(Profile.from_costs([1.0] * 8, param_bytes=params, activation_bytes=[500_000] * 8,
+                                      output_bytes=[10_000] * 8), reserve_bytes=reserve)
+    with pytest.raises(InfeasibleMemoryError) as info:
+        partition(prof, 2, memory_limit=reserve + 25_000_000, bandwidth=None)
+    suggested = re.search(r"--memory-limit (\S+) fits 2 stages", str(info.value))
+    assert suggested, str(info.value)
+    assert parse_size(suggested[1]) > reserve
+    plan = partition(prof, 2, memory_limit=suggested[1], bandwidth=None)
+    assert plan.stages == 2 and max(plan.rank_memory) <= parse_size(suggested[1])
 
 
 def test_manual_boundaries_report_optimum() -> None:

@@ -23,7 +23,6 @@ from autopipe.runtime import (
     build_stage,
     model_factory,
 )
-from autopipe.runtime.checkpoint import latest_checkpoint
 from autopipe.runtime.layout import even_boundaries
 from autopipe.runtime.reference import ReferenceTrainer
 
@@ -89,7 +88,7 @@ def launch(torchrun: Launcher, job: Path, name: str, nproc: int, *flags: str, en
         (run / "plan.json").write_text(json.dumps({"boundaries": plan}))
     proc = torchrun(job / "train.py", "--steps", STEPS, "--lr", LR, "--plan",
                     run / "plan.json" if plan is not None else "even",
-                    "--ckpt-dir", run / "ckpt", "--log-json", run / "log.json", *flags,
+                    "--ckpt-dir", run / "ckpt", "--log-json", run / "log.json", "--export", run / "exported", *flags,
                     nproc=nproc, cwd=run, env=env, pythonpath=pythonpath or (), timeout=RUN_TIMEOUT, check=check)
     return run, proc
 
@@ -98,15 +97,11 @@ def logged_losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "log.json").read_text().splitlines())}
 
 
-def final_params(run: Path) -> dict[str, list[torch.Tensor]]:
-    """Every rank's copy of every parameter in the newest checkpoint, by name."""
-    ckpt = latest_checkpoint(run / "ckpt") or run / "ckpt" / "deepspeed_final"
-    assert ckpt.is_dir()
-    out: dict[str, list[torch.Tensor]] = {}
-    for shard in sorted(ckpt.glob("rank*.pt")):
-        for name, value in torch.load(shard, weights_only=False)["params"].items():
-            out.setdefault(name, []).append(value)
-    return out
+def final_params(run: Path) -> dict[str, torch.Tensor]:
+    """The weights the run ended with, as --export wrote them (a tied tensor under each of its names)."""
+    from safetensors.torch import load_file
+
+    return load_file(run / "exported" / "model.safetensors")
 
 
 def assert_matches_reference(run: Path, job: Path, dp: int = 1) -> None:
@@ -116,11 +111,9 @@ def assert_matches_reference(run: Path, job: Path, dp: int = 1) -> None:
     norms = {r["step"]: r["grad_norm"] for r in map(json.loads, (run / "log.json").read_text().splitlines())}
     assert [norms[s + 1] for s in range(STEPS)] == pytest.approx(_NORMS[dp], rel=TOL)
     params = final_params(run)
-    assert set(params) <= set(ref_params)
-    assert len(params) == len({id(p) for p in ref_params.values()})  # every tensor trained somewhere
-    for name, copies in params.items():
-        for value in copies:
-            torch.testing.assert_close(value, ref_params[name], atol=TOL, rtol=0, msg=name)
+    assert set(params) == set(ref_params)  # every tensor trained somewhere, under each of its names
+    for name, value in params.items():
+        torch.testing.assert_close(value, ref_params[name], atol=TOL, rtol=0, msg=name)
 
 
 # ---- distributed runs ---------------------------------------------------------------------------
@@ -137,18 +130,21 @@ def test_two_stage_pipeline_matches_single_process_training(torchrun: Launcher, 
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 4), ("1f1b", 4), ("interleaved1f1b", 8)])
 def test_four_stage_pipeline_matches_and_tied_copies_stay_equal(torchrun: Launcher, job: Path, num_layers: int, schedule: str, chunks: int) -> None:
-    """4 ranks: matches plain training; wte/lm_head copies on the first and last rank are equal after every step."""
+    """4 ranks: matches plain training; wte/lm_head copies on the first and last rank are equal after every step
+    (each rank's own copy, saved after every update by tests/probes: a checkpoint keeps one)."""
+    (job / f"weights-{schedule}").mkdir(exist_ok=True)
     run, _ = launch(torchrun, job, f"pp4-{schedule}", 4, "--schedule", schedule, "--ckpt-every", "1", "--ckpt-keep", "0",
-                    plan=even_boundaries(num_layers, chunks))
+                    plan=even_boundaries(num_layers, chunks), env={"AUTOPIPE_TEST_WEIGHTS": str(job / f"weights-{schedule}")},
+                    pythonpath=[Path(__file__).parent / "probes"])
     assert_matches_reference(run, job)
     steps = sorted((run / "ckpt").glob("step_*"))
     assert len(steps) == STEPS
-    for ckpt in steps:
-        copies = [torch.load(s, weights_only=False)["params"].get("lm_head.weight") for s in sorted(ckpt.glob("rank*.pt"))]
-        copies = [c for c in copies if c is not None]
+    for step in range(1, STEPS + 1):
+        held = [torch.load(job / f"weights-{schedule}" / f"weights_rank{r}_step{step}.pt") for r in range(4)]
+        copies = [h[name] for h in held for name in ("transformer.wte.weight", "lm_head.weight") if name in h]
         assert len(copies) >= 2  # held by the embedding's rank and the head's rank
         for c in copies[1:]:
-            assert torch.equal(c, copies[0]), ckpt.name
+            assert torch.equal(c, copies[0]), step
 
 
 def test_one_process_runs_all_stages_with_the_same_losses(torchrun: Launcher, job: Path, num_layers: int) -> None:

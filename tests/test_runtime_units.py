@@ -120,6 +120,29 @@ def test_constructor_fallback_gives_the_same_values_on_every_layout() -> None:
         assert torch.equal(p, reference[name]), name
 
 
+def test_multihead_attention_takes_its_own_init_without_a_warning() -> None:
+    """nn.MultiheadAttention names its init _reset_parameters: it is used (no "no init function" warning
+    blaming the user's code, no whole-model build), gives what the constructor gives for the same
+    seed, and writes only the tensors asked for (a loaded out_proj.weight is kept)."""
+    import warnings
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True))
+
+    with torch.device("meta"):
+        model = make()
+    model[0].out_proj.weight = nn.Parameter(torch.full((8, 8), 0.5))  # as if loaded
+    new = materialize_(model, ["0.in_proj_weight", "0.in_proj_bias", "0.out_proj.bias"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert init_weights_(model, new, seed=0) == []
+    mha = model[0]
+    assert mha.out_proj.weight.eq(0.5).all()
+    assert mha.in_proj_bias.eq(0).all() and mha.out_proj.bias.eq(0).all()
+    bound = (6 / (8 + 24)) ** 0.5  # xavier_uniform_ of the (24, 8) in_proj_weight
+    assert mha.in_proj_weight.abs().max() <= bound and mha.in_proj_weight.std() > bound / 3
+
+
 class _Scale(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -10,7 +10,7 @@ import typer
 from ..report.tables import limit_phrase, recompute_phrase, sharding_phrase, stage_table
 from .app import app, console, err_console, handle_errors, zero_option
 
-__all__ = ["convert_command", "report_command"]
+__all__ = ["convert_command", "report_command", "run_command"]
 
 
 def _is_autopipe_report(path: Path) -> bool:
@@ -51,6 +51,15 @@ def convert_command(
     reserve: Annotated[Optional[str], typer.Option(help="Memory the runtime holds per rank beyond the tensors, like 80MiB (default: measured once per device).")] = None,
     loss: Annotated[str, typer.Option(help="auto (a factory's loss, else the model's own), model, cross_entropy or mse (against the data's targets).")] = "auto",
     data: Annotated[Optional[Path], typer.Option(help="The job's training data: token file, text, .npz/.pt with x and y, or .parquet/.jsonl/.arrow (default: synthetic).")] = None,
+    eval_data: Annotated[Optional[Path], typer.Option("--eval-data", help="Held-out data the job evaluates on (as --data): loss, and perplexity or accuracy.")] = None,
+    optimizer: Annotated[str, typer.Option(help="adamw, sgd or adafactor (torch's); the plan counts its state.")] = "adamw",
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (train.py's default).")] = 3e-4,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", help="Weight decay, on matrices only.")] = 0.1,
+    betas: Annotated[str, typer.Option("--betas", help="AdamW's betas, like 0.9,0.95.")] = "0.9,0.95",
+    momentum: Annotated[float, typer.Option("--momentum", help="SGD's momentum (0: plain SGD, no state).")] = 0.9,
+    warmup: Annotated[int, typer.Option("--warmup", help="Steps of linear learning-rate warmup.")] = 0,
+    lr_schedule: Annotated[str, typer.Option("--lr-schedule", help="After the warmup: cosine, linear or constant.")] = "cosine",
+    grad_clip: Annotated[float, typer.Option("--grad-clip", help="Global gradient-norm clip (0: off).")] = 1.0,
 ) -> None:
     """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
     from ..job.converter import convert
@@ -66,7 +75,9 @@ def convert_command(
         bandwidth_inter=parse_bandwidth(bandwidth_inter) if bandwidth_inter else None,
         batch_size=batch_size, seq_len=seq_len, dtype=dtype, recompute=recompute, engine=engine, loss=loss, data=data,
         target=for_target, device=device, estimate=estimate, memory_limit=memory_limit, reserve=reserve, repeats=repeats,
-        out=out, force=force,
+        out=out, force=force, eval_data=eval_data, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+        betas=_pair("--betas", betas), momentum=momentum, warmup_steps=warmup, lr_schedule=lr_schedule,
+        grad_clip=grad_clip,
     )  # fmt: skip
 
     def say(name: str) -> None:
@@ -101,6 +112,23 @@ def convert_command(
     console.print(f"wrote {result.job.job_dir}/ ({written}) in {took:.1f} s", highlight=False, soft_wrap=True)
     console.print("launch:", highlight=False)
     console.print(f"  {result.job.launch}", style="bold", highlight=False, soft_wrap=True)
+    if plan.nodes == 1:  # one host: the launcher that keeps each rank's log and shows one line on failure
+        import shlex
+
+        console.print(f"  or: autopipe run {shlex.quote(str(result.job.job_dir))}   (rank 0's output only; every "
+                      "rank's log kept)", highlight=False, soft_wrap=True)
+
+
+def _pair(flag: str, text: str) -> tuple[float, float]:
+    """``"0.9,0.95"`` as two numbers, or a one-line error naming ``flag``."""
+    from ..errors import AutopipeError
+
+    parts = text.replace(",", " ").split()
+    try:
+        a, b = (float(p) for p in parts)
+    except ValueError:
+        raise AutopipeError(f"{flag} {text!r}: give two numbers, like 0.9,0.95.") from None
+    return a, b
 
 
 @app.command("report")
@@ -151,3 +179,23 @@ def report_command(
         mem = " ".join(f"{x:.2f}" for x in measured.memory_ratios)
         console.print(f"measured / predicted: step {measured.step_ratio:.2f}, peak memory per rank {mem}",
                       highlight=False, soft_wrap=True)
+
+
+@app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@handle_errors
+def run_command(
+    ctx: typer.Context,
+    job: Annotated[Path, typer.Argument(metavar="JOB", help="A job folder autopipe convert wrote (or its train.py).")],
+    nproc_per_node: Annotated[Optional[int], typer.Option("--nproc-per-node", help="Processes (default: the plan's stages x replicas).")] = None,
+    logs: Annotated[Optional[Path], typer.Option("--logs", help="Where each rank's output goes (default JOB/logs/<time>/).")] = None,
+) -> None:
+    """Train JOB on this host: one process per stage and replica, on torch's elastic launcher.
+
+    Every flag after JOB goes to train.py (autopipe run jobs/gpt2 --steps 8 --ckpt-every 4). Only
+    rank 0's output reaches the terminal, and a failure is its one line; every rank's output is
+    kept in a file.
+    """
+    from ..job.runner import run_job
+
+    status = run_job(job, list(ctx.args), nproc=nproc_per_node, log_dir=logs)
+    raise typer.Exit(status)

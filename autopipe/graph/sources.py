@@ -15,7 +15,9 @@ its module may define ``example_inputs(batch_size, seq_len)`` returning the args
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -31,7 +33,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import ModelNotFoundError
 
-__all__ = ["ModelSpec", "load_model", "BUILTINS", "builtin_names"]
+__all__ = ["ModelSpec", "load_model", "BUILTINS", "builtin_names", "check_source"]
 
 
 @dataclass
@@ -135,12 +137,87 @@ def load_model(
         return _from_folder(path, device, batch_size or 1, seq_len, dropout, weights)
     if ":" in spec:
         return _from_factory(spec, device, batch_size, seq_len)
-    close = [n for n in BUILTINS if n.split("-")[0] == spec.split("-")[0]]
-    hint = f" Did you mean {', '.join(close)}?" if close else ""
     raise ModelNotFoundError(
         f"unknown model {spec!r}: not a built-in name ({', '.join(BUILTINS)}), not a folder, "
-        f"and not a factory 'module:function' or 'file.py:function'.{hint}"
+        f"and not a factory 'module:function' or 'file.py:function'.{_did_you_mean(spec, list(BUILTINS))}"
     )
+
+
+def check_source(spec: str) -> None:
+    """Refuse, cheaply and before any work, a model that cannot be found: an unknown name, a factory
+    file or module that does not exist, a function it lacks (each naming the closest match). A
+    factory file is read, not run (its top-level names); a module is imported.
+
+    Example:
+        >>> try:
+        ...     check_source("gtp2")
+        ... except ModelNotFoundError as e:
+        ...     print(str(e).split(". ")[-1])
+        Did you mean gpt2?
+    """
+    if spec in BUILTINS or Path(spec).is_dir():
+        return
+    if ":" not in spec:
+        raise ModelNotFoundError(
+            f"unknown model {spec!r}: not a built-in name ({', '.join(BUILTINS)}), not a folder, "
+            f"and not a factory 'module:function' or 'file.py:function'.{_did_you_mean(spec, list(BUILTINS))}"
+        )
+    target, _, func_name = spec.rpartition(":")
+    if not target.endswith(".py"):
+        module = _import_target(target)  # imported once: load_model finds it in sys.modules
+        names = [n for n, v in vars(module).items() if callable(v)]
+    else:
+        path = Path(target)
+        if not path.is_file():
+            raise ModelNotFoundError(f"factory file {target} does not exist.")
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except SyntaxError:
+            return  # importing it says where
+        names = _top_level_names(tree)
+        if names is None:  # a star import may bring anything: running it will tell
+            return
+    if func_name not in names:
+        own = [n for n in names if not n.startswith("_")]
+        raise ModelNotFoundError(f"{target} has no function {func_name!r}.{_did_you_mean(func_name, own)}")
+
+
+def _top_level_names(tree: ast.Module | ast.stmt) -> list[str] | None:
+    """Names a module binds at its top level, in any branch of an ``if``/``try``/``with`` there
+    (None when it star-imports: then anything may be defined)."""
+    names: list[str] = []
+    body = list(getattr(tree, "body", []))
+    for extra in ("orelse", "finalbody"):
+        body += list(getattr(tree, extra, []) or [])
+    for handler in getattr(tree, "handlers", []) or []:
+        body += list(handler.body)
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in node.names):
+                return None
+            names += [(a.asname or a.name).split(".")[0] for a in node.names]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            inner = _top_level_names(node)
+            if inner is None:
+                return None
+            names += inner
+    return names
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    """`` Did you mean X?`` for the known names closest to ``name`` (spelling or family), else "".
+
+    >>> _did_you_mean("gtp2", ["gpt2", "gpt2-medium", "llama-7b"]), _did_you_mean("llama", ["llama-7b", "llama-13b"])
+    (' Did you mean gpt2?', ' Did you mean llama-7b, llama-13b?')
+    """
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.7)
+    close = close or [n for n in known if n.split("-")[0] == name.split("-")[0]]
+    return f" Did you mean {', '.join(close)}?" if close else ""
 
 
 def _from_builtin(name: str, device: torch.device, b: int, t: int, dropout: float | None) -> ModelSpec:
@@ -199,6 +276,10 @@ def _from_config(config: Any, cls: Any, task: str, name: str, source: str, devic
     with torch.device(device):
         model = cls(config)
     model.train()
+    if task == "causal-lm" and getattr(model, "loss_type", "") is None:
+        # transformers names the loss after the class (GPT2LMHeadModel is no "...ForCausalLM"), finds
+        # none, takes ForCausalLM and says so at the first loss, on every rank: say it for it
+        model.loss_type = "ForCausalLM"
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     g = torch.Generator().manual_seed(0)
     if task == "image-classification":
@@ -229,7 +310,9 @@ def _from_factory(spec: str, device: torch.device, b: int | None, t: int) -> Mod
     module = _import_target(target)
     fn = getattr(module, func_name, None)
     if not callable(fn):
-        raise ModelNotFoundError(f"{target} has no function {func_name!r}.")
+        own = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+               and getattr(v, "__module__", None) == module.__name__]
+        raise ModelNotFoundError(f"{target} has no function {func_name!r}.{_did_you_mean(func_name, own)}")
     with torch.device(device):
         result = _call_flexibly(fn, b, t)
         if isinstance(result, nn.Module):

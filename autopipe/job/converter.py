@@ -55,22 +55,23 @@ class ConvertResult:
 
 
 def default_job_dir(model: str) -> Path:
-    """jobs/<name>: the built-in name, the folder's name, or the factory's file stem or module name.
+    """jobs/<name>: the built-in name, the folder's name, or for a factory its file stem or module
+    name and its function's name (``skip.py:branchy`` and ``skip.py:straight`` are two jobs).
 
     Example:
         >>> default_job_dir("models/Llama-3.2-1B"), default_job_dir("pkg.nets:build"), default_job_dir("tiny.py:build")
-        (PosixPath('jobs/Llama-3.2-1B'), PosixPath('jobs/nets'), PosixPath('jobs/tiny'))
+        (PosixPath('jobs/Llama-3.2-1B'), PosixPath('jobs/nets-build'), PosixPath('jobs/tiny-build'))
     """
     base = model.rstrip("/\\")
-    target, colon, _function = base.rpartition(":")
+    target, colon, function = base.rpartition(":")
     if Path(base).is_dir():
         stem = Path(os.path.abspath(base)).name  # dots are part of a folder's name (Llama-3.2-1B); "." too
     elif not colon:
         stem = Path(base).name  # a built-in name
     elif target.endswith(".py"):
-        stem = Path(target).stem  # file.py:function
+        stem = f"{Path(target).stem}-{function}"  # file.py:function
     else:
-        stem = target.rsplit(".", 1)[-1]  # package.module:function -> module
+        stem = f"{target.rsplit('.', 1)[-1]}-{function}"  # package.module:function -> module-function
     return Path("jobs") / (re.sub(r"[^A-Za-z0-9_.-]+", "-", stem).strip("-.") or "model")
 
 
@@ -112,6 +113,7 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
             model=_absolute_spec(model), stages=plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
             batch_size=batch_size, seq_len=s.seq_len, dtype=s.dtype, engine=_job_engine(s, plan), device=s.device, seed=s.seed,
             loss=s.loss, data=os.path.abspath(s.data) if s.data is not None else None,
+            eval_data=os.path.abspath(s.eval_data) if s.eval_data is not None else None, **s.optimizer_settings(),
         )  # fmt: skip
         job = emit(job_dir, settings=job_settings, profile=prof, plan=plan, baselines=baselines, force=s.force,
                    search=found)
@@ -127,13 +129,18 @@ def _settings(settings: ConvertSettings | None, options: dict[str, Any]) -> Conv
 
 
 def _check_destination(s: ConvertSettings, model: str) -> Path:
-    """The job folder (refused if it holds files, unless forced) and the data file exist: before any work."""
+    """The model can be found (a misspelled name or factory function says what was meant), the job
+    folder is free (refused if it holds files, unless forced) and the data files exist: before any work."""
+    from ..graph.sources import check_source
+
+    check_source(model)
     job_dir = Path(s.out) if s.out is not None else default_job_dir(model)
     check_job_dir(job_dir, force=s.force)
-    if s.data is not None:
-        from ..runtime.data import check_data_path
+    from ..runtime.data import check_data_path
 
-        check_data_path(Path(s.data))
+    for flag, given in (("--data", s.data), ("--eval-data", s.eval_data)):
+        if given is not None:
+            check_data_path(Path(given), flag=flag)
     return job_dir
 
 
@@ -216,7 +223,8 @@ def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profi
 
     prof = profile(seq, loaded.args, loaded.kwargs, device=s.device, estimate=s.estimate, repeats=s.repeats,
                    warmup=s.warmup, autocast=PRECISIONS[s.dtype] if s.dtype != "fp32" else None,
-                   progress=s.progress, reserve=_reserve(loaded.spec, s) if loaded.reserve is None else loaded.reserve)
+                   progress=s.progress, reserve=_reserve(loaded.spec, s) if loaded.reserve is None else loaded.reserve,
+                   optimizer=s.optimizer_state)  # fmt: skip
     return replace(prof, model=model)
 
 
@@ -240,7 +248,7 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, A
     # Interleaved schedules need chunks to interleave: two per rank, the smallest that helps.
     virtual = 2 if s.schedule == "interleaved1f1b" else None
     options = dict(microbatches=s.microbatches, schedule=s.schedule, memory_limit=s.memory_limit, virtual_stages=virtual,
-                   recompute=s.recompute, dp=s.dp, zero=s.zero, target=s.target)  # fmt: skip
+                   recompute=s.recompute, dp=s.dp, zero=s.zero, target=s.target, optimizer=s.optimizer_state)  # fmt: skip
     choice = None
     if s.engine == "auto":
         choice = plan_engines(prof, s.stages, dtype=s.dtype, **options)  # type: ignore[arg-type]
@@ -274,7 +282,7 @@ def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
         zeros, schedules = tuple(z for z in zeros if z <= 1), (("1f1b", 1),)
     # the layout search costs the layers alone (no engine terms); auto then trains on torch
     found = search(prof, cluster, global_batch=s.global_batch, memory_limit=s.memory_limit, recompute=s.recompute,
-                   zeros=zeros, schedules=schedules, target=s.target)  # fmt: skip
+                   zeros=zeros, schedules=schedules, target=s.target, optimizer=s.optimizer_state)  # fmt: skip
     return scale_microbatch(prof, found.best.microbatch_size), found.plan, found
 
 
@@ -294,11 +302,14 @@ def _check_job_inputs(model: str, seq: Any, job_loss: Any, s: ConvertSettings, *
     from ..runtime.tasks import JobData, check_loss
 
     check_loss(seq, job_loss, model)
-    if s.data is not None or factory_data:
+    if s.data is not None or factory_data or s.eval_data is not None:
         from ..runtime.factory import model_factory
 
         source = model_factory(model, batch_size=rows, seq_len=s.seq_len, seed=s.seed, loss=s.loss)
         JobData(source, str(s.data) if s.data is not None else None, seq_len=s.seq_len, seed=s.seed, seq=seq)
+        if s.eval_data is not None:
+            JobData(source, str(s.eval_data), seq_len=s.seq_len, seed=s.seed, seq=seq, shuffle=False,
+                    flag="--eval-data")
 
 
 def _cast_floats(tree: Any, dtype: Any) -> Any:

@@ -163,7 +163,9 @@ def _ds_config(settings: JobSettings, plan: Plan) -> str:
 
     # the plan's ZeRO stage (0 or 1 on DeepSpeed: convert refuses more) is the job's
     config = TrainConfig(microbatches=settings.microbatches, dtype=settings.dtype, seed=settings.seed,
-                         zero=int(getattr(plan, "zero", 0)))
+                         zero=int(getattr(plan, "zero", 0)), optimizer=settings.optimizer, lr=settings.lr,
+                         weight_decay=settings.weight_decay, betas=tuple(settings.betas), momentum=settings.momentum,
+                         warmup=settings.warmup, lr_schedule=settings.lr_schedule, grad_clip=settings.grad_clip)
     return json.dumps(ds_config(config, rows=settings.batch_size, dp=1), indent=2) + "\n"
 
 

@@ -45,7 +45,7 @@ def render_train_script(settings: dict[str, Any], launch: dict[str, Any], templa
         >>> text = render_train_script({"MODEL": "gpt2", "SEED": 7}, {"model": "gpt2", "stages": 4, "stages_x2": 8})
         >>> [line for line in text.splitlines() if line.startswith(("MODEL =", "SEED ="))]
         ["MODEL = 'gpt2'  # built-in name, HF folder or module:function", 'SEED = 7']
-        >>> text.splitlines()[2].split("#")[0].strip()
+        >>> text.splitlines()[3].split("#")[0].strip()
         'torchrun --nproc-per-node 4 train.py'
     """
     text = template_text() if template is None else template
@@ -85,6 +85,15 @@ def write_train_script(
     data: str | None = None,
     dp: int | None = None,
     zero: int | None = None,
+    optimizer: str = "adamw",
+    lr: float = 3e-4,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+    momentum: float = 0.9,
+    warmup: int = 0,
+    lr_schedule: str = "cosine",
+    grad_clip: float = 1.0,
+    eval_data: str | None = None,
     **unknown: Any,
 ) -> Path:
     """Write train.py at ``path`` (a file, or a folder to put train.py in).
@@ -100,12 +109,17 @@ def write_train_script(
         ('train.py', True)
     """
     from ..runtime.layout import schedule_name
+    from ..runtime.optim import LR_SCHEDULES, OPTIMIZERS, TrainConfig
     from ..runtime.zero import check_zero
     from .settings import refuse_unknown
 
     known = ("model", "stages", "microbatches", "schedule", "plan", "batch_size", "seq_len", "dtype", "engine",
-             "seed", "loss", "data", "dp", "zero")  # fmt: skip
+             "seed", "loss", "data", "dp", "zero", "optimizer", "lr", "weight_decay", "betas", "momentum", "warmup",
+             "lr_schedule", "grad_clip", "eval_data")  # fmt: skip
     refuse_unknown("train.py setting", unknown, known)
+    # the optimizer's settings are checked now (a bad --lr in convert is refused before any work)
+    TrainConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=tuple(betas), momentum=momentum,
+                warmup=warmup, lr_schedule=lr_schedule, grad_clip=grad_clip)
     target = Path(path)
     if target.is_dir():
         target = target / "train.py"
@@ -118,6 +132,10 @@ def write_train_script(
         "MODEL": model, "SCHEDULE": schedule, "MICROBATCHES": microbatches, "BATCH_SIZE": batch_size,
         "SEQ_LEN": seq_len, "DTYPE": precision(dtype), "DTYPES": tuple(PRECISIONS), "ENGINE": engine,
         "ENGINES": tuple(ENGINES), "LOSS": loss, "DATA": data, "SEED": seed, "DP": dp, "ZERO": zero,
+        "OPTIMIZER": str(optimizer).lower(), "OPTIMIZERS": tuple(OPTIMIZERS), "LR": float(lr),
+        "WEIGHT_DECAY": float(weight_decay), "BETAS": tuple(float(b) for b in betas), "MOMENTUM": float(momentum),
+        "WARMUP": int(warmup), "LR_SCHEDULE": lr_schedule, "LR_SCHEDULES": tuple(LR_SCHEDULES),
+        "GRAD_CLIP": float(grad_clip), "EVAL_DATA": eval_data,
     }  # fmt: skip
     text = render_train_script(settings, {"model": model, "stages": stages, "stages_x2": 2 * stages})
     compile(text, str(target), "exec")  # a template bug must fail here, not on the cluster

@@ -80,6 +80,16 @@ class ConvertSettings:
     loss: str = "auto"  # auto (a factory's, else the model's own), model, cross_entropy or mse (vs the data's targets)
     data: str | os.PathLike[str] | None = None  # the job's --data, checked against the model before profiling
     seed: int = 0  # the initial weights' and the synthetic data's
+    eval_data: str | os.PathLike[str] | None = None  # the job's --eval-data (held-out), checked like data
+    # ---- how it is optimised (train.py's defaults; the plan counts the optimizer's state) ----
+    optimizer: str = "adamw"  # adamw, sgd or adafactor (torch's)
+    lr: float = 3e-4
+    weight_decay: float = 0.1  # on matrices only
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's
+    momentum: float = 0.9  # SGD's (0: plain SGD, no state)
+    warmup_steps: int = 0  # steps of linear LR warmup (train.py's --warmup)
+    lr_schedule: str = "cosine"  # after the warmup: cosine, linear or constant
+    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
     # ---- how layers are costed ----
     device: str = "cpu"  # profile on cpu or cuda; with estimate also a known GPU (a100, h100, h200)
     estimate: bool = False  # run nothing: cost layers from FLOPs and bytes on the meta device
@@ -130,6 +140,14 @@ class ConvertSettings:
         if self.target is not None:
             self._set(target=target_info(self.target).key)  # an unknown engine is refused before any work
         zero_choices(self.zero, self.dp)  # a bad --dp/--zero
+        from ..runtime.optim import (
+            TrainConfig,  # the optimizer's settings, checked as train.py will
+        )
+
+        trained = TrainConfig(optimizer=self.optimizer, lr=self.lr, weight_decay=self.weight_decay, betas=tuple(self.betas),
+                              momentum=self.momentum, warmup=self.warmup_steps, lr_schedule=self.lr_schedule,
+                              grad_clip=self.grad_clip)
+        self._set(optimizer=trained.optimizer, betas=trained.betas)
         if deepspeed and (self.zero == "auto" or int(self.zero) > 1):
             raise AutopipeError(f"{deepspeed_refusal(schedule=self.schedule, zero=self.zero)}: use --zero 0 or 1, or "
                                 "--engine torch (or auto).")
@@ -147,6 +165,19 @@ class ConvertSettings:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @property
+    def optimizer_state(self) -> str:
+        """The optimizer as the memory model names its state (``optimizer_state_factor``)."""
+        if self.optimizer == "sgd":
+            return "sgd-momentum" if self.momentum else "sgd"
+        return self.optimizer
+
+    def optimizer_settings(self) -> dict[str, Any]:
+        """What train.py is written with for the optimizer and its schedule."""
+        return {"optimizer": self.optimizer, "lr": self.lr, "weight_decay": self.weight_decay, "betas": tuple(self.betas),
+                "momentum": self.momentum, "warmup": self.warmup_steps, "lr_schedule": self.lr_schedule,
+                "grad_clip": self.grad_clip}
 
     @property
     def chunks_per_stage(self) -> int:
@@ -183,6 +214,15 @@ class JobSettings:
     seed: int = 0
     loss: str = "auto"  # auto | model | cross_entropy | mse
     data: str | None = None  # the job's default --data (absolute path); None: synthetic
+    eval_data: str | None = None  # the job's default --eval-data (absolute path); None: no evaluation
+    optimizer: str = "adamw"  # adamw | sgd | adafactor, and its settings (train.py's defaults)
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = 0.9
+    warmup: int = 0
+    lr_schedule: str = "cosine"
+    grad_clip: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -16,7 +16,7 @@ from .plan import Plan
 from .schedules import check_schedule
 from .step_bound import fits, least_memory
 
-__all__ = ["explain_infeasible", "chunk_need", "recompute_hint", "with_zero_hint"]
+__all__ = ["device_limit", "explain_infeasible", "chunk_need", "limit_text", "recompute_hint", "with_zero_hint"]
 
 
 def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | None, what: str) -> InfeasibleMemoryError:
@@ -33,17 +33,21 @@ def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | Non
     where = f"{stages} stages ({schedule}, {m} micro-batches{f', {v} virtual' if v > 1 else ''})"
     head = f"no cut into {where} fits {what}"
     worst = int(np.argmax(alone))
+    need = least_memory(c, stages * v, modes=allowed, states=states) * v
+    fits_text = (f"--memory-limit {limit_text(device_limit(model, need // v, v))} fits {stages} stages "
+                 f"({format_bytes(need)} of tensors per device, and the {format_bytes(model.reserve)} the runtime "
+                 "holds beside them)")
     if alone[worst] > chunk_limit:
+        # name a limit that fits the stages asked for, not only the layer's own bound (a user who
+        # tried that bound was refused again)
         return InfeasibleMemoryError(
             f"{head}: layer {worst} ({model.names[worst]}) alone needs {format_bytes(int(alone[worst]))} "
             f"(parameters, gradients, optimizer state and {fewest} micro-batch of activations, recomputed "
-            f"or not), so no number of stages fits; raise the memory limit to at least "
-            f"{format_bytes(int(alone[worst]) * v)} or use a lighter optimizer."
+            f"or not), so no number of stages fits; {fits_text}. Raise --memory-limit or use a lighter optimizer."
         )
     hints = []
     if set(allowed) != set(everything) and fits(c, stages * v, limit=chunk_limit, modes=everything, states=states):
         hints.append("recompute auto (--recompute auto) would fit")
-    need = least_memory(c, stages * v, modes=allowed, states=states) * v
     more = None
     tried = min(n // v, 8 * stages)  # each try is a feasibility test: stay within a second or so
     for s in range(stages + 1, tried + 1):
@@ -66,9 +70,36 @@ def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | Non
     if schedule == "gpipe":
         fixes.append("use 1f1b (it holds fewer micro-batches than gpipe)")
     return InfeasibleMemoryError(
-        f"{head}: {'; '.join(hints)}; {format_bytes(need)} per device fits {stages} stages. "
-        f"{', '.join(fixes[:-1]).capitalize()} or {fixes[-1]}."
+        f"{head}: {'; '.join(hints)}; {fits_text}. {', '.join(fixes[:-1]).capitalize()} or {fixes[-1]}."
     )
+
+
+def device_limit(model: CostModel, chunk_bytes: int, v: int) -> int:
+    """The smallest ``--memory-limit`` under which each of a rank's ``v`` chunks may hold
+    ``chunk_bytes``: the partitioner gives each chunk ``(limit - reserve) // v``, the runtime's
+    reserve (what a rank holds beyond its tensors: never below it) coming first."""
+    return chunk_bytes * v + model.reserve
+
+
+def limit_text(n: int) -> str:
+    """``n`` bytes as a ``--memory-limit`` a person can type, rounded up (never below ``n``).
+
+    >>> limit_text(38_514_000), limit_text(3 * 2**30)
+    ('36.73MiB', '3.00GiB')
+    """
+    from math import ceil
+
+    from ..units import parse_size
+
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        scale = 1024 ** ("B", "KiB", "MiB", "GiB", "TiB").index(unit)
+        if n < 1024 * scale or unit == "TiB":
+            if unit == "B":
+                return f"{n}B"
+            text = f"{ceil(n / scale * 100) / 100:.2f}{unit}"
+            assert parse_size(text) >= n, text
+            return text
+    raise AssertionError("unreachable")
 
 
 def chunk_need(c: ChunkCosts, a: int, b: int, states: Sequence[tuple[int, int]], mode: int) -> int:

@@ -4,8 +4,9 @@ On each rank: ``init_dist`` lays the world out as dp × pp; ``model_factory`` re
 task and its loss; ``build_stage`` builds only this rank's chunks (meta model -> flatten ->
 materialise just their tensors); ``JobData`` turns the data into each step's inputs and targets;
 ``Trainer`` runs the plan's torch.distributed.pipelining schedule, syncs tied gradients, averages
-over replicas, clips the global norm and steps AdamW; ``save_checkpoint``/``load_checkpoint`` write
-and read per-stage shards atomically; ``export`` joins them into one safetensors file;
+over replicas, clips the global norm and steps the optimizer; ``save_checkpoint``/``load_checkpoint`` write
+and read per-stage shards atomically, one run per folder (``check_ckpt_dir``); ``export`` joins a
+checkpoint's weights into one safetensors file, ``export_final`` the weights a run holds;
 ``DeepSpeedTrainer`` does the same on DeepSpeed's engine (with ``ds_save_checkpoint``, ``ds_resume``
 and ``ds_latest_checkpoint`` for its own checkpoints); ``one_line_errors`` makes failures one line;
 ``runtime_reserve`` (the ``reserve`` module) measures what a rank holds beyond the tensors;
@@ -49,7 +50,10 @@ _LAZY = {
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "latest_checkpoint": "checkpoint",
-    "export": "checkpoint",
+    "export": "exports",
+    "export_final": "exports",
+    "checkpoint_params": "exports",
+    "check_ckpt_dir": "checkpoint",
     "TokenData": "data",
     "open_data": "data",
     "JobData": "tasks",
@@ -77,6 +81,13 @@ _LAZY = {
     "check_zero": "zero",
     "ZERO_STAGES": "zero",
     "runtime_reserve": "reserve",
+    "parse_flags": "flags",
+    "float_pair": "flags",
+    "describe_optimizer": "optim",
+    "step_flops": "flops",
+    "world_peak_flops": "flops",
+    "Evaluator": "evaluate",
+    "EvalResult": "evaluate",
 }
 
 __all__ = [
@@ -115,6 +126,9 @@ __all__ = [
     "build_stage",
     "even_boundaries",
     "export",
+    "export_final",
+    "checkpoint_params",
+    "check_ckpt_dir",
     "init_dist",
     "latest_checkpoint",
     "load_checkpoint",
@@ -130,6 +144,13 @@ __all__ = [
     "verify_step",
     "untouched_model",
     "seeded_like_pipeline",
+    "parse_flags",
+    "float_pair",
+    "describe_optimizer",
+    "step_flops",
+    "world_peak_flops",
+    "Evaluator",
+    "EvalResult",
 ]
 
 

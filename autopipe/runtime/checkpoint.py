@@ -1,20 +1,29 @@
-"""Per-stage checkpoints, written atomically, and export to one safetensors file.
+"""Per-stage checkpoints, written atomically; each weight stored once.
 
 Layout of a checkpoint folder::
 
     ckpt/step_00000200/            one folder per saved step
-        sharded/                   parameters and AdamW state by parameter name, as each rank holds
-                                   them (torch.distributed.checkpoint): loads back into any replica
-                                   count and any ZeRO stage, each rank reading only its part
-        rank00000.pt ...           each rank's step, LR schedule, loss scale, RNG; replica 0's also
-                                   its stage's whole parameters (what export reads)
+        sharded/                   parameters and optimizer state by parameter name, as each rank
+                                   holds them (torch.distributed.checkpoint): loads back into any
+                                   replica count and any ZeRO stage, each rank reading only its part;
+                                   a tensor tied across stages is stored once
+        rank00000.pt ...           each rank's step, LR schedule, loss scale, RNG: a few kilobytes
         meta.json                  step, world layout, boundaries, schedule, ZeRO, tied names (written last)
+
+So a checkpoint is the weights plus the optimizer state (GPT-2 124M with AdamW: 1.5 GB), once.
+``autopipe.runtime.exports`` joins the weights into one safetensors file.
 
 Every rank writes into ``step_N.tmp/``; after a barrier rank 0 writes meta.json and renames the
 folder to ``step_N``. A crash at any moment leaves either the complete new folder or a ``.tmp`` one
 that ``latest_checkpoint`` ignores; the previous good checkpoint is never touched before that.
 
-So the checkpoint folder must be one folder for every rank: on several nodes, a filesystem they all
+One folder holds one run. A run that saves into a folder holding another run's checkpoints is
+refused in one line (``check_ckpt_dir``, at the start of train.py; ``save_checkpoint`` checks again
+before its first save), unless it resumed from them: so ``--ckpt-keep`` rotates only this run's
+checkpoints, never the one just written, and the newest checkpoint in the folder, which
+``--resume`` takes, is always this run's.
+
+The checkpoint folder must be one folder for every rank: on several nodes, a filesystem they all
 mount. A folder of each node's own cannot hold a checkpoint at all: rank 0 alone completes it (the
 other nodes' parts would stay in ``step_N.tmp``), torch.distributed.checkpoint writes its index
 from rank 0 only and keeps one copy of a replicated tensor, on one rank's node. The first save (and
@@ -29,19 +38,62 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..choices import world_rank
 from ..errors import AutopipeError, RecordError
 
-__all__ = ["check_shared_folder", "export", "latest_checkpoint", "load_checkpoint", "read_meta", "save_checkpoint"]
+__all__ = ["CheckpointFolderError", "check_ckpt_dir", "check_shared_folder", "claim_ckpt_dir", "latest_checkpoint",
+           "load_checkpoint", "read_meta", "save_checkpoint", "saved_steps"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointFolderError(AutopipeError):
+    """The checkpoint folder holds another run's checkpoints."""
+
+
+_CLAIMED: set[str] = set()  # checkpoint folders this process saves into: empty, or resumed from
+
+
+def saved_steps(root: str | os.PathLike[str]) -> list[Path]:
+    """The complete checkpoints under ``root``, oldest first: autopipe's (``meta.json`` written last)
+    and DeepSpeed's (its ``step_N`` tags, each with its model states)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)
+             and ((p / "meta.json").is_file() or any(p.glob("*model_states.pt")))]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def claim_ckpt_dir(root: str | os.PathLike[str]) -> None:
+    """Mark ``root`` as this run's: it resumed from the checkpoints there (``resume`` calls it)."""
+    _CLAIMED.add(os.path.abspath(root))
+
+
+def check_ckpt_dir(root: str | os.PathLike[str], *, resume: Any = None, saving: bool = True) -> None:
+    """Refuse, in one line, a run that would save into a folder holding another run's checkpoints.
+
+    Called by every rank at the start of train.py (all see the same folder), and by the first save.
+    With ``resume`` the checkpoints there are this run's own past; a run that saves nothing
+    (``saving`` False) touches nothing.
+    """
+    key = os.path.abspath(root)
+    if resume or not saving or key in _CLAIMED:
+        return
+    existing = saved_steps(root)
+    if existing:
+        steps = [int(_STEP_DIR.match(p.name).group(1)) for p in existing]  # type: ignore[union-attr]
+        held = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]} ({len(steps)} checkpoints)"
+        raise CheckpointFolderError(
+            f"checkpoint folder {root} holds another run's checkpoints ({held}); nothing was written. "
+            "Continue that run with --resume, or save this one elsewhere with --ckpt-dir DIR."
+        )
+    _CLAIMED.add(key)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -60,13 +112,15 @@ def _fsync_dir(path: Path) -> None:
 def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2, data: dict[str, Any] | None = None) -> Path:
     """Save every rank's shard of ``trainer`` under ``root/step_N`` (collective: all ranks call it).
 
-    Keeps the newest ``keep`` checkpoints (0 keeps all). ``data`` (``JobData.state()``) records what
+    Keeps the newest ``keep`` checkpoints (0 keeps all); a folder holding another run's checkpoints
+    is refused before anything is written (``check_ckpt_dir``). ``data`` (``JobData.state()``) records what
     the run reads; batches are a function of the step, so the step is the data's position and a
     resume continues the data exactly. Returns the folder.
     """
     env = trainer.env
     root = Path(root)
     check_shared_folder(env, root)
+    check_ckpt_dir(root)
     step = trainer.step_count
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -113,9 +167,10 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
-        if keep > 0:
+        if keep > 0:  # this run's older checkpoints (the folder holds no other run's); never the new one
             for stale in _step_dirs(root)[:-keep]:
-                shutil.rmtree(stale, ignore_errors=True)
+                if stale != final:
+                    shutil.rmtree(stale, ignore_errors=True)
     env.barrier()
     return final
 
@@ -236,50 +291,16 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> int:
     # into host memory, mapped rather than read: the RNG states must be host tensors, and replica 0's
     # whole weights (for export) are not wanted here: the trained ones come from sharded/ below
     state = torch.load(path / f"rank{source:05d}.pt", map_location="cpu", mmap=True, weights_only=False)
-    state.pop("params", None)
+    state.pop("params", None)  # checkpoints before autopipe 0.2 repeated replica 0's weights here
+    saved_optimizer = meta.get("config", {}).get("optimizer", "adamw")
+    if saved_optimizer != trainer.config.optimizer:
+        raise AutopipeError(f"checkpoint {path} was trained with --optimizer {saved_optimizer} but this run uses "
+                            f"{trainer.config.optimizer}; resume with --optimizer {saved_optimizer}, or export it and "
+                            "start a new run from the exported weights (--weights).")
     trainer.load_state_dict(state)
+    from .optim import materialize_state_
+
+    materialize_state_(trainer.optimizer)  # SGD's and Adafactor's state exists from their first step on
     dcp.load(trainer.tensor_state(), checkpoint_id=path / "sharded")  # in place, into this rank's shards
     trainer.build.sync_alias_params_()
     return int(meta["step"])
-
-
-def export(
-    path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    model_fn: Callable[[], nn.Module] | None = None,
-) -> Path:
-    """Join a checkpoint's stage shards into ``out_dir/model.safetensors``.
-
-    Tied tensors are written under every name the model has for them, so any loader finds the key
-    it expects. With ``model_fn`` building a HuggingFace model, its config.json is written too and
-    ``AutoModel...from_pretrained(out_dir)`` loads the result. Reads replica 0's shards only.
-    """
-    from safetensors.torch import save_file
-
-    meta = read_meta(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for pp_rank in range(meta["pp"]):
-        first = world_rank(0, pp_rank, dp=int(meta.get("dp", 1)), pp=int(meta["pp"]),
-                           placement=meta.get("placement", "pipeline-inner"))  # replica 0's file
-        state = torch.load(Path(path) / f"rank{first:05d}.pt", map_location="cpu", weights_only=False)
-        for name, value in state["params"].items():
-            tensors.setdefault(name, value.contiguous())
-    for canonical, names in meta.get("tied", {}).items():
-        if canonical in tensors:
-            for alias in names:
-                if alias not in tensors:
-                    tensors[alias] = tensors[canonical].clone()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / "model.safetensors"
-    part = out / "model.safetensors.part"
-    save_file(tensors, str(part), metadata={"format": "pt", "step": str(meta["step"])})
-    os.replace(part, target)
-    if model_fn is not None:
-        with torch.device("meta"):
-            model = model_fn()
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(out)
-    return target

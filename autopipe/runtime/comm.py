@@ -139,7 +139,8 @@ class Comm:
             return t.unsqueeze(0)
         # a flat output: gloo accepts only the concatenated form (NCCL both)
         out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.contiguous().view(-1), group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 deprecates the old name
+        gather(out, t.contiguous().view(-1), group=group)
         return out.view(n, *t.shape)
 
     def send(self, tensors: list[torch.Tensor], dst: int, *, where: str = "send") -> None:

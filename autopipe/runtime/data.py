@@ -100,11 +100,14 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class EpochOrder:
-    """Which samples step ``s`` of a run takes: rows ``[s·R, (s+1)·R)`` of the concatenated epoch orders."""
+    """Which samples step ``s`` of a run takes: rows ``[s·R, (s+1)·R)`` of the concatenated epoch orders.
 
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed = n, seed
-        self._cache: dict[int, np.ndarray] = {}
+    ``shuffle=False`` (evaluation) visits the samples in their order, every epoch alike.
+    """
+
+    def __init__(self, n: int, seed: int, *, shuffle: bool = True) -> None:
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._cache: dict[int, np.ndarray] = {} if shuffle else {0: np.arange(n)}
 
     def indices(self, step: int, rows: int, replica: int, replicas: int) -> np.ndarray:
         if rows % replicas:
@@ -114,6 +117,7 @@ class EpochOrder:
         out = np.empty(per, dtype=np.int64)
         for i in range(per):
             epoch, pos = divmod(first + i, self.n)
+            epoch = epoch if self.shuffle else 0
             if epoch not in self._cache:
                 self._cache = {epoch: epoch_order(self.n, self.seed, epoch)}  # one epoch held at a time
             out[i] = self._cache[epoch][pos]
@@ -244,11 +248,11 @@ def _torch_load(path: Path) -> Any:
             raise DataError(f"{path} could not be read as a torch file ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
 
 
-def check_data_path(path: Path) -> None:
+def check_data_path(path: Path, *, flag: str = "--data") -> None:
     if not path.exists():
-        raise DataError(f"--data {str(path)!r} does not exist.")
+        raise DataError(f"{flag} {str(path)!r} does not exist.")
     if path.is_file() and path.stat().st_size == 0:
-        raise DataError(f"--data {str(path)!r} is empty.")
+        raise DataError(f"{flag} {str(path)!r} is empty.")
 
 
 def samples_from_mapping(path: Path, loaders: dict[str, Any], lengths: dict[str, int]) -> SampleData:

@@ -9,7 +9,9 @@ ones' signatures, which train.py picks with the engine:
     torch engine            DeepSpeed engine
     rt.save_checkpoint      ds_save_checkpoint     (the last step also writes the final weights)
     rt.resume               ds_resume
-    rt.latest_checkpoint    ds_latest_checkpoint   (the final weights, what rt.export joins)
+    rt.latest_checkpoint    ds_latest_checkpoint   (an older run's final weights)
+
+``--export`` is ``rt.export_final`` on both engines: ``save_final`` writes each stage's weights.
 
 The module itself (layers as LayerSpecs, tied tensors, the planned cut) is
 ``autopipe.runtime.ds_module``; the ds_config and the refusals are ``autopipe.runtime.ds_settings``.
@@ -38,14 +40,15 @@ from ..errors import AutopipeError
 from .ds_module import DSLayer, LayerSource, build_pipeline_module, save_final_weights
 from .ds_settings import ds_config, load_ds_config, refuse_flags, refuse_plan
 from .engine import model_loss, split_batch
+from .eval_mode import traced_eval_mode
 from .layout import ChunkLayout, even_boundaries, load_plan
-from .optim import TrainConfig, make_lr_scheduler, make_optimizer
+from .optim import TrainConfig, make_lr_scheduler, make_optimizer, optimizer_class
 from .trainer import StepStats, batch_tokens
 
 __all__ = ["DSLayer", "DeepSpeedBuild", "DeepSpeedEnv", "DeepSpeedTrainer", "build_pipeline_module", "ds_config",
            "ds_latest_checkpoint", "ds_resume", "ds_save_checkpoint", "train_deepspeed"]
 
-FINAL = "deepspeed_final"  # under --ckpt-dir: the last step's weights as an autopipe checkpoint (rt.export reads it)
+FINAL = "deepspeed_final"  # under --ckpt-dir: an older run's last weights as an autopipe checkpoint (rt.export reads it)
 
 
 @dataclass(frozen=True)
@@ -128,12 +131,13 @@ class DeepSpeedTrainer:
                                      config, args, dp)  # fmt: skip
         self.zero = int((cfg.get("zero_optimization") or {}).get("stage", 0))
         self.config = replace(config, zero=self.zero)  # the ds_config's stage is what runs
-        module = build_pipeline_module(layers, boundaries, pp, _loss_fn(layers.seq, make_loss(source.loss)))
+        self.loss_fn = _LossFn(layers.seq, make_loss(source.loss))
+        module = build_pipeline_module(layers, boundaries, pp, self.loss_fn)
         self.layers = layers.built  # this stage's DSLayers: seeded and autocast per step
         for layer in self.layers:
             layer.autocast_dtype = config.autocast_dtype
         params = {n: p for n, p in module.named_parameters()}
-        self.optimizer = make_optimizer(params, config, cls=_ClippingAdamW)
+        self.optimizer = make_optimizer(params, config, cls=_clipping(optimizer_class(config)))
         scheduler = make_lr_scheduler(self.optimizer, config)
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=self.optimizer, lr_scheduler=scheduler, config=cfg)
         if self.zero == 0:  # the norm is taken (and logged) always; a clip of 0 only skips the scaling
@@ -170,6 +174,29 @@ class DeepSpeedTrainer:
         tokens = batch_tokens(args, kwargs) * self.env.dp_size
         return StepStats(step=self.step_count, loss=loss, lr=lr, grad_norm=norm, step_time=dt,
                          tokens_per_s=tokens / dt if dt > 0 else 0.0, stage_times=[dt])
+
+    def evaluate(self, args: Any, kwargs: Any = None, target: torch.Tensor | None = None,
+                 labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward one batch for evaluation (DeepSpeed's ``eval_batch``), as ``Trainer.evaluate``:
+        this rank's sums (loss over micro-batches, micro-batches, correct and labelled rows)."""
+        mb, seq = self.config.microbatches, self.build.seq
+        wanted = labels if labels is not None else target
+        targets = list(wanted.chunk(mb)) if wanted is not None else [torch.zeros(1)] * mb
+        micro = [(seq.pack_inputs(a, k), t) for (a, k), t in zip(split_batch(args, kwargs or {}, mb), targets)]
+        for layer in self.layers:
+            layer.seeds, layer.microbatch = None, 0
+        self.loss_fn.metrics, self.loss_fn.classify = [], labels is not None
+        try:
+            # the traced layers' dropout and batch-norm flags, which eval_batch's .eval() leaves on;
+            # train mode after (eval_batch leaves the module in eval mode)
+            with traced_eval_mode([self.engine.module]):
+                self.engine.eval_batch(data_iter=iter(micro), bcast_loss=False)
+            figures = self.loss_fn.metrics
+        finally:
+            self.loss_fn.metrics = None
+        if not figures:
+            return torch.zeros(4, dtype=torch.float64, device=self.env.device)
+        return torch.stack(figures).sum(0).to(self.env.device)
 
     def save_final(self, folder: Path) -> None:
         """This stage's trained weights as an autopipe checkpoint folder (rank files + meta.json),
@@ -221,19 +248,32 @@ def _typed_receive_buffers(deepspeed: Any) -> None:
     engine._allocate_or_extend_buffers = allocate_or_extend
 
 
-def _loss_fn(seq: Any, user_loss: Any) -> Any:
-    """The last stage's loss: the model's own from its unpacked outputs, or the user's against the target."""
+class _LossFn:
+    """The last stage's loss: the model's own from its unpacked outputs, or the user's against the
+    target. While ``metrics`` is a list (an evaluation), each micro-batch's figures go there too."""
 
-    def loss_fn(outputs: Any, target: Any) -> torch.Tensor:
+    def __init__(self, seq: Any, user_loss: Any) -> None:
+        self.seq, self.user_loss = seq, user_loss
+        self.metrics: list[torch.Tensor] | None = None
+        self.classify = False
+
+    def __call__(self, outputs: Any, target: Any) -> torch.Tensor:
+        from .evaluate import eval_figures
+
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
-        unpacked = seq.unpack_outputs(tuple(t.bool() if t.dtype == torch.uint8 else t for t in outs))
-        return model_loss(unpacked) if user_loss is None else user_loss(unpacked, target)
+        unpacked = self.seq.unpack_outputs(tuple(t.bool() if t.dtype == torch.uint8 else t for t in outs))
+        loss = model_loss(unpacked) if self.user_loss is None else self.user_loss(unpacked, target)
+        if self.metrics is not None:
+            self.metrics.append(eval_figures(unpacked, loss, target if self.classify else None))
+        return loss
 
-    return loss_fn
+
+_loss_fn = _LossFn
 
 
-class _ClippingAdamW(torch.optim.AdamW):
-    """AdamW that takes the global gradient norm and clips to it first, each tied tensor counted once.
+class _Clipping:
+    """Mixed into the configured optimizer's class: take the global gradient norm and clip to it
+    first, each tied tensor counted once.
 
     DeepSpeed's fp32 clipping (``runtime.utils.clip_grad_norm_``) sums the norm of a tied tensor on
     every stage holding it, so its clip differs from the unpipelined model's; we clip ourselves,
@@ -244,10 +284,23 @@ class _ClippingAdamW(torch.optim.AdamW):
     clip: Any = None
     last_norm: Any = None
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if self.clip is not None:
             self.last_norm = self.clip()
-        return super().step(closure)
+        return super().step(closure)  # type: ignore[misc]
+
+
+_CLIPPING: dict[type, type] = {}
+
+
+def _clipping(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` with ``_Clipping``'s step, one class per optimizer class (``_ClippingAdamW`` for AdamW)."""
+    if cls not in _CLIPPING:
+        _CLIPPING[cls] = type(f"_Clipping{cls.__name__}", (_Clipping, cls), {})
+    return _CLIPPING[cls]
+
+
+_ClippingAdamW = _clipping(torch.optim.AdamW)
 
 
 def _make_clip(module: nn.Module, pipe_group: Any, max_norm: float, comm: Any) -> Any:
@@ -272,17 +325,20 @@ def _norm_value(norm: Any) -> float:
 def ds_save_checkpoint(trainer: DeepSpeedTrainer, root: str | os.PathLike[str], *, keep: int = 2,
                        data: dict[str, Any] | None = None) -> Path:
     """DeepSpeed's own checkpoint of this step under ``root/step_N`` (collective), the newest ``keep``
-    kept; at the run's last step also the final weights (``root/deepspeed_final``) for export."""
+    of this run kept; a folder holding another run's checkpoints is refused first (``check_ckpt_dir``).
+    The final weights for ``--export`` come from ``rt.export_final``, not from here."""
+    from .checkpoint import check_ckpt_dir
+
+    check_ckpt_dir(root)
     step = trainer.step_count
     _ds_save(trainer.engine, str(root), step, keep=keep, data=data or {}, rank=trainer.env.rank,
              steps=trainer.config.steps)  # fmt: skip
-    if step == trainer.config.steps:
-        trainer.save_final(Path(root) / FINAL)
     return Path(root) / f"step_{step:08d}"
 
 
 def ds_latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The final weights the run wrote under ``root`` (what ``rt.export`` reads), or None."""
+    """The final weights an older run wrote under ``root`` (``deepspeed_final``, what ``rt.export``
+    reads), or None; today's train.py exports with ``rt.export_final`` instead."""
     final = Path(root) / FINAL
     return final if (final / "meta.json").is_file() else None
 
@@ -291,10 +347,12 @@ def ds_resume(trainer: DeepSpeedTrainer, ckpt_dir: str | os.PathLike[str], *, mo
               data: Any = None, say: Any = print) -> Path | None:
     """``--resume`` through DeepSpeed's ``load_checkpoint`` (``mode`` "must" or "auto"): the newest
     tag under ``ckpt_dir``, or None when ``mode`` is "auto" and there is none."""
+    from .checkpoint import claim_ckpt_dir
     from .main import ResumeError
 
     root = Path(ckpt_dir)
     tags = _ds_tags(root)
+    claim_ckpt_dir(root)  # this run continues what is there (or starts it afresh)
     if not tags:
         if mode == "auto":
             say(f"no checkpoint in {root}: starting at step 0 (--resume auto)")
@@ -316,7 +374,7 @@ def ds_resume(trainer: DeepSpeedTrainer, ckpt_dir: str | os.PathLike[str], *, mo
 def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any, *, seq_len: int) -> list[float]:
     """The whole DeepSpeed run in one call, for a train.py written before ``DeepSpeedTrainer``
     (today's train.py spells these steps out). Returns the per-step losses."""
-    from .checkpoint import export
+    from .exports import export_final
     from .logs import StepLogger
     from .tasks import JobData, loss_name
 
@@ -338,9 +396,9 @@ def train_deepspeed(source: Any, plan_path: str, config: TrainConfig, args: Any,
         log.step(stats)
         if (args.ckpt_every and stats.step % args.ckpt_every == 0) or stats.step == config.steps:
             ds_save_checkpoint(trainer, args.ckpt_dir, keep=args.ckpt_keep, data=data.state())
-    final = ds_latest_checkpoint(args.ckpt_dir)
-    if env.rank == 0 and args.export and final is not None:
-        log.info(f"exported {export(final, args.export, model_fn=source.factory)}")
+    if args.export:
+        exported = export_final(trainer, args.export, model_fn=source.factory)
+        log.info(f"exported {exported}")
     env.close()
     return losses
 

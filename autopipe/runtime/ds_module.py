@@ -17,8 +17,6 @@ path, so both engines start from the same weights). ``autopipe.runtime.ds`` trai
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -176,11 +174,7 @@ def save_final_weights(module: nn.Module, folder: Path, stage: int, *, write: bo
                 params[name] = p.detach().clone()
     for holder in getattr(module, "tied_modules", {}).values():
         params[holder.tied_name] = holder.weight.detach().clone()
-    if not write:
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    part = folder / f"rank{stage:05d}.pt.part"
-    torch.save({"params": params}, part)
-    os.replace(part, folder / f"rank{stage:05d}.pt")
-    if meta is not None:
-        (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+    if write:
+        from .exports import write_stage_weights
+
+        write_stage_weights(folder, stage, params, meta)

@@ -1,7 +1,7 @@
 """DeepSpeed's settings for a job: its ds_config.json, and the flags and plans its engine cannot run.
 
-autopipe builds the optimizer and the LR schedule itself (the torch engine's AdamW, warmup +
-cosine), so both engines train the same numbers; the ds_config keeps what DeepSpeed owns (batch
+autopipe builds the optimizer and the LR schedule itself (the torch engine's: AdamW, SGD or
+Adafactor, warmup then cosine, linear or constant), so both engines train the same numbers; the ds_config keeps what DeepSpeed owns (batch
 sizes, ZeRO stage, clipping under ZeRO 1). Precision is autocast over fp32 weights on both engines.
 """
 
@@ -25,14 +25,14 @@ CLIP_NOTE = ("autopipe clips by the whole model's gradient norm (every stage, ea
 def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
     """The job's ds_config.json: batch sizes, precision, clipping, the optimizer, ZeRO.
 
-    autopipe builds the optimizer and the LR schedule itself from the ``optimizer`` section (AdamW,
-    decay on matrices only, warmup + cosine: the torch engine's, so both engines train the same
-    numbers). Under ZeRO stage 0 autopipe clips by the whole model's gradient norm (every stage's
-    gradients, each tied tensor once, as the unpipelined model's ``clip_grad_norm_``): DeepSpeed's
-    own ``gradient_clipping`` on a pipeline takes stage 0's norm (8.56 where the whole model's was
-    10.11 on a 2-stage GPT-2), so the file sets it to 0 and says so under ``"autopipe"``, with the
-    clip autopipe applies. Stage 1 (what DeepSpeed allows with pipelines) shards the optimizer state
-    over replicas, and then DeepSpeed clips and reports the norm itself.
+    autopipe builds the optimizer and the LR schedule itself from the ``optimizer`` section (the
+    job's optimizer, decay on matrices only, its LR schedule: the torch engine's, so both engines
+    train the same numbers). Under ZeRO stage 0 autopipe clips by the whole model's gradient norm
+    (every stage's gradients, each tied tensor once, as the unpipelined model's ``clip_grad_norm_``):
+    DeepSpeed's own ``gradient_clipping`` on a pipeline takes stage 0's norm (8.56 where the whole
+    model's was 10.11 on a 2-stage GPT-2), so the file sets it to 0 and says so under ``"autopipe"``,
+    with the clip autopipe applies. Stage 1 (what DeepSpeed allows with pipelines) shards the
+    optimizer state over replicas, and then DeepSpeed clips and reports the norm itself.
 
     Example:
         >>> from autopipe.runtime.optim import TrainConfig
@@ -45,11 +45,7 @@ def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
         "gradient_accumulation_steps": config.microbatches,
         "train_batch_size": rows * config.microbatches * dp,
         "gradient_clipping": config.grad_clip if config.zero >= 1 else 0.0,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": config.lr, "betas": list(config.betas), "eps": config.eps,
-                       "weight_decay": config.weight_decay},
-        },
+        "optimizer": {"type": _DS_NAMES[config.optimizer], "params": _optimizer_params(config)},
         "zero_optimization": {"stage": config.zero},  # the plan's (convert refuses 2/3 for DeepSpeed)
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -61,6 +57,19 @@ def ds_config(config: TrainConfig, *, rows: int, dp: int) -> dict[str, Any]:
     elif config.dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
     return cfg
+
+
+_DS_NAMES = {"adamw": "AdamW", "sgd": "SGD", "adafactor": "Adafactor"}
+
+
+def _optimizer_params(config: TrainConfig) -> dict[str, Any]:
+    """The ds_config's optimizer section: the settings of ``config.optimizer`` a person may edit."""
+    out: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
+    if config.optimizer == "adamw":
+        out.update(betas=list(config.betas), eps=config.eps)
+    elif config.optimizer == "sgd":
+        out["momentum"] = config.momentum
+    return out
 
 
 def load_ds_config(path: str | None, config: TrainConfig, args: Any, dp: int) -> tuple[dict[str, Any], TrainConfig]:
@@ -77,10 +86,13 @@ def load_ds_config(path: str | None, config: TrainConfig, args: Any, dp: int) ->
             raise AutopipeError(f"{path} is not a readable ds_config.json ({e}).") from None
         cfg.update({k: v for k, v in user.items() if k not in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")})
         params = (user.get("optimizer") or {}).get("params", {})
-        if (user.get("optimizer") or {}).get("type", "AdamW").lower() not in ("adamw", "adam"):
-            raise AutopipeError(f"{path}: optimizer {user['optimizer'].get('type')!r}; the pipeline engines train with AdamW.")
+        kind = str((user.get("optimizer") or {}).get("type", _DS_NAMES[config.optimizer])).lower()
+        if kind not in (config.optimizer, "adam" if config.optimizer == "adamw" else config.optimizer):
+            raise AutopipeError(f"{path}: optimizer {user['optimizer'].get('type')!r} but --optimizer is "
+                                f"{config.optimizer}; make them agree (autopipe builds {', '.join(_DS_NAMES.values())}).")
         config = replace(config, betas=tuple(params.get("betas", config.betas)), eps=float(params.get("eps", config.eps)),
-                         weight_decay=float(params.get("weight_decay", config.weight_decay)))
+                         weight_decay=float(params.get("weight_decay", config.weight_decay)),
+                         momentum=float(params.get("momentum", config.momentum)))
     # precision is autocast over fp32 weights, as on the torch engine: the traced layers carry the
     # dtypes of the trace (a norm's upcast and cast back), which DeepSpeed's own bf16/fp16 modes, casting
     # the weights, break ("expected m1 and m2 to have the same dtype")

@@ -23,6 +23,7 @@ from ..graph.recompute import shared_recompute
 from ..planner.memory import splits_backward
 from .build import MicrobatchSeeds, PipeChunk, StageBuild
 from .comm import Comm
+from .eval_mode import traced_eval_mode
 
 __all__ = ["PipelineEngine", "Stopwatch", "model_loss", "pack_batch", "scalar_outputs", "split_batch"]
 
@@ -220,6 +221,7 @@ class PipelineEngine:
         self.is_last = any(s.is_last for s in self.stages)
         self._user_loss = loss_fn
         self._loss_scale = loss_scale
+        self._metrics: list[torch.Tensor] | None = None  # evaluation: each micro-batch's figures
         cls = get_schedule_class(name)
         if layout.pp_size > 1 and layout.multi:
             self.schedule = cls(self.stages, microbatches, loss_fn=self._loss, scale_grads=True)
@@ -237,7 +239,42 @@ class PipelineEngine:
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         outputs = self.build.seq.unpack_outputs(output)
         loss = model_loss(outputs) if self._user_loss is None else self._user_loss(outputs, target)
+        if self._metrics is not None:  # evaluating: the figures, unscaled (there is no backward)
+            self._metrics.append(self._figures(outputs, loss, target if self._classify else None))
+            return loss
         return loss * self._loss_scale()
+
+    @torch.no_grad()
+    def evaluate(self, inputs: tuple[torch.Tensor, ...] | None, target: torch.Tensor | None, *,
+                 figures: Callable[[Any, torch.Tensor, Any], torch.Tensor], classify: bool = False) -> torch.Tensor:
+        """Forward only, every micro-batch, the model in eval mode (dropout off): on the rank of the
+        last chunk the sum of ``figures(outputs, loss, labels)`` over the micro-batches
+        (``autopipe.runtime.evaluate.eval_figures``: loss, micro-batches, correct rows, labelled
+        rows), zeros elsewhere, as a float64 device tensor. ``target`` is the loss's target, or with
+        ``classify`` each row's class id (the accuracy's reference; a user loss gets it as its target)."""
+        if not hasattr(self.schedule, "eval"):
+            from ..errors import AutopipeError
+
+            raise AutopipeError("--eval-data needs torch's pipeline schedules with eval() (torch >= 2.7); upgrade torch.")
+        for chunk in self.chunks:
+            chunk.start_step(None)
+        args = tuple(inputs) if (self.is_first and inputs is not None) else ()
+        tgt = target if self.is_last else None
+        if self.is_last and tgt is None:
+            tgt = torch.zeros(self.microbatches, device=self.device)
+        modules = [stage.submod for stage in self.stages]
+        self._metrics, self._classify, self._figures = [], classify, figures
+        try:
+            # the traced layers' dropout and batch-norm flags, which .eval() alone leaves on
+            with traced_eval_mode(modules):
+                self.schedule.eval(*args, target=tgt, losses=[], return_outputs=False)
+            figures = self._metrics
+        finally:
+            self._metrics = None
+            _reshard(modules)
+        if not figures:
+            return torch.zeros(4, dtype=torch.float64, device=self.device)
+        return torch.stack(figures).sum(0)
 
     def run(
         self, inputs: tuple[torch.Tensor, ...] | None, target: torch.Tensor | None, seeds: MicrobatchSeeds | None = None
@@ -275,6 +312,19 @@ class PipelineEngine:
         """Seconds this rank spent in its chunks' forwards during the last ``run`` (read after the
         step's one device synchronisation: on a GPU it reads CUDA events)."""
         return self._clock.total()
+
+
+def _reshard(modules: Sequence[nn.Module]) -> None:
+    """Free the whole weights FSDP2 gathered for an evaluation's forwards (ZeRO 2 keeps them after
+    a forward, for the backward that evaluation never runs): the next step gathers the updated ones."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2: nothing gathered
+        return
+    for m in modules:
+        for mod in m.modules():
+            if isinstance(mod, FSDPModule):
+                mod.reshard()
 
 
 class Stopwatch:

@@ -1,5 +1,6 @@
 """The command that launched this run, rebuilt for the line that says how to resume it.
 
+Under ``autopipe run JOB`` it is that command (the launcher says so in ``AUTOPIPE_RUN_COMMAND``).
 Under torchrun the best source is torchrun's own command line: a worker's parent process is
 torchrun's agent, so ``/proc/<parent>/cmdline`` holds every option the user gave it, rendezvous
 included (``--nnodes 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id 42``). Where it
@@ -20,9 +21,10 @@ import os
 import shlex
 import sys
 
-__all__ = ["launch_command", "launch_nodes"]
+__all__ = ["RUN_COMMAND", "launch_command", "launch_nodes"]
 
 NODE_RANK = "$NODE_RANK"  # left for the shell of each node to fill in
+RUN_COMMAND = "AUTOPIPE_RUN_COMMAND"  # set by `autopipe run` for its workers: its own command, before the flags
 _NODE_RANK_FLAGS = ("--node-rank", "--node_rank")
 
 
@@ -39,6 +41,8 @@ def launch_command(extra: tuple[str, ...] = ()) -> str:
     """The command line that started this run (torchrun's, with all its options, under torchrun),
     plus ``extra``; on several nodes the one for every node, ``--node-rank $NODE_RANK``."""
     argv = [a for a in sys.argv if a not in extra]
+    if os.environ.get(RUN_COMMAND):  # started by `autopipe run JOB`: the same, the script's flags after it
+        return shlex.join([*shlex.split(os.environ[RUN_COMMAND]), *argv[1:], *extra])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not ("TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_WORLD_SIZE" in os.environ and world > 1)):
         return shlex.join(["python", *argv, *extra])

@@ -1,20 +1,33 @@
-"""Per-step logs: one rich line on rank 0, and JSON lines for machines (``--log-json``).
+"""Per-step logs: the progress line on rank 0, and the same record for JSON lines, TensorBoard, W&B.
+
+Each step, rank 0 prints one line: step of steps, loss, learning rate, gradient norm, tokens (or
+samples) per second, step time, the time left (``ETA``, from the recent steps' wall-clock pace,
+evaluation and checkpoints included: the last 50 steps), and the model FLOPs utilisation (``MFU``: the model's
+forward-and-backward FLOPs per step over the devices' peak, on GPUs whose peak is known; elsewhere
+the model FLOP/s), then the stages' times and each pipeline rank's peak memory. On a terminal the
+line is live: redrawn in place every step, kept every ``log_every`` steps (default 10; 1 when the
+output is a file, so a log keeps every step).
 
 When the run is the one its plan was made for (same schedule, micro-batches, batch size), the plan's
 predictions are logged beside the measurements: the simulated step time against the measured one,
 and each pipeline rank's predicted peak memory against its measured peak (see
 :mod:`autopipe.runtime.peak`), so a person sees at once how far the plan is off.
+
+The record behind the line goes to every sink asked for (``autopipe.runtime.sinks``): ``--log-json``,
+``--tensorboard``, ``--wandb``.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Predictions", "StepLogger", "predictions"]
+__all__ = ["Predictions", "StepLogger", "format_eta", "predictions"]
 
 
 @dataclass(frozen=True)
@@ -51,11 +64,43 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f}"
 
 
-class StepLogger:
-    """Prints each step on rank 0 and appends it to a JSON-lines file.
+def format_eta(seconds: float) -> str:
+    """``2h05m``, ``3m12s``, ``45s``.
 
-    Each JSON line is ``StepStats.to_dict()`` plus the plan's predictions (``predicted_step_time``,
-    ``predicted_peak_memory``) when given, plus whatever ``extra`` the caller adds.
+    >>> format_eta(7500), format_eta(192.4), format_eta(45)
+    ('2h05m', '3m12s', '45s')
+    """
+    s = max(0, int(round(seconds)))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def _flops(rate: float) -> str:
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if rate >= scale:
+            return f"{rate / scale:.3g} {unit}"
+    return f"{rate / 1e6:.3g} MFLOP/s"
+
+
+class StepLogger:
+    """Prints each step on rank 0 and hands its record to the sinks (see the module docstring).
+
+    Each record is ``StepStats.to_dict()`` plus the plan's predictions (``predicted_step_time``,
+    ``predicted_peak_memory``) when given, the progress figures (``eta_s``; ``model_flops_per_s``
+    and ``mfu`` when the FLOPs are known), plus whatever ``extra`` the caller adds (``epoch``,
+    ``eval_loss`` ...).
+
+    Args:
+        steps: the run's last step (for ``step 5/100`` and the ETA).
+        flops_per_step: the model's forward-and-backward FLOPs for one whole step (all replicas).
+        peak_flops: the whole world's peak FLOP/s (devices x each one's), for the MFU.
+        tensorboard, wandb: a TensorBoard folder, a W&B project (None: not written).
+        run_config: what the run was started with (W&B's config).
+        log_every: print a kept line every N steps (None: 10 on a terminal, else 1).
+        console: a rich Console to print on (tests give one writing to a buffer).
     """
 
     def __init__(
@@ -66,19 +111,70 @@ class StepLogger:
         quiet: bool = False,
         predicted: Predictions | None = None,
         unit: str = "tok",
+        steps: int | None = None,
+        flops_per_step: float | None = None,
+        peak_flops: float | None = None,
+        tensorboard: str | os.PathLike[str] | None = None,
+        wandb: str | None = None,
+        run_config: dict[str, Any] | None = None,
+        log_every: int | None = None,
+        console: Any = None,
     ) -> None:
         self.rank = rank
         self.unit = unit  # what the throughput counts: "tok" for token inputs, "samples" otherwise
         self.quiet = quiet
         self.predicted = predicted
+        self.steps = steps
+        self.flops_per_step = flops_per_step or None
+        self.peak_flops = peak_flops or None
         self.json_path = Path(json_path) if json_path else None
         self.console = None
+        self._tensorboard = tensorboard
+        self._wandb = wandb
+        self._run_config = run_config
+        self._sinks: list[Any] | None = None
+        self._resumed: int | None = None
+        self._live: Any = None
+        self._intervals: deque[float] = deque(maxlen=50)  # seconds between the last steps
+        self._last: float | None = None
         if rank == 0 and not quiet:
-            from rich.console import Console
+            if console is None:
+                from rich.console import Console
 
-            self.console = Console(highlight=False, soft_wrap=True)
-        if rank == 0 and self.json_path is not None:
-            self.json_path.parent.mkdir(parents=True, exist_ok=True)
+                console = Console(highlight=False, soft_wrap=True)
+            self.console = console
+        terminal = bool(self.console is not None and self.console.is_terminal)
+        self.log_every = max(1, int(log_every)) if log_every else (10 if terminal else 1)
+        self.live = terminal and self.log_every > 1
+
+    # ---- the sinks: made on first use, so that a resume can purge what it trains again ----------
+    def _open(self) -> list[Any]:
+        if self._sinks is None:
+            from .sinks import JsonLines, TensorBoard, WandB
+
+            self._sinks = []
+            if self.rank == 0:
+                if self.json_path is not None:
+                    self._sinks.append(JsonLines(self.json_path))
+                if self._tensorboard is not None:
+                    self._sinks.append(TensorBoard(self._tensorboard, resume_step=self._resumed))
+                if self._wandb is not None:
+                    self._sinks.append(WandB(self._wandb, config=self._run_config))
+                if self._resumed is not None and self.json_path is not None:
+                    self._sinks[0].resumed(self._resumed)
+        return self._sinks
+
+    def resumed(self, step: int) -> None:
+        """This run continues from a checkpoint of ``step``: records of later steps, which a stopped
+        run logged after its last checkpoint, are dropped (``--log-json``) or purged (TensorBoard)."""
+        self._resumed = int(step)
+        if self._sinks is not None:
+            for sink in self._sinks:
+                sink.resumed(self._resumed)
+
+    def open(self) -> None:
+        """Open the sinks now (a missing package is said before training, not at the first step)."""
+        self._open()
 
     def info(self, message: str) -> None:
         if self.console is not None:
@@ -87,27 +183,104 @@ class StepLogger:
     def step(self, stats: Any, **extra: Any) -> None:
         if self.rank != 0:
             return
+        now = time.perf_counter()
+        if self._last is not None:  # the wall clock between steps: evaluations and checkpoints included
+            self._intervals.append(now - self._last)
+        self._last = now
+        # the recent pace (the first step, which also sets the pipeline up, only until there is one)
+        pace = sum(self._intervals) / len(self._intervals) if self._intervals else stats.step_time
+        record = {**stats.to_dict(), **extra}
         pred = self.predicted
+        if pred is not None:
+            record["predicted_step_time"] = pred.step_time
+            record["predicted_peak_memory"] = list(pred.rank_memory)
+        if self.steps is not None:
+            record["eta_s"] = max(0, self.steps - stats.step) * pace
+        if self.flops_per_step and stats.step_time > 0:
+            record["model_flops_per_s"] = self.flops_per_step / stats.step_time
+            if self.peak_flops:
+                record["mfu"] = record["model_flops_per_s"] / self.peak_flops
+        for sink in self._open():
+            sink.write(record)
+        if self.console is None:
+            return
+        line = self._line(stats, record)
+        last = self.steps is not None and stats.step >= self.steps
+        if stats.step % self.log_every == 0 or last or "eval_loss" in record or not self.live:
+            self._print(line)
+        else:
+            self._show(line)
+
+    def eval(self, step: int, figures: dict[str, float]) -> None:
+        """An evaluation that no training step goes with (before the first step, or at the end)."""
+        if self.rank != 0:
+            return
+        record = {"step": int(step), **figures}
+        for sink in self._open():
+            sink.write(record)
         if self.console is not None:
-            stages = " ".join(f"{t * 1000:.0f}" for t in stats.stage_times)
-            skipped = " [yellow]skipped (fp16 overflow)[/]" if stats.skipped else ""
-            step = f"{stats.step_time * 1000:.0f} ms"
-            if pred is not None and pred.step_time > 0:
-                step += f" (plan {pred.step_time * 1000:.0f})"
-            memory = ""
-            if getattr(stats, "peak_memory", None) and any(stats.peak_memory):
-                memory = "  mem(MiB) " + " ".join(_mib(m) for m in stats.peak_memory)
-                if pred is not None and getattr(stats, "memory_exact", True):  # else not what the plan counts
-                    memory += " (plan " + " ".join(_mib(m) for m in pred.rank_memory) + ")"
-            self.console.print(
-                f"step [bold]{stats.step:>5}[/]  loss [cyan]{stats.loss:.4f}[/]  lr {stats.lr:.2e}  "
-                f"|g| {stats.grad_norm:.3f}  {stats.tokens_per_s:,.0f} {self.unit}/s  "
-                f"{step}  stages(ms) {stages}{memory}{skipped}"
-            )
-        if self.json_path is not None:
-            record = {**stats.to_dict(), **extra}
-            if pred is not None:
-                record["predicted_step_time"] = pred.step_time
-                record["predicted_peak_memory"] = list(pred.rank_memory)
-            with open(self.json_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            self._print(f"step [bold]{step:>5}[/]  {_eval_text(record)}")
+
+    def close(self) -> None:
+        """Stop the live line and flush the sinks (TensorBoard's events, W&B's run)."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        for sink in self._sinks or []:
+            sink.close()
+        self._sinks = []
+
+    # ---- the terminal ---------------------------------------------------------------------------
+    def _print(self, line: str) -> None:
+        if self._live is not None:  # the live line makes way (transient: it leaves nothing behind)
+            self._live.stop()
+            self._live = None
+        self.console.print(line)  # type: ignore[union-attr]
+
+    def _show(self, line: str) -> None:
+        from rich.live import Live
+        from rich.text import Text
+
+        text = Text.from_markup(line)
+        if self._live is None:
+            self._live = Live(text, console=self.console, transient=True, auto_refresh=False)
+            self._live.start()
+        self._live.update(text, refresh=True)
+
+    def _line(self, stats: Any, record: dict[str, Any]) -> str:
+        pred = self.predicted
+        stages = " ".join(f"{t * 1000:.0f}" for t in stats.stage_times)
+        skipped = " [yellow]skipped (fp16 overflow)[/]" if stats.skipped else ""
+        step = f"{stats.step_time * 1000:.0f} ms"
+        if pred is not None and pred.step_time > 0:
+            step += f" (plan {pred.step_time * 1000:.0f})"
+        memory = ""
+        if getattr(stats, "peak_memory", None) and any(stats.peak_memory):
+            memory = "  mem(MiB) " + " ".join(_mib(m) for m in stats.peak_memory)
+            if pred is not None and getattr(stats, "memory_exact", True):  # else not what the plan counts
+                memory += " (plan " + " ".join(_mib(m) for m in pred.rank_memory) + ")"
+        of = f"/{self.steps}" if self.steps is not None else ""
+        progress = ""
+        if "epoch" in record:
+            progress += f"  epoch {record['epoch']:.2f}"
+        if "eta_s" in record and stats.step < (self.steps or 0):
+            progress += f"  ETA {format_eta(record['eta_s'])}"
+        if "mfu" in record:
+            progress += f"  MFU {record['mfu']:.1%}"
+        elif "model_flops_per_s" in record:
+            progress += f"  {_flops(record['model_flops_per_s'])}"
+        evaluated = f"  {_eval_text(record)}" if "eval_loss" in record else ""
+        return (
+            f"step [bold]{stats.step:>5}[/]{of}  loss [cyan]{stats.loss:.4f}[/]  lr {stats.lr:.2e}  "
+            f"|g| {stats.grad_norm:.3f}  {stats.tokens_per_s:,.0f} {self.unit}/s  {step}{progress}{evaluated}  "
+            f"stages(ms) {stages}{memory}{skipped}"
+        )
+
+
+def _eval_text(record: dict[str, Any]) -> str:
+    text = f"eval loss [magenta]{record['eval_loss']:.4f}[/]"
+    if record.get("eval_perplexity") is not None and math.isfinite(record["eval_perplexity"]):
+        text += f" ppl {record['eval_perplexity']:.2f}"
+    if record.get("eval_accuracy") is not None:
+        text += f" acc {record['eval_accuracy']:.1%}"
+    return text

@@ -51,10 +51,21 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+_INSTALLED: dict[str, Any] = {}  # the hook, once per process, and the checkpoint folder its Ctrl-C names
+
+
 def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: Callable[[Any], Any] | None = None) -> None:
-    """Make uncaught autopipe errors one line from rank 0 and Ctrl-C a clean stop (see module docstring)."""
+    """Make uncaught autopipe errors one line from rank 0 and Ctrl-C a clean stop (see module docstring).
+
+    Called again (``parse_flags`` installs it before the flags are read), it only points the Ctrl-C
+    hint at ``ckpt_dir``."""
     if os.environ.get("AUTOPIPE_DEBUG"):
         return
+    if "hook" in _INSTALLED:
+        if ckpt_dir is not None:
+            _INSTALLED["ckpt_dir"] = ckpt_dir
+        return
+    _INSTALLED["ckpt_dir"] = ckpt_dir
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
@@ -69,7 +80,8 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
             if _rank() == 0:
                 from .checkpoint import latest_checkpoint
 
-                last = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
+                folder = _INSTALLED.get("ckpt_dir")
+                last = latest_checkpoint(folder) if folder is not None else None
                 nodes = f", on each of the {launch_nodes()} nodes" if launch_nodes() > 1 else ""
                 where = f"newest checkpoint {last}; resume with{nodes}: {launch_command(('--resume',))}" if last else \
                     "no checkpoint saved yet (--ckpt-every N saves every N steps)"
@@ -119,6 +131,7 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
         _announce_failure()  # not an Exception (SystemExit and kin): the other ranks leave too
 
     sys.excepthook = hook
+    _INSTALLED["hook"] = hook
     # torchrun answers Ctrl-C by sending its workers SIGTERM, which would end them without a word
     # (and may come first): a stop either way, the same clean one
     def stop(signum: int, frame: Any) -> None:
@@ -261,6 +274,7 @@ def resume(trainer: Any, ckpt_dir: str | os.PathLike[str], *, mode: str, steps: 
     """
     from .checkpoint import (
         check_shared_folder,
+        claim_ckpt_dir,
         latest_checkpoint,
         load_checkpoint,
         read_meta,
@@ -269,6 +283,7 @@ def resume(trainer: Any, ckpt_dir: str | os.PathLike[str], *, mode: str, steps: 
     if getattr(trainer, "env", None) is not None:  # else each node would find its own newest checkpoint
         check_shared_folder(trainer.env, ckpt_dir)
     last = latest_checkpoint(ckpt_dir)
+    claim_ckpt_dir(ckpt_dir)  # this run continues what is there (or, with none, starts it afresh)
     if last is None:
         if mode == "auto":
             say(f"no checkpoint in {ckpt_dir}: starting at step 0 (--resume auto)")

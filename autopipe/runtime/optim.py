@@ -1,7 +1,14 @@
-"""Training settings, AdamW with a warmup + cosine learning rate, and fp16 loss scaling.
+"""Training settings, the optimizer and its learning-rate schedule, and fp16 loss scaling.
 
-The pipelined trainer and the unpipelined reference both build their optimizer here, so they make
-the same decisions (which tensors get weight decay, the LR at each step) and stay comparable.
+The optimizer is the user's: torch's AdamW (decoupled weight decay, ``betas``), SGD (``momentum``,
+L2 weight decay as torch applies it) or Adafactor (factored second moments: a matrix keeps a row and
+a column of statistics, not a copy of itself), weight decay on matrices only. The learning rate
+warms up linearly for ``warmup`` steps, then follows ``lr_schedule``: ``cosine`` or ``linear`` down
+to ``lr · min_lr_ratio`` at the last step, or ``constant``.
+
+The pipelined trainer, the DeepSpeed one and the unpipelined reference all build their optimizer
+here, so they make the same decisions (which tensors get weight decay, the LR at each step) and
+stay comparable.
 """
 
 from __future__ import annotations
@@ -17,8 +24,13 @@ from torch import nn
 from ..choices import PRECISIONS, ZERO_STAGES
 from ..errors import AutopipeError
 
-__all__ = ["LossScaler", "TrainConfig", "make_lr_scheduler", "make_optimizer", "param_groups", "preallocate_"]
+__all__ = ["LR_SCHEDULES", "LossScaler", "OPTIMIZERS", "TrainConfig", "describe_optimizer", "lr_factor", "make_lr_scheduler",
+           "make_optimizer", "materialize_state_", "optimizer_class", "optimizer_options", "param_groups",
+           "preallocate_"]
 
+# --optimizer -> torch's class (by name: Adafactor needs torch >= 2.5)
+OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD", "adafactor": "Adafactor"}
+LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclass(frozen=True)
@@ -28,16 +40,19 @@ class TrainConfig:
     steps: int = 100
     microbatches: int = 4
     lr: float = 3e-4
-    min_lr_ratio: float = 0.1  # the cosine decays to lr · min_lr_ratio at the last step
+    min_lr_ratio: float = 0.1  # cosine and linear decay to lr · min_lr_ratio at the last step
     warmup: int = 0  # steps of linear warmup
     weight_decay: float = 0.1  # applied to matrices only (not to biases, norms' gains)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's
+    eps: float = 1e-8  # AdamW's
     grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
     dtype: str = "fp32"  # fp32 | bf16 | fp16 (autocast; master weights stay fp32)
     loss_scale: float = 2.0**16  # initial fp16 loss scale
     seed: int = 0
     zero: int = 0  # ZeRO stage over data-parallel replicas (autopipe.runtime.zero): 0 1 2 3
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+    lr_schedule: str = "cosine"  # one of LR_SCHEDULES, after the warmup
+    momentum: float = 0.9  # SGD's
 
     def __post_init__(self) -> None:
         if self.dtype not in PRECISIONS:
@@ -48,6 +63,21 @@ class TrainConfig:
             )
         if self.zero not in ZERO_STAGES:
             raise AutopipeError(f"--zero {self.zero}: use 0 (replicate), 1 (shard optimizer state), 2 (and gradients) or 3 (and parameters).")
+        object.__setattr__(self, "optimizer", str(self.optimizer).lower())
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if self.optimizer not in OPTIMIZERS:
+            raise AutopipeError(f"--optimizer {self.optimizer}: use {', '.join(OPTIMIZERS)}.")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise AutopipeError(f"--lr-schedule {self.lr_schedule}: use {', '.join(LR_SCHEDULES)}.")
+        if not (self.lr > 0 and self.weight_decay >= 0 and self.grad_clip >= 0 and self.warmup >= 0
+                and 0 <= self.min_lr_ratio <= 1 and 0 <= self.momentum < 1):
+            raise AutopipeError(
+                f"--lr {self.lr} must be > 0, --weight-decay {self.weight_decay}, --grad-clip {self.grad_clip} and "
+                f"--warmup {self.warmup} >= 0, --min-lr-ratio {self.min_lr_ratio} in [0, 1], --momentum "
+                f"{self.momentum} in [0, 1)."
+            )
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise AutopipeError(f"--betas {','.join(map(str, self.betas))}: give two numbers in [0, 1), like 0.9,0.95.")
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -58,7 +88,7 @@ class TrainConfig:
 
 
 def param_groups(params: Mapping[str, nn.Parameter], config: TrainConfig) -> list[dict[str, Any]]:
-    """AdamW's groups over ``params`` (name -> parameter): decay on tensors of 2+ dims, in name order."""
+    """The optimizer's groups over ``params`` (name -> parameter): decay on tensors of 2+ dims, in name order."""
     decay = [p for _, p in sorted(params.items()) if p.requires_grad and p.dim() >= 2]
     no_decay = [p for _, p in sorted(params.items()) if p.requires_grad and p.dim() < 2]
     # no empty group: DeepSpeed drops them from the optimizer after the LR schedule has counted them
@@ -71,17 +101,50 @@ def param_groups(params: Mapping[str, nn.Parameter], config: TrainConfig) -> lis
     return groups
 
 
-def make_optimizer(
-    params: Mapping[str, nn.Parameter], config: TrainConfig, *, cls: type[torch.optim.AdamW] = torch.optim.AdamW
-) -> torch.optim.AdamW:
-    """AdamW over ``params`` (name -> parameter, each object once), decay on tensors of 2+ dims.
+def optimizer_class(config: TrainConfig) -> type[torch.optim.Optimizer]:
+    """torch's class for ``config.optimizer``."""
+    cls = getattr(torch.optim, OPTIMIZERS[config.optimizer], None)
+    if cls is None:
+        raise AutopipeError(f"--optimizer {config.optimizer} needs torch.optim.{OPTIMIZERS[config.optimizer]} "
+                            f"(torch >= 2.5; this is {torch.__version__}); use adamw or sgd.")
+    return cls
+
+
+def optimizer_options(config: TrainConfig) -> dict[str, Any]:
+    """The keyword settings ``optimizer_class(config)`` takes (weight decay is per group).
 
     ``foreach=True``: one multi-tensor kernel per step and group, not one per tensor (on a GPU a
     rank's thousands of small tensors otherwise cost a launch each). Its sums group tensors
-    differently from the reference's, which differs in the last bits only (well inside the
-    tests' 1e-5).
+    differently from a per-tensor loop, which differs in the last bits only.
     """
-    return cls(param_groups(params, config), lr=config.lr, betas=config.betas, eps=config.eps, foreach=True)
+    if config.optimizer == "adamw":
+        return {"lr": config.lr, "betas": config.betas, "eps": config.eps, "foreach": True}
+    if config.optimizer == "sgd":
+        return {"lr": config.lr, "momentum": config.momentum, "foreach": True}
+    return {"lr": config.lr, "foreach": True}  # Adafactor: torch's defaults for its decay and clipping
+
+
+def describe_optimizer(config: TrainConfig) -> str:
+    """The optimizer and schedule in a few words, for the run's first line.
+
+    >>> describe_optimizer(TrainConfig(lr=3e-4, warmup=10))
+    'adamw lr 3e-04 (betas 0.9,0.95, decay 0.1), warmup 10 then cosine to 3e-05, clip 1'
+    """
+    c = config
+    detail = {"adamw": f"betas {c.betas[0]:g},{c.betas[1]:g}, ", "sgd": f"momentum {c.momentum:g}, "}.get(c.optimizer, "")
+    warm = f"warmup {c.warmup} then " if c.warmup else ""
+    shape = "constant" if c.lr_schedule == "constant" else f"{c.lr_schedule} to {c.lr * c.min_lr_ratio:.0e}"
+    clip = f"clip {c.grad_clip:g}" if c.grad_clip else "no clip"
+    return f"{c.optimizer} lr {c.lr:.0e} ({detail}decay {c.weight_decay:g}), {warm}{shape}, {clip}"
+
+
+def make_optimizer(
+    params: Mapping[str, nn.Parameter], config: TrainConfig, *, cls: type[torch.optim.Optimizer] | None = None
+) -> torch.optim.Optimizer:
+    """The configured optimizer over ``params`` (name -> parameter, each object once), decay on
+    tensors of 2+ dims. ``cls``: a subclass of that optimizer's class to build instead (DeepSpeed's
+    engine gets one that clips first)."""
+    return (cls or optimizer_class(config))(param_groups(params, config), **optimizer_options(config))
 
 
 def preallocate_(optimizer: torch.optim.Optimizer) -> None:
@@ -125,16 +188,54 @@ def preallocate_(optimizer: torch.optim.Optimizer) -> None:
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
-    """LR multiplier at ``step`` (0-based): linear warmup, then cosine down to ``min_lr_ratio``."""
+    """LR multiplier at ``step`` (0-based): linear warmup, then ``config.lr_schedule``.
+
+    >>> [round(lr_factor(s, TrainConfig(steps=4, warmup=2, lr_schedule="linear", min_lr_ratio=0.0)), 2) for s in range(5)]
+    [0.5, 1.0, 1.0, 0.5, 0.0]
+    """
     if config.warmup and step < config.warmup:
         return (step + 1) / config.warmup
+    if config.lr_schedule == "constant":
+        return 1.0
     span = max(1, config.steps - config.warmup)
     progress = min(1.0, (step - config.warmup) / span)
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    shape = 1 - progress if config.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
 
 
 def make_lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
+
+
+@torch.no_grad()
+def materialize_state_(optimizer: torch.optim.Optimizer) -> None:
+    """Create every parameter's optimizer state, so that a checkpoint can be loaded into it in place.
+
+    SGD and Adafactor make their state at their first step, and a checkpoint's state is loaded
+    into tensors that exist (torch.distributed.checkpoint loads in place). One step at learning
+    rate 0 on zero gradients makes it: no parameter moves, and the state it writes (zeros, a step
+    count) is overwritten by the load. Adam(W)'s is made by ``preallocate_`` already. Collective
+    under ZeRO 1 (the step broadcasts each replica's parameters).
+    """
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
+    params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
+    if all(inner.state.get(p) for p in params):
+        return
+    saved = [(g, g["lr"]) for g in optimizer.param_groups]
+    grads = {id(p): p.grad for g in optimizer.param_groups for p in g["params"]}
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+            elif p.grad is not None:
+                p.grad.zero_()
+    optimizer.step()
+    for g, lr in saved:
+        g["lr"] = lr
+        for p in g["params"]:
+            if grads[id(p)] is None:
+                p.grad = None
 
 
 class LossScaler:

@@ -58,7 +58,10 @@ __all__ = ["holds_gpu_memory", "measure_reserve", "probe_config", "reserve_for",
 
 _ROWS, _SEQ, _MICRO, _STEPS = 4, 128, 4, 6
 _LAYERS, _WIDTH, _HEADS, _VOCAB = 4, 256, 4, 4096  # the probe's size, GPT-2 or the user's architecture
-_PROBE = dict(n_layer=_LAYERS, n_embd=_WIDTH, n_head=_HEADS, vocab_size=_VOCAB, n_positions=_SEQ)
+# token ids inside the probe's vocabulary: GPT2Config's defaults (50256) made transformers warn, on
+# the user's terminal, about a model the user never asked for
+_PROBE = dict(n_layer=_LAYERS, n_embd=_WIDTH, n_head=_HEADS, vocab_size=_VOCAB, n_positions=_SEQ,
+              bos_token_id=0, eos_token_id=0)
 
 
 def _cache_file() -> Path:

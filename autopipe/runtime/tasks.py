@@ -210,7 +210,8 @@ class JobData:
         (torch.Size([8, 64]), ['labels', 'use_cache'], None)
     """
 
-    def __init__(self, source: Any, data: str | None, *, seq_len: int, seed: int = 0, seq: Any = None) -> None:
+    def __init__(self, source: Any, data: str | None, *, seq_len: int, seed: int = 0, seq: Any = None,
+                 shuffle: bool = True, flag: str = "--data") -> None:
         self.source = source
         # the prediction a user loss sees, per row (from the flattened model's outputs; see check_loss)
         self.output_shape: tuple[int, ...] = ()
@@ -227,6 +228,11 @@ class JobData:
         self.samples: Any = None
         self.synthetic: TokenData | None = None
         if data is not None:
+            from pathlib import Path
+
+            from .data import check_data_path
+
+            check_data_path(Path(data), flag=flag)  # named by its flag: --data, or --eval-data
             opened = open_data(data, tokenizer_dir=source.tokenizer_dir)
         elif source.data is not None:
             opened = source.data
@@ -236,11 +242,11 @@ class JobData:
             self.tokens = opened
             self.tokens.check(vocab_size=source.vocab_size if self._first_is_ids() else 0, span=self.span,
                               source=data or "the factory's data")
-            self.order = EpochOrder(len(self.tokens) // self.span, seed)
+            self.order = EpochOrder(len(self.tokens) // self.span, seed, shuffle=shuffle)
         elif opened is not None:
             self.samples = opened
             self._check_samples()
-            self.order = EpochOrder(self.samples.n, seed)
+            self.order = EpochOrder(self.samples.n, seed, shuffle=shuffle)
         elif self.task in TOKEN_TASKS:
             self.synthetic = TokenData(None, vocab_size=source.vocab_size, seq_len=self.span, seed=seed)
         if self.tokens is not None and self.task not in TOKEN_TASKS and not self._first_is_ids():
@@ -275,6 +281,59 @@ class JobData:
     def unit(self) -> str:
         """What the throughput counts: tokens for token inputs, else samples."""
         return "tok" if self._first_is_ids() else "samples"
+
+    @property
+    def size(self) -> int | None:
+        """Samples (or token windows) the data holds; None for synthetic data, which has no end."""
+        return self.order.n if hasattr(self, "order") else None
+
+    def epoch(self, step: int, rows: int) -> float | None:
+        """How many passes over the data ``step`` steps of ``rows`` rows made (None: synthetic)."""
+        n = self.size
+        return step * rows / n if n else None
+
+    def short_of(self, rows: int) -> str | None:
+        """A warning when one step of ``rows`` rows needs more samples than the data holds (each
+        step then repeats samples), with the numbers; None when it has enough."""
+        n = self.size
+        if n is None or n >= rows:
+            return None
+        what = "token windows" if self.tokens is not None else "samples"
+        where = self.path or "the factory's data"
+        return (f"warning: {where} holds {n} {what} but one step takes {rows} rows (batch size x micro-batches x "
+                f"replicas): every step sees each of them {rows / n:.1f} times (an epoch every {n / rows:.2f} steps); "
+                "give more data or a smaller --batch-size / --microbatches.")
+
+    @property
+    def classifier(self) -> bool:
+        """Whether the model predicts one class per row (accuracy is its evaluation's figure): a
+        classification head, or ``--loss cross_entropy`` on logits of one row each."""
+        return self.source.num_labels > 1 or (self.loss == "cross_entropy" and len(self.output_shape) == 1)
+
+    @property
+    def language_model(self) -> bool:
+        """Whether the loss is a token cross-entropy, whose exponential is the perplexity."""
+        own = self.loss == "model" and self.task in TOKEN_TASKS
+        return own or (self.loss == "cross_entropy" and self.tokens is not None and not self.classifier)
+
+    def class_labels(self, step: int, rows: int, *, replica: int = 0, replicas: int = 1) -> torch.Tensor | None:
+        """The class id of each of this replica's rows of batch ``step`` (what accuracy compares the
+        prediction with), read alone; None when the model is no classifier."""
+        if not self.classifier:
+            return None
+        per = rows // replicas
+        if self.samples is not None:
+            names = self.samples.names
+            label = self._label_input()
+            col = next((n for n in ((label.name,) if label is not None else ()) + _Y_NAMES if n in names), None)
+            if col is None:
+                return None
+            return self.samples.rows(col, self.order.indices(step, rows, replica, replicas)).long().reshape(per)
+        args, kwargs, target = self.batch(step, rows, replica=replica, replicas=replicas)
+        if target is not None:
+            return target.long().reshape(per)
+        labels = kwargs.get("labels")
+        return labels.long().reshape(per) if isinstance(labels, torch.Tensor) else None
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint records about the data, so a resume can tell it continues the same data."""

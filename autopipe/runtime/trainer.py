@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from .build import MicrobatchSeeds, StageBuild
 from .distenv import DistEnv
 from .engine import PipelineEngine, Stopwatch, pack_batch
 from .grads import clip_grads_, global_grad_norm, sync_tied_grads
-from .optim import LossScaler, TrainConfig, make_lr_scheduler, preallocate_
+from .optim import LossScaler, TrainConfig, lr_factor, make_lr_scheduler, preallocate_
 from .zero import (
     ZeroOneAdamW,
     explain_ddp_error,
@@ -209,6 +210,21 @@ class Trainer:
             memory_exact=env.peak.exact,
         )
 
+    def evaluate(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: torch.Tensor | None = None,
+                 labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward one batch (this replica's share) for evaluation: no gradient, no update, dropout
+        off. Returns this rank's sums on the device (``PipelineEngine.evaluate``): loss over
+        micro-batches, micro-batches, correct and labelled rows (``labels``: each row's class id)."""
+        env = self.env
+        inputs = None
+        if self.engine.is_first:
+            inputs = env.to_device(pack_batch(self.build.seq, args, dict(kwargs or {}), self.config.microbatches))
+        from .evaluate import eval_figures
+
+        wanted = labels if labels is not None else target
+        return self.engine.evaluate(inputs, env.to_device(wanted) if self.engine.is_last else None,
+                                    figures=eval_figures, classify=labels is not None)
+
     @property
     def is_first(self) -> bool:
         """Whether this rank runs the first chunk (it reads the batch's inputs)."""
@@ -255,12 +271,9 @@ class Trainer:
 
     # --- checkpoint state -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's file of a checkpoint: step, LR schedule, loss scale, RNG, layout, and (on
-        replica 0, for export and inspection) its parameters' whole values. Collective over the
-        replicas (sharded parameters are gathered). The resumable tensors are ``tensor_state``."""
+        """This rank's file of a checkpoint: step, LR schedule, loss scale, RNG, layout. The weights
+        and optimizer state are ``tensor_state`` (saved once, sharded), not repeated here."""
         return {
-            # in host memory, one tensor at a time: no copy of the stage's weights on the device
-            "params": full_values(self.params.items(), keep=self.env.dp_rank == 0),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.step_count,
@@ -271,6 +284,20 @@ class Trainer:
             "boundaries": list(self.build.layout.boundaries),
             "config": self.config.to_dict(),
         }
+
+    def save_final(self, folder: Path) -> None:
+        """This stage's trained weights, whole, as ``folder/rank{stage}.pt`` (+ meta.json from rank
+        0): what ``export`` joins into one safetensors file. Collective over the replicas (sharded
+        parameters are gathered, into host memory one tensor at a time); replica 0 writes."""
+        from .exports import write_stage_weights
+
+        env = self.env
+        params = full_values(self.params.items(), keep=env.dp_rank == 0)
+        if env.dp_rank == 0:
+            meta = {"step": self.step_count, "pp": env.pp_size, "dp": 1,
+                    "tied": {t.name: list(t.names) for t in self.build.tied}} if env.rank == 0 else None
+            write_stage_weights(Path(folder), env.pp_rank, params, meta)
+        env.barrier()
 
     def tensor_state(self) -> dict[str, torch.Tensor]:
         """Parameters and AdamW state by parameter name, as this rank holds them (sharded DTensors,
@@ -294,9 +321,12 @@ class Trainer:
             )
         self.scheduler.load_state_dict(state["scheduler"])
         # the optimizer's own state dict is not loaded (its tensors come from tensor_state), so the
-        # scheduled LR, which the scheduler writes into the groups only when it steps, is set here
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
+        # scheduled LR, which the scheduler writes into the groups only when it steps, is set here:
+        # this run's (its --lr, its --steps), at the step the checkpoint reached
+        self.scheduler.base_lrs = [self.config.lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.config.lr
+            group["lr"] = self.config.lr * lr_factor(self.scheduler.last_epoch, self.config)
         self.scaler.load_state_dict(state["scaler"])
         self.step_count = int(state["step"])
         # generator states are host tensors, whatever device a loader put them on

@@ -160,9 +160,26 @@ def _init_fn(model: nn.Module) -> Callable[[str, nn.Module], bool]:
         if callable(reset) and (mod._parameters or mod._buffers):
             reset()
             return True
+        private = _torch_private_init(mod)
+        if private is not None:
+            private()
+            return True
         return False
 
     return init
+
+
+def _torch_private_init(mod: nn.Module) -> Callable[[], None] | None:
+    """The init of a torch module that names it ``_reset_parameters`` (``nn.MultiheadAttention``, the
+    ``nn.Transformer`` family), as its constructor calls it; None for any other module.
+
+    It also writes a child's tensor (MultiheadAttention zeroes ``out_proj.bias``), which the
+    constructor did too; ``_writes_only`` still keeps every tensor of the module that was not asked for.
+    """
+    fn = getattr(mod, "_reset_parameters", None)
+    if callable(fn) and type(mod).__module__.startswith("torch.nn.modules") and mod._parameters:
+        return fn
+    return None
 
 
 @torch.no_grad()
@@ -187,7 +204,9 @@ def init_weights_(model: nn.Module, tensors: Iterable[torch.Tensor], *, seed: in
             if not any(id(t) in here for t in _subtree_tensors(mod)):
                 continue
             torch.manual_seed(module_seed(seed, name))
-            with _writes_only(mod, here):  # the twins the model holds, not the GPU tensors they stand for
+            # the twins the model holds, not the GPU tensors they stand for; a torch module's private
+            # init writes its children too (MultiheadAttention's out_proj.bias)
+            with _writes_only(mod, here, subtree=_torch_private_init(mod) is not None):
                 init(name, mod)
     names = tensor_names(model)
     return [
@@ -198,7 +217,7 @@ def init_weights_(model: nn.Module, tensors: Iterable[torch.Tensor], *, seed: in
 
 
 @contextlib.contextmanager
-def _writes_only(mod: nn.Module, wanted: dict[int, torch.Tensor]) -> Iterator[None]:
+def _writes_only(mod: nn.Module, wanted: dict[int, torch.Tensor], *, subtree: bool = False) -> Iterator[None]:
     """Let a module's init function write only the wanted tensors, in place, as they are.
 
     An init function initialises every tensor of its module: run to fill a buffer the checkpoint
@@ -206,9 +225,11 @@ def _writes_only(mod: nn.Module, wanted: dict[int, torch.Tensor]) -> Iterator[No
     overwrite the weight just loaded; its other real tensors are put back. It may also assign new
     tensors instead of writing (litgpt's ``reset_parameters`` makes new rotary tables): their
     values are copied into the tensors the layers hold, which go back into their slots.
+    ``subtree``: the same for the tensors of every module below ``mod``.
     """
+    modules = list(mod.modules()) if subtree else [mod]
     before = [(table, attr, t, None if id(t) in wanted or t.is_meta else t.detach().clone())
-              for table in (mod._parameters, mod._buffers) for attr, t in table.items() if t is not None]
+              for m in modules for table in (m._parameters, m._buffers) for attr, t in table.items() if t is not None]
     yield
     with torch.no_grad():
         for table, attr, t, saved in before:

@@ -51,7 +51,13 @@ from ..errors import AutopipeError
 from ..planner.memory import (
     ddp_schedule,  # the plan's memory model decides with the same rule
 )
-from .optim import TrainConfig, param_groups, preallocate_
+from .optim import (
+    TrainConfig,
+    optimizer_class,
+    optimizer_options,
+    param_groups,
+    preallocate_,
+)
 
 __all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "ZeroOneAdamW", "bucket_bytes", "check_zero", "ddp_schedule",
            "explain_ddp_error", "local", "shard_chunks_", "sharded_grads"]
@@ -211,8 +217,9 @@ def _ddp(chunk: nn.Module, group: Any) -> nn.Module:
 
 
 class ZeroOneAdamW(ZeroRedundancyOptimizer):
-    """ZeRO 1: AdamW whose state each replica keeps for its share of the tensors only
-    (torch's ``ZeroRedundancyOptimizer``); after the step each owner broadcasts its updated tensors.
+    """ZeRO 1: the configured optimizer (AdamW by default, the name says so; SGD or Adafactor
+    alike) whose state each replica keeps for its share of the tensors only (torch's
+    ``ZeroRedundancyOptimizer``); after the step each owner broadcasts its updated tensors.
 
     Beside DDP (ZeRO 0's engine) it steps the parameters themselves: the classic pairing. The
     parameters ``replicate`` gives (zero-bubble schedules) are replicated DTensors, and
@@ -228,8 +235,8 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
         proxies = iter(proxy for proxy, _ in self.pairs)
         plain = {n: next(proxies) if hasattr(p, "to_local") else p for n, p in params.items()}
         super().__init__(
-            param_groups(plain, config), optimizer_class=torch.optim.AdamW, process_group=group,
-            lr=config.lr, betas=config.betas, eps=config.eps, foreach=True,
+            param_groups(plain, config), optimizer_class=optimizer_class(config), process_group=group,
+            **optimizer_options(config),
         )
         self.names = {id(proxy): n for n, proxy in plain.items()}
 
@@ -254,7 +261,7 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
 
 def make_dp_optimizer(params: Mapping[str, nn.Parameter], config: TrainConfig, *, zero: int, dp_size: int,
                       group: Any) -> torch.optim.Optimizer:
-    """AdamW for this rank: ``ZeroOneAdamW`` under ZeRO 1 with replicas, else torch's AdamW (whose
+    """The optimizer for this rank: ``ZeroOneAdamW`` under ZeRO 1 with replicas, else torch's (whose
     state follows the parameters: sharded DTensors under ZeRO 2/3)."""
     from .optim import make_optimizer
 

@@ -16,6 +16,10 @@ DistributedDataParallel gets a comm hook that launches the same all-reduce as DD
 ``allreduce_hook``: divide by the replica count, sum) and records, for each bucket, the step and
 whether it was launched from inside an autograd backward: ``DIR/ddp_rank{RANK}.json``, rewritten
 at each step's norm.
+
+With ``AUTOPIPE_TEST_WEIGHTS=DIR`` (on its own) every torch-engine rank saves, after each optimizer
+update, the whole value of every parameter it holds, by name: ``DIR/weights_rank{RANK}_step{S}.pt``.
+A checkpoint keeps a tied tensor once; this shows every rank's own copy.
 """
 
 import os
@@ -124,3 +128,27 @@ if _DIR:
         return _step(self, closure)
 
     _ds._ClippingAdamW.step = _probe_then_step
+
+
+_WEIGHTS = os.environ.get("AUTOPIPE_TEST_WEIGHTS", "")
+if _WEIGHTS:
+    import torch
+
+    import autopipe.runtime.trainer as _weights_trainer
+
+    _init_weights = _weights_trainer.Trainer.__init__
+
+    def _init_then_watch(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        _init_weights(self, *args, **kwargs)
+
+        def dump(*_):  # noqa: ANN002, ANN202
+            values = {}
+            for n, p in self.params.items():
+                p = p.detach()
+                values[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
+            step = self.step_count + 1  # the update of this step (the count moves after it)
+            torch.save(values, os.path.join(_WEIGHTS, f"weights_rank{os.environ.get('RANK', '0')}_step{step}.pt"))
+
+        self.optimizer.register_step_post_hook(dump)
+
+    _weights_trainer.Trainer.__init__ = _init_then_watch
