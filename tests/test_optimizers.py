@@ -162,9 +162,11 @@ SETTINGS = {
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_each_optimizer_pipelined_equals_the_untouched_model_trained_alike(torchrun: Launcher, job: Path, name: str) -> None:
-    flags, settings = SETTINGS[name]
+def test_adamw_s_flags_pipelined_equal_the_untouched_model_trained_alike(torchrun: Launcher, job: Path) -> None:
+    """AdamW with every flag set; SGD and Adafactor are checked against the untouched model by the
+    resume test below (its uninterrupted run), which saves the suite two launches."""
+    flags, settings = SETTINGS["adamw"]
+    name = "adamw"
     losses = _losses(torchrun, job, name, "--steps", "4", *flags)
     assert losses == pytest.approx(_reference(job, TrainConfig(steps=4, microbatches=MICRO, **settings)), abs=TOL)
 

@@ -56,6 +56,8 @@ class _EvalMode(TorchFunctionMode):
 def traced_eval_mode(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Eval mode for ``modules`` and the traced layers in them (module docstring); train mode after.
 
+    >>> import torch
+    >>> from torch import fx
     >>> g = fx.Graph()
     >>> g.output(g.call_function(torch.ops.aten.dropout.default, (g.placeholder("x"), 0.5, True)))
     output
