@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,7 +72,7 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         _leave_alone()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving already: torchrun's stop must not cut the line
-        if issubclass(kind, KeyboardInterrupt):
+        if issubclass(kind, KeyboardInterrupt) or _interrupted(value):
             # torchrun stops the others with SIGTERM when a rank fails: then say why, not "interrupted"
             word = _find_word() if _rank() == 0 else None
             if word is not None:
@@ -87,6 +88,9 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                     "no checkpoint saved yet (--ckpt-every N saves every N steps)"
                 _say(f"interrupted: {where}")
             os._exit(130)
+        wrapped = _checkpoint_error(value)
+        if wrapped is not None:
+            kind, value = AutopipeError, wrapped
         if issubclass(kind, (AutopipeError, OSError)):
             message = str(value)
             if isinstance(value, OSError) and value.strerror:
@@ -138,6 +142,39 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def _interrupted(value: BaseException) -> bool:
+    """Whether ``value`` is a Ctrl-C that torch wrapped: a checkpoint save caught mid-write gathers each
+    rank's exception, KeyboardInterrupt included, into one CheckpointException (its text the tracebacks)."""
+    if any(isinstance(exc, KeyboardInterrupt) for exc in _checkpoint_failures(value).values()):
+        return True
+    seen = value.__cause__ or value.__context__
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _checkpoint_failures(value: BaseException) -> dict[int, BaseException]:
+    """Each rank's exception inside torch's CheckpointException (rank -> (exception, trace)); {} otherwise."""
+    failures = getattr(value, "failures", None) if type(value).__name__ == "CheckpointException" else None
+    if not isinstance(failures, dict):
+        return {}
+    return {int(r): f[0] if isinstance(f, tuple) else f for r, f in failures.items()}
+
+
+def _checkpoint_error(value: BaseException) -> AutopipeError | None:
+    """A failed checkpoint save or load as one line: torch's CheckpointException is a BaseException
+    whose text is every rank's traceback."""
+    failures = _checkpoint_failures(value)
+    if not failures:
+        return None
+    rank, exc = min(failures.items())
+    first = " ".join(traceback.format_exception_only(type(exc), exc)[-1].split())
+    return AutopipeError(f"a checkpoint save or load failed on rank(s) {', '.join(map(str, sorted(failures)))}; "
+                         f"rank {rank}: {first}")
 
 
 def _store() -> Any:
@@ -192,9 +229,23 @@ def watch_peers(interval: float = 1.0) -> threading.Event | None:
     store = _store()
     if store is None or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return None
-    stop = threading.Event()
-    threading.Thread(target=_watch, args=(store, stop, interval), name="autopipe-peer-watch", daemon=True).start()
+    stop = _WatchStop()
+    stop.thread = threading.Thread(target=_watch, args=(store, stop, interval), name="autopipe-peer-watch", daemon=True)
+    stop.thread.start()
     return stop
+
+
+class _WatchStop(threading.Event):
+    """The peer watch's stop event. ``set`` also waits for the watch to leave the store: a thread still
+    inside a store call while the process group is torn down aborted a rank at exit ("terminate called
+    without an active exception", SIGABRT, after a run had finished)."""
+
+    thread: threading.Thread | None = None
+
+    def set(self) -> None:
+        super().set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
 
 
 def _watch(store: Any, stop: threading.Event, interval: float) -> None:
