@@ -114,3 +114,19 @@ class Launcher:
             pytest.fail(f"{' '.join(cmd)}\nexited {done.returncode}\n---- stdout\n{_tail(out)}\n---- stderr\n{_tail(err)}",
                         pytrace=False)
         return done
+
+    def interrupt_at(self, cmd: Sequence[Arg], *, cwd: Arg, marker: str = "step     3",
+                     timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run ``cmd`` and press Ctrl-C as a terminal does once a stdout line starts with ``marker``:
+        SIGINT to its own process group (the launcher and every rank)."""
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=Path(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=self.environ({"COLUMNS": "200"}), start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        seen = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            seen.append(line)
+            if line.startswith(marker):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(seen) + out, err)

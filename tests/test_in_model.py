@@ -75,3 +75,18 @@ def test_a_profile_saved_before_the_gaps_still_loads_and_plans() -> None:
     prof = autopipe.Profile.from_costs([1.0, 2.0, 3.0])
     assert prof.sequence_forward_time == 0 and all(l.forward_gap == l.backward_gap == 0 for l in prof.layers)
     assert autopipe.partition(prof, 2, bandwidth=None).step_time > 0
+
+
+def test_the_gap_is_charged_without_a_warning_and_a_noisy_model_warns() -> None:
+    """Layers alone at 0.8 of the whole model: each carries its gap, and nothing is printed (it is
+    expected, issue 23's "noise the user did not cause"); a whole-model timing that stayed noisy warns."""
+    from autopipe.costs.in_model import InModelTiming, charge_in_model
+    from autopipe.costs.layer_costs import LayerCost
+
+    layers = [LayerCost(i, f"l{i}", 0.4, 0.4) for i in range(2)]
+    inside = InModelTiming(forward=(0.5, 0.5), backward=(0.5, 0.5))
+    charged, note = charge_in_model(layers, inside)
+    assert note == ""
+    assert [round(c.forward_gap, 9) for c in charged] == [0.1, 0.1] and sum(c.time for c in charged) == pytest.approx(2.0)
+    _, noisy = charge_in_model(layers, InModelTiming(forward=(0.5, 0.5), backward=(0.5, 0.5), spread=1.0))
+    assert noisy.startswith("the whole model's timings stayed noisy")

@@ -13,7 +13,6 @@ Tiny configs, 2 steps: one launch per model and engine.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -236,7 +235,6 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(torchrun: Launcher, jobs: d
     """Ctrl-C mid-run (SIGINT to the whole process group, as a terminal sends it; under torchrun the
     workers get torchrun's SIGTERM too): every rank stops, no traceback of ours, and rank 0 alone prints
     one line naming the newest checkpoint and the command that resumes from it; exit 130 without torchrun."""
-    import signal
 
     job = jobs["cnn"]
     run = job["root"] / f"interrupted{nproc}"
@@ -245,14 +243,8 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(torchrun: Launcher, jobs: d
     # the job with SIGINT as a terminal leaves it, in a group of its own to signal as a terminal does
     cmd = torchrun.command(job["root"] / "job" / "train_torch.py", "--steps", "100000", "--plan", "even",
                            "--ckpt-dir", run / "ckpt", "--ckpt-every", "1", nproc=nproc)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run,
-                            env=torchrun.environ({"COLUMNS": "200"}), start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    for line in proc.stdout:  # type: ignore[union-attr]
-        if line.startswith("step     3"):
-            break
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    proc = torchrun.interrupt_at(cmd, cwd=run)
+    err = proc.stderr
     said = [line for line in err.splitlines() if line.startswith("interrupted:")]
     assert len(said) == 1 and "interrupted: newest checkpoint" in said[0], err[-3000:]
     assert f"{run / 'ckpt'}/step_000000" in said[0] and said[0].endswith("--resume")

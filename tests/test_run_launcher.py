@@ -8,8 +8,6 @@ every rank and the line names the command that resumes (`autopipe run JOB ... --
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -75,14 +73,8 @@ def test_ctrl_c_stops_every_rank_and_names_the_resume_command(job: Path, torchru
     command resumes."""
     ckpt = job / "ctrl-c"
     cmd = [*AUTOPIPE, "run", str(job), "--steps", "100000", "--ckpt-every", "1", "--ckpt-dir", str(ckpt)]
-    proc = subprocess.Popen(cmd, cwd=job, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=torchrun.environ({"COLUMNS": "200"}), start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    for line in proc.stdout:  # type: ignore[union-attr]
-        if line.startswith("step     3"):
-            break
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    proc = torchrun.interrupt_at(cmd, cwd=job)
+    err = proc.stderr
     assert proc.returncode == 130, err[-3000:]
     said = [line for line in err.splitlines() if line.strip()]
     assert len(said) == 1 and said[0].startswith(f"interrupted: newest checkpoint {ckpt}/step_"), err[-3000:]
