@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopipe
 from autopipe.graph.rng import RngState, compute_devices
@@ -313,6 +314,19 @@ def test_a_probe_beside_the_user_s_model_on_the_gpu_is_known_to_be(monkeypatch: 
 # ---- defect 15: initial weights are the same on every device type -------------------------------
 
 
+class RandomDraws(TorchDispatchMode):
+    """Notes into ``drawn`` the device type of every tensor a random init (normal_, uniform_) writes."""
+
+    def __init__(self, drawn: list[str]) -> None:
+        super().__init__()
+        self.drawn = drawn
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func._overloadpacket in (torch.ops.aten.normal_, torch.ops.aten.uniform_):
+            self.drawn.append(args[0].device.type)
+        return func(*args, **(kwargs or {}))
+
+
 def test_weights_on_a_gpu_are_initialised_from_the_cpu_generator() -> None:
     """A GPU's init draws from the GPU's generator, whose numbers for a seed differ from the CPU's:
     the same job started from other weights on a GPU than on a CPU. ``host_init`` has the model
@@ -321,17 +335,10 @@ def test_weights_on_a_gpu_are_initialised_from_the_cpu_generator() -> None:
     take the twins' values back on a CPU-only torch, so the test leaves by an exception, which skips
     that copy.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from autopipe.runtime.weights import host_init, materialize_
 
     drawn: list[str] = []
-
-    class Random(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            if func._overloadpacket in (torch.ops.aten.normal_, torch.ops.aten.uniform_):
-                drawn.append(args[0].device.type)
-            return func(*args, **(kwargs or {}))
 
     class Leave(Exception):
         pass
@@ -340,7 +347,7 @@ def test_weights_on_a_gpu_are_initialised_from_the_cpu_generator() -> None:
     with FakeTensorMode(allow_non_fake_inputs=True):
         materialize_(layer, ["weight", "bias"], device="cuda")  # as a rank builds its stage on its GPU
         weight = layer.weight
-        with pytest.raises(Leave), Random(), host_init(layer, [layer.weight, layer.bias]):
+        with pytest.raises(Leave), RandomDraws(drawn), host_init(layer, [layer.weight, layer.bias]):
             assert layer.weight.device.type == "cpu"
             layer.reset_parameters()
             raise Leave
@@ -353,22 +360,15 @@ def test_init_weights_initialises_the_cpu_twins_of_a_gpu_rank_s_tensors() -> Non
     CPU twin), with random numbers drawn on the CPU. (Its last step, copying the values onto the
     fake CUDA tensors, cannot run on a CPU-only torch: everything before it can, and is checked.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from autopipe.runtime.weights import init_weights_, materialize_
 
     drawn: list[str] = []
 
-    class Random(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            if func._overloadpacket in (torch.ops.aten.normal_, torch.ops.aten.uniform_):
-                drawn.append(args[0].device.type)
-            return func(*args, **(kwargs or {}))
-
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to("meta")
     with FakeTensorMode(allow_non_fake_inputs=True):
         tensors = materialize_(model, ["0.weight", "0.bias", "1.weight", "1.bias"], device="cuda")
-        with Random(), pytest.raises(RuntimeError, match="cuda"):
+        with RandomDraws(drawn), pytest.raises(RuntimeError, match="cuda"):
             init_weights_(model, tensors, seed=0)
     assert len(drawn) == 4 and set(drawn) == {"cpu"}, drawn  # both Linears' weights and biases
     assert [p.device.type for p in model.parameters()] == ["cuda"] * 4

@@ -21,14 +21,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import AutopipeError
+from ..runtime.launch import run_local_workers
 
 __all__ = ["DeviceLine", "DoctorReport", "RankCheck", "run_doctor"]
 
@@ -191,13 +190,8 @@ def run_doctor(*, device: str = "auto", ranks: int | None = None, steps: int = 6
         del seq, spec
         plan = partition(prof, stages=ranks, microbatches=_MICRO, schedule="1f1b", memory_limit=None)
         plan.save(root / "plan.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "-m", "autopipe.job.doctor", "--worker", str(root), "--steps", str(steps)]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        if done.returncode != 0:
-            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise AutopipeError(f"the doctor's {ranks}-rank training run failed: {tail}")
+        run_local_workers("autopipe.job.doctor", ranks, [str(root), "--steps", str(steps)], timeout=900,
+                          failure=f"the doctor's {ranks}-rank training run failed")
         runs = [json.loads((root / f"rank{r}.json").read_text()) for r in range(ranks)]
     memory = tuple(RankCheck(rank=r, predicted=int(plan.rank_memory[r]), **runs[r]["peak"]) for r in range(ranks))
     model = _memory_model(prof.device.name) if device == "cuda" else {}

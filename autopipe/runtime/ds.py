@@ -155,10 +155,8 @@ class DeepSpeedTrainer:
         over the micro-batches, each layer seeded per micro-batch as on the torch engine."""
         from .build import MicrobatchSeeds
 
-        mb, seq = self.config.microbatches, self.build.seq
-        targets = list(target.chunk(mb)) if target is not None else [torch.zeros(1)] * mb
-        # host tensors: DeepSpeed's engine copies each micro-batch to its device when it loads it
-        micro = [(seq.pack_inputs(a, k), t) for (a, k), t in zip(split_batch(args, kwargs or {}, mb), targets)]
+        mb = self.config.microbatches
+        micro = self._micro_batches(args, kwargs, target)
         seeds = MicrobatchSeeds(self.config.seed, self.step_count, self.env.dp_rank * mb)
         for layer in self.layers:
             layer.seeds, layer.microbatch = seeds, 0
@@ -175,14 +173,19 @@ class DeepSpeedTrainer:
         return StepStats(step=self.step_count, loss=loss, lr=lr, grad_norm=norm, step_time=dt,
                          tokens_per_s=tokens / dt if dt > 0 else 0.0, stage_times=[dt])
 
+    def _micro_batches(self, args: Any, kwargs: Any, target: torch.Tensor | None) -> list[tuple[Any, torch.Tensor]]:
+        """(packed inputs, target) per micro-batch, as DeepSpeed's data iterator yields them; a
+        placeholder target where the model computes its own loss. Host tensors: DeepSpeed's engine
+        copies each micro-batch to its device when it loads it."""
+        mb, seq = self.config.microbatches, self.build.seq
+        targets = list(target.chunk(mb)) if target is not None else [torch.zeros(1)] * mb
+        return [(seq.pack_inputs(a, k), t) for (a, k), t in zip(split_batch(args, kwargs or {}, mb), targets)]
+
     def evaluate(self, args: Any, kwargs: Any = None, target: torch.Tensor | None = None,
                  labels: torch.Tensor | None = None) -> torch.Tensor:
         """Forward one batch for evaluation (DeepSpeed's ``eval_batch``), as ``Trainer.evaluate``:
         this rank's sums (loss over micro-batches, micro-batches, correct and labelled rows)."""
-        mb, seq = self.config.microbatches, self.build.seq
-        wanted = labels if labels is not None else target
-        targets = list(wanted.chunk(mb)) if wanted is not None else [torch.zeros(1)] * mb
-        micro = [(seq.pack_inputs(a, k), t) for (a, k), t in zip(split_batch(args, kwargs or {}, mb), targets)]
+        micro = self._micro_batches(args, kwargs, labels if labels is not None else target)
         for layer in self.layers:
             layer.seeds, layer.microbatch = None, 0
         self.loss_fn.metrics, self.loss_fn.classify = [], labels is not None

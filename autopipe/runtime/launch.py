@@ -21,7 +21,7 @@ import os
 import shlex
 import sys
 
-__all__ = ["RUN_COMMAND", "launch_command", "launch_nodes"]
+__all__ = ["RUN_COMMAND", "launch_command", "launch_nodes", "run_local_workers"]
 
 NODE_RANK = "$NODE_RANK"  # left for the shell of each node to fill in
 RUN_COMMAND = "AUTOPIPE_RUN_COMMAND"  # set by `autopipe run` for its workers: its own command, before the flags
@@ -106,3 +106,20 @@ def _node_rank_left_open(options: list[str]) -> list[str]:
         else:
             out.append(token)
     return out
+
+
+def run_local_workers(module: str, ranks: int, args: list[str], *, timeout: float, failure: str) -> None:
+    """Run ``python -m module --worker ARGS`` on ``ranks`` local processes under torchrun, one thread
+    each and transformers quiet (autopipe's own probes: the reserve's and the doctor's); a failure is
+    ``AutopipeError(f"{failure}: <the last line it printed>")``."""
+    import subprocess
+
+    from ..errors import AutopipeError
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "-m", module, "--worker", *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise AutopipeError(f"{failure}: {tail}")

@@ -45,14 +45,13 @@ import copy
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..choices import PRECISIONS
 from ..errors import AutopipeError
+from .launch import run_local_workers
 
 __all__ = ["holds_gpu_memory", "measure_reserve", "probe_config", "reserve_for", "runtime_reserve"]
 
@@ -233,13 +232,8 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
         plan.save(root / "plan.json")
         predicted = rank_memory(prof, plan.boundaries, stage_ranks=plan.stage_ranks, inflight=plan.stage_inflight,
                                 microbatches=plan.microbatches, reserve=0)  # fmt: skip
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "-m", "autopipe.runtime.reserve", "--worker", str(root), "--dtype", dtype]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-        if done.returncode != 0:
-            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise AutopipeError(f"measuring the runtime reserve on {device} failed: {tail}")
+        run_local_workers("autopipe.runtime.reserve", ranks, [str(root), "--dtype", dtype], timeout=600,
+                          failure=f"measuring the runtime reserve on {device} failed")
         readings = [json.loads((root / f"peak{r}.json").read_text()) for r in range(ranks)]
     measured = [int(r["peak"]) for r in readings]
     gaps = [m - p.total for m, p in zip(measured, predicted)]
