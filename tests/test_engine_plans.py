@@ -84,6 +84,28 @@ def test_engine_plan_is_exact_for_its_cost_model(table, stages) -> None:
     assert partition(prof, 2, microbatches=4, recompute="none", engine="torch").boundaries != alone.boundaries
 
 
+def test_compute_scale_stretches_the_layers_not_the_sends() -> None:
+    """An engine's compute_scale (its layers' seconds in a job over the profiled ones) multiplies every
+    layer's forward, backward and recompute time, and nothing else: with no per-op, send or link
+    terms a scale of 2 doubles the simulated step exactly; a table written before the field reads 1."""
+    prof = _profile()
+    flat = dict(per_op=0.0, send_latency=0.0, bandwidth=None, per_step=0.0, optimizer_rate=0.0, source="test")
+    one = partition(prof, 3, microbatches=4, recompute="none", bandwidth=None, engine=EngineCosts("torch", "cpu", **flat))
+    two = partition(prof, 3, microbatches=4, recompute="none", bandwidth=None,
+                    engine=EngineCosts("torch", "cpu", compute_scale=2.0, **flat))
+    assert two.boundaries == one.boundaries
+    assert two.step_time == pytest.approx(2 * one.step_time, rel=1e-12)
+    assert two.stage_forward == pytest.approx([2 * f for f in one.stage_forward], rel=1e-12)
+    full = partition(prof, 3, microbatches=4, recompute="full", bandwidth=None,
+                     engine=EngineCosts("torch", "cpu", compute_scale=2.0, **flat))
+    assert full.stage_recompute_time == pytest.approx([2 * f for f in one.stage_forward], rel=1e-12)
+    # a send is the link's, not the layers': scaling the layers leaves it as it was
+    linked = dict(flat, bandwidth=1e6, send_latency=0.002)
+    assert CostModel(prof, None, 1e6, "1f1b", 4, engine=EngineCosts("torch", "cpu", compute_scale=3.0, **linked)).one_way \
+        == CostModel(prof, None, 1e6, "1f1b", 4, engine=EngineCosts("torch", "cpu", **linked)).one_way
+    assert EngineCosts(**{"engine": "torch", "device": "cpu", **flat}).compute_scale == 1.0
+
+
 def test_auto_picks_the_faster_engine_and_says_why_not(table) -> None:
     """plan_engines plans each engine, picks the least whole step, and skips what cannot run."""
     prof = _profile()

@@ -8,7 +8,11 @@ PipelineStage + schedule, or DeepSpeed's PipelineEngine), which adds its own wor
 - ``send_latency`` and ``bandwidth``: one P2P send or receive at a cut, latency + bytes / bandwidth;
 - ``per_step``: seconds per step outside the schedule beyond the optimizer's own arithmetic
   (gradient norm, the step's host read, zero_grad, the engine's step bookkeeping);
-- ``optimizer_rate``: seconds per parameter of the optimizer step (AdamW, fp32 state).
+- ``optimizer_rate``: seconds per parameter of the optimizer step (AdamW, fp32 state);
+- ``compute_scale``: how much longer the layers take inside a running job than the profiler timed
+  them alone (each rank's forward seconds in the job's step log over the plan's): on a CPU the
+  job's ranks share the memory bus and caches, and a stage's micro-batches interleave their forwards
+  and backwards (1.13-1.19 measured on this 2-core machine); 1 where it was not measured.
 
 The figures are not constants in code: ``bench/bench_engines.py`` measures them on a machine (a P2P
 ping-pong on gloo, an AdamW step, and 2-stage jobs of a small GPT-2 at several micro-batch counts on
@@ -19,9 +23,9 @@ the layers alone predict them.
 
 Example:
     >>> costs = EngineCosts("torch", "cpu", per_op=0.002, send_latency=1e-4, bandwidth=1e9,
-    ...                     per_step=0.01, optimizer_rate=1e-8, source="example")
-    >>> round(costs.send_time(10**6), 6), round(costs.after_schedule(2 * 10**6), 6)
-    (0.0011, 0.03)
+    ...                     per_step=0.01, optimizer_rate=1e-8, source="example", compute_scale=1.15)
+    >>> round(costs.send_time(10**6), 6), round(costs.after_schedule(2 * 10**6), 6), costs.compute_scale
+    (0.0011, 0.03, 1.15)
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class EngineCosts:
     per_step: float  # seconds per step outside the schedule, beyond the optimizer's arithmetic
     optimizer_rate: float  # seconds per parameter of an AdamW step
     source: str  # how and when it was measured (the bench, the machine, the load)
+    compute_scale: float = 1.0  # a layer's seconds in a job over its profiled seconds (tables before it: 1)
 
     def send_time(self, nbytes: int) -> float:
         """Seconds of one send (or receive) of ``nbytes`` at a cut."""

@@ -43,8 +43,8 @@ class CostModel:
     """The profile as per-chunk costs, for one (optimizer, bandwidth, schedule, micro-batch count).
 
     Bytes come from autopipe.planner.memory (the same figures the plan's per-rank memory adds up); seconds
-    from the profile, plus, with ``engine``, what that engine adds per op and per send (measured:
-    autopipe.costs.engines). On zbv a recomputed layer runs its forward again in each of its two backward
+    from the profile, plus, with ``engine``, what that engine adds per op and per send, and how much
+    longer the layers take inside its jobs than alone (measured: autopipe.costs.engines). On zbv a recomputed layer runs its forward again in each of its two backward
     passes (input, then weight gradients), so its extra time counts twice.
     """
 
@@ -77,7 +77,9 @@ class CostModel:
         latency = engine.send_latency if engine is not None else 0.0
         self.one_way = [l.output_bytes / bw + latency for l in layers[:-1]]
         passes = 2 if schedule == "zbv" else 1
-        modes = {name: ([passes * x for x in extra], list(lm.activations[name]))
+        # the layers as long as they take inside this engine's jobs on this device (measured), not alone
+        scale = engine.compute_scale if engine is not None else 1.0
+        modes = {name: ([scale * passes * x for x in extra], list(lm.activations[name]))
                  for name, extra in recompute_times(profile).items()}  # fmt: skip
         backward = [l.backward_time for l in layers]
         split = profile.split_backward if schedule == "zbv" else None
@@ -87,9 +89,9 @@ class CostModel:
             backward = [l.backward_input_time + l.backward_weight_time if l.split_timed else l.backward_time * split[1]
                         for l in layers]  # fmt: skip
         # each layer's share of what the whole model took beyond its layers timed alone (profiler)
-        backward = [b + l.backward_gap for b, l in zip(backward, layers)]
+        backward = [scale * (b + l.backward_gap) for b, l in zip(backward, layers)]
         self.costs = ChunkCosts(
-            [l.forward_time + l.forward_gap for l in layers],
+            [scale * (l.forward_time + l.forward_gap) for l in layers],
             backward,
             self.one_way,
             static,

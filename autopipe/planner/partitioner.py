@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from ..choices import RECOMPUTE_POLICIES, ZERO_STAGES
-from ..costs.engines import engine_costs
+from ..costs.engines import EngineCosts, engine_costs
 from ..costs.layer_costs import Profile
 from ..errors import AutopipeError, InfeasibleMemoryError, PartitionError
 from ..units import format_bytes, parse_size
@@ -86,7 +86,7 @@ def partition(
     zero: int | str = 0,
     cuts: Sequence[int] | None = None,
     target: str | None = None,
-    engine: str | None = None,
+    engine: str | EngineCosts | None = None,
 ) -> Plan:
     """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
@@ -124,7 +124,9 @@ def partition(
         engine: the engine the job trains on (torch or deepspeed): its measured seconds per op, per
             send and per step (autopipe.costs.engines) join the layers' in the cost model, so the
             cut is the best for that engine; its measured P2P bandwidth replaces the default link.
-            None, or an engine not measured on the profile's device: the layers alone.
+            None, or an engine not measured on the profile's device: the layers alone. An
+            ``EngineCosts`` record instead of a name plans with those figures (what-ifs, and the
+            bench that fits them).
 
     Returns:
         A :class:`~autopipe.planner.plan.Plan`; ``plan.step_lower_bound`` is a proven bound on the step of
@@ -193,7 +195,7 @@ def partition(
                        signature=profile.signature, zero_policy=str(zero),
                        cuts=None if allowed is None else allowed.cuts, target=target_info(target).key if target else "")  # fmt: skip
 
-    costs = engine_costs(engine, profile.device.type)
+    costs = engine if isinstance(engine, EngineCosts) else engine_costs(engine, profile.device.type)
     if costs is not None and costs.bandwidth is not None and bandwidth == DEFAULT_BANDWIDTH:
         bandwidth = costs.bandwidth  # the engine's measured link, not a GPU's PCIe guess
 
