@@ -11,13 +11,17 @@ gloo ranks, one thread each. Each model is profiled once here (one thread, as a 
 partitioned by autopipe for 1F1B; the job is written once per stage count. Methods, each a torchrun
 of its own script (bench/peers/):
 
-- ``autopipe torch`` / ``autopipe deepspeed``: the generated train.py, ``--engine torch|deepspeed``;
+- ``autopipe default``: the job ``autopipe convert MODEL --stages S`` writes with its defaults (its own
+  profile, engine, schedule and cut), given only the bench's batch shape: what a user gets;
+- ``autopipe torch`` / ``autopipe deepspeed``: the generated train.py of autopipe's 1F1B plan for the
+  torch engine, run ``--engine torch|deepspeed``;
 - ``bare torch``: a hand-written ``PipelineStage`` + ``Schedule1F1B`` at autopipe's cut (hand_torch.py);
 - ``bare deepspeed``: a hand-written ``PipelineModule`` at autopipe's cut (hand_deepspeed.py --parts);
 - ``deepspeed parameters|uniform|type``: the same, cut by DeepSpeed's ``partition_method``.
 
-The two bare scripts at autopipe's cut measure what autopipe adds to its engine (issue 24's goal:
-within 3 %); DeepSpeed's own cuts what a DeepSpeed user gets. Every method trains the same weights
+The two bare scripts at autopipe's 1F1B cut measure what autopipe adds to its engine (issue 24's goal:
+within 3 %); DeepSpeed's own cuts what a DeepSpeed user gets, which the default job is set against
+(the goal: at least as fast as the best of them). Every method trains the same weights
 (autopipe's seeded initialisation) on the same batches; the first step's loss (before any update) is
 checked to agree across methods. Each rank records when each step returned (bench/peers/record.py;
 autopipe's jobs through a probe on PYTHONPATH that wraps ``Trainer.step``): the step period, median
@@ -63,8 +67,9 @@ MODELS = {
                             tie_word_embeddings=False)),
 }  # fmt: skip
 PROFILED = ["autopipe torch", "bare torch", "autopipe deepspeed", "bare deepspeed"]  # the breakdown's methods
-METHODS = ["autopipe torch", "bare torch", "autopipe deepspeed", "bare deepspeed",
+METHODS = ["autopipe default", "autopipe torch", "bare torch", "autopipe deepspeed", "bare deepspeed",
            "deepspeed parameters", "deepspeed uniform", "deepspeed type"]  # fmt: skip
+HAND_DS = ["bare deepspeed", "deepspeed parameters", "deepspeed uniform", "deepspeed type"]  # what a DeepSpeed user writes
 
 
 def load() -> float:
@@ -78,6 +83,7 @@ def make_jobs(root: Path, model: str, stage_counts: list[int]) -> dict[int, tupl
 
     import autopipe
     from autopipe.graph.sources import load_model
+    from autopipe.job.converter import convert
     from autopipe.job.folder import JobSettings, emit
     from autopipe.runtime.reserve import runtime_reserve
 
@@ -96,11 +102,17 @@ def make_jobs(root: Path, model: str, stage_counts: list[int]) -> dict[int, tupl
                             reserve=runtime_reserve("cpu", dtype="fp32", config=spec.model.config))  # fmt: skip
     jobs = {}
     for stages in stage_counts:
-        plan = autopipe.partition(prof, stages=stages, microbatches=MICRO, schedule="1f1b", recompute="none")
+        plan = autopipe.partition(prof, stages=stages, microbatches=MICRO, schedule="1f1b", recompute="none", engine="torch")
         settings = JobSettings(model=str(folder), stages=stages, microbatches=MICRO, schedule=plan.schedule,
                                batch_size=ROWS, seq_len=SEQ, dtype="fp32")  # fmt: skip
         job = emit(root / f"{model}-pp{stages}", settings=settings, profile=prof, plan=plan, baselines={})
-        jobs[stages] = (job.job_dir, list(plan.boundaries), float(plan.step_time), plan_terms(plan))
+        # the job `autopipe convert MODEL --stages S` writes with its defaults (its own profile, engine,
+        # schedule and cut), given only the bench's batch shape
+        default = convert(str(folder), stages=stages, microbatches=MICRO, batch_size=ROWS, seq_len=SEQ, progress=False,
+                          out=str(root / f"{model}-pp{stages}-default"))  # fmt: skip
+        jobs[stages] = (job.job_dir, list(plan.boundaries), float(plan.total_step_time), plan_terms(plan),
+                        {"dir": default.job.job_dir, "parts": list(default.plan.boundaries), "schedule": default.plan.schedule,
+                         "engine": default.plan.engine or "torch", "predicted": float(default.plan.total_step_time)})  # fmt: skip
     return jobs
 
 
@@ -134,6 +146,9 @@ def plan_terms(plan: object) -> list[dict[str, float]]:
 
 def command(method: str, job: Path, cut: list[int], steps: int) -> list[str]:
     common = ["--steps", str(steps)]
+    if method == "autopipe default":
+        default = job.with_name(job.name + "-default")
+        return [str(default / "train.py"), *common, "--ckpt-dir", str(default / "ckpt")]
     if method.startswith("autopipe"):
         engine = method.split()[1]
         return [str(job / "train.py"), "--engine", engine, *common, "--ckpt-dir", str(job / f"ckpt-{engine}")]
@@ -198,7 +213,7 @@ def table(results: dict) -> str:
     lines = []
     for name, res in results.items():
         base = res["methods"]["autopipe torch"].get("step", float("nan"))
-        lines += [f"\n### {name} (autopipe's plan predicts {res['predicted']:.3f} s)\n",
+        lines += [f"\n### {name} (autopipe's 1F1B plan for torch predicts {res['predicted']:.3f} s)\n",
                   "| method | layers per stage | step (median, IQR) | vs autopipe torch | CPU s/step (all ranks) | peak RSS per rank (MiB) | load |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for method, m in res["methods"].items():
@@ -207,6 +222,9 @@ def table(results: dict) -> str:
                 continue
             rss = " / ".join(f"{b / 2**20:.0f}" for b in m["peak_rss"])
             label = f"{method} (= {m['same_as']}: same cut)" if m.get("same_as") else method
+            if method == "autopipe default" and res.get("default"):
+                d = res["default"]
+                label += f" ({d['engine']}, {d['schedule']}; plan {d['predicted']:.3f} s)"
             lines.append(f"| {label} | {blocks(m['parts'])} | {m['step']:.3f} s ({m['iqr'][0]:.3f}-{m['iqr'][1]:.3f}) | "
                          f"{m['step'] / base:.2f}x | {m['cpu']:.2f} | {rss} | {min(m['load']):.1f}-{max(m['load']):.1f} |")  # fmt: skip
         ms = res["methods"]
@@ -214,6 +232,11 @@ def table(results: dict) -> str:
             bt, bd = ms["bare torch"], ms["bare deepspeed"]
             lines.append(f"\nautopipe over the bare script at its cut: torch {base / bt['step']:.3f}x, "
                          f"deepspeed {res['methods']['autopipe deepspeed']['step'] / bd['step']:.3f}x")  # fmt: skip
+        hand = {m: ms[m]["step"] for m in HAND_DS if "step" in ms[m]}
+        if "step" in ms["autopipe default"] and hand:
+            best = min(hand, key=hand.get)
+            lines.append(f"autopipe's default job over the best hand-written DeepSpeed pipeline ({best}): "
+                         f"{ms['autopipe default']['step'] / hand[best]:.3f}x")
     return "\n".join(lines) + "\n"
 
 
@@ -242,7 +265,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="GPT-2 at 2 stages, 1 round, 5 steps: checks the bench runs")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of every run (default 1; 2+ on a quiet machine)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 6: the first 2 are warm-up)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 10: the first 2 are warm-up)")
     ap.add_argument("--models", default=",".join(MODELS), help="a subset: gpt2, llama")
     ap.add_argument("--stages", default="2,4", help="a subset: 2, 4")
     a = ap.parse_args()
@@ -250,15 +273,17 @@ def main() -> None:
     if a.quick:
         models, stage_counts = ["gpt2"], [2]
     rounds = a.rounds or 1
-    steps, warmup = a.steps or (5 if a.quick else 6), 2
+    steps, warmup = a.steps or (5 if a.quick else 10), 2
     started, t_start = load(), time.perf_counter()
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         root = Path(tmp)
         configs = []
+        defaults: dict = {}  # per configuration: the default job's cut, schedule, engine and prediction
         for model in models:
-            for stages, (job, cut, predicted, terms) in make_jobs(root, model, stage_counts).items():
+            for stages, (job, cut, predicted, terms, default) in make_jobs(root, model, stage_counts).items():
                 configs.append((f"{model}, {stages} stages", job, cut, stages, predicted, terms))
+                defaults[f"{model}, {stages} stages"] = default
         raw: dict = {name: {m: [] for m in METHODS} for name, *_ in configs}
         same: dict = {}  # per configuration: DeepSpeed methods whose cut another method runs already
         predicted_cuts: dict = {}
@@ -276,7 +301,8 @@ def main() -> None:
                     if method in same[name] or method in failed[name]:
                         continue
                     try:
-                        out = run(method, job, cut, stages, steps, root / "records" / f"{rnd}-{job.name}-{method.replace(' ', '_')}")
+                        at = defaults[name]["parts"] if method == "autopipe default" else cut
+                        out = run(method, job, at, stages, steps, root / "records" / f"{rnd}-{job.name}-{method.replace(' ', '_')}")
                     except RuntimeError as e:
                         failed[name][method] = why(str(e))
                         print(f"round {rnd + 1}/{rounds} {name:<16} {method:<21} FAILED: {failed[name][method]}", flush=True)
@@ -316,7 +342,7 @@ def main() -> None:
         if off:  # different weights, batches or loss: the timings would compare different work
             raise SystemExit(f"{name}: first-step losses differ from {next(iter(ran))}'s {first:.6f}: {off}")
         results[name] = {"cut": cut, "predicted": predicted, "methods": methods, "plan_terms": terms,
-                         "breakdown": profiled.get(name, {})}  # fmt: skip
+                         "breakdown": profiled.get(name, {}), "default": {k: v for k, v in defaults[name].items() if k != "dir"}}  # fmt: skip
     finished = load()
     doc = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "uptime": uptime,
            "load": [started, finished], "rounds": rounds, "steps": steps, "warmup": warmup, "quick": a.quick,
