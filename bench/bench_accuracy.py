@@ -125,10 +125,13 @@ def make_job(root: Path, folder: Path, cfg: Config, profiles: dict) -> tuple[Pat
     return job.job_dir, plan
 
 
-def run_job(job: Path, cfg: Config) -> list[dict]:
+def run_job(job: Path, cfg: Config, *, exact_memory: bool = False) -> list[dict]:
+    """The job's step log. ``exact_memory``: under train.py --exact-memory, whose CPU peaks count the
+    tensors the plan counts (glibc keeps freed memory; slower steps): the memory run, not timed."""
     log = job / "log.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.stages}",
-           str(job / "train.py"), "--steps", str(STEPS), "--log-json", str(log)]  # fmt: skip
+           str(job / "train.py"), "--steps", str(STEPS), "--log-json", str(log),
+           *(["--exact-memory"] if exact_memory else [])]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
     done = subprocess.run(cmd, cwd=job, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -150,6 +153,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each configuration, interleaved; medians kept")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/results alone")
+    parser.add_argument("--no-memory", action="store_true", help="skip each configuration's --exact-memory run")
     opts = parser.parse_args()
     import statistics
 
@@ -161,6 +165,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         folders = {m: make_folder(root, m) for m in {c.model for c in wanted}}
+        memory: dict[str, list[dict]] = {}
         for r in range(opts.rounds):
             for cfg in wanted:
                 t0, load0 = time.perf_counter(), os.getloadavg()[0]
@@ -177,10 +182,16 @@ def main() -> None:
                 run["seconds"] += time.perf_counter() - t0
                 print(f"round {r} {cfg.name:<44} whole step {statistics.median(whole_steps(records, cfg)):.3f}s / predicted "
                       f"{run['plan'].total_step_time:.3f}s   load {load0:.1f}", flush=True)  # fmt: skip
+        if not opts.no_memory:  # one more run each, under --exact-memory, for the peaks alone (its steps are slower)
+            for cfg in wanted:
+                if cfg.engine == "torch":
+                    records = run_job(runs[cfg.name]["job"], cfg, exact_memory=True)
+                    (runs[cfg.name]["job"] / "log.json").unlink()
+                    memory[cfg.name] = records[WARMUP:]
     rows = []
     for name, run in runs.items():
         cfg, plan = run["cfg"], run["plan"]
-        cmp = compare(plan, run["kept"], warmup=0)
+        cmp = compare(plan, memory.get(name, run["kept"]), warmup=0)
         whole = run["whole"]
         q = statistics.quantiles(whole, n=4, method="inclusive")
         measured = statistics.median(whole)
@@ -222,7 +233,9 @@ def write_results(rows: list[dict]) -> None:
         "`bench/bench_engines.py`, autopipe/costs/engine_costs.json). Step: the measured whole step (rank 0's wall time: "
         "schedule, norm, optimizer step, the runtime's own work; median over the runs, IQR) against the plan's "
         "`total_step_time` (the simulated schedule + `step_overhead`). Schedule: on torch the log's own schedule time "
-        "against the plan's `step_time`. Memory: measured peak / predicted, per pipeline rank (the DeepSpeed job logs none). "
+        "against the plan's `step_time`. Memory: measured peak / predicted, per pipeline rank, from one more run under "
+        "`train.py --exact-memory` (glibc keeps freed memory, so a CPU rank's peak counts tensors as the plan does; the "
+        "DeepSpeed job logs none). "
         "Best run's ratio: the least contended run's median step / predicted. "
         "Load: the 1-minute load average over the configuration's runs (2 cores; above 2 the ranks wait).",
         f"2 stages: {step5} of {len(two)} steps within ±5 %; {mem10} of {mem_rows} memories within ±10 % on every rank.",
