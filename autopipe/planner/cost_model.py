@@ -83,9 +83,11 @@ class CostModel:
         split = profile.split_backward if schedule == "zbv" else None
         if split is not None:
             # zbv runs each backward as two passes, which take longer together than the whole one
-            # (measured per layer; a layer without a timed split at the timed layers' ratio)
-            backward = [l.backward_input_time + l.backward_weight_time if l.split_timed else l.backward_time * split[1]
-                        for l in layers]  # fmt: skip
+            # (measured per layer; a layer without a timed split at the timed layers' ratio). Never
+            # less: on a busy machine one alone measurement of B + W came out at half the whole
+            # backward's, and with the layer's in-model gap below the whole that made a negative time.
+            backward = [max(l.backward_time, l.backward_input_time + l.backward_weight_time if l.split_timed
+                            else l.backward_time * split[1]) for l in layers]  # fmt: skip
         # each layer's share of what the whole model took beyond its layers timed alone (profiler)
         backward = [b + l.backward_gap for b, l in zip(backward, layers)]
         self.costs = ChunkCosts(
