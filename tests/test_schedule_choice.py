@@ -278,7 +278,7 @@ def factory(tmp_path, monkeypatch):
 
 
 def test_convert_writes_the_chosen_schedule_everywhere(factory) -> None:
-    """`convert` without --schedule writes a job whose plan.json, train.py's SCHEDULE and README agree
+    """`convert` without --schedule writes a job whose plan.json, train.py's SCHEDULE, README and report agree
     on the schedule auto chose (the least predicted step), and says so in one line; --schedule 1f1b
     still gives 1F1B."""
     args = ["convert", "tiny.py:build", "--stages", "2", "--estimate", "--microbatches", "4"]
@@ -289,6 +289,7 @@ def test_convert_writes_the_chosen_schedule_everywhere(factory) -> None:
     assert plan["schedule_policy"] == "auto" and plan["schedule"] == min(steps, key=steps.get)
     assert f"SCHEDULE = {plan['schedule']!r}" in (factory / "auto" / "train.py").read_text()
     assert "--schedule auto" in (factory / "auto" / "README.md").read_text()
+    assert "schedules planned (auto)" in (factory / "auto" / "report.html").read_text()
     assert f"schedule {plan['schedule']}: predicted whole step 1f1b" in out
     result, out = _run(*args, "--out", "explicit", "--schedule", "1f1b")
     assert result.exit_code == 0, out
