@@ -94,7 +94,8 @@ def main() -> None:
     np.savez(work / "test.npz", **digits("test"))  # the held-out images the job evaluates on
     result = convert(f"{Path(__file__).resolve()}:build", stages=2, batch_size=16, microbatches=4, loss="cross_entropy",
                      eval_data=work / "test.npz", out=work / "job", repeats=2, progress=False)
-    print(f"{result.plan.num_layers} layers -> 2 stages, cut before layer {result.plan.boundaries[1]}")
+    print(f"{result.plan.num_layers} layers -> 2 stages, cuts before layers {list(result.plan.boundaries[1:-1])} "
+          f"(schedule {result.plan.schedule})")
     every = max(1, opts.steps // 2)
     command = shlex.split(result.job.launch) + ["--steps", str(opts.steps), "--lr", "3e-3", "--eval-every", str(every),
                                                 "--export", str(work / "trained"), "--log-json", str(work / "log.json")]

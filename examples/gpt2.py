@@ -53,10 +53,11 @@ def main() -> None:
     # 1. convert: trace, flatten, profile, partition, write the job folder
     result = convert(model, stages=opts.stages, seq_len=opts.seq_len, out=work / "job", repeats=3, progress=False)
     plan = result.plan
-    print(f"{plan.num_layers} layers -> {plan.stages} stages, cuts before layers {list(plan.boundaries[1:-1])}")
-    for c in range(plan.num_chunks):
+    print(f"{plan.num_layers} layers -> {plan.stages} stages, cuts before layers {list(plan.boundaries[1:-1])} "
+          f"(schedule {plan.schedule}, chosen as the fastest predicted step)")
+    for c in range(plan.num_chunks):  # a chunk per stage, or two under interleaved and zbv
         first = result.profile.layers[plan.boundaries[c]].name
-        print(f"  stage {c}: from {first:28s} {plan.stage_times[c] * 1e3:8.2f} ms per micro-batch")
+        print(f"  chunk {c} on rank {plan.stage_ranks[c]}: from {first:28s} {plan.stage_times[c] * 1e3:8.2f} ms per micro-batch")
     print(f"predicted step {plan.step_time * 1e3:.1f} ms, bubble {plan.bubble_fraction:.0%}; "
           f"report: {result.job.job_dir / 'report.html'}")
 

@@ -80,7 +80,8 @@ def main() -> None:
     evaluation = held_out(text, work / "held_out.txt")
     result = convert(str(folder), stages=2, batch_size=4, seq_len=32, microbatches=4, data=text, eval_data=evaluation,
                      out=work / "job", repeats=2, progress=False)
-    print(f"{result.plan.num_layers} layers -> 2 stages, cut before layer {result.plan.boundaries[1]}")
+    print(f"{result.plan.num_layers} layers -> 2 stages, cuts before layers {list(result.plan.boundaries[1:-1])} "
+          f"(schedule {result.plan.schedule})")
     log = work / "log.json"
     command = shlex.split(result.job.launch) + ["--steps", str(opts.steps), "--lr", "2e-3", "--log-json", str(log),
                                                 "--eval-every", str(max(1, opts.steps // 2)), "--eval-steps", "4"]

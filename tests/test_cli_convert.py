@@ -50,13 +50,15 @@ def test_convert_writes_the_job_folder(factory: str):
     job = Path("jobs/tiny-build")
     assert sorted(p.name for p in job.iterdir()) == ["README.md", "plan.json", "profile.json", "report.html", "train.py"]
     plan = json.loads((job / "plan.json").read_text())
-    assert plan["kind"] == "autopipe.plan" and plan["stages"] == 2 and len(plan["boundaries"]) == 3
+    # 2 stages of one chunk each, or two under the interleaved schedule or zbv (--schedule auto's choice)
+    assert plan["kind"] == "autopipe.plan" and plan["stages"] == 2 and len(plan["boundaries"]) == 2 * plan["virtual_stages"] + 1
+    assert f"SCHEDULE = {plan['schedule']!r}" in (job / "train.py").read_text()
     assert plan["boundaries"][0] == 0 and plan["boundaries"][-1] == 6  # inp, 4 blocks, out
     profile = json.loads((job / "profile.json").read_text())
     assert profile["model"] == factory and len(profile["layers"]) == 6
     assert "torchrun --nproc-per-node 2 jobs/tiny-build/train.py" in result.output
     names = [layer["name"] for layer in profile["layers"]]
-    for a in plan["boundaries"][:-1]:  # the stage table names each stage's first layer
+    for a in plan["boundaries"][:-1]:  # the stage table names each chunk's first layer
         assert names[a] in result.output
     assert (job / "train.py").stat().st_size > 0
     assert "torchrun --nproc-per-node 2 jobs/tiny-build/train.py" in (job / "README.md").read_text()

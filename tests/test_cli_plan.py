@@ -34,7 +34,7 @@ def _run(*args: str):
 
 def test_plan_prints_stage_table(profile_path) -> None:
     """A plan prints one row per stage and the bottleneck summary; exit code 0."""
-    result, out = _run("plan", str(profile_path), "--stages", "4", "--bandwidth", "none")
+    result, out = _run("plan", str(profile_path), "--stages", "4", "--bandwidth", "none", "--schedule", "1f1b")
     assert result.exit_code == 0, out
     assert "0..7 (8)" in out and "22..25 (4)" in out  # the cut with the shortest 1F1B step (see test_partition)
     assert "bottleneck chunk" in out and "71.000 ms" in out
@@ -44,7 +44,7 @@ def test_plan_prints_stage_table(profile_path) -> None:
 def test_plan_json_and_out(profile_path, tmp_path) -> None:
     """--json prints the plan as JSON and --out saves the same plan; a second run refuses to overwrite."""
     dest = tmp_path / "plan.json"
-    result, out = _run("plan", str(profile_path), "-s", "4", "--json", "--out", str(dest))
+    result, out = _run("plan", str(profile_path), "-s", "4", "--schedule", "1f1b", "--json", "--out", str(dest))
     assert result.exit_code == 0, out
     data = json.loads(out)
     assert data["plan"]["boundaries"] == [0, 8, 15, 22, 26]
@@ -207,7 +207,7 @@ def test_a_hand_edited_plan_that_cannot_be_is_refused_on_load(profile_path, tmp_
     from autopipe.runtime import load_plan
 
     plan_path = tmp_path / "plan.json"
-    result, out = _run("plan", str(profile_path), "-s", "4", "--out", str(plan_path))
+    result, out = _run("plan", str(profile_path), "-s", "4", "--schedule", "1f1b", "--out", str(plan_path))
     assert result.exit_code == 0, out
     assert load_plan(plan_path).stages == 4  # as written, it loads
     data = json.loads(plan_path.read_text())

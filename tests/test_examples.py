@@ -48,12 +48,16 @@ def test_my_model_example_runs_as_a_script():
 
 
 def test_my_model_factory_converts(tmp_path: Path):
-    """`autopipe convert examples/my_model.py:build --stages 2` makes a 2-stage job of its 8 layers."""
+    """`autopipe convert examples/my_model.py:build --stages 2` makes a 2-stage job of its 8 layers, under
+    the schedule it chose (one chunk per stage, or two under interleaved1f1b and zbv), which train.py runs."""
     result = CliRunner().invoke(app, ["convert", str(ROOT / "examples/my_model.py") + ":build", "--stages", "2",
                                       "--out", str(tmp_path / "job"), "--repeats", "1"])
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "job/plan.json").read_text())
-    assert plan["num_layers"] == 8 and len(plan["boundaries"]) == 3
+    assert plan["num_layers"] == 8 and plan["stages"] == 2
+    assert len(plan["boundaries"]) == 2 * plan["virtual_stages"] + 1 and plan["schedule_policy"] == "auto"
+    assert f"SCHEDULE = {plan['schedule']!r}" in (tmp_path / "job/train.py").read_text()
+    assert f"schedule {plan['schedule']}: predicted whole step" in result.output
     assert f"torchrun --nproc-per-node 2 {tmp_path / 'job'}/train.py" in result.output
 
 

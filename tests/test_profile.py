@@ -315,8 +315,8 @@ def test_timings_that_stay_noisy_are_reported(monkeypatch: pytest.MonkeyPatch) -
 def test_zero_bubble_split_is_timed_as_torch_runs_it_and_zbv_plans_use_it() -> None:
     """Each layer's backward is also timed as zero-bubble schedules split it (torch's own
     stage_backward_input, then stage_backward_weight); .grad is left alone; the profile's measured
-    W share replaces the 0.5 guess and zbv's backward is the two passes' sum (a plan on zbv equals
-    the simulator run on those figures)."""
+    W share replaces the 0.5 guess and zbv's backward is the layer's in-model backward times the two
+    passes' sum over the whole, at least 1 (a plan on zbv equals the simulator run on those figures)."""
     from autopipe.planner.schedules import simulate
 
     torch.manual_seed(0)
@@ -333,7 +333,8 @@ def test_zero_bubble_split_is_timed_as_torch_runs_it_and_zbv_plans_use_it() -> N
     assert plan.weight_share == share
     bounds = plan.boundaries
     fwd = [sum(l.forward_time + l.forward_gap for l in prof.layers[a:b]) for a, b in zip(bounds, bounds[1:])]
-    bwd = [sum(l.backward_input_time + l.backward_weight_time + l.backward_gap for l in prof.layers[a:b])
+    two = [max(1.0, (l.backward_input_time + l.backward_weight_time) / l.backward_time) for l in prof.layers]
+    bwd = [sum((l.backward_time + l.backward_gap) * two[i] for i, l in enumerate(prof.layers[a:b], start=a))
            for a, b in zip(bounds, bounds[1:])]
     sim = simulate("zbv", forward=fwd, backward=bwd, comm=[0.0] * len(fwd), ranks=2, microbatches=4, weight_share=share)
     assert plan.step_time == pytest.approx(sim.step_time, rel=1e-9)

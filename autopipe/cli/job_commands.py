@@ -28,7 +28,7 @@ def convert_command(
     model: Annotated[str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, or module:function / file.py:function.")],
     stages: Annotated[Optional[int], typer.Option("--stages", "-s", help="Pipeline stages (one process each); or --gpus to search the layout.")] = None,
     microbatches: Annotated[Optional[int], typer.Option(help="Micro-batches per step (default 2 x stages).")] = None,
-    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved1f1b or zbv.")] = "1f1b",
+    schedule: Annotated[str, typer.Option(help="auto (plan every schedule the engine runs, keep the fastest predicted step), gpipe, 1f1b, interleaved1f1b or zbv.")] = "auto",
     batch_size: Annotated[Optional[int], typer.Option(help="Samples per micro-batch (default: the model's own: a factory's example rows, else 1).")] = None,
     seq_len: Annotated[int, typer.Option(help="Sequence length (language models); small keeps CPU runs quick.")] = 64,
     device: Annotated[str, typer.Option(help="Profile on cpu or cuda; with --estimate also a100, h100, h200.")] = "cpu",
@@ -105,8 +105,9 @@ def convert_command(
     console.print(f"{how} {prof.device.name}: step {format_time(plan.total_step_time)} ({simulated}), bubble {plan.bubble_fraction:.0%}, "
                   f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
                   f"{sharding_phrase(plan)}{recompute_phrase(plan)}{versus}", highlight=False, soft_wrap=True)
-    if result.engine_choice is not None:
-        console.print(result.engine_choice.why, highlight=False, soft_wrap=True)
+    for choice in (result.engine_choice, result.schedule_choice):
+        if choice is not None:
+            console.print(choice.why, highlight=False, soft_wrap=True)
     took = sum(result.seconds.values())
     written = ", ".join(p.name for p in result.job.files)  # the job's files, train.sbatch and the like included
     console.print(f"wrote {result.job.job_dir}/ ({written}) in {took:.1f} s", highlight=False, soft_wrap=True)

@@ -135,9 +135,9 @@ def plan_command(
     profile: Annotated[Path, typer.Argument(help="A profile JSON from `autopipe profile` (or Profile.save).")],
     stages: Annotated[Optional[int], typer.Option("--stages", "-s", help="Pipeline stages (ranks); or --gpus to search the layout.")] = None,
     microbatches: Annotated[Optional[int], typer.Option("--microbatches", "-m", help="Micro-batches per step (default 2 x stages).")] = None,
-    schedule: Annotated[str, typer.Option(help="gpipe, 1f1b, interleaved1f1b or zbv.")] = "1f1b",
+    schedule: Annotated[str, typer.Option(help="auto (plan every schedule the engine runs, keep the fastest predicted step), gpipe, 1f1b, interleaved1f1b or zbv.")] = "auto",
     memory_limit: Annotated[str, typer.Option("--memory-limit", help="Memory per device, like 80GiB or 512MB; 'device': the profile's GPU memory (no limit for a CPU profile); 'none': no limit.")] = "device",
-    virtual_stages: Annotated[Optional[int], typer.Option("--virtual-stages", help="Chunks per rank for interleaved schedules.")] = None,
+    virtual_stages: Annotated[Optional[int], typer.Option("--virtual-stages", help="Chunks per rank for interleaved schedules (with --schedule auto: only the schedules that run that many remain).")] = None,
     optimizer: Annotated[Optional[str], typer.Option(help="Recount optimizer state for adamw, adam, sgd-momentum, sgd or none.")] = None,
     bandwidth: Annotated[Optional[str], typer.Option(help="Link bytes per second between ranks, like 25GB; 'none' ignores communication.")] = None,
     method: Annotated[str, typer.Option(help="autopipe, uniform, parameters, type:REGEX, torchtitan or greedy.")] = "autopipe",
@@ -169,6 +169,7 @@ def plan_command(
     from ..planner.baselines import BASELINES
     from ..planner.engine_choice import plan_engines
     from ..planner.partitioner import DEFAULT_BANDWIDTH, partition
+    from ..planner.schedule_choice import is_auto, plan_schedules
     from ..report.engine_tables import engine_table
     from ..report.tables import compare_table, plan_summary, plan_table
     from ..units import parse_bandwidth
@@ -207,16 +208,23 @@ def plan_command(
     if key == "auto" or compare:  # every engine's own best plan (method autopipe), the fastest chosen
         dtype = "fp32" if not prof.autocast else precision(prof.autocast)
         choice = plan_engines(prof, stages, dtype=dtype, target=for_target, **options)  # type: ignore[arg-type]
+    schedules = None  # with --schedule auto: each schedule's plan and the fastest (planner.schedule_choice)
     if key == "auto" and cut is None and names is None and method == "autopipe":
         assert choice is not None
-        plan = choice.plan
+        plan, schedules = choice.plan, choice.schedule_choice
     else:
-        plan = partition(prof, stages, boundaries=cut, stage_names=names, method=method, target=for_target,
-                         engine=choice.engine if key == "auto" and choice else key, **options)  # type: ignore[arg-type]
+        mine = dict(boundaries=cut, stage_names=names, method=method, target=for_target,
+                    engine=choice.engine if key == "auto" and choice else key)
+        if is_auto(schedule):  # a cut given by hand keeps the schedules with its number of chunks
+            schedules = plan_schedules(prof, stages, **mine, **{k: v for k, v in options.items() if k != "schedule"})  # type: ignore[arg-type]
+            plan = schedules.plan
+        else:
+            plan = partition(prof, stages, **mine, **options)  # type: ignore[arg-type]
     others = []
-    if compare:
+    if compare:  # the baselines under the plan's own schedule
+        same = {**options, "schedule": plan.schedule, "virtual_stages": plan.virtual_stages}
         names = ["autopipe"] + [b for b in BASELINES] + ([plan.method] if plan.method not in ("autopipe", *BASELINES) else [])
-        others = [plan if m == plan.method else partition(prof, stages, method=m, engine=plan.engine or None, **options)  # type: ignore[arg-type]
+        others = [plan if m == plan.method else partition(prof, stages, method=m, engine=plan.engine or None, **same)  # type: ignore[arg-type]
                   for m in names]
     if out is not None:
         plan.save(out)
@@ -225,6 +233,8 @@ def plan_command(
         if choice is not None:
             data["engines"] = {"chosen": choice.engine, "plans": {e: p.to_dict() for e, p in choice.plans},
                                "skipped": dict(choice.skipped)}
+        if schedules is not None:
+            data["schedules"] = schedules.to_dict()
         typer.echo(json.dumps(data, indent=1))
         return
     console.print(plan_table(plan))
@@ -234,6 +244,8 @@ def plan_command(
     if choice is not None:
         console.print(engine_table(choice))
         console.print(choice.why, highlight=False, soft_wrap=True)
+    if schedules is not None:
+        console.print(schedules.why, highlight=False, soft_wrap=True)
     if out is not None:
         console.print(f"saved {out}", highlight=False)
 

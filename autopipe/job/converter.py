@@ -52,6 +52,7 @@ class ConvertResult:
     search: Any = None  # the cluster search's SearchResult when convert searched the layout (gpus=)
     options: ConvertSettings | None = None  # what convert was asked for
     engine_choice: Any = None  # with --engine auto: each engine's plan and why the job's won (planner.engine_choice)
+    schedule_choice: Any = None  # with --schedule auto: each schedule's plan and why the job's won (planner.schedule_choice)
 
 
 def default_job_dir(model: str) -> Path:
@@ -102,7 +103,7 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
     with passes("profile"):
         prof = _profile(model, loaded, seq, s)
     with passes("partition"):
-        prof, plan, found, choice = _partition(prof, s)
+        prof, plan, found, choice, schedule_choice = _partition(prof, s)
         plan = replace(plan, trace_device=seq.trace_device)
         from ..planner.partitioner import compare_baselines
 
@@ -117,7 +118,7 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
         )  # fmt: skip
         job = emit(job_dir, settings=job_settings, profile=prof, plan=plan, baselines=baselines, force=s.force,
                    search=found)
-    return ConvertResult(job_settings, prof, plan, baselines, job, passes.seconds, found, s, choice)
+    return ConvertResult(job_settings, prof, plan, baselines, job, passes.seconds, found, s, choice, schedule_choice)
 
 
 def _settings(settings: ConvertSettings | None, options: dict[str, Any]) -> ConvertSettings:
@@ -235,29 +236,35 @@ def _reserve(spec: Any, s: ConvertSettings) -> int:
                        config=getattr(spec.model, "config", None))
 
 
-def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, Any]:
-    """(the profile the plan is for, the plan, the SearchResult or None, the EngineChoice or None): the
-    cut for ``stages`` costed for the job's engine (with ``auto``, each engine's best cut and the
-    faster of them), or with ``gpus`` the best layout of the cluster search (its profile rescaled to
-    the micro-batch it chose)."""
+def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, Any, Any]:
+    """(the profile the plan is for, the plan, the SearchResult or None, the EngineChoice or None, the
+    ScheduleChoice or None): the cut for ``stages`` costed for the job's engine (with ``auto``, each
+    engine's best cut and the faster of them) and run by its schedule (with ``auto``, each schedule the
+    engine runs planned and the fastest kept), or with ``gpus`` the best layout of the cluster search
+    (its profile rescaled to the micro-batch it chose; the search chooses the schedule itself)."""
     if s.gpus is not None:
-        return (*_search(prof, s), None)
+        return (*_search(prof, s), None, None)
     from ..planner.engine_choice import plan_engines
     from ..planner.partitioner import partition
+    from ..planner.schedule_choice import plan_schedules
 
-    # Interleaved schedules need chunks to interleave: two per rank, the smallest that helps.
-    virtual = 2 if s.schedule == "interleaved1f1b" else None
-    options = dict(microbatches=s.microbatches, schedule=s.schedule, memory_limit=s.memory_limit, virtual_stages=virtual,
-                   recompute=s.recompute, dp=s.dp, zero=s.zero, target=s.target, optimizer=s.optimizer_state)  # fmt: skip
-    choice = None
+    # Interleaved schedules need chunks to interleave: two per rank (partition's default), the
+    # smallest that helps; auto plans each schedule with its own.
+    options = dict(microbatches=s.microbatches, schedule=s.schedule, memory_limit=s.memory_limit, recompute=s.recompute,
+                   dp=s.dp, zero=s.zero, target=s.target, optimizer=s.optimizer_state)  # fmt: skip
+    choice = schedule_choice = None
     if s.engine == "auto":
         choice = plan_engines(prof, s.stages, dtype=s.dtype, **options)  # type: ignore[arg-type]
-        plan = choice.plan
+        plan, schedule_choice = choice.plan, choice.schedule_choice
+    elif s.schedule == "auto":
+        del options["schedule"]
+        schedule_choice = plan_schedules(prof, s.stages, engine=s.engine, **options)  # type: ignore[arg-type]
+        plan = schedule_choice.plan
     else:
         plan = partition(prof, s.stages, engine=s.engine, **options)  # type: ignore[arg-type]
     if s.gpus_per_node is not None:  # the job's launch lines (and train.sbatch) span the nodes it needs
         plan = replace(plan, gpus_per_node=s.gpus_per_node)
-    return prof, plan, None, choice
+    return prof, plan, None, choice, schedule_choice
 
 
 def _job_engine(s: ConvertSettings, plan: Plan) -> str:

@@ -39,7 +39,7 @@ filesystem every node mounts: the first save checks it.
 
 Made by `autopipe convert` from {profile.mode} costs on {profile.device.name} ({profile.dtype}),
 micro-batch {format_microbatch(profile.microbatch)}. {plan.stages} stages, schedule {plan.schedule},
-{plan.microbatches} micro-batches per step, memory limit {limit}, engine {settings.engine}.
+{plan.microbatches} micro-batches per step, memory limit {limit}, engine {settings.engine}.{_schedule_words(plan)}
 
 ## Launch
 
@@ -67,6 +67,14 @@ Open `report.html` for the per-layer costs, the baselines and the schedule timel
 - `profile.json`: what each layer costs; `autopipe plan` can cut it again for other stage counts.
 - `train.py`: the training script (settings at the top).{chr(10) + "- `train.sbatch`: the job under SLURM, one torchrun per node." if nodes > 1 else ""}
 """
+
+
+def _schedule_words(plan: Plan) -> str:
+    """How the schedule was chosen, when auto chose it: each candidate's predicted whole step."""
+    if plan.schedule_policy != "auto":
+        return ""
+    steps = ", ".join(f"{s} {format_time(t)}" for s, t in plan.schedule_steps.items())
+    return f"\nThe schedule is the fastest predicted whole step of those planned (`--schedule auto`): {steps}."
 
 
 def _engine_words(plan: Plan) -> str:

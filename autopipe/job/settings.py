@@ -5,8 +5,8 @@ construction: a typo fails in milliseconds, before a minute of profiling. ``JobS
 the job folder keeps: everything train.py needs to rebuild the model and run the plan.
 
 Example:
-    >>> ConvertSettings(stages=4, dtype="bfloat16", schedule="1F1B").dtype
-    'bf16'
+    >>> ConvertSettings(stages=4, dtype="bfloat16", schedule="1F1B").dtype, ConvertSettings(stages=4).schedule
+    ('bf16', 'auto')
     >>> ConvertSettings.from_options(stages=4, microbatch=8)
     Traceback (most recent call last):
     ...
@@ -26,6 +26,7 @@ from ..costs.engines import check_engine
 from ..errors import AutopipeError, PartitionError
 from ..planner.engine_choice import deepspeed_refusal
 from ..planner.partitioner import zero_choices
+from ..planner.schedule_choice import is_auto
 from ..planner.schedules import normalize_schedule
 from ..planner.targets import target_info
 from ..units import parse_size
@@ -54,6 +55,9 @@ def refuse_unknown(what: str, given: Iterable[str], valid: Iterable[str]) -> Non
 class ConvertSettings:
     """Every option of ``convert``, checked and normalised when made (precision ``bf16``, schedule ``1f1b``).
 
+    ``schedule="auto"`` (the default) plans every schedule the engine runs and keeps the fastest
+    predicted step (autopipe.planner.schedule_choice); a named one is planned alone.
+
     Give ``stages`` (the cut for that many stages) or ``gpus`` with ``global_batch`` (search the
     whole layout of that cluster: the job gets the best layout's stages, replicas, micro-batch size
     and count, schedule, recompute and ZeRO stage; ``batch_size`` is then the size profiled at).
@@ -62,7 +66,7 @@ class ConvertSettings:
     # ---- the layout: a fixed cut, or a cluster to search ----
     stages: int | None = None  # pipeline stages, one process each
     microbatches: int | None = None  # per step; default 2 x stages
-    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved1f1b or zbv
+    schedule: str = "auto"  # auto (the fastest the engine runs), gpipe, 1f1b, interleaved1f1b or zbv
     dp: int = 1  # data-parallel replicas of each stage; the plan's memory is per rank
     zero: int | str = 0  # ZeRO stage 0-3 the replicas shard with, or "auto" (the fastest that fits)
     gpus: int | None = None  # instead of stages: search the layout for this many devices (autopipe.cluster)
@@ -123,9 +127,10 @@ class ConvertSettings:
                                      f"nodes of {self.gpus_per_node} (--gpus-per-node); change one of them.")
         if self.microbatches is not None and self.microbatches < 1:
             raise PartitionError(f"--microbatches must be at least 1, got {self.microbatches}.")
-        self._set(engine=check_engine(self.engine), dtype=precision(self.dtype), schedule=normalize_schedule(self.schedule))
+        schedule = "auto" if is_auto(self.schedule) else normalize_schedule(self.schedule)
+        self._set(engine=check_engine(self.engine), dtype=precision(self.dtype), schedule=schedule)
         deepspeed = self.engine == "deepspeed"
-        why = deepspeed_refusal(schedule=self.schedule, dtype=self.dtype) if deepspeed else None
+        why = deepspeed_refusal(schedule=self._runs, dtype=self.dtype) if deepspeed else None
         if why:  # recompute and ZeRO are checked below, after their own names
             raise AutopipeError(f"{why}: drop it or use --engine torch (or auto).")
         if self.memory_limit is not None and str(self.memory_limit).strip().lower() not in ("device", "none"):
@@ -134,7 +139,7 @@ class ConvertSettings:
             raise AutopipeError(f"unknown --recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
         if deepspeed:  # DeepSpeed's engine recomputes nothing the plan asks for: plan without it
             if self.recompute in ("selective", "full"):
-                raise AutopipeError(f"{deepspeed_refusal(schedule=self.schedule, recompute=self.recompute)}: drop it or "
+                raise AutopipeError(f"{deepspeed_refusal(schedule=self._runs, recompute=self.recompute)}: drop it or "
                                     "use --engine torch (or auto).")
             self._set(recompute="none")
         if self.target is not None:
@@ -149,7 +154,7 @@ class ConvertSettings:
                               grad_clip=self.grad_clip)
         self._set(optimizer=trained.optimizer, betas=trained.betas)
         if deepspeed and (self.zero == "auto" or int(self.zero) > 1):
-            raise AutopipeError(f"{deepspeed_refusal(schedule=self.schedule, zero=self.zero)}: use --zero 0 or 1, or "
+            raise AutopipeError(f"{deepspeed_refusal(schedule=self._runs, zero=self.zero)}: use --zero 0 or 1, or "
                                 "--engine torch (or auto).")
         if self.estimate and self.device not in ("cpu", "cuda") and not _is_known_target(self.device):
             raise AutopipeError(f"unknown --device {self.device!r}; use cpu or cuda (with --estimate also a100, h100, h200).")
@@ -181,8 +186,14 @@ class ConvertSettings:
 
     @property
     def chunks_per_stage(self) -> int:
-        """Chunks each pipeline rank runs: two under the interleaved and V-shaped schedules."""
+        """Chunks each pipeline rank runs: two under the interleaved and V-shaped schedules; under auto
+        the fewest any schedule needs (one: auto never refuses what 1F1B can run)."""
         return 2 if self.schedule in ("interleaved1f1b", "zbv") else 1
+
+    @property
+    def _runs(self) -> str:
+        """The schedule DeepSpeed's refusals judge: auto there means its own 1F1B."""
+        return "1f1b" if self.schedule == "auto" else self.schedule
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

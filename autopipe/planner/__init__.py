@@ -8,6 +8,7 @@
     step_bound   its lower bound: no cut steps faster
     chunk_costs  what any chunk of layers costs, in O(1) from prefix sums
     memory       what a pipeline rank holds at its peak, term by term
+    schedule_choice  schedule "auto": every schedule's plan, the fastest kept
     baselines    the partitioners users know (uniform, parameters, type:, torchtitan, greedy)
     bottleneck   the exact bottleneck solver the parameter and type: baselines use
 """
@@ -22,7 +23,8 @@ from .partitioner import (
            resolve_limit,
 )
 from .plan import Plan
+from .schedule_choice import ScheduleChoice, plan_schedules
 from .schedules import SCHEDULES, Simulation, normalize_schedule, simulate
 
 __all__ = ["DEFAULT_BANDWIDTH", "Plan", "SCHEDULES", "Simulation", "compare_baselines", "fits_memory",
-           "normalize_schedule", "partition", "resolve_limit", "simulate"]
+           "normalize_schedule", "partition", "plan_schedules", "resolve_limit", "ScheduleChoice", "simulate"]

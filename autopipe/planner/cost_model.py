@@ -84,10 +84,15 @@ class CostModel:
         backward = [l.backward_time for l in layers]
         split = profile.split_backward if schedule == "zbv" else None
         if split is not None:
-            # zbv runs each backward as two passes, which take longer together than the whole one
-            # (measured per layer; a layer without a timed split at the timed layers' ratio)
-            backward = [l.backward_input_time + l.backward_weight_time if l.split_timed else l.backward_time * split[1]
-                        for l in layers]  # fmt: skip
+            # zbv runs each backward as two passes, which take longer together than the whole one: by
+            # the ratio timed per layer (a layer without a timed split at the timed layers' ratio),
+            # never under 1. The ratio scales the layer's backward inside the model (its time alone
+            # plus its gap, which the line below adds), not a difference of alone timings: on a busy
+            # machine those ran 3-4x the in-model figures and B + W came out from half to twice the
+            # whole, so a difference carried the load into the plan (and once a negative time).
+            ratio = [max(1.0, (l.backward_input_time + l.backward_weight_time) / l.backward_time if l.split_timed
+                         else split[1]) for l in layers]  # fmt: skip
+            backward = [(l.backward_time + l.backward_gap) * r - l.backward_gap for l, r in zip(layers, ratio)]
         # each layer's share of what the whole model took beyond its layers timed alone (profiler)
         backward = [scale * (b + l.backward_gap) for b, l in zip(backward, layers)]
         self.costs = ChunkCosts(

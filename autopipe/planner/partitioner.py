@@ -145,6 +145,9 @@ def partition(
     n = len(profile.layers)
     if n == 0:
         raise PartitionError("the profile has no layers.")
+    if str(schedule).strip().lower() == "auto":  # a choice among plans, made one level up
+        raise PartitionError("partition plans one schedule; for schedule='auto' call "
+                             "autopipe.planner.plan_schedules(profile, stages, ...), which plans each and keeps the fastest.")
     if target is not None and recompute == "auto" and not target_info(target).per_stage_recompute:
         # the engine applies one mode to every stage: the fastest single mode that fits, set against
         # autopipe's own plan (any cut, each chunk its own mode): what planning for the engine costs

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..choices import PLACEMENTS
@@ -110,6 +110,12 @@ class Plan:
     # (autopipe.costs.engines); step_time + step_overhead is the whole step (``total_step_time``).
     engine: str = ""
     step_overhead: float = 0.0
+    # How the schedule was chosen: "auto" when planner.schedule_choice made every schedule's plan and
+    # kept the least predicted whole step (schedule_steps: each one planned, seconds; schedule_skipped:
+    # each one left out, why); "" when the schedule was given (and in plans before these fields).
+    schedule_policy: str = ""
+    schedule_steps: dict[str, float] = field(default_factory=dict)
+    schedule_skipped: dict[str, str] = field(default_factory=dict)
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:
@@ -303,6 +309,10 @@ def _check_plan(plan: Plan) -> None:
                               f"exclude; {again}")
     if plan.unrestricted_step_time is not None:
         number(plan.unrestricted_step_time, "unrestricted_step_time")
+    if plan.schedule_policy not in ("", "auto") or not isinstance(plan.schedule_steps, dict):
+        raise RecordError(f"plan schedule_policy is {plan.schedule_policy!r}, but must be 'auto' or ''; {again}")
+    for name, step in plan.schedule_steps.items():
+        number(step, f"schedule_steps[{name!r}]")
     for c, mode in enumerate(plan.stage_recompute):
         if mode not in ("none", "selective", "full"):
             raise RecordError(f"plan stage_recompute[{c}] is {mode!r}; use none, selective or full.")

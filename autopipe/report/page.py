@@ -184,6 +184,9 @@ def _header(name: str, plan: Plan, profile: Profile | None) -> str:
         ("stages", str(plan.stages) + (f" × {plan.virtual_stages} virtual" if plan.virtual_stages > 1 else "")),
         ("layers", str(plan.num_layers)),
         ("schedule", f"{plan.schedule}, {plan.microbatches} mb"),
+        # --schedule auto: the predicted whole step of each schedule planned, the least chosen
+        *([("schedules planned (auto)", ", ".join(f"{s} {format_time(t)}" for s, t in plan.schedule_steps.items()))]
+          if plan.schedule_policy == "auto" else []),
         ("step time (simulated)", format_time(plan.step_time)),
         *([("step lower bound", format_time(plan.step_lower_bound)
             + (" (optimal)" if plan.step_gap == 0 else f" (gap {plan.step_gap:.1%})" if plan.step_gap is not None else ""))]
