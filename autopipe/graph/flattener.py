@@ -17,6 +17,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, TraceMismatchError
+from .batch_free import BatchFreeValue, batch_free_nodes, computed_in_layer, recipe
 from .cut_policy import Segment, group_blocks, is_glue, module_stack, segment
 from .rng import RngState
 from .sequence import (
@@ -167,11 +168,23 @@ def _flatten_program(
         val = node.meta.get("val")
         return isinstance(val, torch.Tensor) or val is None and node.op == "placeholder"
 
+    # Batch-free values a later layer reads are made on each stage that reads them, never sent
+    # (autopipe.graph.batch_free): the mask and rotary tables of a decoder.
+    free, folded = _batch_free_crossing(gm, segments, layer_of, attr_of, constant_of, mutations, user_out,
+                                        is_tensor_value)
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    holders: dict[fx.Node, tuple[str, BatchFreeValue, list[fx.Node]]] = {}
+    for v in sorted(folded, key=order.__getitem__):
+        graph, reads = recipe(v, constant_of)
+        holders[v] = (f"batch_free_{v.name}", BatchFreeValue(graph, v.name), reads)
+
     # Liveness: live[c] holds the values layer c takes; live[num] the final outputs.
     last_use: dict[fx.Node, int] = {}
 
     def use(value: fx.Node, at: int) -> None:
         if value in attr_of or value in constant_of or value.op == "get_attr" or not is_tensor_value(value):
+            return
+        if value in folded:
             return
         last_use[value] = max(last_use.get(value, -1), at)
 
@@ -184,7 +197,6 @@ def _flatten_program(
             use(value, num)
     for value, _ in mutations:
         use(value, layer_of.get(value, 0))
-    order = {n: k for k, n in enumerate(gm.graph.nodes)}
     live: list[list[fx.Node]] = [list(tensor_inputs)]
     for c in range(1, num + 1):
         vals = [v for v, last in last_use.items() if layer_of.get(v, -1) < c <= last]
@@ -202,13 +214,20 @@ def _flatten_program(
         if kind == "parameter":
             names_of.setdefault(id(tensor), []).append(target)
     layers: list[nn.Module] = []
+    computed: list[list[fx.Node]] = []
     for i, seg in enumerate(segments):
         muts = [(v, t) for v, t in mutations if layer_of.get(v) == i]
-        layers.append(_build_layer(seg, live[i], live[i + 1], attr_of, constant_of, muts, model, i, names_of))
+        nodes = [n for n in seg.nodes if n.target not in _TRACE_ONLY]
+        own = computed_in_layer(nodes, free, folded, [*live[i + 1], *(v for v, _ in muts)])
+        skip = {n for n in nodes if n in free and n not in own}
+        layer = _build_layer(seg, live[i], live[i + 1], attr_of, constant_of, muts, model, i, names_of, holders, skip)
+        layers.append(layer)
+        computed.append([v for v in holders if any(
+            node.op == "call_module" and node.target == holders[v][0] for node in layer.graph.nodes)])
 
     tied, canonical_of = _find_tied(layers, attr_of)
     infos = [
-        _layer_info(i, seg, layer, live[i], live[i + 1], canonical_of)
+        _layer_info(i, seg, layer, live[i], live[i + 1], canonical_of, computed[i])
         for i, (seg, layer) in enumerate(zip(segments, layers))
     ]
     for layer, info in zip(layers, infos):
@@ -228,6 +247,36 @@ def _flatten_program(
     seq = LayerSequence(layers, infos, io, tied, signature, model_name=name or type(model).__name__, options=options)
     seq.layer_entries = _layer_entries(segments)
     return seq
+
+
+def _batch_free_crossing(
+    gm: fx.GraphModule,
+    segments: list[Segment],
+    layer_of: dict[fx.Node, int],
+    attr_of: dict[fx.Node, tuple[str, str, torch.Tensor]],
+    constant_of: dict[fx.Node, Any],
+    mutations: list[tuple[fx.Node, str]],
+    user_out: list[Any],
+    is_tensor_value: Any,
+) -> tuple[set[fx.Node], set[fx.Node]]:
+    """(every batch-free node, the batch-free tensors a layer other than their maker reads: folded)."""
+    written = {target for _, target in mutations}  # a buffer the model writes depends on the steps before
+    sources = [n for n, (target, kind, _) in attr_of.items()
+               if kind == "constant" or (kind == "buffer" and target not in written)]
+    free = batch_free_nodes(gm, [*sources, *constant_of])
+    readers: dict[fx.Node, set[int]] = {}
+    for i, seg in enumerate(segments):
+        for n in seg.nodes:
+            if n.target in _TRACE_ONLY:
+                continue
+            for a in n.all_input_nodes:
+                readers.setdefault(a, set()).add(i)
+    for v in user_out:  # the last layer returns the model's outputs
+        if isinstance(v, fx.Node):
+            readers.setdefault(v, set()).add(len(segments) - 1)
+    folded = {v for v in free if v.op == "call_function" and v in layer_of and is_tensor_value(v)
+              and readers.get(v, set()) - {layer_of[v]}}
+    return free, folded
 
 
 def _layer_entries(segments: list[Segment]) -> list[tuple[str, int] | None]:
@@ -262,6 +311,8 @@ def _build_layer(
     model: nn.Module,
     index: int,
     names_of: dict[int, list[str]],
+    holders: dict[fx.Node, tuple[str, BatchFreeValue, list[fx.Node]]],
+    skip: set[fx.Node],
 ) -> fx.GraphModule:
     g = fx.Graph()
     x = g.placeholder("autopipe_inputs")
@@ -278,6 +329,13 @@ def _build_layer(
             return env[a]
         if a in constant_of:
             return constant_of[a]
+        if a in holders:  # a batch-free value: made by its holder, shared with the other layers reading it
+            name, holder, reads = holders[a]
+            args = tuple(lookup(b) for b in reads)
+            attrs[name] = holder
+            env[a] = g.call_module(name, args)
+            env[a].meta = dict(a.meta)
+            return env[a]
         if a in attr_of:
             target, kind, tensor = attr_of[a]
             if kind == "parameter" and user is not None:
@@ -293,7 +351,7 @@ def _build_layer(
         raise TraceError(f"value {a.name} is used by layer {index} but is not live into it (internal error).")
 
     for n in seg.nodes:
-        if n.target in _TRACE_ONLY:
+        if n.target in _TRACE_ONLY or n in skip:
             continue
         for a in n.all_input_nodes:
             lookup(a, n)
@@ -396,7 +454,8 @@ def _sig(node: fx.Node) -> TensorSig:
 
 
 def _layer_info(
-    i: int, seg: Segment, layer: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], canonical_of: dict[str, str]
+    i: int, seg: Segment, layer: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], canonical_of: dict[str, str],
+    computed: list[fx.Node],
 ) -> LayerInfo:
     params: dict[int, tuple[str, nn.Parameter]] = {}
     pnames = []
@@ -428,6 +487,7 @@ def _layer_info(
         outputs=outs,
         tied=tied,
         structure=_structure_key(layer, ins),
+        computed=tuple(_sig(v) for v in computed),
     )
 
 
@@ -446,6 +506,8 @@ def _structure_key(layer: fx.GraphModule, inputs: tuple[TensorSig, ...]) -> str:
             else:
                 h.update(f"attr{tuple(value.shape)}{value.dtype}".encode())
             continue
+        if n.op == "call_module":  # a batch-free value's holder: what it makes is part of the layer
+            h.update(layer.get_submodule(n.target).recipe.code.encode())
         argrepr = repr(fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{local[a]}"))
         h.update(f"{n.op}|{n.target}|{argrepr}".encode())
     return h.hexdigest()[:16]
