@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..graph.batch_free import held_tensors
+from ..graph.batch_free import held_tensors, making_value
 from ..graph.recompute import run_layer
 from ..graph.sequence import as_tuple
 
@@ -325,6 +325,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         out = func(*args, **(kwargs or {}))
+        if making_value():  # a value the stage makes once and keeps: not this micro-batch's memory
+            return out
         inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):

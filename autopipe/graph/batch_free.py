@@ -21,15 +21,17 @@ and every micro-batch, until a buffer it read or the autocast state it ran under
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
 
-__all__ = ["BatchFreeValue", "batch_free_nodes", "computed_in_layer", "held_tensors", "recipe"]
+__all__ = ["BatchFreeValue", "batch_free_nodes", "computed_in_layer", "held_tensors", "making_value", "recipe"]
 
 # Arguments the eval-mode switch (autopipe.runtime.eval_mode) rewrites: a value made with them in
 # train mode would be wrong in eval mode, so an operator taking one is never batch-free.
@@ -210,7 +212,7 @@ class BatchFreeValue(nn.Module):
 
     def forward(self, *inputs: Tensor) -> Tensor:
         if _tracing(inputs):
-            with torch.no_grad():
+            with torch.no_grad(), _making():
                 value = self.recipe(*inputs)
             self._last = weakref.ref(value)
             return value
@@ -263,6 +265,25 @@ def held_tensors(module: nn.Module) -> list[Tensor]:
         if isinstance(m, BatchFreeValue):
             out += m.held()
     return out
+
+
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def _making() -> Iterator[None]:
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+
+
+def making_value() -> bool:
+    """Whether a holder is making a value it cannot keep (on meta or fake tensors: the profiler's
+    estimate mode). A stage makes each value once, not per micro-batch, so the profiler's operator
+    and memory counters leave these operators out; a real value is made unseen by them anyway."""
+    return getattr(_STATE, "depth", 0) > 0
 
 
 def _tracing(inputs: tuple[Tensor, ...]) -> bool:
