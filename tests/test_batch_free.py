@@ -308,6 +308,27 @@ def test_a_stage_built_on_meta_makes_its_tables_on_its_device() -> None:
     _same_tables(tables, reference)
 
 
+def test_a_deepspeed_layer_file_from_before_loads() -> None:
+    """DeepSpeed's strict load takes a layer file written before the blocks made their rotary
+    tables: layer 0's copy of inv_freq (it reads none now) is dropped, a block's missing one keeps
+    the built value; a missing parameter is still an error."""
+    from autopipe.runtime.ds_module import DSLayer, LayerSource
+
+    ids = _ids()
+    ctx = LayerSource(_make_llama, (ids,), {"labels": ids, "use_cache": False}, seed=0, weights=None,
+                      device=torch.device("cpu"))
+    first, block = DSLayer(ctx, 0), DSLayer(ctx, 1)
+    key = "layer.model.rotary_emb.inv_freq"
+    assert key not in first.state_dict() and key in block.state_dict()
+    first.load_state_dict({**first.state_dict(), key: block.state_dict()[key].clone()})  # strict
+    built = block.state_dict()[key].clone()
+    before = {k: v for k, v in block.state_dict().items() if k != key}
+    block.load_state_dict(before)
+    assert torch.equal(block.state_dict()[key], built)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        block.load_state_dict({k: v for k, v in before.items() if "q_proj" not in k})
+
+
 def test_inspect_lists_what_each_stage_makes() -> None:
     """`autopipe inspect` says which values are made on each stage instead of crossing a cut."""
     from typer.testing import CliRunner
