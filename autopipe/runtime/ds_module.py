@@ -130,9 +130,10 @@ class DSLayer(nn.Module):
         # DeepSpeed sends what a stage returns as it is: gloo refuses a non-contiguous (channels-last) tensor
         outs = tuple(t if t.is_contiguous() else t.contiguous() for t in outs)
         if torch.is_grad_enabled():
-            # DeepSpeed backpropagates through every floating output a stage sends (Llama's rotary
-            # cos/sin need no gradient and failed "element 0 of tensors does not require grad"); as
-            # leaves they take the gradient the next stage sends back, which goes nowhere
+            # DeepSpeed backpropagates through every floating output a stage sends (a float mask made
+            # from attention_mask, as BLOOM's alibi, needs no gradient and failed "element 0 of tensors
+            # does not require grad"); as leaves they take the gradient the next stage sends back,
+            # which goes nowhere. Values the batch does not change (rotary tables) are not sent at all.
             outs = tuple(t.detach().requires_grad_() if t.is_floating_point() and not t.requires_grad else t for t in outs)
         return outs[0] if len(outs) == 1 else outs
 
