@@ -25,13 +25,14 @@ import contextlib
 import operator
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
 
-__all__ = ["BatchFreeValue", "batch_free_nodes", "computed_in_layer", "held_tensors", "making_value", "recipe"]
+__all__ = ["BatchFreeValue", "batch_free_nodes", "computed_in_layer", "crossing_values", "held_tensors", "making_value",
+           "recipe"]
 
 # Arguments the eval-mode switch (autopipe.runtime.eval_mode) rewrites: a value made with them in
 # train mode would be wrong in eval mode, so an operator taking one is never batch-free.
@@ -56,6 +57,29 @@ def batch_free_nodes(gm: fx.GraphModule, sources: Iterable[fx.Node]) -> set[fx.N
             if all(a in free for a in node.all_input_nodes):
                 free.add(node)
     return free
+
+
+def crossing_values(
+    gm: fx.GraphModule,
+    sources: Iterable[fx.Node],
+    layers: Sequence[Sequence[fx.Node]],
+    layer_of: Mapping[fx.Node, int],
+    outputs: Iterable[fx.Node],
+    is_tensor: Callable[[fx.Node], bool],
+) -> tuple[set[fx.Node], set[fx.Node]]:
+    """(every batch-free node, the batch-free tensors some layer other than their maker reads: the
+    values to fold). ``layers`` holds each layer's nodes; the last layer returns ``outputs``."""
+    free = batch_free_nodes(gm, sources)
+    readers: dict[fx.Node, set[int]] = {}
+    for i, nodes in enumerate(layers):
+        for n in nodes:
+            for a in n.all_input_nodes:
+                readers.setdefault(a, set()).add(i)
+    for v in outputs:
+        readers.setdefault(v, set()).add(len(layers) - 1)
+    folded = {v for v in free if v.op == "call_function" and v in layer_of and is_tensor(v)
+              and readers.get(v, set()) - {layer_of[v]}}
+    return free, folded
 
 
 def _pure(gm: fx.GraphModule, node: fx.Node) -> bool:

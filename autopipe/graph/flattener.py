@@ -2,7 +2,9 @@
 
 A layer is a GraphModule over its nodes that takes the tuple of every value live across its input
 cut and returns the tuple live across its output cut. Parameters and buffers are the model's own
-objects, registered at their original dotted names.
+objects, registered at their original dotted names. Values the batch does not change (causal masks,
+rotary tables) are not live across cuts: each layer reading one calls its shared holder
+(autopipe/graph/batch_free.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, TraceMismatchError
-from .batch_free import BatchFreeValue, batch_free_nodes, computed_in_layer, recipe
+from .batch_free import BatchFreeValue, computed_in_layer, crossing_values, recipe
 from .cut_policy import Segment, group_blocks, is_glue, module_stack, segment
 from .rng import RngState
 from .sequence import (
@@ -170,8 +172,12 @@ def _flatten_program(
 
     # Batch-free values a later layer reads are made on each stage that reads them, never sent
     # (autopipe.graph.batch_free): the mask and rotary tables of a decoder.
-    free, folded = _batch_free_crossing(gm, segments, layer_of, attr_of, constant_of, mutations, user_out,
-                                        is_tensor_value)
+    written = {target for _, target in mutations}  # a buffer the model writes depends on the steps before
+    sources = [n for n, (target, kind, _) in attr_of.items()
+               if kind == "constant" or (kind == "buffer" and target not in written)]
+    read = [[n for n in seg.nodes if n.target not in _TRACE_ONLY] for seg in segments]
+    outputs = [v for v in user_out if isinstance(v, fx.Node)]
+    free, folded = crossing_values(gm, [*sources, *constant_of], read, layer_of, outputs, is_tensor_value)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     holders: dict[fx.Node, tuple[str, BatchFreeValue, list[fx.Node]]] = {}
     for v in sorted(folded, key=order.__getitem__):
@@ -184,7 +190,7 @@ def _flatten_program(
     def use(value: fx.Node, at: int) -> None:
         if value in attr_of or value in constant_of or value.op == "get_attr" or not is_tensor_value(value):
             return
-        if value in folded:
+        if value in folded:  # made where it is read
             return
         last_use[value] = max(last_use.get(value, -1), at)
 
@@ -247,36 +253,6 @@ def _flatten_program(
     seq = LayerSequence(layers, infos, io, tied, signature, model_name=name or type(model).__name__, options=options)
     seq.layer_entries = _layer_entries(segments)
     return seq
-
-
-def _batch_free_crossing(
-    gm: fx.GraphModule,
-    segments: list[Segment],
-    layer_of: dict[fx.Node, int],
-    attr_of: dict[fx.Node, tuple[str, str, torch.Tensor]],
-    constant_of: dict[fx.Node, Any],
-    mutations: list[tuple[fx.Node, str]],
-    user_out: list[Any],
-    is_tensor_value: Any,
-) -> tuple[set[fx.Node], set[fx.Node]]:
-    """(every batch-free node, the batch-free tensors a layer other than their maker reads: folded)."""
-    written = {target for _, target in mutations}  # a buffer the model writes depends on the steps before
-    sources = [n for n, (target, kind, _) in attr_of.items()
-               if kind == "constant" or (kind == "buffer" and target not in written)]
-    free = batch_free_nodes(gm, [*sources, *constant_of])
-    readers: dict[fx.Node, set[int]] = {}
-    for i, seg in enumerate(segments):
-        for n in seg.nodes:
-            if n.target in _TRACE_ONLY:
-                continue
-            for a in n.all_input_nodes:
-                readers.setdefault(a, set()).add(i)
-    for v in user_out:  # the last layer returns the model's outputs
-        if isinstance(v, fx.Node):
-            readers.setdefault(v, set()).add(len(segments) - 1)
-    folded = {v for v in free if v.op == "call_function" and v in layer_of and is_tensor_value(v)
-              and readers.get(v, set()) - {layer_of[v]}}
-    return free, folded
 
 
 def _layer_entries(segments: list[Segment]) -> list[tuple[str, int] | None]:
