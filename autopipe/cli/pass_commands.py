@@ -33,7 +33,7 @@ def inspect_command(
 
     from ..graph.flattener import flatten
     from ..graph.sources import load_model
-    from ..report.layer_tables import layer_table
+    from ..report.layer_tables import layer_table, made_on_stage
 
     spec = load_model(model, device=device, batch_size=batch_size, seq_len=seq_len)
     seq = flatten(spec.model, spec.args, spec.kwargs, granularity=granularity,  # type: ignore[arg-type]
@@ -49,6 +49,8 @@ def inspect_command(
         typer.echo(json.dumps(data, indent=1))
         return
     console.print(layer_table(seq, title=f"{model}: {len(seq)} layers"))
+    if made := made_on_stage(seq):
+        console.print(made, highlight=False)
     for group in seq.tied:
         console.print(f"tied: {' = '.join(group.names)}  (layers {', '.join(map(str, group.layers))})", highlight=False)
     for note in seq.notes:

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from ..graph.batch_free import making_value
 from ..graph.recompute import SAVED_OPS
 from .devices import DeviceSpec
 from .measure import Value, backward_targets, grad_outputs, storage_key, tensor_bytes
@@ -50,6 +51,8 @@ class OpCost(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if making_value():  # a mask or rotary table a stage makes once, not per micro-batch
+            return out
         packet = func.overloadpacket
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}

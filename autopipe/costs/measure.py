@@ -18,6 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..graph.batch_free import held_tensors, making_value
 from ..graph.recompute import run_layer
 from ..graph.sequence import as_tuple
 
@@ -63,6 +64,8 @@ def static_storage_keys(layer: nn.Module) -> set[int]:
     for m in layer.modules():
         # fx GraphModules keep some constants as plain tensor attributes.
         keys |= {storage_key(v) for v in vars(m).values() if isinstance(v, Tensor)}
+    # batch-free values (masks, rotary tables) a stage makes once and every micro-batch reads
+    keys |= {storage_key(t) for t in held_tensors(layer)}
     return keys
 
 
@@ -322,6 +325,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         out = func(*args, **(kwargs or {}))
+        if making_value():  # a value the stage makes once and keeps: not this micro-batch's memory
+            return out
         inputs = {storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):
@@ -373,13 +378,10 @@ def saved_pass(
     checkpoint saves (its inputs) plus, for ``selective``, the operator outputs its policy keeps;
     the tensors it saves inside the checkpointed region are placeholders and hold nothing.
     """
-    static = static_storage_keys(layer)
     saved: dict[int, int] = {}
 
     def keep(t: Tensor) -> None:
-        key = storage_key(t)
-        if key not in static:
-            saved[key] = t.untyped_storage().nbytes()
+        saved[storage_key(t)] = t.untyped_storage().nbytes()
 
     def pack(t: Tensor) -> Tensor:
         keep(t)
@@ -389,15 +391,22 @@ def saved_pass(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return run_layer(layer, x, mode, on_keep=keep)
 
+    def kept_activations() -> dict[int, int]:
+        # static storages are known after the forward: a batch-free value is made during it
+        static = static_storage_keys(layer)
+        return {key: nbytes for key, nbytes in saved.items() if key not in static}
+
     if not measure_peaks:
-        return PassResult(forward(), saved, 0, 0)
+        out = forward()
+        return PassResult(out, kept_activations(), 0, 0)
     peak_f, out = peak_bytes(forward, device)
+    kept = kept_activations()
     outs, grads = grad_outputs(out)
     targets = backward_targets(layer, x)
     peak_b = 0
     if outs and targets:
         peak_b = _accumulating_backward_peak(layer, outs, grads, targets, device)
-    return PassResult(out, saved, peak_f, peak_b)
+    return PassResult(out, kept, peak_f, peak_b)
 
 
 def _accumulating_backward_peak(layer: nn.Module, outs: list[Tensor], grads: list[Tensor], targets: list[Tensor],

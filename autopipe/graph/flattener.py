@@ -2,7 +2,9 @@
 
 A layer is a GraphModule over its nodes that takes the tuple of every value live across its input
 cut and returns the tuple live across its output cut. Parameters and buffers are the model's own
-objects, registered at their original dotted names.
+objects, registered at their original dotted names. Values the batch does not change (causal masks,
+rotary tables) are not live across cuts: each layer reading one calls its shared holder
+(autopipe/graph/batch_free.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, TraceMismatchError
+from .batch_free import BatchFreeValue, computed_in_layer, crossing_values, recipe
 from .cut_policy import Segment, group_blocks, is_glue, module_stack, segment
 from .rng import RngState
 from .sequence import (
@@ -167,11 +170,27 @@ def _flatten_program(
         val = node.meta.get("val")
         return isinstance(val, torch.Tensor) or val is None and node.op == "placeholder"
 
+    # Batch-free values a later layer reads are made on each stage that reads them, never sent
+    # (autopipe.graph.batch_free): the mask and rotary tables of a decoder.
+    written = {target for _, target in mutations}  # a buffer the model writes depends on the steps before
+    sources = [n for n, (target, kind, _) in attr_of.items()
+               if kind == "constant" or (kind == "buffer" and target not in written)]
+    read = [[n for n in seg.nodes if n.target not in _TRACE_ONLY] for seg in segments]
+    outputs = [v for v in user_out if isinstance(v, fx.Node)]
+    free, folded = crossing_values(gm, [*sources, *constant_of], read, layer_of, outputs, is_tensor_value)
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    holders: dict[fx.Node, tuple[str, BatchFreeValue, list[fx.Node]]] = {}
+    for v in sorted(folded, key=order.__getitem__):
+        graph, reads = recipe(v, constant_of)
+        holders[v] = (f"batch_free_{v.name}", BatchFreeValue(graph, v.name), reads)
+
     # Liveness: live[c] holds the values layer c takes; live[num] the final outputs.
     last_use: dict[fx.Node, int] = {}
 
     def use(value: fx.Node, at: int) -> None:
         if value in attr_of or value in constant_of or value.op == "get_attr" or not is_tensor_value(value):
+            return
+        if value in folded:  # made where it is read
             return
         last_use[value] = max(last_use.get(value, -1), at)
 
@@ -184,7 +203,6 @@ def _flatten_program(
             use(value, num)
     for value, _ in mutations:
         use(value, layer_of.get(value, 0))
-    order = {n: k for k, n in enumerate(gm.graph.nodes)}
     live: list[list[fx.Node]] = [list(tensor_inputs)]
     for c in range(1, num + 1):
         vals = [v for v, last in last_use.items() if layer_of.get(v, -1) < c <= last]
@@ -202,13 +220,20 @@ def _flatten_program(
         if kind == "parameter":
             names_of.setdefault(id(tensor), []).append(target)
     layers: list[nn.Module] = []
+    computed: list[list[fx.Node]] = []
     for i, seg in enumerate(segments):
         muts = [(v, t) for v, t in mutations if layer_of.get(v) == i]
-        layers.append(_build_layer(seg, live[i], live[i + 1], attr_of, constant_of, muts, model, i, names_of))
+        nodes = [n for n in seg.nodes if n.target not in _TRACE_ONLY]
+        own = computed_in_layer(nodes, free, folded, [*live[i + 1], *(v for v, _ in muts)])
+        skip = {n for n in nodes if n in free and n not in own}
+        layer = _build_layer(seg, live[i], live[i + 1], attr_of, constant_of, muts, model, i, names_of, holders, skip)
+        layers.append(layer)
+        computed.append([v for v in holders if any(
+            node.op == "call_module" and node.target == holders[v][0] for node in layer.graph.nodes)])
 
     tied, canonical_of = _find_tied(layers, attr_of)
     infos = [
-        _layer_info(i, seg, layer, live[i], live[i + 1], canonical_of)
+        _layer_info(i, seg, layer, live[i], live[i + 1], canonical_of, computed[i])
         for i, (seg, layer) in enumerate(zip(segments, layers))
     ]
     for layer, info in zip(layers, infos):
@@ -262,6 +287,8 @@ def _build_layer(
     model: nn.Module,
     index: int,
     names_of: dict[int, list[str]],
+    holders: dict[fx.Node, tuple[str, BatchFreeValue, list[fx.Node]]],
+    skip: set[fx.Node],
 ) -> fx.GraphModule:
     g = fx.Graph()
     x = g.placeholder("autopipe_inputs")
@@ -278,6 +305,13 @@ def _build_layer(
             return env[a]
         if a in constant_of:
             return constant_of[a]
+        if a in holders:  # a batch-free value: made by its holder, shared with the other layers reading it
+            name, holder, reads = holders[a]
+            args = tuple(lookup(b) for b in reads)
+            attrs[name] = holder
+            env[a] = g.call_module(name, args)
+            env[a].meta = dict(a.meta)
+            return env[a]
         if a in attr_of:
             target, kind, tensor = attr_of[a]
             if kind == "parameter" and user is not None:
@@ -293,7 +327,7 @@ def _build_layer(
         raise TraceError(f"value {a.name} is used by layer {index} but is not live into it (internal error).")
 
     for n in seg.nodes:
-        if n.target in _TRACE_ONLY:
+        if n.target in _TRACE_ONLY or n in skip:
             continue
         for a in n.all_input_nodes:
             lookup(a, n)
@@ -396,7 +430,8 @@ def _sig(node: fx.Node) -> TensorSig:
 
 
 def _layer_info(
-    i: int, seg: Segment, layer: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], canonical_of: dict[str, str]
+    i: int, seg: Segment, layer: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], canonical_of: dict[str, str],
+    computed: list[fx.Node],
 ) -> LayerInfo:
     params: dict[int, tuple[str, nn.Parameter]] = {}
     pnames = []
@@ -428,6 +463,7 @@ def _layer_info(
         outputs=outs,
         tied=tied,
         structure=_structure_key(layer, ins),
+        computed=tuple(_sig(v) for v in computed),
     )
 
 
@@ -446,6 +482,8 @@ def _structure_key(layer: fx.GraphModule, inputs: tuple[TensorSig, ...]) -> str:
             else:
                 h.update(f"attr{tuple(value.shape)}{value.dtype}".encode())
             continue
+        if n.op == "call_module":  # a batch-free value's holder: what it makes is part of the layer
+            h.update(layer.get_submodule(n.target).recipe.code.encode())
         argrepr = repr(fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{local[a]}"))
         h.update(f"{n.op}|{n.target}|{argrepr}".encode())
     return h.hexdigest()[:16]

@@ -57,6 +57,8 @@ class LayerInfo:
     outputs: tuple[TensorSig, ...]
     tied: tuple[str, ...]  # canonical names of tied tensors it holds
     structure: str  # identical layers (same ops, shapes, dtypes) share this key
+    # batch-free values it reads that no cut carries: made on its stage (autopipe.graph.batch_free)
+    computed: tuple[TensorSig, ...] = ()
 
 
 @dataclass(frozen=True)

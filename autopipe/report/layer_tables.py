@@ -6,7 +6,7 @@ from rich.table import Table
 
 from ..graph.sequence import LayerSequence, TensorSig
 
-__all__ = ["layer_table", "format_count", "format_sig"]
+__all__ = ["layer_table", "format_count", "format_sig", "made_on_stage"]
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "i64", "int32": "i32", "bool": "bool"}
 
@@ -44,3 +44,25 @@ def layer_table(seq: LayerSequence, *, title: str = "") -> Table:
             "⛓ " + ", ".join(info.tied) if info.tied else "",
         )
     return table
+
+
+def made_on_stage(seq: LayerSequence) -> str:
+    """One line naming the batch-free values the layers make on their stage instead of receiving them
+    (``bool[1,1,64,64] (layers 1-12)``), or "" when there are none."""
+    readers: dict[str, tuple[TensorSig, list[int]]] = {}
+    for info in seq.infos:
+        for sig in info.computed:
+            readers.setdefault(sig.name, (sig, []))[1].append(info.index)
+    parts = [f"{format_sig((sig,))} (layers {_ranges(layers)})" for sig, layers in readers.values()]
+    return "made on each stage, never sent: " + ", ".join(parts) if parts else ""
+
+
+def _ranges(indices: list[int]) -> str:
+    """``1-3, 5``: consecutive layer indices as ranges."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)

@@ -95,6 +95,8 @@ class DSLayer(nn.Module):
         self.seeds: Any = None  # MicrobatchSeeds of the step, set by DeepSpeedTrainer.step
         self.microbatch = 0
         self.autocast_dtype: torch.dtype | None = None  # --dtype bf16: autocast over fp32 weights
+        self.register_load_state_dict_pre_hook(_buffers_as_built)
+
 
     def detach_tied(self) -> None:
         """Remove the tied tensors from the layer's parameters (the TiedHolder owns them); remember
@@ -128,11 +130,32 @@ class DSLayer(nn.Module):
         # DeepSpeed sends what a stage returns as it is: gloo refuses a non-contiguous (channels-last) tensor
         outs = tuple(t if t.is_contiguous() else t.contiguous() for t in outs)
         if torch.is_grad_enabled():
-            # DeepSpeed backpropagates through every floating output a stage sends (Llama's rotary
-            # cos/sin need no gradient and failed "element 0 of tensors does not require grad"); as
-            # leaves they take the gradient the next stage sends back, which goes nowhere
+            # DeepSpeed backpropagates through every floating output a stage sends (a float mask made
+            # from attention_mask, as BLOOM's alibi, needs no gradient and failed "element 0 of tensors
+            # does not require grad"); as leaves they take the gradient the next stage sends back,
+            # which goes nowhere. Values the batch does not change (rotary tables) are not sent at all.
             outs = tuple(t.detach().requires_grad_() if t.is_floating_point() and not t.requires_grad else t for t in outs)
         return outs[0] if len(outs) == 1 else outs
+
+
+def _buffers_as_built(module: DSLayer, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Let DeepSpeed's strict load take a layer file whose model buffers sit elsewhere.
+
+    Which layer holds a buffer the model never writes follows from the flatten: one written before
+    batch-free values were made on each stage has Llama's ``inv_freq`` in layer 0 (which now reads
+    none) and not in the blocks (which now make their rotary tables from it). Such a buffer holds
+    what the model was built with, so a file's extra copy is dropped and a missing one keeps the
+    built value; parameters stay strict."""
+    inner = prefix + "layer."
+    model_buffers = {name for name, _ in module.ctx.model.named_buffers(remove_duplicate=False)}
+    own = dict(module.layer.named_buffers())
+    for key in [k for k in state if k.startswith(inner)]:
+        name = key[len(inner):]
+        if name in model_buffers and name not in own:
+            del state[key]
+    for name, value in own.items():
+        if name in model_buffers and inner + name not in state:
+            state[inner + name] = value
 
 
 def _expand(weights: list[torch.Tensor], slots: list[tuple[nn.Module, str]]) -> list[torch.Tensor]:
