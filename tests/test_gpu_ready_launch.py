@@ -91,7 +91,10 @@ def test_a_failed_rank_does_not_leave_the_others_waiting_in_a_collective(torchru
         else:
             dist.recv(torch.ones(1), src=0)  # rank 0 never sends
     """))
-    proc = torchrun(script, nproc=3, cwd=tmp_path, env={"PYTHONPATH": str(CHECKOUT)}, timeout=150, check=False)
+    # under torchrun itself: its agent's SIGTERM cannot wake a rank inside a collective, and its
+    # "forcefully exiting" line below is the sign that a rank had to be killed
+    proc = torchrun(script, nproc=3, cwd=tmp_path, env={"PYTHONPATH": str(CHECKOUT)}, timeout=150, check=False,
+                    elastic=True)
     assert proc.returncode != 0
     assert _errors(proc) == ["error: rank 1: rank 1 could not read its data; check --data"], proc.stderr[-3000:]
     # torchrun's "Unable to shutdown process ... via 15, forcefully exiting via 9": a rank it had to kill
