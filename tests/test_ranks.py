@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 from _launch import Launcher
 
-# a rank's view: the variables its launcher added to the test's environment, in one write (print
-# writes the line and its newline apart when unbuffered, and the ranks share one stdout)
+# a rank's whole environment, in one write (print writes the line and its newline apart when
+# unbuffered, and the ranks share one stdout)
 ENV_OF_RANK = """
 import json, os
-added = {k: v for k, v in os.environ.items() if k not in json.loads(os.environ["PARENT_KEYS"])}
-os.write(1, (json.dumps(added) + "\\n").encode())
+os.write(1, (json.dumps(dict(os.environ)) + "\\n").encode())
 """
 # what torchrun's agent adds that nothing here reads: its own signal list, the interpreter path the
 # shell put in "_", and the error file of torch's @record decorator, which no autopipe code uses
@@ -23,8 +22,7 @@ AGENT_ONLY = {"_", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_ERROR_FILE"}
 
 def _environments(torchrun: Launcher, tmp_path: Path, *, elastic: bool) -> dict[str, dict[str, str]]:
     (tmp_path / "env.py").write_text(ENV_OF_RANK)
-    parent = json.dumps([*torchrun.environ(), "PARENT_KEYS"])
-    proc = torchrun(tmp_path / "env.py", nproc=2, cwd=tmp_path, env={"PARENT_KEYS": parent}, elastic=elastic)
+    proc = torchrun(tmp_path / "env.py", nproc=2, cwd=tmp_path, elastic=elastic)
     seen = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {e["RANK"]: e for e in seen}
 
