@@ -75,6 +75,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # waits out its 3 s limit
 def test_a_run_past_its_time_limit_fails_the_test_and_leaves_no_rank(torchrun: Launcher, tmp_path: Path) -> None:
     """Ranks that never finish (and ignore SIGTERM) are killed at the time limit, and the test fails saying so."""
     (tmp_path / "hangs.py").write_text(HANGS)
