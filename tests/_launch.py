@@ -1,4 +1,5 @@
-"""The one launcher the tests start real processes with: a script on N processes under torchrun (plain
+"""The one launcher the tests start real processes with: a script on N processes (its ranks spawned
+directly with torchrun's environment, or under torchrun itself where a test is about torchrun; plain
 python for one), its output captured and shown when it fails. conftest.py hands it out as the
 ``torchrun`` fixture."""
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Mapping, Sequence, Union
 
 import pytest
+from _ranks import run_ranks
 
 __all__ = ["Launcher", "free_port"]
 
@@ -59,20 +61,25 @@ def _tail(text: str | bytes | None) -> str:
 
 class Launcher:
     """``launcher(script, *args, nproc=2, cwd=...)`` runs ``script`` on ``nproc`` processes and returns
-    the CompletedProcess (text stdout and stderr).
+    the CompletedProcess (text stdout and stderr, every rank's interleaved).
 
-    2 or more processes run under ``torchrun --standalone``: its rendezvous takes a free port and it
-    gives the workers a free MASTER_PORT, so runs never collide on a port. One process runs as
-    ``python script`` with a free MASTER_PORT in its environment (for a script that sets up a group
-    itself). Every process gets ``OMP_NUM_THREADS=1``: the machine is shared. ``check`` fails the
-    test on a non-zero exit with the command and the tail of both streams; a run past ``timeout``
-    is killed with every process it started (no rank is left behind) and fails the same way.
+    2 or more processes are ranks this process starts itself, each with the environment torchrun
+    would give it, joining a store this process hosts as torchrun's agent does (tests/_ranks.py:
+    a trivial 2-rank job takes 1.4 s against torchrun's 3.0 s); a failed rank stops the others as torchrun does.
+    ``elastic=True`` runs them under ``torchrun --standalone`` instead, for a test of torchrun's own
+    behaviour (its report, its signals). One process runs as ``python script`` with a free
+    MASTER_PORT in its environment (for a script that sets up a group itself). Every process gets
+    ``OMP_NUM_THREADS=1``: the machine is shared. ``check`` fails the test on a non-zero exit with
+    the command and the tail of both streams; a run past ``timeout`` is killed with every process
+    it started (no rank is left behind) and fails the same way.
     """
 
     def __init__(self, timeout: float = 300) -> None:
         self.timeout = timeout
 
     def command(self, script: Arg, *args: Arg, nproc: int = 2) -> list[str]:
+        """The command line that runs ``script`` on ``nproc`` processes under torchrun (plain python
+        for one), for a test that starts it itself (Ctrl-C, say)."""
         head = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"] \
             if nproc > 1 else [sys.executable]
         return [*head, str(script), *map(str, args)]
@@ -86,32 +93,27 @@ class Launcher:
         return out
 
     def __call__(self, script: Arg, *args: Arg, nproc: int = 2, cwd: Arg, env: Mapping[str, str] | None = None,
-                 pythonpath: Sequence[Arg] = (), timeout: float | None = None,
-                 check: bool = True) -> subprocess.CompletedProcess:
-        cmd = self.command(script, *args, nproc=nproc)
+                 pythonpath: Sequence[Arg] = (), timeout: float | None = None, check: bool = True,
+                 elastic: bool = False) -> subprocess.CompletedProcess:
         full_env = self.environ(env, pythonpath=pythonpath)
-        if nproc == 1:
-            full_env.setdefault("MASTER_PORT", str(free_port()))
         limit = timeout or self.timeout
-        proc = subprocess.Popen(cmd, cwd=Path(cwd), env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        timed_out = False
-        try:
-            out, err = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        except BaseException:  # Ctrl-C in pytest: no rank is left running
-            _kill_tree(proc.pid)
-            proc.communicate()
-            raise
+        if nproc > 1 and not elastic:
+            cmd = [sys.executable, str(script), *map(str, args)]
+            ran = run_ranks(cmd, nproc=nproc, cwd=Path(cwd), env=full_env, timeout=limit, kill_tree=_kill_tree)
+            shown = f"{' '.join(cmd)}  (on {nproc} ranks)"
+            out, err, timed_out, code = ran.stdout, ran.stderr, ran.timed_out, ran.returncode
+        else:
+            cmd = self.command(script, *args, nproc=nproc)
+            if nproc == 1:
+                full_env.setdefault("MASTER_PORT", str(free_port()))
+            shown = " ".join(cmd)
+            out, err, timed_out, code = _run_one(cmd, Path(cwd), full_env, limit)
         if timed_out:
-            _kill_tree(proc.pid)
-            out, err = proc.communicate()
-            pytest.fail(f"{' '.join(cmd)}\nran past {limit:g} s and was killed with every rank\n"
+            pytest.fail(f"{shown}\nran past {limit:g} s and was killed with every rank\n"
                         f"---- stdout\n{_tail(out)}\n---- stderr\n{_tail(err)}", pytrace=False)
-        done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-        if check and done.returncode != 0:
-            pytest.fail(f"{' '.join(cmd)}\nexited {done.returncode}\n---- stdout\n{_tail(out)}\n---- stderr\n{_tail(err)}",
+        done = subprocess.CompletedProcess(cmd, code, out, err)
+        if check and code != 0:
+            pytest.fail(f"{shown}\nexited {code}\n---- stdout\n{_tail(out)}\n---- stderr\n{_tail(err)}",
                         pytrace=False)
         return done
 
@@ -130,3 +132,21 @@ class Launcher:
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(seen) + out, err)
+
+
+def _run_one(cmd: list[str], cwd: Path, env: dict[str, str], limit: float) -> tuple[str, str, bool, int]:
+    """Run one process (plain python, or torchrun's agent) to its end or ``limit``: stdout, stderr,
+    whether it timed out (then it was killed with every process under it), its exit status."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+        return out, err, False, proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, err = proc.communicate()
+        return out, err, True, proc.returncode
+    except BaseException:  # Ctrl-C in pytest: no rank is left running
+        _kill_tree(proc.pid)
+        proc.communicate()
+        raise

@@ -23,6 +23,8 @@ if "AUTOPIPE_CACHE" not in os.environ:
 @pytest.fixture(scope="session")
 def torchrun() -> Launcher:
     """Runs a script on N processes: ``torchrun(script, *args, nproc=2, cwd=..., env=..., pythonpath=...,
-    timeout=..., check=True)`` -> CompletedProcess; ``torchrun.command(...)`` and ``torchrun.environ(...)``
-    for a test that must start the process itself (see tests/_launch.py)."""
+    timeout=..., check=True, elastic=False)`` -> CompletedProcess. The ranks get torchrun's environment
+    but are started directly (half the wall time); ``elastic=True`` for a test of torchrun itself.
+    ``torchrun.command(...)`` (a real torchrun line) and ``torchrun.environ(...)`` for a test that
+    must start the process itself (see tests/_launch.py)."""
     return Launcher()

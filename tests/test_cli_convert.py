@@ -318,6 +318,26 @@ def test_deepspeed_jobs_are_planned_without_recompute(factory: str):
     _refuse_plan(SimpleNamespace(boundaries=(0, 2, 4)), "plan.json", SimpleNamespace(recompute="plan"))  # hand-written
 
 
+@pytest.mark.parametrize(("flags", "line"), [
+    ({"verify": True}, "--verify runs on the torch engine (--engine torch)"),
+    ({"recompute": "selective"}, "--recompute selective|full runs on the torch engine"),
+    ({"zero": "3"}, "--zero 3 on --engine deepspeed: DeepSpeed's pipeline engine runs ZeRO 0 or 1 only"),
+    ({"schedule": "zbv"}, "--schedule zbv: DeepSpeed runs its own 1F1B schedule"),
+])
+def test_train_py_flags_deepspeed_does_not_run_are_refused(flags: dict, line: str):
+    """train.py --engine deepspeed refuses what its engine does not run before anything starts (that
+    such a refusal reaches the user as train.py's one line, exit 1, is test_zero's --zero 2 launch)."""
+    from types import SimpleNamespace
+
+    from autopipe.errors import AutopipeError
+    from autopipe.runtime.ds_settings import refuse_flags
+
+    with pytest.raises(AutopipeError) as info:
+        refuse_flags(SimpleNamespace(**flags))
+    assert str(info.value).startswith(line), str(info.value)
+    refuse_flags(SimpleNamespace(verify=False, recompute="none", zero="1", schedule="gpipe"))  # all of these run
+
+
 def test_report_keeps_a_report_html_it_did_not_write(factory: str):
     """`autopipe report PLAN` rebuilds its own report.html, but a report.html of the user's beside the plan needs --force."""
     assert _convert(factory, "--stages", "2").exit_code == 0

@@ -5,8 +5,8 @@ its batches forward only, in eval mode. The reference is the model as its factor
 the job's weights (initial ones for ``--steps 0``, the exported final ones after training), in eval
 mode, on the same rows: the mean micro-batch loss within 1e-5, perplexity its exponential, accuracy
 the same count of rows. Evaluating must not change training: with dropout on, the losses of a run
-that evaluates every step equal those of one that does not (eval mode is undone, FSDP2's gathered
-weights are freed).
+that evaluates every step equal the untouched model's trained with the same dropout draws (eval mode
+is undone, FSDP2's gathered weights are freed).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from _factories import tiny_gpt2_job
 from _launch import Launcher
 
+from autopipe.graph.flattener import flatten
 from autopipe.job.script import write_train_script
 from autopipe.runtime import (
     JobData,
@@ -29,8 +30,10 @@ from autopipe.runtime import (
     build_reference,
     model_factory,
 )
+from autopipe.runtime.build import meta_model
 from autopipe.runtime.engine import split_batch
 from autopipe.runtime.tasks import make_loss, model_outputs_logits
+from autopipe.runtime.untouched import untouched_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test starts train.py on several processes
 
@@ -74,6 +77,22 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def _trained_with_dropout(folder: Path, steps: int) -> tuple[list[float], list[float]]:
+    """(losses, gradient norms) of the untouched dropout GPT-2 of ``_dropout_job(folder)`` trained as
+    ``_train`` trains the job (train.py's defaults, --lr 1e-2, its synthetic tokens), its dropout drawn
+    where each layer starts as the pipeline seeds that layer."""
+    source = model_factory(str(folder / "m"), batch_size=ROWS, seq_len=SEQ)
+    entries = flatten(meta_model(source.factory), source.args, source.kwargs, device_type="cpu").layer_entries
+    trainer = ReferenceTrainer(untouched_model(source.factory, seed=0), TrainConfig(steps=steps, microbatches=MICRO, lr=1e-2),
+                               loss_fn=make_loss(source.loss), layer_entries=entries)
+    data = JobData(source, None, seq_len=SEQ, seed=0)
+    losses, norms = [], []
+    for step in range(steps):
+        losses.append(trainer.step(*data.batch(step, ROWS * MICRO)))
+        norms.append(trainer.last_grad_norm)
+    return losses, norms
+
+
 def _train(torchrun: Launcher, script: Path, *flags: object, nproc: int = 2) -> list[dict]:
     log = script.parent / f"log-{abs(hash(flags))}.json"
     log.unlink(missing_ok=True)
@@ -108,48 +127,48 @@ def _reference(model: torch.nn.Module, source, data_path: Path, loss: str | None
 
 
 def test_eval_loss_and_perplexity_equal_the_untouched_model_s(torchrun: Launcher, root: Path) -> None:
-    """GPT-2, 2 stages: at its initial weights (--steps 0: one evaluation, at the end) and after 2 steps
-    evaluating every step (the last against the exported weights loaded with HF's from_pretrained)."""
+    """GPT-2, 2 stages, 2 steps evaluating after each: the last evaluation's loss and perplexity equal
+    the untouched model's at the exported weights (loaded with HF's from_pretrained), which trained
+    away from the initial ones. (An evaluation with no step, --steps 0, is the classifier's test.)"""
     from transformers import GPT2LMHeadModel
 
     source = model_factory(str(root / "tiny"), batch_size=ROWS, seq_len=SEQ)
-    (start,) = _train(torchrun, root / "train.py", "--steps", "0", "--eval-data", root / "val.bin")
-    expected = _reference(build_reference(source.factory, seed=0), source, root / "val.bin")
-    assert start["step"] == 0 and "loss" not in start  # an evaluation with no step
-    assert start["eval_loss"] == pytest.approx(expected["eval_loss"], abs=TOL)
-    assert start["eval_perplexity"] == pytest.approx(expected["eval_perplexity"], rel=TOL)
-    assert "eval_accuracy" not in start
-
     log = _train(torchrun, root / "train.py", "--steps", "2", "--eval-data", root / "val.bin", "--eval-every", "1",
                  "--export", root / "exported")
     assert [r["step"] for r in log] == [1, 2] and all("eval_loss" in r for r in log)
-    trained = GPT2LMHeadModel.from_pretrained(root / "exported")
-    assert log[-1]["eval_loss"] == pytest.approx(_reference(trained, source, root / "val.bin")["eval_loss"], abs=TOL)
+    assert all("eval_accuracy" not in r for r in log)  # a language model: perplexity, no accuracy
+    expected = _reference(GPT2LMHeadModel.from_pretrained(root / "exported"), source, root / "val.bin")
+    assert log[-1]["eval_loss"] == pytest.approx(expected["eval_loss"], abs=TOL)
+    assert log[-1]["eval_perplexity"] == pytest.approx(expected["eval_perplexity"], rel=TOL)
+    start = _reference(build_reference(source.factory, seed=0), source, root / "val.bin")
     assert log[-1]["eval_loss"] != pytest.approx(start["eval_loss"], abs=1e-3)  # it trained
 
 
 def test_eval_accuracy_of_a_classifier_equals_the_untouched_model_s(torchrun: Launcher, root: Path) -> None:
-    """A CNN trained with --loss cross_entropy: eval loss and the share of rows whose argmax is the label."""
+    """A CNN trained with --loss cross_entropy, --steps 0 (one evaluation, at the end, with no step):
+    eval loss and the share of rows whose argmax is the label at the initial weights."""
     source = model_factory(f"{root / 'cnn.py'}:build", batch_size=ROWS, seq_len=SEQ, loss="cross_entropy")
     (start,) = _train(torchrun, root / "cnn" / "train.py", "--steps", "0", "--eval-data", root / "images.npz")
     expected = _reference(build_reference(source.factory, seed=0), source, root / "images.npz", loss="cross_entropy")
+    assert start["step"] == 0 and "loss" not in start  # an evaluation with no step
     assert start["eval_loss"] == pytest.approx(expected["eval_loss"], abs=TOL)
     assert start["eval_accuracy"] == pytest.approx(expected["accuracy"], abs=1e-12)
     assert "eval_perplexity" not in start
 
 
 def test_evaluating_does_not_change_training_dropout_on(torchrun: Launcher, root: Path, tmp_path: Path) -> None:
-    """GPT-2 with dropout 0.1: 3 steps evaluating after each give the same losses and norms as 3 steps
-    without (eval mode is undone; the training RNG is the step's own), and the evaluation has dropout
-    off: it equals the exported model's in eval mode (the traced layers hold dropout's flags as
-    constants, which .eval() alone left on)."""
+    """GPT-2 with dropout 0.1: 3 steps evaluating after each train as the untouched model does with the
+    same dropout draws (eval mode is undone; the training RNG is the step's own), and the evaluation
+    has dropout off: it equals the exported model's in eval mode (the traced layers hold dropout's
+    flags as constants, which .eval() alone left on)."""
     from transformers import GPT2LMHeadModel
 
     script = _dropout_job(tmp_path)
-    quiet = _train(torchrun, script, "--steps", "3")
     evaluating = _train(torchrun, script, "--steps", "3", "--eval-data", root / "val.bin", "--eval-every", "1",
                         "--export", tmp_path / "exported")
-    assert [(r["loss"], r["grad_norm"]) for r in evaluating] == [(r["loss"], r["grad_norm"]) for r in quiet]
+    losses, norms = _trained_with_dropout(tmp_path, 3)
+    assert [r["loss"] for r in evaluating] == pytest.approx(losses, abs=TOL)
+    assert [r["grad_norm"] for r in evaluating] == pytest.approx(norms, rel=TOL)
     assert all("eval_loss" in r for r in evaluating)
     source = model_factory(str(tmp_path / "m"), batch_size=ROWS, seq_len=SEQ)
     trained = GPT2LMHeadModel.from_pretrained(tmp_path / "exported")
@@ -194,12 +213,14 @@ def test_eval_under_zero_2_replicas_equals_the_untouched_model_and_leaves_traini
 def test_eval_on_deepspeed_equals_the_untouched_model_and_leaves_training_alone(torchrun: Launcher, root: Path,
                                                                                 tmp_path: Path) -> None:
     """--engine deepspeed: eval_batch through its PipelineEngine, the same figures; its module back in
-    train mode after (DeepSpeed's eval_batch leaves it in eval mode: with dropout on, the losses say so)."""
+    train mode after (DeepSpeed's eval_batch leaves it in eval mode: with dropout on, the losses of
+    the step after an evaluation say so against the untouched model's with the same draws)."""
     script = _dropout_job(tmp_path)
-    quiet = _train(torchrun, script, "--engine", "deepspeed", "--steps", "2")
     log = _train(torchrun, script, "--engine", "deepspeed", "--steps", "2", "--eval-data", root / "val.bin",
                  "--eval-every", "1", "--export", tmp_path / "exported")
-    assert [r["loss"] for r in log] == [r["loss"] for r in quiet] and all("eval_loss" in r for r in log)
+    losses, norms = _trained_with_dropout(tmp_path, 2)
+    assert [r["loss"] for r in log] == pytest.approx(losses, abs=TOL) and all("eval_loss" in r for r in log)
+    assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=TOL)
     from transformers import GPT2LMHeadModel
 
     dropout_source = model_factory(str(tmp_path / "m"), batch_size=ROWS, seq_len=SEQ)

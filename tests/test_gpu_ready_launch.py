@@ -52,24 +52,22 @@ def _no_traceback_of_ours(proc: subprocess.CompletedProcess) -> bool:
 @pytest.mark.distributed
 def test_a_checkpoint_folder_not_every_rank_sees_is_one_line(torchrun: Launcher, tmp_path: Path) -> None:
     """Two ranks, each with a checkpoint folder of its own (as two nodes with local disks would have
-    at one path): the first save says so in one line and writes nothing; with one folder it saves."""
+    at one path): the first save says so in one line and writes nothing. (Saving into one folder
+    every rank sees is every other checkpoint test's, the rank files listed by test_jobs' Ctrl-C.)"""
     script = tmp_path / "save.py"
     script.write_text(textwrap.dedent(TINY) + textwrap.dedent("""
         build = rt.build_stage(make, (x[:2],), {}, [0, 2, 3], pp_rank=env.pp_rank, pp_size=env.pp_size)
         trainer = rt.Trainer(build, env, rt.TrainConfig(steps=2, microbatches=4), loss_fn=rt.make_loss("mse"))
         trainer.step((x,), {}, y)
-        root = Path(sys.argv[1]) / (f"node{env.rank}" if sys.argv[2] == "own" else "shared")
+        root = Path(sys.argv[1]) / f"node{env.rank}"  # a folder of each rank's own
         rt.save_checkpoint(trainer, root / "ckpt")
         env.close()
     """))
-    own = torchrun(script, tmp_path, "own", nproc=2, cwd=tmp_path, env={"PYTHONPATH": str(CHECKOUT)}, check=False)
+    own = torchrun(script, tmp_path, nproc=2, cwd=tmp_path, env={"PYTHONPATH": str(CHECKOUT)}, check=False)
     assert own.returncode != 0, own.stderr[-3000:]
     (line,) = _errors(own) or [own.stdout[-2000:] + own.stderr[-3000:]]
     assert "is not one folder for every rank: rank(s) 1 do not see" in line and "--ckpt-dir" in line, line
     assert _no_traceback_of_ours(own) and not list(tmp_path.glob("node*/ckpt/step_*")), own.stderr[-3000:]
-    torchrun(script, tmp_path, "shared", nproc=2, cwd=tmp_path, env={"PYTHONPATH": str(CHECKOUT)})
-    (saved,) = (tmp_path / "shared" / "ckpt").glob("step_*")
-    assert sorted(p.name for p in saved.iterdir()) == ["meta.json", "rank00000.pt", "rank00001.pt", "sharded"]
 
 
 # ---- defect 14: a failed rank while another waits in a collective ----------------------------------
@@ -91,7 +89,10 @@ def test_a_failed_rank_does_not_leave_the_others_waiting_in_a_collective(torchru
         else:
             dist.recv(torch.ones(1), src=0)  # rank 0 never sends
     """))
-    proc = torchrun(script, nproc=3, cwd=tmp_path, env={"PYTHONPATH": str(CHECKOUT)}, timeout=150, check=False)
+    # under torchrun itself: its agent's SIGTERM cannot wake a rank inside a collective, and its
+    # "forcefully exiting" line below is the sign that a rank had to be killed
+    proc = torchrun(script, nproc=3, cwd=tmp_path, env={"PYTHONPATH": str(CHECKOUT)}, timeout=150, check=False,
+                    elastic=True)
     assert proc.returncode != 0
     assert _errors(proc) == ["error: rank 1: rank 1 could not read its data; check --data"], proc.stderr[-3000:]
     # torchrun's "Unable to shutdown process ... via 15, forcefully exiting via 9": a rank it had to kill

@@ -199,10 +199,10 @@ def test_two_stage_job_on_files_equals_unpipelined_training(torchrun: Launcher, 
 
 # ---- what a user sees when something is wrong ---------------------------------------------------
 
-def _train(torchrun: Launcher, job: dict, *flags: str, engine: str = "torch", nproc: int = 1) -> subprocess.CompletedProcess:
+def _train(torchrun: Launcher, job: dict, *flags: str, nproc: int = 1) -> subprocess.CompletedProcess:
     run = job["root"] / "errors"
     run.mkdir(exist_ok=True)
-    return torchrun(job["root"] / "job" / f"train_{engine}.py", "--steps", "2", "--ckpt-dir", run / "ckpt", *flags,
+    return torchrun(job["root"] / "job" / "train_torch.py", "--steps", "2", "--ckpt-dir", run / "ckpt", *flags,
                     nproc=nproc, cwd=run, check=False)
 
 
@@ -217,15 +217,15 @@ def _one_line(proc: subprocess.CompletedProcess, expected: str) -> None:
 
 @pytest.mark.distributed  # the wrong process count: 3 under torchrun
 def test_train_py_errors_are_one_line_from_rank_0(torchrun: Launcher, jobs: dict[str, dict], tmp_path: Path) -> None:
-    """Missing data, data that does not fit, --resume with nothing to resume, a flag DeepSpeed does not
-    run, and the wrong process count: one line each saying what to do, exit 1."""
+    """No plan, data that does not fit, --resume with nothing to resume, and the wrong process count:
+    one line each saying what to do, exit 1. (A missing --data file is test_run_launcher's case, at the
+    same place as data that does not fit; a flag DeepSpeed does not run is test_zero's --zero 2 launch
+    and, for each flag, test_cli_convert's refusals.)"""
     job = jobs["cnn"]
     _one_line(_train(torchrun, job), "no plan at")
-    _one_line(_train(torchrun, job, "--plan", "even", "--data", "/nonexistent.npy"), "--data '/nonexistent.npy' does not exist")
     np.savez(tmp_path / "small.npz", x=np.zeros((4, 1, 4, 4), np.float32), y=np.zeros(4, np.int64))
     _one_line(_train(torchrun, job, "--plan", "even", "--data", str(tmp_path / "small.npz")), "takes (1, 8, 8) per row")
     _one_line(_train(torchrun, job, "--plan", "even", "--resume"), "--resume: no checkpoint in")
-    _one_line(_train(torchrun, job, "--plan", "even", "--verify", engine="deepspeed"), "--verify runs on the torch engine")
     (tmp_path / "plan.json").write_text(json.dumps({"boundaries": [0, 1, 3]}))
     _one_line(_train(torchrun, job, "--plan", str(tmp_path / "plan.json"), nproc=3), "launch with --nproc-per-node 2")
 
