@@ -224,12 +224,14 @@ def fit_engines(prof, boundaries, runs: dict[str, dict[int, list[dict]]], rate: 
 
 
 def main() -> None:
+    global STEPS, ROUNDS, MICROBATCHES
     parser = argparse.ArgumentParser()
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--engines", default="torch,deepspeed")
     parser.add_argument("--quick", action="store_true", help="one round of 6 steps at 2 and 8 micro-batches: checks it runs")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds (more: a steadier median)")
     opts = parser.parse_args()
-    global STEPS, ROUNDS, MICROBATCHES
+    ROUNDS = opts.rounds
     if opts.quick:
         STEPS, ROUNDS, MICROBATCHES = 6, 1, (2, 8)
     load0 = os.getloadavg()[0]
@@ -308,7 +310,10 @@ def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows:
     if ratios:
         lines += ["", f"compute_scale is the median of every rank's forward seconds per step over the plan's "
                       f"(range {ratios[0]:.3f}-{ratios[1]:.3f})."]  # fmt: skip
-    (RESULTS / "engines.md").write_text("\n".join(lines) + "\n")
+    # the notes people wrote under the table (## headings) stay: a rerun replaces the figures, not the reading
+    old = (RESULTS / "engines.md").read_text().splitlines() if (RESULTS / "engines.md").exists() else []
+    notes = next((old[i:] for i, line in enumerate(old) if line.startswith("## ")), [])
+    (RESULTS / "engines.md").write_text("\n".join(lines + ([""] + notes if notes else [])) + "\n")
 
 
 if __name__ == "__main__":

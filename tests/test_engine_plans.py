@@ -173,3 +173,25 @@ def test_convert_engine_auto_writes_the_faster_engines_job(table, tmp_path, monk
     steps = dict(re.findall(r"(torch|deepspeed) ([0-9.]+) s", line))
     assert set(steps) == {"torch", "deepspeed"} and plan["engine"] == min(steps, key=lambda e: float(steps[e]))
     assert f"ENGINE = {plan['engine']!r}" in (tmp_path / "auto" / "train.py").read_text()
+
+
+@pytest.mark.shipped_engine_table
+def test_the_shipped_table_is_physical_and_costs_cpu_plans() -> None:
+    """The table bench_engines.py adopted (only on a quiet machine, its fit within 5 % of every measured
+    step) holds no negative or absurd figure, says where it came from, and a CPU plan counts it: the
+    layers stretched by compute_scale, the after-schedule terms in the whole step."""
+    table = engines_mod.load_table()
+    assert table, "autopipe/costs/engine_costs.json is missing or empty"
+    for device, rows in table.items():
+        assert set(rows) <= {"torch", "deepspeed"}
+        for costs in rows.values():
+            assert costs.device == device and "bench_engines.py" in costs.source
+            assert costs.per_op >= 0 and costs.per_step >= 0 and costs.send_latency >= 0
+            assert 1e8 < costs.bandwidth < 1e12 and 0 < costs.optimizer_rate < 1e-7
+            assert 0.8 <= costs.compute_scale <= 2.0
+    cpu = table["cpu"]["torch"]
+    prof = _profile()
+    plan = partition(prof, 2, microbatches=4, recompute="none", engine="torch")
+    alone = partition(prof, 2, microbatches=4, recompute="none", bandwidth=cpu.bandwidth, boundaries=plan.boundaries)
+    assert plan.stage_forward == pytest.approx([f * cpu.compute_scale for f in alone.stage_forward])
+    assert plan.step_overhead > 0 and plan.total_step_time == pytest.approx(plan.step_time + plan.step_overhead)
