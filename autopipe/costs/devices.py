@@ -198,8 +198,17 @@ def describe_device(device: torch.device) -> DeviceInfo:
         return DeviceInfo(name=props.name, type="cuda", memory_bytes=int(props.total_memory),
                           **_cuda_fields(props.name, hopper=props.major == 9))  # fmt: skip
     if device.type == "cpu":
-        return DeviceInfo(name=cpu_name(), type="cpu", memory_bytes=_cpu_memory(), threads=torch.get_num_threads())
+        return DeviceInfo(name=cpu_name(), type="cpu", memory_bytes=_cpu_memory(), threads=torch.get_num_threads(),
+                          cores=_cpu_cores())
     return DeviceInfo(name=device.type, type=device.type)
+
+
+def _cpu_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity call
+        return os.cpu_count() or 0
 
 
 def _cuda_fields(name: str, hopper: bool | None = None) -> dict[str, float]:

@@ -100,6 +100,9 @@ class DeviceInfo:
     peak_flops: float = 0.0  # per second, for the dtype profiled; 0 when unknown
     memory_bandwidth: float = 0.0  # bytes per second; 0 when unknown
     threads: int = 0
+    # CPU cores the profiling process could run on (CPU profiles; 0 on GPUs and in older profiles): a CPU
+    # job whose ranks outnumber them shares them, which the plan's step counts (schedules.shared_step).
+    cores: int = 0
     # On a GPU, what a training process holds there beyond its tensors, for the memory model
     # (autopipe.costs.gpu_memory says what each is and where its figure comes from); 0 elsewhere,
     # and in profiles made before they were modelled.

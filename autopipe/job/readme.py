@@ -79,6 +79,9 @@ def _schedule_words(plan: Plan) -> str:
 
 def _engine_words(plan: Plan) -> str:
     """How the step was costed: for which engine, and what follows the schedule."""
+    shared = (f"; its {plan.world} ranks share {plan.cores} CPU cores, {format_time(plan.step_time)} with a core each"
+              if plan.shared_step_time is not None else "")  # fmt: skip
     if not plan.engine:
-        return ""
-    return f" for {plan.engine}: the schedule {format_time(plan.step_time)}, then norm and optimizer {format_time(plan.step_overhead)}"
+        return shared
+    return (f" for {plan.engine}: the schedule {format_time(plan.schedule_step_time)}, then norm and optimizer "
+            f"{format_time(plan.total_step_time - plan.schedule_step_time)}{shared}")

@@ -56,6 +56,8 @@ class CostModel:
         self.names = [layer.name or f"layer{i}" for i, layer in enumerate(layers)]
         self.optimizer = (optimizer or profile.optimizer).lower()
         self.dp, self.zero = dp, zero
+        # a CPU profile's cores: ranks beyond them share them (the plan's shared_step_time)
+        self.cores = profile.device.cores if profile.device.type == "cpu" else 0
         # the schedule picks ZeRO 0/1's engine, and so what it holds (autopipe.planner.memory.ddp_schedule)
         lm = layer_memory(profile, optimizer, dp=dp, zero=zero, schedule=schedule)
         self.memory = lm

@@ -48,6 +48,7 @@ from .schedules import (
     check_weight_share,
     chunk_ranks,
     normalize_schedule,
+    shared_step,
     simulate,
 )
 from .step_bound import fits
@@ -473,6 +474,10 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
                            schedule=schedule)  # fmt: skip
     rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=req.weight_share)
+    # a CPU job's ranks beyond its cores share them: the step they run (the cut stays the dedicated optimum)
+    cores = model.cores if 0 < model.cores < stages * model.dp else 0
+    shared = (shared_step(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m,
+                          cores=cores / model.dp, weight_share=req.weight_share) if cores else None)  # fmt: skip
     slowest = int(np.argmax(times))
     return Plan(
         boundaries=tuple(int(x) for x in bounds),
@@ -516,4 +521,6 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
         zero_policy=req.zero_policy,
         engine=model.engine.engine if model.engine is not None else "",
         step_overhead=model.after_schedule(bounds, ranks, stages),
+        cores=cores,
+        shared_step_time=shared,
     )

@@ -116,6 +116,12 @@ class Plan:
     schedule_policy: str = ""
     schedule_steps: dict[str, float] = field(default_factory=dict)
     schedule_skipped: dict[str, str] = field(default_factory=dict)
+    # A CPU job whose ranks (stages x dp, one thread each) outnumber the cores the profile saw: those
+    # cores (0 otherwise: a core or device per rank, as on GPUs) and the step when the ranks share
+    # them (schedules.shared_step: the same op order, the running ops sharing the cores evenly).
+    # step_time stays the dedicated simulation, which the cut is solved for.
+    cores: int = 0
+    shared_step_time: float | None = None
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:
@@ -125,9 +131,16 @@ class Plan:
                 object.__setattr__(self, f.name, tuple(value))
 
     @property
+    def schedule_step_time(self) -> float:
+        """The schedule's step as the job runs it: on cores the ranks share, ``shared_step_time``."""
+        return self.shared_step_time if self.shared_step_time is not None else self.step_time
+
+    @property
     def total_step_time(self) -> float:
-        """The whole step: the schedule's simulated step plus what follows it (``step_overhead``)."""
-        return self.step_time + self.step_overhead
+        """The whole step: the schedule's simulated step plus what follows it (``step_overhead``; on
+        shared cores every rank runs its optimizer at once, so it stretches by ranks over cores)."""
+        share = self.stages * self.dp / self.cores if self.shared_step_time is not None and self.cores else 1.0
+        return self.schedule_step_time + self.step_overhead * max(1.0, share)
 
     @property
     def num_chunks(self) -> int:
@@ -309,6 +322,9 @@ def _check_plan(plan: Plan) -> None:
                               f"exclude; {again}")
     if plan.unrestricted_step_time is not None:
         number(plan.unrestricted_step_time, "unrestricted_step_time")
+    number(plan.cores, "cores", whole=True)
+    if plan.shared_step_time is not None:
+        number(plan.shared_step_time, "shared_step_time")
     if plan.schedule_policy not in ("", "auto") or not isinstance(plan.schedule_steps, dict):
         raise RecordError(f"plan schedule_policy is {plan.schedule_policy!r}, but must be 'auto' or ''; {again}")
     for name, step in plan.schedule_steps.items():

@@ -47,6 +47,7 @@ from .simulator import (
     compile_orders,
     durations,
     run_fixed,
+    run_shared,
     timeline_of,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "check_weight_share",
     "chunk_ranks",
     "simulate",
+    "shared_step",
     "step_times",
     "inflight_counts",
     "peak_states",
@@ -199,6 +201,30 @@ def simulate(
     busy = tuple(sum(e - s for s, e, *_ in tl) for tl in timeline)
     bubble = 1.0 - sum(busy) / (ranks * step) if step > 0 else 0.0
     return Simulation(schedule, ranks, microbatches, step, bubble, busy, tuple(tuple(tl) for tl in timeline))
+
+
+def shared_step(
+    schedule: str,
+    *,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    comm: Sequence[float],
+    ranks: int,
+    microbatches: int,
+    cores: float,
+    weight_share: float = 0.5,
+) -> float:
+    """``simulate``'s step when the ``ranks`` share ``cores`` cores (one thread each; see
+    ``simulator.run_shared``). With ``cores >= ranks`` it equals ``simulate(...).step_time``.
+
+    >>> args = dict(forward=[1, 1], backward=[2, 2], comm=[0, 0], microbatches=4)
+    >>> simulate("1f1b", ranks=2, **args).step_time, shared_step("1f1b", ranks=2, cores=1, **args)
+    (15.0, 24.0)
+    """
+    schedule, k, virtual = _check_costs(schedule, forward, backward, comm, ranks, microbatches, weight_share)
+    prog = _program(schedule, ranks, virtual, microbatches)
+    arrays = (np.asarray(x, dtype=np.float64) for x in (forward, backward, comm))
+    return run_shared(prog, *durations(*arrays, split=weight_share if schedule == "zbv" else None), cores=float(cores))
 
 
 def step_times(

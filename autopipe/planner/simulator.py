@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Program", "compile_orders", "durations", "run_fixed", "timeline_of"]
+__all__ = ["Program", "compile_orders", "durations", "run_fixed", "run_shared", "timeline_of"]
 
 # An entry of a rank's timeline: (start, end, kind "F"/"B"/"W", micro-batch, chunk).
 TimelineEntry = tuple[float, float, str, int, int]
@@ -116,6 +116,39 @@ def run_fixed(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray |
             start[idx] = s
         end[idx] = s + dur[idx]
     return start, end
+
+
+def run_shared(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray | None, cores: float) -> float:
+    """The step when the ranks, one thread each, share ``cores`` cores (a CPU with fewer cores than
+    ranks): each rank runs its fixed order, an op starts when its rank's previous op and its input on
+    another chunk are done, and the ops running at once share the cores evenly, each at most one
+    (processor sharing). A rank waiting on another leaves its share to the running ones, so a bubble
+    costs less than on dedicated devices and the step tends to the work over the cores.
+    ``fwd``/``bwd``/``wgt`` are (chunks,), as ``durations`` gives them."""
+    dur = np.where(prog.kind == 0, fwd[prog.chunk], bwd[prog.chunk])
+    if wgt is not None:
+        dur = np.where(prog.kind == 2, wgt[prog.chunk], dur)
+    left = dur.astype(np.float64).tolist()
+    n, dep = len(prog.ops), prog.dep.tolist()
+    done = [False] * n + [True]
+    at = list(prog.bounds[:-1])
+    stop = prog.bounds[1:]
+    now = 0.0
+    while True:
+        running = [r for r in range(len(at)) if at[r] < stop[r] and done[dep[at[r]]]]
+        if not running:
+            if any(at[r] < stop[r] for r in range(len(at))):
+                raise RuntimeError("a cyclic op order")  # a bug in an order, not user input
+            return now
+        rate = min(1.0, cores / len(running))
+        dt = min(left[at[r]] for r in running) / rate
+        now += dt
+        for r in running:
+            i = at[r]
+            left[i] -= dt * rate
+            if left[i] <= 1e-12 * (1.0 + dur[i]):
+                done[i] = True
+                at[r] += 1
 
 
 def timeline_of(prog: Program, start: np.ndarray, end: np.ndarray) -> list[list[TimelineEntry]]:

@@ -188,6 +188,9 @@ def _header(name: str, plan: Plan, profile: Profile | None) -> str:
         *([("schedules planned (auto)", ", ".join(f"{s} {format_time(t)}" for s, t in plan.schedule_steps.items()))]
           if plan.schedule_policy == "auto" else []),
         ("step time (simulated)", format_time(plan.step_time)),
+        # a CPU job with more ranks than cores: the step they run sharing them (the whole step counts it)
+        *([(f"step on {plan.cores} shared cores", f"{format_time(plan.shared_step_time)} ({plan.world} ranks)")]
+          if plan.shared_step_time is not None else []),
         *([("step lower bound", format_time(plan.step_lower_bound)
             + (" (optimal)" if plan.step_gap == 0 else f" (gap {plan.step_gap:.1%})" if plan.step_gap is not None else ""))]
           if plan.step_lower_bound is not None else []),  # no cut steps faster; plans before the field have none

@@ -99,7 +99,7 @@ def compare(plan: Any, records: list[dict[str, Any]], *, warmup: int = 1) -> Com
             peaks[i] = max(peaks[i], int(m))
     return Comparison(
         steps=len(kept),
-        predicted_step_time=float(plan.step_time),
+        predicted_step_time=float(getattr(plan, "schedule_step_time", plan.step_time)),
         measured_step_time=statistics.median(times),
         step_time_spread=q[2] - q[0],
         predicted_memory=tuple(int(m) for m in plan.rank_memory),
