@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
 from ..graph.recompute import RecomputeError, check_mode, chunk_modes, run_layer
+from ..graph.rng import draws_random
 from ..graph.sequence import retarget_device_
 from .layout import ChunkLayout, even_boundaries
 from .weights import (
@@ -119,6 +120,9 @@ class PipeChunk(nn.Module):
         self.seeds: MicrobatchSeeds | None = None
         self.microbatch = 0
         self.shape_inference = False  # set by the engine's stage while torch infers shapes
+        # only a layer that draws random numbers is seeded: the seed is the same for the others,
+        # which draw nothing, and costs 60 µs a call (autopipe.graph.rng.draws_random)
+        self.draws = tuple(draws_random(layer) for layer in self.layers)
 
     def start_step(self, seeds: MicrobatchSeeds | None) -> None:
         self.seeds, self.microbatch = seeds, 0
@@ -136,7 +140,7 @@ class PipeChunk(nn.Module):
             device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None
         ):
             for i, (layer, mode) in enumerate(zip(self.layers, self.recompute)):
-                if seeds is not None:  # outside run_layer: a recomputation replays the state seeded here
+                if seeds is not None and self.draws[i]:  # outside run_layer: a recomputation replays the state seeded here
                     torch.manual_seed(seeds.layer_seed(mb, self.layer_range[0] + i))
                 x = run_layer(layer, x, mode)
         if self.unview_outputs:

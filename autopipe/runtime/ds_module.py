@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import AutopipeError
+from ..graph.rng import draws_random
 from ..graph.sequence import retarget_device_
 from .build import contiguous_grads, fill_tensors, meta_model, to_meta
 from .ds_parts import planned_pipeline_module
@@ -93,6 +94,7 @@ class DSLayer(nn.Module):
         ctx.built.append(self)
         self.bool_inputs = {i for i, sig in enumerate(ctx.seq.infos[index].inputs) if sig.dtype == "bool"}
         self.seeds: Any = None  # MicrobatchSeeds of the step, set by DeepSpeedTrainer.step
+        self.draws = draws_random(layer)  # seeded only if it draws (autopipe.graph.rng.draws_random)
         self.microbatch = 0
         self.autocast_dtype: torch.dtype | None = None  # --dtype bf16: autocast over fp32 weights
         self.register_load_state_dict_pre_hook(_buffers_as_built)
@@ -120,7 +122,8 @@ class DSLayer(nn.Module):
             mod.__dict__[attr] = w
         xs = [t.bool() if i in self.bool_inputs else t for i, t in enumerate(contiguous_grads(xs))]
         if self.seeds is not None:  # the torch engine's per-layer, per-micro-batch seeds (MicrobatchSeeds)
-            torch.manual_seed(self.seeds.layer_seed(self.microbatch, self.index))
+            if self.draws:
+                torch.manual_seed(self.seeds.layer_seed(self.microbatch, self.index))
             self.microbatch += 1
         device_type = xs[0].device.type if xs else "cpu"
         with torch.autocast(device_type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None):
