@@ -45,6 +45,10 @@ _TIMED_OUT = ("Watchdog caught collective operation timeout", "timed out in bloc
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "NCCL communicator was aborted",
               *_TIMED_OUT)
 _FAILED = "autopipe/failed"  # store key: the rank that failed, set after its word
+# store key: a rank stopped on Ctrl-C. The terminal's SIGINT reaches every rank, but a rank blocked in
+# a receive runs its handler only once the receive returns, and it may return first with "connection
+# closed" from a peer that stopped already: that rank reads this and stops as interrupted, not failed.
+_INTERRUPTED = "autopipe/interrupted"
 _LEAVING = threading.Lock()  # one way out per process: the excepthook's or the peer watch's
 
 
@@ -79,14 +83,9 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 _say(f"error: {word}")
                 os._exit(1)
             if _rank() == 0:
-                from .checkpoint import latest_checkpoint
-
-                folder = _INSTALLED.get("ckpt_dir")
-                last = latest_checkpoint(folder) if folder is not None else None
-                nodes = f", on each of the {launch_nodes()} nodes" if launch_nodes() > 1 else ""
-                where = f"newest checkpoint {last}; resume with{nodes}: {launch_command(('--resume',))}" if last else \
-                    "no checkpoint saved yet (--ckpt-every N saves every N steps)"
-                _say(f"interrupted: {where}")
+                _say_interrupted()
+            else:
+                _set_key(_INTERRUPTED)
             os._exit(130)
         wrapped = _checkpoint_error(value)
         if wrapped is not None:
@@ -112,6 +111,9 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 if word is not None:
                     _say(f"error: {word}")
                     os._exit(1)
+                if _key_set(_INTERRUPTED):  # a peer stopped on the Ctrl-C this rank has not seen yet
+                    _say_interrupted()
+                    os._exit(130)
                 if any(s in str(value) for s in _TIMED_OUT):
                     first = str(value).strip().splitlines()[0][:200]
                     _say(f"error: a collective timed out ({first}); another rank stopped answering without a word: "
@@ -197,6 +199,35 @@ def _leave_word(message: str) -> None:
         except Exception:  # the store's host may be gone too: nothing more to do
             pass
     _announce_failure()
+
+
+def _say_interrupted() -> None:
+    """Rank 0's line on Ctrl-C: the newest checkpoint and the command that resumes from it."""
+    from .checkpoint import latest_checkpoint
+
+    folder = _INSTALLED.get("ckpt_dir")
+    last = latest_checkpoint(folder) if folder is not None else None
+    nodes = f", on each of the {launch_nodes()} nodes" if launch_nodes() > 1 else ""
+    where = f"newest checkpoint {last}; resume with{nodes}: {launch_command(('--resume',))}" if last else \
+        "no checkpoint saved yet (--ckpt-every N saves every N steps)"
+    _say(f"interrupted: {where}")
+
+
+def _set_key(key: str) -> None:
+    store = _store()
+    if store is not None:
+        try:
+            store.set(key, str(_rank()))
+        except Exception:  # the store's host may be gone too: nothing more to do
+            pass
+
+
+def _key_set(key: str) -> bool:
+    store = _store()
+    try:
+        return store is not None and bool(store.check([key]))
+    except Exception:
+        return False
 
 
 def _announce_failure() -> None:
