@@ -192,10 +192,8 @@ def simulate(
     ``comm[c]`` is chunk c's send+recv seconds per direction. ``weight_share`` is the part of the
     backward that is weight gradient (W), split off by zero-bubble schedules only.
     """
-    schedule, k, virtual = _check_costs(schedule, forward, backward, comm, ranks, microbatches, weight_share)
-    prog = _program(schedule, ranks, virtual, microbatches)
-    arrays = (np.asarray(x, dtype=np.float64) for x in (forward, backward, comm))
-    start, end = run_fixed(prog, *durations(*arrays, split=weight_share if schedule == "zbv" else None))
+    schedule, prog, ops = _compiled(schedule, forward, backward, comm, ranks, microbatches, weight_share)
+    start, end = run_fixed(prog, *ops)
     timeline = timeline_of(prog, start, end)
     step = max((tl[-1][1] for tl in timeline if tl), default=0.0)
     busy = tuple(sum(e - s for s, e, *_ in tl) for tl in timeline)
@@ -221,10 +219,17 @@ def shared_step(
     >>> simulate("1f1b", ranks=2, **args).step_time, shared_step("1f1b", ranks=2, cores=1, **args)
     (15.0, 24.0)
     """
-    schedule, k, virtual = _check_costs(schedule, forward, backward, comm, ranks, microbatches, weight_share)
+    _, prog, ops = _compiled(schedule, forward, backward, comm, ranks, microbatches, weight_share)
+    return run_shared(prog, *ops, cores=float(cores))
+
+
+def _compiled(schedule: str, forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], ranks: int,
+              microbatches: int, weight_share: float) -> tuple[str, Program, tuple]:  # fmt: skip
+    """The checked schedule name, its compiled op graph and the F, B (and zbv's W) seconds per chunk."""
+    schedule, _, virtual = _check_costs(schedule, forward, backward, comm, ranks, microbatches, weight_share)
     prog = _program(schedule, ranks, virtual, microbatches)
     arrays = (np.asarray(x, dtype=np.float64) for x in (forward, backward, comm))
-    return run_shared(prog, *durations(*arrays, split=weight_share if schedule == "zbv" else None), cores=float(cores))
+    return schedule, prog, durations(*arrays, split=weight_share if schedule == "zbv" else None)
 
 
 def step_times(
