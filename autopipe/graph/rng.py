@@ -48,9 +48,9 @@ def draws_random(layer: torch.nn.Module) -> bool:
 
     from .batch_free import BatchFreeValue
 
-    graphs = [m for m in layer.modules() if isinstance(m, fx.GraphModule)]
-    if not graphs or not isinstance(layer, fx.GraphModule):
+    if not isinstance(layer, fx.GraphModule):
         return True
+    graphs = [m for m in layer.modules() if isinstance(m, fx.GraphModule)]
     plain = {operator.getitem, getattr}
     for gm in graphs:
         for node in gm.graph.nodes:

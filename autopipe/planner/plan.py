@@ -139,7 +139,7 @@ class Plan:
     def total_step_time(self) -> float:
         """The whole step: the schedule's simulated step plus what follows it (``step_overhead``; on
         shared cores every rank runs its optimizer at once, so it stretches by ranks over cores)."""
-        share = self.stages * self.dp / self.cores if self.shared_step_time is not None and self.cores else 1.0
+        share = self.world / self.cores if self.shared_step_time is not None and self.cores else 1.0
         return self.schedule_step_time + self.step_overhead * max(1.0, share)
 
     @property

@@ -101,11 +101,7 @@ def run_fixed(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray |
               starts: bool = True) -> tuple[np.ndarray | None, np.ndarray]:  # fmt: skip
     """Start (when asked) and end of every op, plus the zero slot; ``fwd``/``bwd``/``wgt`` (W, zbv
     only) are (chunks,) or (chunks, rows)."""
-    shape = (-1,) + (1,) * (fwd.ndim - 1)
-    kind = prog.kind.reshape(shape)
-    dur = np.where(kind == 0, fwd[prog.chunk], bwd[prog.chunk])
-    if wgt is not None:
-        dur = np.where(kind == 2, wgt[prog.chunk], dur)
+    dur = _op_durations(prog, fwd, bwd, wgt)
     n = len(prog.ops)
     end = np.zeros((n + 1,) + fwd.shape[1:])
     start = np.zeros_like(end) if starts else None
@@ -118,6 +114,13 @@ def run_fixed(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray |
     return start, end
 
 
+def _op_durations(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray | None) -> np.ndarray:
+    """Each op's seconds (one row per op; a column per cut when the chunk arrays have columns)."""
+    kind = prog.kind.reshape((-1,) + (1,) * (fwd.ndim - 1))
+    dur = np.where(kind == 0, fwd[prog.chunk], bwd[prog.chunk])
+    return dur if wgt is None else np.where(kind == 2, wgt[prog.chunk], dur)
+
+
 def run_shared(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray | None, cores: float) -> float:
     """The step when the ranks, one thread each, share ``cores`` cores (a CPU with fewer cores than
     ranks): each rank runs its fixed order, an op starts when its rank's previous op and its input on
@@ -125,9 +128,7 @@ def run_shared(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray 
     (processor sharing). A rank waiting on another leaves its share to the running ones, so a bubble
     costs less than on dedicated devices and the step tends to the work over the cores.
     ``fwd``/``bwd``/``wgt`` are (chunks,), as ``durations`` gives them."""
-    dur = np.where(prog.kind == 0, fwd[prog.chunk], bwd[prog.chunk])
-    if wgt is not None:
-        dur = np.where(prog.kind == 2, wgt[prog.chunk], dur)
+    dur = _op_durations(prog, fwd, bwd, wgt)
     left = dur.astype(np.float64).tolist()
     n, dep = len(prog.ops), prog.dep.tolist()
     done = [False] * n + [True]

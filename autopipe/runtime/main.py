@@ -232,12 +232,7 @@ def _key_set(key: str) -> bool:
 
 def _announce_failure() -> None:
     """Tell the other ranks' peer watches that this rank is leaving on an error."""
-    store = _store()
-    if store is not None:
-        try:
-            store.set(_FAILED, str(_rank()))
-        except Exception:
-            pass
+    _set_key(_FAILED)
 
 
 def _leave_alone() -> None:
