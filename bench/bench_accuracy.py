@@ -31,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # this folder's _notes, when imported from elsewhere
+from _notes import write_keeping_notes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 ROWS, SEQ, STEPS, WARMUP = 4, 128, 6, 2
@@ -254,10 +256,7 @@ def write_results(rows: list[dict], meta: dict | None = None) -> None:
             f"({r['step_time_spread']:.3f}) | {r['predicted_step_time']:.3f} s ({r['predicted_schedule']:.3f} + "
             f"{r['predicted_after_schedule']:.3f}) | {r['step_ratio']:.3f} | {r['best_run_ratio']:.3f} | {sched} | {mem} | {r['load'][0]:.1f}-{r['load'][1]:.1f} |"
         )
-    # the notes people wrote under the table (## headings) stay: a rerun replaces the figures, not the reading
-    old = (RESULTS / "accuracy.md").read_text().splitlines() if (RESULTS / "accuracy.md").exists() else []
-    notes = next((old[i:] for i, line in enumerate(old) if line.startswith("## ")), [])
-    (RESULTS / "accuracy.md").write_text("\n".join(lines + ([""] + notes if notes else [])) + "\n")
+    write_keeping_notes(RESULTS / "accuracy.md", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # this folder's _notes, when imported from elsewhere
+from _notes import write_keeping_notes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 ROWS, SEQ, STEPS, WARMUP, ROUNDS = 4, 128, 12, 3, 2
@@ -325,10 +327,7 @@ def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows:
                       f"{ratios[0]:.3f}-{ratios[1]:.3f}); "
                       + ("adopted as compute_scale (--fit-scale)." if FIT_SCALE else
                          "not adopted (compute_scale 1; --fit-scale adopts it): per_op takes the in-job overhead.")]  # fmt: skip
-    # the notes people wrote under the table (## headings) stay: a rerun replaces the figures, not the reading
-    old = (RESULTS / "engines.md").read_text().splitlines() if (RESULTS / "engines.md").exists() else []
-    notes = next((old[i:] for i, line in enumerate(old) if line.startswith("## ")), [])
-    (RESULTS / "engines.md").write_text("\n".join(lines + ([""] + notes if notes else [])) + "\n")
+    write_keeping_notes(RESULTS / "engines.md", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
+sys.path.insert(0, str(ROOT / "bench"))  # this folder's _notes, when imported from elsewhere
+from _notes import write_keeping_notes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PEERS = ROOT / "bench" / "peers"
@@ -356,10 +358,7 @@ def main() -> None:
         head = (f"# autopipe against hand-written pipelines (bench/bench_peers.py{' --quick' if a.quick else ''})\n\n"
                 f"{rounds} round(s) of {steps} steps, median of steps {warmup + 1}-{steps}; {os.cpu_count()} CPUs, "
                 f"gloo, one thread per rank; `uptime` at the start: {uptime}; load {started:.1f} -> {finished:.1f}.\n")  # fmt: skip
-        # the notes people wrote under the tables (## headings) stay: a rerun replaces the figures, not the reading
-        old = (RESULTS / "peers.md").read_text().splitlines() if (RESULTS / "peers.md").exists() else []
-        notes = next((old[i:] for i, line in enumerate(old) if line.startswith("## ")), [])
-        (RESULTS / "peers.md").write_text(head + text + ("\n" + "\n".join(notes) + "\n" if notes else ""))
+        write_keeping_notes(RESULTS / "peers.md", head + text)
         # for `autopipe report PLAN --breakdown`: the profiled configuration's methods, per rank
         rows = [{"method": m, "ranks": ranks} for res in results.values() for m, ranks in res["breakdown"].items()]
         (RESULTS / "peers-breakdown.json").write_text(json.dumps(rows, indent=1) + "\n")
