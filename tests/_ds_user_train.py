@@ -112,6 +112,10 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"parts": list(net.parts), "losses": losses}, f)  # what DeepSpeed cut at
+    # leave together: a rank whose interpreter exits while gloo's threads still run for its peer
+    # aborts ("terminate called without an active exception", exit -6; seen once in CI)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

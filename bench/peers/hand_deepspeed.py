@@ -114,6 +114,8 @@ def main() -> None:
     if dist.get_rank() == 0 and os.environ.get("BENCH_RECORD_DIR"):
         with open(os.path.join(os.environ["BENCH_RECORD_DIR"], "parts.json"), "w") as f:
             json.dump([int(x) for x in net.parts], f)
+    dist.barrier()
+    dist.destroy_process_group()  # exiting with gloo's threads alive can abort a rank
 
 
 def _with_parts(model: nn.Module, parts: list[int]) -> PipelineModule:
