@@ -36,7 +36,18 @@ def llama() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     return LlamaForCausalLM(cfg), (ids,), {"labels": ids, "use_cache": False}
 
 
-BUILDERS = {"llama": llama, "gpt2": gpt2}
+def mistral() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """A tiny Mistral whose sliding window (3) is shorter than the sequence: its mask is no plain
+    causal one, so it stays a traced mask (autopipe.graph.attention) and is made on each stage."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=48, max_position_embeddings=32, sliding_window=3)
+    ids = _ids()
+    return MistralForCausalLM(cfg), (ids,), {"labels": ids, "use_cache": False}
+
+
+BUILDERS = {"llama": llama, "gpt2": gpt2, "mistral": mistral}
 
 
 def _holders(module: nn.Module) -> list[BatchFreeValue]:
@@ -47,7 +58,9 @@ def _holders(module: nn.Module) -> list[BatchFreeValue]:
 def test_only_what_the_batch_changes_crosses_a_cut(arch: str) -> None:
     """Every layer after the first takes the labels and the hidden state only: no bool mask, no cos/sin.
     The blocks make them (one holder per value, shared), and the sequence and its 2/3-stage splits
-    give the untouched model's outputs, loss and every parameter gradient within 1e-5."""
+    give the untouched model's outputs, loss and every parameter gradient within 1e-5. A plain
+    causal mask is no value at all (SDPA's is_causal: autopipe.graph.attention); Mistral's sliding
+    window mask is."""
     model, args, kwargs = BUILDERS[arch]()
     ref = _run(model, lambda: model(*args, **kwargs))
     seq = autopipe.flatten(model, args, kwargs)
@@ -58,7 +71,8 @@ def test_only_what_the_batch_changes_crosses_a_cut(arch: str) -> None:
     blocks = [info for info in seq.infos if info.kind != "glue"]
     made = {(s.dtype, s.shape) for info in blocks for s in info.computed}
     head = hidden // model.config.num_attention_heads
-    expected = {("bool", (B, 1, T, T))} | ({("float32", (1, T, head))} if arch == "llama" else set())
+    expected = ({("bool", (B, 1, T, T))} if arch == "mistral" else set()) | (
+        {("float32", (1, T, head))} if arch != "gpt2" else set())
     assert made == expected, f"{arch} blocks make {made}"
     assert all(len(info.computed) == len(blocks[0].computed) for info in blocks)
     # identical blocks: one structure key, so the profiler measures one of them
@@ -285,7 +299,7 @@ def test_a_stage_built_on_meta_makes_its_tables_on_its_device() -> None:
     (chunk,) = b.chunks
     holders = _holders(chunk)
     tables = [h for h in holders if h.recipe.graph.find_nodes(op="placeholder")]  # cos, sin: they read inv_freq
-    assert len(holders) == 3 and len(tables) == 2
+    assert len(holders) == 2 and len(tables) == 2  # no mask: SDPA's is_causal (autopipe.graph.attention)
     assert "model.rotary_emb.inv_freq" in {n for layer in chunk.layers for n, _ in layer.named_buffers()}
     first = b.layout.boundaries[b.chunk_ids[0]]
     inputs = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in b.seq.infos[first].inputs]
@@ -330,15 +344,19 @@ def test_a_deepspeed_layer_file_from_before_loads() -> None:
 
 
 def test_inspect_lists_what_each_stage_makes() -> None:
-    """`autopipe inspect` says which values are made on each stage instead of crossing a cut."""
+    """`autopipe inspect` says which values are made on each stage instead of crossing a cut (Llama's
+    rotary tables), and what became of the traced attention (no mask left to make)."""
     from typer.testing import CliRunner
 
     from autopipe.cli.app import app
 
-    result = CliRunner().invoke(app, ["inspect", "gpt2", "--seq-len", "16"], env={"COLUMNS": "250"})
+    result = CliRunner().invoke(app, ["inspect", "llama-tiny", "--seq-len", "16"], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
-    assert "made on each stage, never sent: bool[1,1,16,16] (layers 1-12)" in result.output
-    assert "bool[1,1,16,16]" not in result.output.split("made on each stage")[0]
+    assert "made on each stage, never sent: f32[1,16,32] (layers 1-4), f32[1,16,32] (layers 1-4)" in result.output
+    assert "f32[1,16,32]" not in result.output.split("made on each stage")[0]
+    assert ("attention: 4 of 4 SDPA calls causal without the traced mask (is_causal), 4 with grouped key/value "
+            "heads (enable_gqa)") in result.output
+    assert "bool[" not in result.output
 
 
 # ---- jobs: the untouched model's first step on both engines --------------------------------------

@@ -45,12 +45,15 @@ def inspect_command(
             "layers": [dataclasses.asdict(info) for info in seq.infos],
             "tied": [dataclasses.asdict(group) for group in seq.tied],
             "notes": seq.notes,
+            "attention": dataclasses.asdict(seq.attention) if seq.attention is not None else None,
         }
         typer.echo(json.dumps(data, indent=1))
         return
     console.print(layer_table(seq, title=f"{model}: {len(seq)} layers"))
     if made := made_on_stage(seq):
         console.print(made, highlight=False)
+    if seq.attention is not None and (line := seq.attention.summary()):
+        console.print(line, highlight=False)
     for group in seq.tied:
         console.print(f"tied: {' = '.join(group.names)}  (layers {', '.join(map(str, group.layers))})", highlight=False)
     for note in seq.notes:

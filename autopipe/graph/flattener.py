@@ -19,7 +19,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, TraceMismatchError
-from .batch_free import BatchFreeValue, computed_in_layer, crossing_values, recipe
+from .attention import simplify_attention
+from .batch_free import BatchFreeValue, batch_free_nodes, computed_in_layer, crossing_values, recipe
 from .cut_policy import Segment, group_blocks, is_glue, module_stack, segment
 from .rng import RngState
 from .sequence import (
@@ -142,6 +143,14 @@ def _flatten_program(
         else:
             constant_of[node] = leaf
 
+    # SDPA as the eager model calls it (autopipe.graph.attention): no traced causal mask, no
+    # repeated key/value heads. Before cutting: the mask's nodes go with it.
+    mutated = {spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
+    constant_sources = [n for n, (target, kind, _) in attr_of.items()
+                        if kind == "constant" or (kind == "buffer" and target not in mutated)]
+    attention = simplify_attention(gm, batch_free_nodes(gm, [*constant_sources, *constant_of]),
+                                         {n: t for n, (_, _, t) in attr_of.items()}, constant_of)
+
     params_set = {n for n, (_, kind, _) in attr_of.items() if kind == "parameter"}
     segments = group_blocks(segment(gm, params_set, granularity), blocks_per_layer)
     if not segments:
@@ -250,7 +259,9 @@ def _flatten_program(
     )
     options = {"granularity": granularity, "blocks_per_layer": blocks_per_layer}
     signature = _signature(model, infos, io, options)
-    seq = LayerSequence(layers, infos, io, tied, signature, model_name=name or type(model).__name__, options=options)
+    seq = LayerSequence(layers, infos, io, tied, signature, model_name=name or type(model).__name__, options=options,
+                        notes=attention.notes)
+    seq.attention = attention
     seq.layer_entries = _layer_entries(segments)
     return seq
 

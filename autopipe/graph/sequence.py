@@ -170,6 +170,8 @@ class LayerSequence(nn.Module):
         self.trace_device = "cpu"
         # per layer, the module call of the model's forward where it starts (path, call index); set by flatten
         self.layer_entries: list[tuple[str, int] | None] = [None] * len(self.layers)
+        # what flatten did to the traced attention (autopipe.graph.attention.AttentionRewrites); set by flatten
+        self.attention: Any = None
 
     def __len__(self) -> int:
         return len(self.layers)
