@@ -8,7 +8,7 @@ round runs autopipe's job and the bare script (bench/peers/hand_torch.py, hand_d
 back at autopipe's cut, alternating which goes first, so load drifts reach both alike. Reported per
 pair: the median step over all rounds (steps 3-10 of rank 0), the median of the per-round ratios,
 the CPU seconds per step of each rank, and the load. Results: bench/results/overhead.{md,json}
-(notes under "## " headings survive a rerun). Needs a quiet machine: nothing else running.
+(``--out`` names another; notes under "## " headings survive a rerun). Needs a quiet machine: nothing else running.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=10, help="steps per run; the first 2 are warm-up")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--out", default="overhead", help="results file name in bench/results (overhead-4 for a 4-stage run, say)")
     a = ap.parse_args()
     models, engines = a.models.split(","), a.engines.split(",")
     stage_counts = [int(x) for x in a.stages.split(",")]
@@ -95,12 +96,12 @@ def main() -> None:
         RESULTS.mkdir(exist_ok=True)
         doc = {"uptime": uptime, "load": [started, finished], "rounds": a.rounds, "steps": a.steps, "warmup": WARMUP,
                "seconds": seconds, "results": results}  # fmt: skip
-        (RESULTS / "overhead.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (RESULTS / f"{a.out}.json").write_text(json.dumps(doc, indent=1) + "\n")
         head = (f"# autopipe's job against a bare script on the same engine and cut (bench/bench_overhead.py)\n\n"
                 f"{a.rounds} rounds of {a.steps} steps per method, alternating which runs first; median of steps "
                 f"{WARMUP + 1}-{a.steps} of rank 0; {os.cpu_count()} CPUs, gloo, one thread per rank; `uptime` at the "
                 f"start: {uptime}; load {started:.1f} -> {finished:.1f}; {seconds / 60:.0f} minutes.\n")  # fmt: skip
-        write_keeping_notes(RESULTS / "overhead.md", head + text)
+        write_keeping_notes(RESULTS / f"{a.out}.md", head + text)
 
 
 def _table(results: list[dict]) -> str:

@@ -141,8 +141,12 @@ def _is_causal_mask(mask: fx.Node, call: dict[str, Any], batch_free: set[fx.Node
     from .sequence import retarget_device_
 
     retarget_device_(graph, "cpu", constants=False)
-    with torch.no_grad():
-        value = graph(*[t.detach().cpu() for t in inputs])
+    try:
+        with torch.no_grad():
+            value = graph(*[t.detach().cpu() for t in inputs])
+    except Exception as e:  # an operator this CPU cannot run: the traced mask is kept, which is always right
+        notes.append(f"attention mask {mask.name} left as traced: computing it to check it failed ({type(e).__name__})")
+        return False
     length, keys = q[-2], k[-2]
     try:
         value = torch.broadcast_to(value, (*value.shape[:-2], length, keys))
