@@ -195,3 +195,37 @@ def test_the_shipped_table_is_physical_and_costs_cpu_plans() -> None:
     alone = partition(prof, 2, microbatches=4, recompute="none", bandwidth=cpu.bandwidth, boundaries=plan.boundaries)
     assert plan.stage_forward == pytest.approx([f * cpu.compute_scale for f in alone.stage_forward])
     assert plan.step_overhead > 0 and plan.total_step_time == pytest.approx(plan.step_time + plan.step_overhead)
+
+
+_TORCH_1F1B = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+stage = PipelineStage(torch.nn.Linear(2, 2), 0, 4, torch.device("cpu"))
+try:
+    Schedule1F1B(stage, 2)
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages_is_refused_for_torch_only() -> None:
+    """torch's Schedule1F1B refuses M < S when the job starts (checked here on torch itself), so a
+    plan for torch's engine refuses it in one line; DeepSpeed's 1F1B runs it, and --schedule auto
+    skips 1F1B with the reason and plans another."""
+    import subprocess
+    import sys
+
+    from autopipe.errors import PartitionError
+    from autopipe.planner.schedule_choice import plan_schedules
+
+    done = subprocess.run([sys.executable, "-c", _TORCH_1F1B], capture_output=True, text=True, timeout=120)
+    assert "refused: Number of microbatches (2)" in done.stdout, done.stdout + done.stderr
+    prof = Profile.from_costs([1, 2, 2, 2, 2, 1])
+    with pytest.raises(PartitionError, match=r"1f1b on torch's engine needs at least as many micro-batches as stages \(2 < 4\)"):
+        partition(prof, 4, microbatches=2, schedule="1f1b", engine="torch", bandwidth=None)
+    assert partition(prof, 4, microbatches=2, schedule="1f1b", engine="deepspeed", bandwidth=None).schedule == "1f1b"
+    choice = plan_schedules(prof, 4, microbatches=2, engine="torch", bandwidth=None)
+    assert choice.schedule != "1f1b" and choice.plan.schedule == choice.schedule
+    assert any(s == "1f1b" and "at least as many micro-batches" in why for s, why in choice.skipped), choice.skipped

@@ -171,6 +171,11 @@ def partition(
     v = virtual_stages if virtual_stages is not None else (2 if schedule in ("interleaved1f1b", "zbv") else 1)
     m = microbatches if microbatches is not None else 2 * max(stages, 1)
     schedule = check_schedule(schedule, stages, v, m)
+    engine_name = engine.engine if isinstance(engine, EngineCosts) else engine
+    if engine_name == "torch" and schedule == "1f1b" and m < stages:
+        # torch's Schedule1F1B refuses it when the job starts; DeepSpeed's 1F1B and Megatron's run it
+        raise PartitionError(f"1f1b on torch's engine needs at least as many micro-batches as stages ({m} < {stages}): "
+                             f"use --microbatches {stages} or more, or gpipe.")
     if weight_share is None:
         split = profile.split_backward
         weight_share = split[0] if split is not None else 0.5
