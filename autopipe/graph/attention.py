@@ -6,8 +6,9 @@ with fewer key/value heads than query heads, the un-repeated keys and values (``
 Traced, it cannot know there is no padding: ``torch.export`` records the mask it builds from
 ``arange`` and comparisons (a ``[B, 1, L, S]`` boolean tensor) and ``repeat_kv``'s
 ``unsqueeze -> expand -> reshape``, which copies the keys and values to every query head and sums
-their gradients back. On a GPU an explicit mask keeps SDPA off its flash kernel; on this CPU the
-copies, the mask and the sums cost a Llama block about 2% of its step (bench/results/peers.md).
+their gradients back. On a GPU an explicit mask keeps SDPA off its flash kernel; on a CPU the
+copies, the mask and the sums made autopipe's Llama job 4% slower than a bare torch pipeline at
+the same cut (bench/results/overhead.md).
 
 The rewrite is exact: a mask is replaced only when its value, computed here from the constants it
 is made of, equals ``ones(L, S).tril()`` (SDPA's own causal mask) broadcast over every batch row
