@@ -75,10 +75,10 @@ def main() -> None:
                                   f"{_median_step(out):.3f} s  load {out['load'][0]:.1f}", flush=True)  # fmt: skip
                     row: dict = {"model": model, "stages": stages, "engine": engine, "cut": cut, "methods": {}}
                     for method in pair:
-                        steps = [p for out in runs[method] for p in out["ranks"][0]["periods"][WARMUP:]]
+                        low, mid, high = _quartiles([p for out in runs[method] for p in out["ranks"][0]["periods"][WARMUP:]])
                         cpu = [_cpu(out) for out in runs[method]]
                         row["methods"][method] = {
-                            "step": _quartiles(steps)[1], "iqr": [_quartiles(steps)[0], _quartiles(steps)[2]],
+                            "step": mid, "iqr": [low, high],
                             "per_round": [_median_step(out) for out in runs[method]],
                             "cpu_per_rank": [statistics.median(c[r] for c in cpu) for r in range(stages)],
                             "load": [x for out in runs[method] for x in out["load"]],

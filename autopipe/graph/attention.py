@@ -19,6 +19,7 @@ remains (HuggingFace's rule: some SDPA kernels refuse a mask with ``enable_gqa``
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor, fx
 
 from .batch_free import recipe
+from .sequence import retarget_device_
 
 __all__ = ["MAX_MASK_ELEMENTS", "AttentionRewrites", "simplify_attention"]
 
@@ -128,9 +130,7 @@ def _is_causal_mask(mask: fx.Node, call: dict[str, Any], batch_free: set[fx.Node
     q, k, shape = _shape(call["query"]), _shape(call["key"]), _shape(mask)
     if mask not in batch_free or q is None or k is None or shape is None or len(shape) < 2:
         return False
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     if numel > MAX_MASK_ELEMENTS:
         notes.append(f"attention mask {mask.name} ({numel} elements) left as traced: too large to check "
                      "whether it is causal; SDPA runs it as an explicit mask")
@@ -139,8 +139,6 @@ def _is_causal_mask(mask: fx.Node, call: dict[str, Any], batch_free: set[fx.Node
     inputs = [tensors.get(r) for r in reads]
     if any(t is None or t.is_meta or type(t) is not Tensor for t in inputs):
         return False  # made from tensors without values here (a model on meta): left as traced
-    from .sequence import retarget_device_
-
     retarget_device_(graph, "cpu", constants=False)
     try:
         with torch.no_grad():

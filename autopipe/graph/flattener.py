@@ -143,13 +143,16 @@ def _flatten_program(
         else:
             constant_of[node] = leaf
 
+    # What batch-free values are made from (autopipe.graph.batch_free): lifted constants, buffers the
+    # model never writes (one it writes depends on the steps before) and the inputs baked in.
+    written = {spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
+    sources = [n for n, (target, kind, _) in attr_of.items()
+               if kind == "constant" or (kind == "buffer" and target not in written)]
+    sources += list(constant_of)
     # SDPA as the eager model calls it (autopipe.graph.attention): no traced causal mask, no
     # repeated key/value heads. Before cutting: the mask's nodes go with it.
-    mutated = {spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
-    constant_sources = [n for n, (target, kind, _) in attr_of.items()
-                        if kind == "constant" or (kind == "buffer" and target not in mutated)]
-    attention = simplify_attention(gm, batch_free_nodes(gm, [*constant_sources, *constant_of]),
-                                         {n: t for n, (_, _, t) in attr_of.items()}, constant_of)
+    attention = simplify_attention(gm, batch_free_nodes(gm, sources), {n: t for n, (_, _, t) in attr_of.items()},
+                                   constant_of)
 
     params_set = {n for n, (_, kind, _) in attr_of.items() if kind == "parameter"}
     segments = group_blocks(segment(gm, params_set, granularity), blocks_per_layer)
@@ -180,13 +183,10 @@ def _flatten_program(
         return isinstance(val, torch.Tensor) or val is None and node.op == "placeholder"
 
     # Batch-free values a later layer reads are made on each stage that reads them, never sent
-    # (autopipe.graph.batch_free): the mask and rotary tables of a decoder.
-    written = {target for _, target in mutations}  # a buffer the model writes depends on the steps before
-    sources = [n for n, (target, kind, _) in attr_of.items()
-               if kind == "constant" or (kind == "buffer" and target not in written)]
+    # (autopipe.graph.batch_free): the rotary tables of a decoder, a mask that is not SDPA's causal one.
     read = [[n for n in seg.nodes if n.target not in _TRACE_ONLY] for seg in segments]
     outputs = [v for v in user_out if isinstance(v, fx.Node)]
-    free, folded = crossing_values(gm, [*sources, *constant_of], read, layer_of, outputs, is_tensor_value)
+    free, folded = crossing_values(gm, sources, read, layer_of, outputs, is_tensor_value)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     holders: dict[fx.Node, tuple[str, BatchFreeValue, list[fx.Node]]] = {}
     for v in sorted(folded, key=order.__getitem__):
