@@ -341,3 +341,63 @@ def test_zero_bubble_split_is_timed_as_torch_runs_it_and_zbv_plans_use_it() -> N
     # a profile without the split (estimated, given, older) keeps the 0.5 guess
     assert Profile.from_costs([1, 2, 3, 4]).split_backward is None
     assert autopipe.partition(Profile.from_costs([1, 2, 3, 4]), 2, schedule="zbv", bandwidth=None).weight_share == 0.5
+
+
+class _CountCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts casts of a weight-shaped tensor to bfloat16 (what autocast does to a Linear's weight)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.casts = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape \
+                and kwargs.get("dtype") == torch.bfloat16:  # fmt: skip
+            self.casts += 1
+        return func(*args, **kwargs)
+
+
+def test_each_timed_run_casts_the_weights_again_under_autocast() -> None:
+    """A job enters autocast afresh per micro-batch, so each forward casts its weights again; the
+    profiler's timed runs share one autocast context, whose cache would time the cast only once
+    (a bf16 GPT-2 job's forwards read 1.22-1.40x the profile that way). Every timed run, and every
+    whole-model run, casts anew."""
+    from autopipe.costs import measure
+    from autopipe.costs.in_model import time_in_model
+
+    layer = nn.Linear(48, 40)
+    x = torch.randn(2, 48, requires_grad=True)
+    cpu = torch.device("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16), _CountCasts((40, 48)) as count:
+        measure.time_layer(layer, x, device=cpu, warmup=1, repeats=3, target_spread=None)
+    assert count.casts == 4
+    with torch.autocast("cpu", dtype=torch.bfloat16), _CountCasts((40, 48)) as count:
+        measure.recompute_extras(layer, x, ["full"], device=cpu, warmup=0, repeats=2)
+    # each round: a plain run (1 cast) and a full-recompute run (its forward, and again in its backward)
+    assert count.casts == 2 * 3
+    with torch.autocast("cpu", dtype=torch.bfloat16), _CountCasts((40, 48)) as count:
+        time_in_model([layer, nn.Linear(40, 40)], x, device=cpu, warmup=0, repeats=3)
+    assert count.casts >= 3  # one per whole-model run (a noisy machine adds runs)
+
+
+def test_recompute_extra_is_the_median_of_paired_differences(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recomputation's extra backward is timed beside a plain backward in each round: a slow spell
+    that falls on one round's recompute run moves nothing, where the difference of two separate
+    medians (15 vs 35 here) would read it as 20 of extra."""
+    from autopipe.costs import measure
+
+    plain = iter([10.0, 30.0, 30.0, 10.0, 10.0])
+    full = iter([15.0, 35.0, 35.0, 15.0, 35.0])
+    calls = iter(range(10**6))
+
+    def fake_clock(self, fn):  # noqa: ANN001, ANN202
+        k = next(calls)  # per round: plain forward, plain backward, full forward, full backward
+        value = 1.0 if k % 2 == 0 else (next(plain) if k % 4 == 1 else next(full))
+        return value, fn()
+
+    monkeypatch.setattr(measure._Clock, "__call__", fake_clock)
+    layer = nn.Linear(4, 4)
+    extra = measure.recompute_extras(layer, torch.randn(2, 4, requires_grad=True), ["full"],
+                                     device=torch.device("cpu"), warmup=0, repeats=5)  # fmt: skip
+    assert extra == {"full": 5.0}

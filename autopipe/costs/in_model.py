@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from ..graph.recompute import run_layer
 from ..graph.sequence import as_tuple
 from .layer_costs import LayerCost
-from .measure import MAX_REPEAT_FACTOR, TARGET_SPREAD, Value, grad_outputs, median_iqr
+from .measure import MAX_REPEAT_FACTOR, TARGET_SPREAD, Value, fresh_casts, grad_outputs, median_iqr
 
 __all__ = ["InModelTiming", "charge_in_model", "time_in_model"]
 
@@ -111,6 +111,7 @@ def time_in_model(layers: Sequence[nn.Module], x: Value, *, device: torch.device
         if run >= warmup + repeats and _settled(totals):
             break
         marks = _Marks(device)
+        fresh_casts()  # one micro-batch's forward: its weights cast afresh, as in a job
         marks.sync()
         ends = [marks.mark()]
         boundary: list[list[Tensor]] = []  # per layer, the fresh tensors it was given

@@ -51,6 +51,7 @@ from .measure import (
     as_tuple,
     is_device_error,
     median_seconds,
+    recompute_extras,
     saved_pass,
     storage_key,
     tensor_bytes,
@@ -348,13 +349,8 @@ def _cost_layer(work: nn.Module, x: Value, run: _Run) -> dict[str, Any]:
         return dict(forward_time=est.forward_time, backward_time=est.backward_time, flops=est.forward_flops,
                     recompute_time=est.recompute_time, hold_change={m: d for m, d in hold.items() if d is not None})
     t = time_layer(work, x, device=device, warmup=warmup, repeats=repeats)
-    # what recomputation adds to the backward: its median under the mode minus the plain median;
-    # noise can make it negative on a cheap layer, where it is nothing
-    extra = {
-        mode: max(0.0, time_layer(work, x, device=device, warmup=warmup, repeats=repeats, mode=mode).backward
-                  - t.backward)
-        for mode in RECOMPUTE_MODES[1:]
-    }
+    # what recomputation adds to the backward, timed beside a plain backward (measure.recompute_extras)
+    extra = recompute_extras(work, x, RECOMPUTE_MODES[1:], device=device, warmup=warmup, repeats=repeats)
     split = time_split(work, x, device=device, warmup=warmup, repeats=repeats) or (0.0, 0.0)
     # what a unit waiting for its weight pass holds beyond its forward's bytes, per mode (zbv's memory)
     hold = {mode: weight_hold_change(work, x, mode=mode) for mode in RECOMPUTE_MODES}
