@@ -9,7 +9,8 @@ only work the figures may contain. Three probes, each on one thread per process 
 
 1. P2P on gloo: two processes ping-pong tensors of 4 KiB .. 4 MiB; one way = half the round trip,
    fitted as latency + bytes / bandwidth.
-2. The optimizer: a foreach AdamW step over 4 M parameters in 40 tensors; seconds per parameter.
+2. The step's per-parameter work after the schedule: gradient norm, clip and AdamW as a job runs them,
+   over 4 M parameters shaped like a transformer's; seconds per parameter.
 3. Each engine (torch, deepspeed): 2-stage jobs (1F1B, fp32) of a small GPT-2 (4 blocks, n_embd 192,
    vocab 2048, 4x128 tokens per micro-batch) at 2, 4 and 8 micro-batches, at one cut, ROUNDS rounds
    interleaved, STEPS steps each (the first WARMUP left out). Each step record of the job's step log
@@ -110,21 +111,44 @@ def probe_p2p(repeats: int = 3) -> tuple[float, float, list]:
 
 
 # ---- probe 2: the optimizer -----------------------------------------------------------------------
-def probe_optimizer(params: int = 4_000_000, tensors: int = 40) -> float:
+def probe_optimizer(params: int = 4_000_000, width: int = 256) -> float:
+    """CPU seconds per parameter of a step's work after the schedule that grows with the parameters:
+    the whole-gradient norm, the clip and the AdamW step, each as the job runs it (autopipe's
+    ``global_grad_norm`` sum, ``clip_grads_``, AdamW with ``optimizer_options``' settings), over a
+    transformer's mix of tensors (width x 4 width matrices and width-long vectors).
+
+    Why all three and the job's settings: the earlier probe timed torch's default AdamW alone over 40
+    equal tensors (2.99 ns per parameter); a job's AdamW (foreach, weight decay) on a GPT-2's or a
+    Llama's own parameters took 3.25 and 3.86 ns, and the norm and clip another 0.83 and 1.30 ns,
+    which no term of the plan charged (a fixed per_step fitted on a small model took a little)."""
     import torch
 
+    from autopipe.runtime.grads import _sum_of_squares, clip_grads_
+    from autopipe.runtime.optim import TrainConfig, optimizer_options
+
     torch.set_num_threads(1)
-    ps = [torch.nn.Parameter(torch.randn(params // tensors)) for _ in range(tensors)]
+    shapes: list[tuple[int, ...]] = []
+    while sum(torch.Size(s).numel() for s in shapes) < params:
+        shapes += [(width, 4 * width), (4 * width,), (4 * width, width), (width,), (width,), (width,)]
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    total = sum(p.numel() for p in ps)
     for p in ps:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(ps, lr=1e-4)
+    matrices = [p for p in ps if p.dim() > 1]
+    vectors = [p for p in ps if p.dim() <= 1]
+    groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, **optimizer_options(TrainConfig(steps=1, microbatches=1)))
     times = []
     for i in range(12):
+        for p in ps:
+            p.grad.mul_(0.5)  # written just before, as by the backward (untimed)
         t0 = time.thread_time()  # CPU seconds: what the step costs, not what the shared machine lets it have
+        norm = _sum_of_squares([p.grad for p in ps], torch.device("cpu")).sqrt()
+        clip_grads_(ps, norm, 1.0)
         opt.step()
         if i >= 2:
             times.append(time.thread_time() - t0)
-    return statistics.median(times) / params
+    return statistics.median(times) / total
 
 
 # ---- probe 3: the engines -------------------------------------------------------------------------
@@ -252,7 +276,7 @@ def main() -> None:
     latency, bandwidth, p2p_rows = probe_p2p()
     print(f"p2p: latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s", flush=True)
     rate = probe_optimizer()
-    print(f"AdamW: {rate * 1e9:.2f} ns/parameter (CPU time)", flush=True)
+    print(f"norm + clip + AdamW: {rate * 1e9:.2f} ns/parameter (CPU time)", flush=True)
     engines = opts.engines.split(",")
     if "deepspeed" in engines and "torch" not in engines:
         engines = ["torch", *engines]  # DeepSpeed's fit takes torch's compute_scale
@@ -309,7 +333,7 @@ def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows:
              f"(the fit's worst whole step {worst:.1%} off).", "",
              f"P2P on gloo (one thread per process): latency {latency * 1e6:.0f} µs, bandwidth {bandwidth / 1e9:.2f} GB/s "
              f"(one-way, the least of 3 probes per size, fitted over {', '.join(str(s >> 10) + ' KiB' for s, _ in p2p_rows)}). "
-             f"AdamW (foreach, fp32): {rate * 1e9:.2f} ns of CPU per parameter.", "",
+             f"Gradient norm + clip + AdamW (foreach, fp32, as a job runs them): {rate * 1e9:.2f} ns of CPU per parameter.", "",
              "Small GPT-2 (4 blocks, n_embd 192, vocab 2048, 4×128 tokens per micro-batch), 2 stages 1F1B fp32, "
              f"cut {list(boundaries)}, {ROUNDS} rounds of {STEPS} steps (medians after {WARMUP}): measured against the "
              "plan with the fitted figures.", "",

@@ -35,6 +35,7 @@ __all__ = [
     "run_fresh",
     "time_split",
     "grad_outputs",
+    "grads_put_back",
     "median_iqr",
     "weight_hold_change",
     "LiveBytes",
@@ -109,7 +110,7 @@ def _unviewed(outs: list[Tensor]) -> list[Tensor]:
 
 
 @contextlib.contextmanager
-def _grads_put_back(tensors: list[Tensor]) -> Iterator[None]:
+def grads_put_back(tensors: list[Tensor]) -> Iterator[None]:
     """``.grad`` of ``tensors`` as it was before, whatever the block sets or raises."""
     before = [t.grad for t in tensors]
     try:
@@ -306,7 +307,7 @@ def time_split(layer: nn.Module, x: Value, *, device: torch.device, warmup: int,
     b_times: list[float] = []
     w_times: list[float] = []
     grads: list[Tensor] | None = None
-    with _grads_put_back(params + inputs), _unless_unsplittable():
+    with grads_put_back(params + inputs), _unless_unsplittable():
         for p in params:
             p.grad = None  # W adds into an existing .grad in place: keep the caller's out of reach
         for i in range(warmup + repeats):
@@ -351,7 +352,7 @@ def weight_hold_change(layer: nn.Module, x: Value, *, mode: str = "none") -> int
     if not inputs:
         return None
     live = LiveBytes()
-    with _grads_put_back(params + inputs), _unless_unsplittable(), live:
+    with grads_put_back(params + inputs), _unless_unsplittable(), live:
         out = run_fresh(layer, x, mode)
         outs, grads = grad_outputs(out)
         if not outs:
@@ -476,7 +477,7 @@ def _accumulating_backward_peak(layer: nn.Module, outs: list[Tensor], grads: lis
     ``.grad`` of every target is put back as it was."""
     own = {id(p) for p in layer.parameters()}
     params = [t for t in targets if id(t) in own]
-    with _grads_put_back(targets):
+    with grads_put_back(targets):
         for t in targets:
             t.grad = torch.zeros_like(t) if id(t) in own else None
         held = sum(tensor_bytes(p.grad) for p in params)
