@@ -6,9 +6,10 @@ PipelineStage + schedule, or DeepSpeed's PipelineEngine), which adds its own wor
 - ``per_op``: seconds per forward (F) and per backward (B) of a chunk, beyond its layers: the engine's
   bookkeeping per micro-batch (its action loop, shape checks, autograd entry, loss, buffers);
 - ``send_latency`` and ``bandwidth``: one P2P send or receive at a cut, latency + bytes / bandwidth;
-- ``per_step``: seconds per step outside the schedule beyond the optimizer's own arithmetic
-  (gradient norm, the step's host read, zero_grad, the engine's step bookkeeping);
-- ``optimizer_rate``: seconds per parameter of the optimizer step (AdamW, fp32 state);
+- ``per_step``: seconds per step outside the schedule beyond ``optimizer_rate``'s work (the
+  collectives' latency, the step's host read, zero_grad, the engine's step bookkeeping);
+- ``optimizer_rate``: seconds per parameter of the step's work after the schedule that grows with the
+  parameters: the whole-gradient norm, the clip and the AdamW step (fp32 state), as a job runs them;
 - ``compute_scale``: how much longer the layers take inside a running job than the profiler timed
   them alone (each rank's forward seconds in the job's step log over the plan's): on a CPU the
   job's ranks share the memory bus and caches, and a stage's micro-batches interleave their forwards
@@ -55,7 +56,7 @@ class EngineCosts:
     send_latency: float  # seconds per P2P send or receive, beyond bytes / bandwidth
     bandwidth: float | None  # P2P bytes/s between two ranks; None: not measured
     per_step: float  # seconds per step outside the schedule, beyond the optimizer's arithmetic
-    optimizer_rate: float  # seconds per parameter of an AdamW step
+    optimizer_rate: float  # seconds per parameter of the norm, the clip and the AdamW step
     source: str  # how and when it was measured (the bench, the machine, the load)
     compute_scale: float = 1.0  # a layer's seconds in a job over its profiled seconds (tables before it: 1)
 
