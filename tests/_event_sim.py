@@ -44,10 +44,11 @@ def simulate_events(
     schedule = check_schedule(schedule, ranks, virtual, microbatches)
     check_weight_share(weight_share)
     zb = schedule == "zbv"
+    share = [1.0 if c == 0 else weight_share for c in range(k)]  # torch never splits the first stage
     dur = {
         "F": [forward[c] + comm[c] for c in range(k)],
-        "B": [backward[c] * (1 - weight_share if zb else 1.0) + comm[c] for c in range(k)],
-        "W": [backward[c] * weight_share for c in range(k)],
+        "B": [backward[c] * (1 - share[c] if zb else 1.0) + comm[c] for c in range(k)],
+        "W": [backward[c] * share[c] for c in range(k)],
     }
     chooser = _Fixed(fixed_orders(schedule, ranks, virtual, microbatches))
     end: dict[tuple[str, int, int], float] = {}

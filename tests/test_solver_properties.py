@@ -292,6 +292,39 @@ def test_step_is_the_least_of_every_cut_and_mode_under_memory(case) -> None:
     _check_step(case)
 
 
+
+@STEP_SETTINGS
+@given(st.data())
+def test_zbv_with_a_timed_split_is_the_least_of_every_cut(data) -> None:
+    """zbv with the split's cost timed per layer: chunk 0 (torch's first stage, never split) costs its
+    whole backward, every other chunk its backward times each layer's (B + W) / whole, at least 1.
+    The solver's bounds read chunk 0's figures for every chunk: still the least step of every cut."""
+    n = data.draw(st.integers(2, 7))
+    stages = data.draw(st.integers(1, n // 2))
+    m = data.draw(st.integers(1, 5))
+    t = st.integers(1, 6)
+    layers = tuple(
+        LayerCost(index=i, name=f"l{i}", forward_time=float(data.draw(st.integers(0, 6))),
+                  backward_time=float(data.draw(t)), backward_input_time=float(data.draw(t)),
+                  backward_weight_time=float(data.draw(t)))  # fmt: skip
+        for i in range(n)
+    )
+    prof = _Profile(layers=layers, optimizer="sgd")
+    plan = partition(prof, stages, schedule="zbv", microbatches=m, bandwidth=None)
+    share = prof.split_backward[0]
+    ratio = [max(1.0, (l.backward_input_time + l.backward_weight_time) / l.backward_time) for l in layers]
+    best = None
+    for inner in itertools.combinations(range(1, n), 2 * stages - 1):
+        bounds = (0, *inner, n)
+        fwd = [sum(l.forward_time for l in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+        bwd = [sum(l.backward_time * (1.0 if a == 0 else r) for l, r in zip(layers[a:b], ratio[a:b]))
+               for a, b in zip(bounds, bounds[1:])]  # fmt: skip
+        step = simulate_events("zbv", forward=fwd, backward=bwd, comm=[0.0] * len(fwd), ranks=stages,
+                               microbatches=m, weight_share=share).step_time  # fmt: skip
+        best = step if best is None else min(best, step)
+    assert plan.step_time == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert plan.step_lower_bound <= plan.step_time * (1 + 1e-9)
+
 @st.composite
 def chunk_problems(draw):
     schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved1f1b", "zbv"]))

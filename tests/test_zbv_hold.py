@@ -248,3 +248,26 @@ def test_an_estimated_profile_counts_the_hold_as_a_measured_one_does() -> None:
         assert set(got) == {"none", "full"} and set(want) == {"none", "selective", "full"}
         for mode in got:
             assert got[mode] == pytest.approx(want[mode], rel=0.05), (mode, got, want)
+
+
+def test_zbv_charges_the_first_stage_its_whole_backward_in_its_weight_pass() -> None:
+    """torch's ZBVZeroBubble skips the first stage's input pass and runs its whole backward as the
+    weight pass (measured in a GPT-2 zbv job: chunk 0's B 0.02 ms, its W the whole backward). The
+    plan charges chunk 0 its unsplit backward, all in W, and the other chunks the split's cost."""
+    from dataclasses import replace
+
+    from autopipe.costs.layer_costs import Profile
+    from autopipe.planner import partition
+    from autopipe.planner.schedules import simulate
+
+    prof = Profile.from_costs([0.3] * 4)
+    # every layer's B + W timed at 1.25x its whole backward of 0.2 s
+    prof = replace(prof, layers=[replace(l, backward_input_time=0.15, backward_weight_time=0.1) for l in prof.layers])
+    plan = partition(prof, 2, schedule="zbv", bandwidth=None, boundaries=(0, 1, 2, 3, 4))
+    assert plan.stage_backward == pytest.approx((0.2, 0.25, 0.25, 0.25))
+    sim = simulate("zbv", forward=plan.stage_forward, backward=plan.stage_backward, comm=[0.0] * 4, ranks=2,
+                   microbatches=4, weight_share=plan.weight_share)  # fmt: skip
+    took = {(kind, c): e - s for tl in sim.timeline for s, e, kind, _, c in tl}
+    assert took[("B", 0)] == 0.0 and took[("W", 0)] == pytest.approx(0.2)
+    assert took[("W", 1)] == pytest.approx(0.25 * 0.4) and took[("B", 1)] == pytest.approx(0.25 * 0.6)
+    assert sim.step_time == pytest.approx(plan.step_time)

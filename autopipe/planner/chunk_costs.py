@@ -78,6 +78,9 @@ class ChunkCosts:
             the backward, when the activations are gone (default none).
         per_op: the engine's seconds per forward and per backward of every chunk, beyond its layers
             and cuts (autopipe.costs.engines); counted in ``comm`` (default none).
+        first_backward: seconds per layer of the backward in the first chunk, where it differs from
+            ``backward`` and is never more (torch's zbv runs the first stage's backward whole, the
+            others split in two passes that take longer together); default ``backward``.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class ChunkCosts:
         cut_bytes: Sequence[int] | None = None,
         step: Sequence[int] | None = None,
         per_op: float = 0.0,
+        first_backward: Sequence[float] | None = None,
     ) -> None:
         n = len(forward)
         self.n = n
@@ -105,9 +109,17 @@ class ChunkCosts:
         if ow.shape != (max(n - 1, 0),):
             raise ValueError(f"one_way needs {max(n - 1, 0)} values (one per cut), got {ow.shape[0]}")
         fw, bw = np.asarray(forward, dtype=np.float64), np.asarray(backward, dtype=np.float64)
+        first = bw if first_backward is None else np.asarray(first_backward, dtype=np.float64)
+        if first.shape != bw.shape or np.any(first > bw):
+            raise ValueError("first_backward needs one value per layer, none above backward's")
         self.pf = _prefix(fw)
-        self.pb = _prefix(bw)
-        self.pt = _prefix(fw + bw)  # its own prefix, so whole-number layer times give whole chunk times
+        # pb / pt: the first chunk's figures, never above any other chunk's, so every bound the solver
+        # builds on them stays a lower bound; pb_rest / pt_rest: a chunk starting after layer 0
+        self.first_differs = first_backward is not None
+        self.pb = _prefix(first)
+        self.pt = _prefix(fw + first)  # its own prefix, so whole-number layer times give whole chunk times
+        self.pb_rest = _prefix(bw) if self.first_differs else self.pb
+        self.pt_rest = _prefix(fw + bw) if self.first_differs else self.pt
         self.comm_in = np.concatenate([[0.0], ow, [0.0]])[: n + 1]  # the cut before layer a (none for a = 0)
         self.comm_out = np.concatenate([[0.0], ow, [0.0]])[: n + 1]
         self.comm_out[n] = 0.0  # the last chunk sends nothing on
@@ -155,7 +167,8 @@ class ChunkCosts:
         self.buf_in[0] = 0
 
         # Every per-layer second >= 0: prefix sums (and their non-negative combinations) never decrease.
-        self.nonnegative = bool(fw.min(initial=0.0) >= 0 and bw.min(initial=0.0) >= 0 and all(np.all(np.diff(x) >= 0) for x in extra))
+        self.nonnegative = bool(fw.min(initial=0.0) >= 0 and first.min(initial=0.0) >= 0
+                                and all(np.all(np.diff(x) >= 0) for x in extra))  # fmt: skip
         self._windows: dict[tuple[int, int, int], np.ndarray] = {}
         self._window_limit: int | None = None
         self.positions = np.arange(n + 1)  # this object's boundary j is layer positions[j] of the model
@@ -184,6 +197,7 @@ class ChunkCosts:
         out.n = int(p.size - 1)
         out.positions = self.positions[p]
         out.pf, out.pb, out.pt = self.pf[p], self.pb[p], self.pt[p]
+        out.pb_rest, out.pt_rest = self.pb_rest[p], self.pt_rest[p]
         out.comm_in, out.comm_out = self.comm_in[p], self.comm_out[p]
         out.static_prefix, out.step_prefix = self.static_prefix[p], self.step_prefix[p]
         out.act = np.diff(_prefix(self.act)[p])
@@ -208,7 +222,13 @@ class ChunkCosts:
 
     def backward(self, a, b, mode=0):
         """Backward compute seconds of [a, b) under mode index ``mode`` (recompute included)."""
-        return self.pb[b] - self.pb[a] + self.extra_of(a, b, mode)
+        return self._span(self.pb, self.pb_rest, a, b) + self.extra_of(a, b, mode)
+
+    def _span(self, first, rest, a, b):
+        """rest[b] - rest[a], or first[b] for a chunk that starts at layer 0."""
+        if not self.first_differs:
+            return rest[b] - rest[a]
+        return np.where(np.asarray(a) == 0, first[b], rest[b] - rest[a])
 
     def extra_of(self, a, b, mode):
         if np.isscalar(mode):
@@ -218,7 +238,7 @@ class ChunkCosts:
 
     def time(self, a, b, mode=0):
         """Seconds per micro-batch: forward + backward + the cuts' send/recv both ways."""
-        return self.pt[b] - self.pt[a] + self.extra_of(a, b, mode) + 2 * self.comm(a, b)
+        return self._span(self.pt, self.pt_rest, a, b) + self.extra_of(a, b, mode) + 2 * self.comm(a, b)
 
     # ---- memory ---------------------------------------------------------------------------------
     def memory(self, a, b, inflight, mode=0, waiting=0):

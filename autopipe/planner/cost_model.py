@@ -85,6 +85,8 @@ class CostModel:
                  for name, extra in recompute_times(profile).items()}  # fmt: skip
         backward = [l.backward_time for l in layers]
         split = profile.split_backward if schedule == "zbv" else None
+        # torch's zbv never splits the first stage (its B skips it, its W runs the whole backward)
+        first = [scale * (l.backward_time + l.backward_gap) for l in layers] if split is not None else None
         if split is not None:
             # zbv runs each backward as two passes, which take longer together than the whole one: by
             # the ratio timed per layer (a layer without a timed split at the timed layers' ratio),
@@ -115,6 +117,7 @@ class CostModel:
             cut_bytes=list(lm.outputs[:-1]),
             step=list(lm.step),
             per_op=engine.per_op if engine is not None else 0.0,
+            first_backward=[min(f, b) for f, b in zip(first, backward)] if first is not None else None,
         )
         self.reserve = profile.reserve_bytes
         self.params = [l.params or l.param_bytes for l in layers]

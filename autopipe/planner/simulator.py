@@ -86,15 +86,18 @@ def compile_orders(orders: list[list[tuple[str, int, int]]], k: int) -> Program:
     )
 
 
-def durations(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray, *, split: float | None = None
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:  # fmt: skip
+def durations(forward: np.ndarray, backward: np.ndarray, comm: np.ndarray, *,
+              split: float | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:  # fmt: skip
     """F, B and W seconds per chunk (arrays of (chunks,) or (chunks, rows)): send/recv is charged to F
-    and B; with ``split`` (zero-bubble's weight share) B keeps (1 - split) of the backward and W, which
-    sends nothing, the rest; else there is no W. One function for simulate and step_times, so their
-    floats agree."""
+    and B; with ``split`` (zero-bubble's weight share, one for all chunks or one per chunk) B keeps
+    (1 - split) of the backward and W, which sends nothing, the rest; else there is no W. One function
+    for simulate and step_times, so their floats agree."""
     if split is None:
         return forward + comm, backward + comm, None
-    return forward + comm, backward * (1 - split) + comm, backward * split
+    share = np.asarray(split, dtype=np.float64)
+    if share.ndim == 1 and backward.ndim == 2:
+        share = share[:, None]
+    return forward + comm, backward * (1 - share) + comm, backward * share
 
 
 def run_fixed(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray | None = None, *,

@@ -278,7 +278,7 @@ class _StepSearch:
     def _ceiling(self) -> float:
         """A v every cut that fits passes: M times all the seconds of every op, every cut sent both ways."""
         c = self.c
-        most = c.pf[-1] + c.pb[-1] + max(float(x[-1]) for x in c.extra) + 4 * float(c.comm_out.sum())
+        most = c.pf[-1] + c.pb_rest[-1] + max(float(x[-1]) for x in c.extra) + 4 * float(c.comm_out.sum())
         return self.m * self.virtual * most * 2 + 1.0
 
     def _window(self, md: int, s: int) -> np.ndarray:
