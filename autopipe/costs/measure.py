@@ -277,7 +277,6 @@ class _Runner:
             grads = self.grads
             fresh_casts()  # the job's backward runs after the forward's autocast has closed: a recomputation casts again
             tb, _ = self.clock(lambda: torch.autograd.grad(outs, self.targets, grads, allow_unused=True))
-        out = outs = None  # free this run's graph before the next forward
         return tf, tb
 
 

@@ -83,22 +83,24 @@ class CostModel:
         scale = engine.compute_scale if engine is not None else 1.0
         modes = {name: ([scale * passes * x for x in extra], list(lm.activations[name]))
                  for name, extra in recompute_times(profile).items()}  # fmt: skip
-        backward = [l.backward_time for l in layers]
+        # each layer's backward inside the whole model: its time alone plus its share of what the
+        # whole model took beyond its layers timed alone (profiler)
+        whole = [scale * (l.backward_time + l.backward_gap) for l in layers]
+        backward, first = whole, None
         split = profile.split_backward if schedule == "zbv" else None
-        # torch's zbv never splits the first stage (its B skips it, its W runs the whole backward)
-        first = [scale * (l.backward_time + l.backward_gap) for l in layers] if split is not None else None
         if split is not None:
             # zbv runs each backward as two passes, which take longer together than the whole one: by
             # the ratio timed per layer (a layer without a timed split at the timed layers' ratio),
-            # never under 1. The ratio scales the layer's backward inside the model (its time alone
-            # plus its gap, which the line below adds), not a difference of alone timings: on a busy
-            # machine those ran 3-4x the in-model figures and B + W came out from half to twice the
-            # whole, so a difference carried the load into the plan (and once a negative time).
+            # never under 1. The ratio scales the layer's backward inside the model, not a difference
+            # of alone timings: on a busy machine those ran 3-4x the in-model figures and B + W came
+            # out from half to twice the whole, so a difference carried the load into the plan (and
+            # once a negative time).
             ratio = [max(1.0, (l.backward_input_time + l.backward_weight_time) / l.backward_time if l.split_timed
                          else split[1]) for l in layers]  # fmt: skip
-            backward = [(l.backward_time + l.backward_gap) * r - l.backward_gap for l, r in zip(layers, ratio)]
-        # each layer's share of what the whole model took beyond its layers timed alone (profiler)
-        backward = [scale * (b + l.backward_gap) for b, l in zip(backward, layers)]
+            backward = [w * r for w, r in zip(whole, ratio)]
+            # torch's zbv never splits the first stage (its B skips it, its W runs the whole backward);
+            # a negative in-model span, scaled by the ratio, would come out under it
+            first = [min(w, b) for w, b in zip(whole, backward)]
         self.costs = ChunkCosts(
             [scale * (l.forward_time + l.forward_gap) for l in layers],
             backward,
@@ -117,7 +119,7 @@ class CostModel:
             cut_bytes=list(lm.outputs[:-1]),
             step=list(lm.step),
             per_op=engine.per_op if engine is not None else 0.0,
-            first_backward=[min(f, b) for f, b in zip(first, backward)] if first is not None else None,
+            first_backward=first,
         )
         self.reserve = profile.reserve_bytes
         self.params = [l.params or l.param_bytes for l in layers]
