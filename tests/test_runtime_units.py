@@ -43,6 +43,16 @@ def test_layout_owners_loop_and_v() -> None:
     assert loop.ranks_holding([0, 7]) == [0, 3]
 
 
+def test_layout_one_process_holds_every_chunk_of_a_v_plan() -> None:
+    """`python train.py` runs a 2-rank zbv plan in one process: every chunk, and so both ends of
+    GPT-2's tied embedding, is rank 0's (the V's way back once numbered it -1 and -2, and the tied
+    group over ranks [0, -2] failed in new_group before the first step)."""
+    one = ChunkLayout.make([0, 3, 7, 13, 15], pp_size=1, schedule="zbv")
+    assert [one.owner(c) for c in range(4)] == [0, 0, 0, 0]
+    assert one.chunks_of(0) == [0, 1, 2, 3]
+    assert one.ranks_holding([0, 14]) == [0]
+
+
 def test_layout_refuses_mismatched_plans() -> None:
     """Wrong chunk counts for a schedule fail with the fix in the message."""
     with pytest.raises(PartitionError, match="Interleaved1F1B"):

@@ -141,6 +141,8 @@ class ChunkLayout:
     def owner(self, chunk: int) -> int:
         """The pipeline rank that runs ``chunk``."""
         s = self.pp_size
+        if s == 1:  # one process runs every chunk (plain `python train.py`), V-shaped ones too
+            return 0
         if self.schedule in _V_SHAPED:
             return chunk if chunk < s else 2 * s - 1 - chunk
         return chunk % s
