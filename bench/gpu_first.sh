@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The first checks on a lent GPU (bench/results/gpu.md says what each decides), as one prepared run
+# that fits a short lease: each step has its own limit, and the whole stops starting steps once
+# BUDGET seconds have passed, so the logs and artifacts always come back.
+#
+#   OUT=/tmp/gpu BUDGET=300 bash bench/gpu_first.sh            # on the GPU machine, in the repo root
+#   PART=2 ...                                                 # the second batch (fp32, expandable segments)
+#
+# It runs under the machine's own python3 (its torch and transformers, not this repo's pins) with
+# this checkout on PYTHONPATH; nothing is installed. Writes $OUT/run.log and $OUT/art.tar.gz.
+set -u
+OUT=${OUT:?set OUT}
+BUDGET=${BUDGET:-300}
+PART=${PART:-1}
+PY=${PY:-python3}
+SEQ=${SEQ:-1024}
+BATCH=${BATCH:-8}
+DEV=${DEV:-cuda}  # cpu: try the script here first
+START=$(date +%s)
+ART=$OUT/art
+mkdir -p "$ART"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+exec > >(tee "$OUT/run.log") 2>&1
+
+step() {  # step NAME LIMIT CMD...: runs CMD under min(LIMIT, what is left), says rc and seconds
+    local name=$1 limit=$2
+    shift 2
+    local left=$((START + BUDGET - $(date +%s)))
+    if ((left < 25)); then
+        echo "=== $name: skipped, ${left}s left of ${BUDGET}s"
+        return 0
+    fi
+    ((limit > left)) && limit=$left
+    echo "=== $name (limit ${limit}s) at $(($(date +%s) - START))s: $*"
+    local t0
+    t0=$(date +%s.%N)
+    timeout -k 5 "$limit" "$@"
+    local rc=$?
+    echo "=== $name rc=$rc in $($PY -c "print(round($(date +%s.%N) - $t0, 1))")s"
+}
+
+
+step env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
+  $PY -m pip list 2>/dev/null | grep -iE '^(torch|transformers|deepspeed|nvidia-ml-py|typer|rich) '; $PY -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")'; nproc; uptime"
+
+if [[ $PART == 1 ]]; then
+    # 1 rank on cuda:0: plan vs run (step, allocated, reserved, outside the allocator) and the memory model
+    step doctor 110 $PY -m autopipe doctor --device "$DEV" --ranks 1 --out "$ART/doctor-1gpu.md" --force
+    # bf16 GPT-2 (124M) at a GPU's size: profile with CUDA events, plan 2 stages, job folder
+    step convert-bf16 120 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --dtype bf16 --seq-len "$SEQ" \
+        --batch-size "$BATCH" --out jobs/gpt2-cuda --force
+    cp jobs/gpt2-cuda/{plan.json,profile.json,report.html} "$ART/" 2>/dev/null
+    # every stage in one process: the loss and gradients against the untouched model, step vs plan
+    step train-bf16 90 $PY jobs/gpt2-cuda/train.py --steps 20 --verify --log-json "$ART/log-bf16.json"
+    # no tensor off the device, no host sync inside the step (slow: a few steps)
+    step check-bf16 60 $PY jobs/gpt2-cuda/train.py --steps 3 --check
+else
+    step convert-fp32 100 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --seq-len "$SEQ" --batch-size "$BATCH" \
+        --out jobs/gpt2-cuda32 --force
+    for f in plan.json profile.json; do cp "jobs/gpt2-cuda32/$f" "$ART/fp32-$f" 2>/dev/null; done
+    step train-fp32 70 $PY jobs/gpt2-cuda32/train.py --steps 15 --verify --log-json "$ART/log-fp32.json"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step doctor-expandable 90 \
+        $PY -m autopipe doctor --device "$DEV" --ranks 1 --out "$ART/doctor-expandable.md" --force
+fi
+cp autopipe-error-*.log "$ART/" 2>/dev/null
+tar -czf "$OUT/art.tar.gz" -C "$OUT" art && rm -rf "$ART"
+echo "=== done at $(($(date +%s) - START))s"
