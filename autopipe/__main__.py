@@ -3,4 +3,5 @@ activated, a read-only image whose bin folder is elsewhere)."""
 
 from .cli import app
 
-app(prog_name="autopipe")
+if __name__ == "__main__":  # importing it (doctest collection) runs nothing
+    app(prog_name="autopipe")

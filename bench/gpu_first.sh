@@ -4,7 +4,7 @@
 # BUDGET seconds have passed, so the logs and artifacts always come back.
 #
 #   OUT=/tmp/gpu BUDGET=300 bash bench/gpu_first.sh            # on the GPU machine, in the repo root
-#   PART=2 ...                                                 # the second batch (fp32, expandable segments)
+#   PART=2 ... / PART=all                                      # the second batch (fp32, expandable segments) / both
 #
 # It runs under the machine's own python3 (its torch and transformers, not this repo's pins) with
 # this checkout on PYTHONPATH; nothing is installed. Writes $OUT/run.log and $OUT/art.tar.gz.
@@ -43,7 +43,7 @@ step() {  # step NAME LIMIT CMD...: runs CMD under min(LIMIT, what is left), say
 step env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
   $PY -m pip list 2>/dev/null | grep -iE '^(torch|transformers|deepspeed|nvidia-ml-py|typer|rich) '; $PY -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")'; nproc; uptime"
 
-if [[ $PART == 1 ]]; then
+if [[ $PART == 1 || $PART == all ]]; then
     # 1 rank on cuda:0: plan vs run (step, allocated, reserved, outside the allocator) and the memory model
     step doctor 110 $PY -m autopipe doctor --device "$DEV" --ranks 1 --out "$ART/doctor-1gpu.md" --force
     # bf16 GPT-2 (124M) at a GPU's size: profile with CUDA events, plan 2 stages, job folder
@@ -54,7 +54,8 @@ if [[ $PART == 1 ]]; then
     step train-bf16 90 $PY jobs/gpt2-cuda/train.py --steps 20 --verify --log-json "$ART/log-bf16.json"
     # no tensor off the device, no host sync inside the step (slow: a few steps)
     step check-bf16 60 $PY jobs/gpt2-cuda/train.py --steps 3 --check
-else
+fi
+if [[ $PART == 2 || $PART == all ]]; then
     step convert-fp32 100 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --seq-len "$SEQ" --batch-size "$BATCH" \
         --out jobs/gpt2-cuda32 --force
     for f in plan.json profile.json; do cp "jobs/gpt2-cuda32/$f" "$ART/fp32-$f" 2>/dev/null; done

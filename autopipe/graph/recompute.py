@@ -132,18 +132,34 @@ def chunk_modes(recompute: str | Sequence[str] | None, num_chunks: int, plan: An
     return modes
 
 
-def keep_output(on_keep: KeepHook | None, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The selective policy: keep the outputs of :data:`SAVED_OPS`, recompute everything else.
+def keep_output(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective policy: keep the outputs of :data:`SAVED_OPS`, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op.overloadpacket in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    ``on_keep`` (bound with functools.partial) sees every tensor kept, so the profiler can count it.
+
+class _CountKept:
+    """The forward-side context, telling ``on_keep`` each tensor it kept when the forward ends.
+
+    Read from torch's cache rather than from the policy: torch <= 2.11 asks the policy before the
+    operator runs, so the policy never sees the output.
     """
-    if op.overloadpacket in SAVED_OPS:
-        if on_keep is not None:
-            for t in tree_flatten(ctx.op_output)[0]:
-                if isinstance(t, Tensor):
-                    on_keep(t)
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def __init__(self, mode: Any, on_keep: KeepHook) -> None:
+        self.mode, self.on_keep = mode, on_keep
+
+    def __enter__(self) -> Any:
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc: object) -> Any:
+        try:
+            return self.mode.__exit__(*exc)
+        finally:
+            for calls in self.mode.storage.values():
+                for kept in (calls.values() if isinstance(calls, dict) else calls):
+                    for leaf in tree_flatten(kept)[0]:
+                        value = getattr(leaf, "val", None)  # torch's version-checking wrapper
+                        if isinstance(value, Tensor):
+                            self.on_keep(value)
 
 
 class _Replayable:
@@ -156,11 +172,13 @@ class _Replayable:
 
     def __init__(self, mode: Any) -> None:
         self.mode = mode
-        self._entries: dict[Any, dict[int, Any]] = {}
+        self._entries: dict[Any, dict[int, Any] | list[Any]] = {}
 
     def __enter__(self) -> Any:
-        # storage: op -> call index -> kept value; the forward side filled it, torch's mode reads it
-        self._entries = {op: dict(calls) for op, calls in self.mode.storage.items()}
+        # storage: op -> the kept values the forward side filled and torch's mode reads: a dict
+        # call index -> value marked consumed when read (torch >= 2.12), or a list popped from the
+        # front (torch <= 2.11); a copy of either puts it back
+        self._entries = {op: _copy_calls(calls) for op, calls in self.mode.storage.items()}
         return self.mode.__enter__()
 
     def __exit__(self, *exc: object) -> Any:
@@ -168,19 +186,26 @@ class _Replayable:
             return self.mode.__exit__(*exc)
         finally:
             for op, calls in self._entries.items():
-                self.mode.storage[op].update(calls)
+                if isinstance(calls, dict):
+                    self.mode.storage[op].update(calls)
+                else:
+                    self.mode.storage[op][:] = calls
             self._entries = {}
 
 
+def _copy_calls(calls: Any) -> dict[int, Any] | list[Any]:
+    return dict(calls) if isinstance(calls, dict) else list(calls)
+
+
 def _selective_contexts(on_keep: KeepHook | None) -> tuple[Any, Any]:
-    forward_side, recompute_side = create_selective_checkpoint_contexts(functools.partial(keep_output, on_keep))
+    forward_side, recompute_side = create_selective_checkpoint_contexts(keep_output)
     if not isinstance(getattr(recompute_side, "storage", None), dict):
         # _Replayable reads torch's cache; a torch that keeps it elsewhere would fail mid-backward
         raise RecomputeError(
             f"selective recompute does not know torch {torch.__version__}'s selective-checkpoint cache; "
             "use recompute 'full' (or 'none')."
         )
-    return forward_side, _Replayable(recompute_side)
+    return (forward_side if on_keep is None else _CountKept(forward_side, on_keep)), _Replayable(recompute_side)
 
 
 def run_layer(layer: nn.Module, x: Any, mode: str, *, on_keep: KeepHook | None = None) -> Any:
