@@ -4,7 +4,7 @@
 # BUDGET seconds have passed, so the logs and artifacts always come back.
 #
 #   OUT=/tmp/gpu BUDGET=300 bash bench/gpu_first.sh            # on the GPU machine, in the repo root
-#   PART=2 ... / PART=all                                      # the second batch (fp32, expandable segments) / both
+#   PART=2 ... / PART=all / PART=verify                        # fp32 and expandable segments / both / the jobs with --verify
 #
 # It runs under the machine's own python3 (its torch and transformers, not this repo's pins) with
 # this checkout on PYTHONPATH; nothing is installed. Writes $OUT/run.log and $OUT/art.tar.gz.
@@ -54,6 +54,14 @@ if [[ $PART == 1 || $PART == all ]]; then
     step train-bf16 90 $PY jobs/gpt2-cuda/train.py --steps 20 --verify --log-json "$ART/log-bf16.json"
     # no tensor off the device, no host sync inside the step (slow: a few steps)
     step check-bf16 60 $PY jobs/gpt2-cuda/train.py --steps 3 --check
+fi
+if [[ $PART == verify ]]; then  # the jobs of part 1 and 2, trained against the untouched model only
+    step convert-bf16 80 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --dtype bf16 --seq-len "$SEQ" \
+        --batch-size "$BATCH" --out jobs/gpt2-cuda --force
+    step train-bf16 70 $PY jobs/gpt2-cuda/train.py --steps 20 --verify --log-json "$ART/log-bf16.json"
+    step convert-fp32 60 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --seq-len "$SEQ" --batch-size "$BATCH" \
+        --out jobs/gpt2-cuda32 --force
+    step train-fp32 60 $PY jobs/gpt2-cuda32/train.py --steps 15 --verify --log-json "$ART/log-fp32.json"
 fi
 if [[ $PART == 2 || $PART == all ]]; then
     step convert-fp32 100 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --seq-len "$SEQ" --batch-size "$BATCH" \

@@ -439,3 +439,28 @@ def test_every_rank_has_joined_before_any_can_fail(monkeypatch: pytest.MonkeyPat
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _GeneratorOnItsDevice(torch.overrides.TorchFunctionMode):
+    """torch's rule on a GPU, on a CPU: a tensor drawn with a generator is made on that generator's
+    device. Under ``torch.device("cuda")`` a CPU generator without ``device="cpu"`` raised there
+    ("Expected a 'cuda' device type for generator but found 'cpu'"); on a CPU-only torch the meta
+    device stands in for the GPU, where torch itself does not check."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        g = kwargs.get("generator")
+        if isinstance(g, torch.Generator) and isinstance(out, torch.Tensor) and out.device.type != g.device.type:
+            raise RuntimeError(f"{func.__name__}: a {g.device.type} generator drew a {out.device.type} tensor")
+        return out
+
+
+def test_the_untouched_model_builds_on_a_gpu_with_its_example_batch_drawn_on_the_host() -> None:
+    """--verify builds the untouched model under the job's device (H200, torch 2.11: every --verify
+    run failed before its first step, in the built-in GPT-2's example batch)."""
+    from autopipe.graph.sources import load_model
+
+    with torch.device("meta"), _GeneratorOnItsDevice():
+        spec = load_model("gpt2", device="meta", batch_size=2, seq_len=8)
+    assert spec.args[0].device.type == "meta" and spec.args[0].shape == (2, 8)

@@ -281,25 +281,27 @@ def _from_config(config: Any, cls: Any, task: str, name: str, source: str, devic
         # none, takes ForCausalLM and says so at the first loss, on every rank: say it for it
         model.loss_type = "ForCausalLM"
     vocab = int(getattr(config, "vocab_size", 0) or 0)
+    # the example batch is drawn on the CPU and moved: a caller may hold a torch.device(...) context
+    # (the untouched model for --verify is built on the job's GPU), and a CPU generator then fails
     g = torch.Generator().manual_seed(0)
     if task == "image-classification":
         size = int(config.image_size)
-        pixels = torch.randn(b, int(config.num_channels), size, size, generator=g).to(device)
-        labels = torch.randint(0, int(config.num_labels), (b,), generator=g).to(device)
+        pixels = torch.randn(b, int(config.num_channels), size, size, generator=g, device="cpu").to(device)
+        labels = torch.randint(0, int(config.num_labels), (b,), generator=g, device="cpu").to(device)
         return ModelSpec(name, model, (pixels,), {"labels": labels}, task, source, 0, b, 0)
     limit = int(getattr(config, "max_position_embeddings", getattr(config, "n_positions", t)) or t)
     if t > limit:
         raise ModelNotFoundError(f"--seq-len {t} is longer than {name}'s {limit} positions; use at most {limit}.")
-    ids = torch.randint(0, vocab, (b, t), generator=g).to(device)
+    ids = torch.randint(0, vocab, (b, t), generator=g, device="cpu").to(device)
     kwargs: dict[str, Any] = {"labels": ids}
     if task == "masked-lm":
         # its own tensor: traced with the very object of the inputs, the graph reads the ids through
         # the labels, and a masked LM's labels differ from its (masked) inputs
         kwargs = {"labels": ids.clone()}
     if task == "seq2seq":
-        kwargs = {"labels": torch.randint(0, vocab, (b, t), generator=g).to(device)}
+        kwargs = {"labels": torch.randint(0, vocab, (b, t), generator=g, device="cpu").to(device)}
     if task == "sequence-classification":
-        kwargs = {"labels": torch.randint(0, int(config.num_labels), (b,), generator=g).to(device)}
+        kwargs = {"labels": torch.randint(0, int(config.num_labels), (b,), generator=g, device="cpu").to(device)}
     if "use_cache" in inspect.signature(model.forward).parameters or task in ("causal-lm", "seq2seq"):
         kwargs["use_cache"] = False
     return ModelSpec(name, model, (ids,), kwargs, task, source, vocab, b, t)

@@ -82,7 +82,8 @@ class TokenData:
         return torch.from_numpy(np.stack([np.asarray(self.stream.ids[s : s + self.seq_len], dtype=np.int64) for s in mine]))
 
     def _synthetic(self, rows: int, g: torch.Generator) -> torch.Tensor:
-        perm = torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(module_seed(self.seed, "data:ids")))
+        perm = torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(module_seed(self.seed, "data:ids")),
+                              device="cpu")
         ids = perm[: min(self.vocab_size, _SYNTHETIC_IDS)]
         k = len(ids)
         # host tensors: batches are made on the CPU and copied to each rank's device by the trainer
@@ -96,7 +97,7 @@ _SYNTHETIC_IDS = 64
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """The order epoch ``epoch`` visits ``n`` samples in (a permutation seeded from seed and epoch)."""
     g = torch.Generator().manual_seed(module_seed(seed, f"data:epoch:{epoch}"))
-    return torch.randperm(n, generator=g).numpy()
+    return torch.randperm(n, generator=g, device="cpu").numpy()
 
 
 class EpochOrder:

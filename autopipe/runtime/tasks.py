@@ -170,12 +170,12 @@ def mlm_mask(ids: torch.Tensor, *, vocab_size: int, mask_id: int, special: set[i
     for r, seed in enumerate(seeds):
         g = torch.Generator().manual_seed(seed)
         row = ids[r]
-        chosen = torch.rand(row.shape, generator=g) < probability
+        chosen = torch.rand(row.shape, generator=g, device="cpu") < probability
         if special:
             chosen &= ~torch.isin(row, torch.tensor(sorted(special), dtype=row.dtype))
-        replace = chosen & (torch.rand(row.shape, generator=g) < 0.8)
-        randomize = chosen & ~replace & (torch.rand(row.shape, generator=g) < 0.5)
-        random_ids = torch.randint(0, vocab_size, row.shape, generator=g, dtype=row.dtype)
+        replace = chosen & (torch.rand(row.shape, generator=g, device="cpu") < 0.8)
+        randomize = chosen & ~replace & (torch.rand(row.shape, generator=g, device="cpu") < 0.5)
+        random_ids = torch.randint(0, vocab_size, row.shape, generator=g, dtype=row.dtype, device="cpu")
         inputs[r][replace] = mask_id
         inputs[r][randomize] = random_ids[randomize]
         labels[r][~chosen] = -100
@@ -454,7 +454,7 @@ class JobData:
             shape, dtype = self.output_shape, self.output_dtype
             g = torch.Generator().manual_seed(module_seed(self.seed, f"target:{step}"))
             if self.loss == "mse" or (dtype.is_floating_point and self.loss != "cross_entropy" and not callable(self.loss)):
-                target = torch.randn((rows, *shape), generator=g)
+                target = torch.randn((rows, *shape), generator=g, device="cpu")
             else:
                 classes = shape[-1] if shape else 2
                 x = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
@@ -463,7 +463,7 @@ class JobData:
                     first = (x.reshape(rows, -1)[:, 0] > 0).long() % max(classes, 1)
                     target = first.view(rows, *([1] * (len(shape) - 1))).expand(rows, *shape[:-1]).contiguous()
                 else:
-                    target = torch.randint(0, max(classes, 1), (rows, *shape[:-1]), generator=g)
+                    target = torch.randint(0, max(classes, 1), (rows, *shape[:-1]), generator=g, device="cpu")
         cut = slice(replica * per, (replica + 1) * per)
         take = lambda v: v[cut] if isinstance(v, torch.Tensor) and v.dim() else v  # noqa: E731
         args, kwargs = pytree.tree_map(take, (tuple(args), dict(kwargs)))
