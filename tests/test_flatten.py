@@ -235,3 +235,34 @@ def test_in_place_op_on_a_stage_input() -> None:
     torch.testing.assert_close(out, expected)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[name], msg=name)
+
+
+def test_trace_checks_inside_an_autocast_region_are_taken_out() -> None:
+    """torch <= 2.11's export leaves dtype checks (``_assert_tensor_metadata``) inside higher-order
+    ops' subgraphs (Llama's rotary tables, traced in fp32 in an autocast-off region); under a bf16
+    autocast the layer then failed ("Tensor dtype mismatch! Expected: Float") on an H200. torch 2.13
+    no longer emits them there, so the subgraph is built here as 2.11 traced it."""
+    import torch.fx as fx
+
+    from autopipe.graph.flattener import without_trace_checks
+
+    inner = fx.Graph()
+    x = inner.placeholder("x")
+    inner.call_function(torch.ops.aten._assert_tensor_metadata.default, (x,), {"dtype": torch.float32})
+    inner.output(inner.call_function(torch.ops.aten.mul.Tensor, (x, 2.0)))
+    outer = fx.Graph()
+    y = outer.placeholder("y")
+    outer.output(outer.call_module("region", (y,)))
+    bf16 = torch.ones(3, dtype=torch.bfloat16)
+
+    def layer() -> fx.GraphModule:
+        root = torch.nn.Module()
+        root.region = fx.GraphModule(torch.nn.Module(), inner)
+        return fx.GraphModule(root, outer)
+
+    with pytest.raises(RuntimeError, match="dtype"):  # as traced: the region refuses bf16
+        layer()(bf16)
+    checked = without_trace_checks(layer())
+    assert torch.equal(checked(bf16), bf16 * 2)
+    assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default
+                   for m in checked.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes)

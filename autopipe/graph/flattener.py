@@ -332,7 +332,7 @@ def _build_layer(
             env[a] = g.get_attr(target)
             return env[a]
         if a.op == "get_attr":  # a subgraph of a higher-order op (autocast or no_grad regions)
-            attrs[a.target] = getattr(a.graph.owning_module, a.target)
+            attrs[a.target] = without_trace_checks(getattr(a.graph.owning_module, a.target))
             env[a] = g.get_attr(a.target)
             return env[a]
         raise TraceError(f"value {a.name} is used by layer {index} but is not live into it (internal error).")
@@ -361,6 +361,24 @@ def _build_layer(
 # Checks export inserts at .to() calls: they pin the traced device and dtype, so a layer traced on
 # meta or in fp32 would refuse to run on the GPU or under autocast. Nothing uses their result.
 _TRACE_ONLY = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+def without_trace_checks(module: Any) -> Any:
+    """``module`` (a higher-order op's subgraph) with export's trace-only checks taken out, nested
+    subgraphs too; anything else comes back as it is.
+
+    torch <= 2.11 puts them inside autocast regions as well (Llama's rotary tables in fp32): a
+    layer traced in fp32 then refused bf16 under autocast ("Tensor dtype mismatch! Expected: Float").
+    """
+    if not isinstance(module, fx.GraphModule):
+        return module
+    for node in list(module.graph.nodes):
+        if node.target in _TRACE_ONLY and not node.users:
+            module.graph.erase_node(node)
+    for child in module.children():
+        without_trace_checks(child)
+    module.recompile()
+    return module
 
 
 def _clone_mutated_inputs(g: fx.Graph, inputs: list[fx.Node]) -> None:
