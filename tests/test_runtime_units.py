@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import autopipe
 from autopipe.errors import AutopipeError, PartitionError
 from autopipe.job.script import write_train_script
 from autopipe.runtime import build_reference, build_stage
@@ -393,3 +394,23 @@ def test_a_local_folder_with_safetensors_builds_each_stage_from_its_file(tmp_pat
                 assert torch.equal(t, loaded.state_dict()[name]), name
                 seen.add(name)
     assert seen == set(loaded.state_dict())  # the tied decoder and the buffers too
+
+
+def test_a_torch_whose_stages_cannot_receive_integers_is_told_before_any_rank_talks(monkeypatch) -> None:
+    """torch 2.6-2.12 make every received buffer require grad; GPT-2's labels (int64) cross every cut,
+    so a 2-rank pipeline failed inside torch's stage setup on one rank and its peer waited (the CPU
+    reserve probe hung 10 minutes under torch 2.11). Such a torch gets one line naming the tensor,
+    the cut and the ways out; a cut carrying only floats, or one process, still runs."""
+    from autopipe.errors import AutopipeError
+    from autopipe.runtime import engine
+
+    model = tiny_gpt2()
+    seq = autopipe.flatten(model, (IDS,), {"labels": IDS})
+    two = ChunkLayout.make([0, 3, len(seq.layers)], pp_size=2, schedule="1f1b")
+    engine.check_cuts_for_this_torch(seq, two)  # this torch (>= 2.13) receives integers
+    monkeypatch.setattr(engine, "receives_integers", lambda: False)
+    with pytest.raises(AutopipeError, match=r"\(int64\) crosses the cut before layer 3 .*torch >= 2\.13"):
+        engine.check_cuts_for_this_torch(seq, two)
+    engine.check_cuts_for_this_torch(seq, ChunkLayout.make([0, 3, len(seq.layers)], pp_size=1, schedule="1f1b"))
+    floats = autopipe.flatten(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), (torch.randn(2, 4),))
+    engine.check_cuts_for_this_torch(floats, ChunkLayout.make([0, 1, 3], pp_size=2, schedule="1f1b"))

@@ -167,8 +167,11 @@ def run_doctor(*, device: str = "auto", ranks: int | None = None, steps: int = 6
         raise AutopipeError(f"doctor --device {device!r}: use auto, cpu or cuda.")
     if device == "cuda" and not cuda:
         raise AutopipeError("doctor --device cuda, but torch sees no CUDA device; run it with --device cpu.")
+    from ..runtime.engine import receives_integers
+
     most = 2 if device == "cpu" else min(2, torch.cuda.device_count())
-    ranks = most if ranks is None else ranks
+    # the small GPT-2's cut carries its labels, which torch < 2.13's stages cannot receive
+    ranks = (most if receives_integers() else 1) if ranks is None else ranks
     if ranks not in (1, 2) or ranks > most:
         raise AutopipeError(f"doctor --ranks {ranks}: use 1{' or 2' if most == 2 else ''} on this machine "
                             "(one rank per GPU).")  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
@@ -112,6 +113,30 @@ def pack_batch(seq: Any, args: Sequence[Any], kwargs: dict[str, Any] | None, n: 
     return tuple(torch.cat(parts, dim=0) for parts in zip(*packed))
 
 
+def receives_integers() -> bool:
+    """Whether torch's PipelineStage can receive a tensor that is not floating point (token ids,
+    labels, a boolean mask crossing a cut): torch >= 2.13 leaves such tensors without grad; 2.6-2.12
+    make every received buffer require grad, which an integer tensor refuses, before the first step."""
+    return TorchVersion(torch.__version__) >= "2.13"
+
+
+def check_cuts_for_this_torch(seq: Any, layout: Any) -> None:
+    """Refuse, in one line and before any rank talks, a pipeline this torch cannot run (see
+    :func:`receives_integers`); a rank failing inside torch's stage setup left its peers waiting."""
+    if layout.pp_size == 1 or receives_integers():
+        return
+    for chunk in range(1, layout.num_chunks):
+        first = layout.boundaries[chunk]
+        for sig in seq.infos[first].inputs:
+            dtype = getattr(torch, sig.dtype, None)
+            if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+                raise AutopipeError(
+                    f"torch {torch.__version__}'s pipeline stages make every tensor they receive require grad, "
+                    f"and {sig.name} ({sig.dtype}) crosses the cut before layer {first} ({seq.infos[first].name}); "
+                    "train on torch >= 2.13, on DeepSpeed (--engine deepspeed), or in one process (python train.py)."
+                )
+
+
 def _stage_class() -> type:
     """PipelineStage whose shape-inference pass feeds zeros, not uninitialised memory.
 
@@ -191,6 +216,7 @@ class PipelineEngine:
         (``autopipe.runtime.zero.shard_chunks_``)."""
         from torch.distributed.pipelining.schedules import get_schedule_class
 
+        check_cuts_for_this_torch(build.seq, build.layout)
         PipelineStage = _stage_class()
 
         self.build = build

@@ -207,7 +207,11 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
     from ..planner.memory import rank_memory
     from ..planner.partitioner import partition
 
-    ranks = 1 if device == "cuda" else 2
+    from .engine import receives_integers
+
+    # two ranks on a CPU (gloo's buffers are in the reserve); one where the probe's cut, which
+    # carries the labels, would not run (torch < 2.13)
+    ranks = 1 if device == "cuda" or not receives_integers() else 2
     beside = holds_gpu_memory() if device == "cuda" else False
     small = probe_config(config) if config is not None else None
     with tempfile.TemporaryDirectory() as tmp:
