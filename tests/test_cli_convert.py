@@ -373,3 +373,22 @@ def test_a_plan_for_a_gpu_is_held_to_its_memory(tmp_path: Path, monkeypatch: pyt
     more = int(re.search(r"(\d+) stages would fit", error).group(1))
     assert more > 8 and "ZeRO-1" in error
     assert not Path("jobs").exists()
+
+
+def test_python_dash_m_autopipe_is_the_same_cli(tmp_path: Path) -> None:
+    """`python -m autopipe ...` (an image whose script folder is not on PATH, as the lent GPU's was):
+    the same commands, and a bad model is still one line and exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "autopipe", *args], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=120)
+
+    shown = run("--help")
+    assert shown.returncode == 0 and "convert" in shown.stdout
+    bad = run("inspect", "no-such-model-xyz")
+    assert bad.returncode == 1 and len(_error_lines(bad.stdout + bad.stderr)) == 1, bad.stdout + bad.stderr

@@ -145,6 +145,8 @@ def _floor(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "face"
+    if parts[1] == "__main__":  # `python -m autopipe`: the command line's other door
+        return "cli"
     return "base" if parts[1] in BASE else parts[1]
 
 
