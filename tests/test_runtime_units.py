@@ -407,7 +407,8 @@ def test_a_torch_whose_stages_cannot_receive_integers_is_told_before_any_rank_ta
     model = tiny_gpt2()
     seq = autopipe.flatten(model, (IDS,), {"labels": IDS})
     two = ChunkLayout.make([0, 3, len(seq.layers)], pp_size=2, schedule="1f1b")
-    engine.check_cuts_for_this_torch(seq, two)  # this torch (>= 2.13) receives integers
+    if engine.receives_integers():  # torch >= 2.13 (CI's): the cut runs
+        engine.check_cuts_for_this_torch(seq, two)
     monkeypatch.setattr(engine, "receives_integers", lambda: False)
     with pytest.raises(AutopipeError, match=r"\(int64\) crosses the cut before layer 3 .*torch >= 2\.13"):
         engine.check_cuts_for_this_torch(seq, two)
