@@ -56,6 +56,31 @@ def test_data_dependent_branch_names_module_and_line() -> None:
     assert "\n" not in msg
 
 
+class LayerDropDecoder(nn.Module):
+    """The decoder loop of OPT and BART in transformers 5.17: a draw per layer even at layerdrop 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.layerdrop = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            x = layer(x)
+        return x
+
+
+def test_layerdrop_is_named_with_the_transformers_that_traces_it() -> None:
+    """transformers 5.17 (a GPU image's) did not trace OPT or BART for this; the line says what it is."""
+    with pytest.raises(TraceError, match=r"LayerDrop.*upgrade transformers \(5\.24") as err:
+        autopipe.flatten(LayerDropDecoder().train(), (torch.randn(2, 4),))
+    assert "dropout_probability < self.layerdrop" in str(err.value)
+
+
 def test_a_failed_trace_keeps_torch_s_graph_dump_off_the_screen(capfd: pytest.CaptureFixture[str]) -> None:
     """torch prints the partial FX graph of a failed export (screens of it); it goes to a file the error names."""
     import re

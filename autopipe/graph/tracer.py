@@ -229,6 +229,10 @@ def _explain(model: nn.Module, exc: BaseException) -> str:
     reason = _first_line(exc)
     where = _user_frame(model, exc)
     hint = _hint(exc)
+    if "layerdrop" in where.lower():
+        # transformers < 5.24 (OPT, BART, ...) draws the skip even at layerdrop 0; later ones don't
+        hint = ("That is LayerDrop, which skips layers at random: no fixed pipeline can run it. This transformers "
+                "draws even with layerdrop 0; upgrade transformers (5.24 skips the draw there) and keep layerdrop 0.")
     return f"could not trace {type(model).__name__}: {reason}{where}. {hint}"
 
 
