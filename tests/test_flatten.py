@@ -7,6 +7,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from archs import ALL, build
+from torch import nn
 from torch.utils import _pytree as pytree
 
 import autopipe
@@ -266,3 +267,28 @@ def test_trace_checks_inside_an_autocast_region_are_taken_out() -> None:
     assert torch.equal(checked(bf16), bf16 * 2)
     assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default
                    for m in checked.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes)
+
+
+class _Fp32Region(nn.Module):
+    """A region autocast leaves alone, on the batch (Llama's rotary region, where it is batch-dependent)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            y = x.float() * 2
+        return y + 1
+
+
+def test_every_higher_order_subgraph_a_layer_holds_goes_through_the_check_removal(monkeypatch) -> None:
+    """The flattener hands each autocast / no-grad subgraph a layer holds to ``without_trace_checks``
+    as it copies it in (the test above checks what that does)."""
+    import torch.fx as fx
+
+    from autopipe.graph import flattener
+
+    seen: list[object] = []
+    real = flattener.without_trace_checks
+    monkeypatch.setattr(flattener, "without_trace_checks", lambda m: seen.append(m) or real(m))
+    seq = autopipe.flatten(nn.Sequential(nn.Linear(4, 4), _Fp32Region(), nn.Linear(4, 2)), (torch.randn(2, 4),))
+    held = [getattr(layer, n.target) for layer in seq.layers for n in layer.graph.nodes
+            if n.op == "get_attr" and isinstance(getattr(layer, n.target, None), fx.GraphModule)]
+    assert held and all(any(m is s for s in seen) for m in held)

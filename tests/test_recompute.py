@@ -497,3 +497,47 @@ def test_build_stage_applies_the_plan_s_modes_and_a_rejoined_chunk_keeps_them() 
     assert joined.recompute == ("selective", "full", "full")
     override = build_stage(lambda: MLPStack(D, 3), (x,), None, plan, pp_rank=0, pp_size=1, recompute="none")
     assert [c.recompute for c in override.chunks] == [("none",), ("none", "none")]
+
+
+class _TorchCache:
+    """A stand-in for torch's recompute-side (or forward-side) selective mode: its ``storage``
+    in either torch's layout, entered and left as torch enters and leaves it."""
+
+    def __init__(self, storage: dict[Any, Any]) -> None:
+        self.storage = storage
+
+    def __enter__(self) -> _TorchCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _Kept:  # torch's version-checking wrapper: the kept value is ``.val``
+    def __init__(self, val: torch.Tensor) -> None:
+        self.val = val
+
+
+@pytest.mark.parametrize("layout", ["list (torch <= 2.11)", "dict (torch >= 2.12)"])
+def test_the_selective_cache_is_put_back_and_counted_in_either_torch_layout(layout: str) -> None:
+    """CI runs torch 2.13's layout only; torch 2.11's (a list popped in order) failed in every
+    profile on the H200. A recomputation that read part of the cache (the list popped, the dict
+    marked consumed) finds it whole for the next one; the forward side reports each kept tensor."""
+    from autopipe.graph.recompute import _CountKept, _Replayable
+
+    a, b = torch.ones(2), torch.zeros(3)
+    fresh = (lambda: [[_Kept(a)], [_Kept(b)]]) if layout.startswith("list") else (lambda: [{0: _Kept(a)}, {0: _Kept(b)}])
+    ops = ("mm", "addmm")
+    cache = _TorchCache(dict(zip(ops, fresh())))
+    seen: list[torch.Tensor] = []
+    with _CountKept(_TorchCache(cache.storage), seen.append):
+        pass
+    assert [t.shape for t in seen] == [(2,), (3,)]
+    replay = _Replayable(cache)
+    for _ in range(2):  # two recomputations, as a zero-bubble weight pass makes
+        with replay:
+            if layout.startswith("list"):
+                cache.storage["mm"].pop(0)
+            else:
+                cache.storage["mm"][0] = "consumed"
+        assert cache.storage["mm"][0].val is a and cache.storage["addmm"][0].val is b

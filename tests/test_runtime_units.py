@@ -407,6 +407,11 @@ def test_a_torch_whose_stages_cannot_receive_integers_is_told_before_any_rank_ta
     model = tiny_gpt2()
     seq = autopipe.flatten(model, (IDS,), {"labels": IDS})
     two = ChunkLayout.make([0, 3, len(seq.layers)], pp_size=2, schedule="1f1b")
+    for version, receives in (("2.13.0a0+git1a2b3c", True), ("2.13.0.dev20260101", True), ("2.15.0", True),
+                              ("2.12.1", False), ("2.11.0+cu130", False)):  # NVIDIA's images, nightlies
+        monkeypatch.setattr(torch, "__version__", version)
+        assert engine.receives_integers() is receives, version
+    monkeypatch.undo()
     if engine.receives_integers():  # torch >= 2.13 (CI's): the cut runs
         engine.check_cuts_for_this_torch(seq, two)
     monkeypatch.setattr(engine, "receives_integers", lambda: False)

@@ -10,13 +10,13 @@ its ``.loss`` (a HuggingFace model given ``labels``) or applies a user loss to i
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.torch_version import TorchVersion
 from torch.utils import _pytree as pytree
 
 from ..errors import AutopipeError
@@ -117,7 +117,9 @@ def receives_integers() -> bool:
     """Whether torch's PipelineStage can receive a tensor that is not floating point (token ids,
     labels, a boolean mask crossing a cut): torch >= 2.13 leaves such tensors without grad; 2.6-2.12
     make every received buffer require grad, which an integer tensor refuses, before the first step."""
-    return TorchVersion(torch.__version__) >= "2.13"
+    # the release numbers alone: NVIDIA's 2.13.0a0+git... builds and nightlies have the change too
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return found is not None and (int(found.group(1)), int(found.group(2))) >= (2, 13)
 
 
 def check_cuts_for_this_torch(seq: Any, layout: Any) -> None:
@@ -129,7 +131,7 @@ def check_cuts_for_this_torch(seq: Any, layout: Any) -> None:
         first = layout.boundaries[chunk]
         for sig in seq.infos[first].inputs:
             dtype = getattr(torch, sig.dtype, None)
-            if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            if isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex):
                 raise AutopipeError(
                     f"torch {torch.__version__}'s pipeline stages make every tensor they receive require grad, "
                     f"and {sig.name} ({sig.dtype}) crosses the cut before layer {first} ({seq.infos[first].name}); "
