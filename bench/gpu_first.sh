@@ -43,31 +43,38 @@ step() {  # step NAME LIMIT CMD...: runs CMD under min(LIMIT, what is left), say
 step env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
   $PY -m pip list 2>/dev/null | grep -iE '^(torch|transformers|deepspeed|nvidia-ml-py|typer|rich) '; $PY -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"no GPU\")'; nproc; uptime"
 
+# GPT-2 (124M) at a GPU's size: profile with CUDA events, plan 2 stages, job folder; then every stage
+# in one process: the loss and gradients against the untouched model (--verify), step vs plan
+convert_bf16() {  # convert_bf16 LIMIT
+    step convert-bf16 "$1" $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --dtype bf16 --seq-len "$SEQ" \
+        --batch-size "$BATCH" --out jobs/gpt2-cuda --force
+}
+convert_fp32() {  # convert_fp32 LIMIT
+    step convert-fp32 "$1" $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --seq-len "$SEQ" \
+        --batch-size "$BATCH" --out jobs/gpt2-cuda32 --force
+}
+train_bf16() { step train-bf16 "$1" $PY jobs/gpt2-cuda/train.py --steps 20 --verify --log-json "$ART/log-bf16.json"; }
+train_fp32() { step train-fp32 "$1" $PY jobs/gpt2-cuda32/train.py --steps 15 --verify --log-json "$ART/log-fp32.json"; }
+
 if [[ $PART == 1 || $PART == all ]]; then
     # 1 rank on cuda:0: plan vs run (step, allocated, reserved, outside the allocator) and the memory model
     step doctor 110 $PY -m autopipe doctor --device "$DEV" --ranks 1 --out "$ART/doctor-1gpu.md" --force
-    # bf16 GPT-2 (124M) at a GPU's size: profile with CUDA events, plan 2 stages, job folder
-    step convert-bf16 120 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --dtype bf16 --seq-len "$SEQ" \
-        --batch-size "$BATCH" --out jobs/gpt2-cuda --force
+    convert_bf16 120
     cp jobs/gpt2-cuda/{plan.json,profile.json,report.html} "$ART/" 2>/dev/null
-    # every stage in one process: the loss and gradients against the untouched model, step vs plan
-    step train-bf16 90 $PY jobs/gpt2-cuda/train.py --steps 20 --verify --log-json "$ART/log-bf16.json"
+    train_bf16 90
     # no tensor off the device, no host sync inside the step (slow: a few steps)
     step check-bf16 60 $PY jobs/gpt2-cuda/train.py --steps 3 --check
 fi
 if [[ $PART == verify ]]; then  # the jobs of part 1 and 2, trained against the untouched model only
-    step convert-bf16 80 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --dtype bf16 --seq-len "$SEQ" \
-        --batch-size "$BATCH" --out jobs/gpt2-cuda --force
-    step train-bf16 70 $PY jobs/gpt2-cuda/train.py --steps 20 --verify --log-json "$ART/log-bf16.json"
-    step convert-fp32 60 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --seq-len "$SEQ" --batch-size "$BATCH" \
-        --out jobs/gpt2-cuda32 --force
-    step train-fp32 60 $PY jobs/gpt2-cuda32/train.py --steps 15 --verify --log-json "$ART/log-fp32.json"
+    convert_bf16 80
+    train_bf16 70
+    convert_fp32 60
+    train_fp32 60
 fi
 if [[ $PART == 2 || $PART == all ]]; then
-    step convert-fp32 100 $PY -m autopipe convert gpt2 --stages 2 --device "$DEV" --seq-len "$SEQ" --batch-size "$BATCH" \
-        --out jobs/gpt2-cuda32 --force
+    convert_fp32 100
     for f in plan.json profile.json; do cp "jobs/gpt2-cuda32/$f" "$ART/fp32-$f" 2>/dev/null; done
-    step train-fp32 70 $PY jobs/gpt2-cuda32/train.py --steps 15 --verify --log-json "$ART/log-fp32.json"
+    train_fp32 70
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step doctor-expandable 90 \
         $PY -m autopipe doctor --device "$DEV" --ranks 1 --out "$ART/doctor-expandable.md" --force
 fi
