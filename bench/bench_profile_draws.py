@@ -4,7 +4,7 @@
     python bench/bench_profile_draws.py --rounds 3 --models gpt2 --no-write   # a quick look
 
 A plan is costed from one profile, so everything a profile draws by chance (each layer's span inside
-the whole model is the least over that profile's whole-model runs) moves every plan made from it
+the whole model comes from that profile's few whole-model runs) moves every plan made from it
 together: in bench/bench_accuracy.py all six GPT-2 jobs read 1.04-1.08 in one run and 0.99-1.04 in
 the next with the same code. This bench measures that draw. Each round profiles the model twice,
 with ``A`` and then ``B`` whole-model runs (the profiler's own count is 1.5 x its repeats: 15 by

@@ -368,10 +368,10 @@ def _whole_model(layers: list[nn.Module], x: Value, run: _Run, warnings: list[st
         layer.train()
     try:
         with run.autocast():
-            # 1.5x the layers' repeats (15 by default), not half: each layer's span is the least over
-            # these runs, and a plan costs every layer from them: ten profiles of a 6 x 256 GPT-2 on this
-            # CPU planned its 2-stage 1F1B step with a 1.3% coefficient of variation from 5 runs, 0.8%
-            # from 15 (bench/results/profile-draws.md). A run is one micro-batch's forward + backward.
+            # 1.5x the layers' repeats (15 by default), not half: a plan costs every layer from these
+            # runs, and eight profiles of a 6 x 256 GPT-2 on this CPU planned its 2-stage 1F1B step with
+            # a 2.6% coefficient of variation from 5 runs, 1.9% from 15 (a Llama: 2.5%, 1.2%;
+            # bench/results/profile-draws.md). A run is one micro-batch's forward + backward.
             return time_in_model(layers, x, device=run.device, warmup=1, repeats=max(3, run.repeats + run.repeats // 2))
     except RuntimeError as e:
         if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)):
