@@ -297,8 +297,9 @@ def test_step_is_the_least_of_every_cut_and_mode_under_memory(case) -> None:
 @given(st.data())
 def test_zbv_with_a_timed_split_is_the_least_of_every_cut(data) -> None:
     """zbv with the split's cost timed per layer: chunk 0 (torch's first stage, never split) costs its
-    whole backward, every other chunk its backward times each layer's (B + W) / whole, at least 1.
-    The solver's bounds read chunk 0's figures for every chunk: still the least step of every cut."""
+    whole backward, every other chunk its backward times each layer's (B + W) / whole, at most the
+    timed layers' together and at least 1. The solver's bounds read chunk 0's figures for every
+    chunk: still the least step of every cut."""
     n = data.draw(st.integers(2, 7))
     stages = data.draw(st.integers(1, n // 2))
     m = data.draw(st.integers(1, 5))
@@ -312,7 +313,8 @@ def test_zbv_with_a_timed_split_is_the_least_of_every_cut(data) -> None:
     prof = _Profile(layers=layers, optimizer="sgd")
     plan = partition(prof, stages, schedule="zbv", microbatches=m, bandwidth=None)
     share = prof.split_backward[0]
-    ratio = [max(1.0, (l.backward_input_time + l.backward_weight_time) / l.backward_time) for l in layers]
+    together = prof.split_backward[1]
+    ratio = [max(1.0, min((l.backward_input_time + l.backward_weight_time) / l.backward_time, together)) for l in layers]
     best = None
     for inner in itertools.combinations(range(1, n), 2 * stages - 1):
         bounds = (0, *inner, n)

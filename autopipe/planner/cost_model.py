@@ -95,8 +95,12 @@ class CostModel:
             # of alone timings: on a busy machine those ran 3-4x the in-model figures and B + W came
             # out from half to twice the whole, so a difference carried the load into the plan (and
             # once a negative time).
-            ratio = [max(1.0, (l.backward_input_time + l.backward_weight_time) / l.backward_time if l.split_timed
-                         else split[1]) for l in layers]  # fmt: skip
+            # A layer's own ratio counts up to the timed layers' together (the blocks', as they are most
+            # of them): the LM head's split timed alone read 1.23 (GPT-2) and 1.46 (Llama, bf16) of its
+            # whole backward, where inside zbv jobs its B + W took 0.96 and 1.3 of it (per action, the
+            # stage's calls timed: bench/results/accuracy.md).
+            ratio = [max(1.0, min((l.backward_input_time + l.backward_weight_time) / l.backward_time, split[1])
+                         if l.split_timed else split[1]) for l in layers]  # fmt: skip
             backward = [w * r for w, r in zip(whole, ratio)]
             # torch's zbv never splits the first stage (its B skips it, its W runs the whole backward);
             # a negative in-model span, scaled by the ratio, would come out under it
