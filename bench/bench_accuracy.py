@@ -99,32 +99,58 @@ def make_folder(root: Path, model: str) -> Path:
     return folder
 
 
-def make_job(root: Path, folder: Path, cfg: Config, profiles: dict) -> tuple[Path, object]:
-    """Profile once per (model, dtype), then partition and write this configuration's job."""
+def traced(folder: Path, cfg: Config) -> tuple[object, object, int]:
+    """The model's load spec, its flattened layers and this machine's runtime reserve for ``cfg``'s
+    dtype: what each profile of it needs, made once."""
     import autopipe
-    from autopipe.choices import PRECISIONS
     from autopipe.graph.sources import load_model
-    from autopipe.job.folder import JobSettings, emit
     from autopipe.runtime.reserve import runtime_reserve
 
+    spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)
+    seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)
+    return spec, seq, runtime_reserve("cpu", dtype=cfg.dtype, config=spec.model.config)
+
+
+def profile_of(model: tuple[object, object, int], cfg: Config) -> object:
+    """One profile on this CPU with one thread per process, in the mode train.py trains in (autocast for bf16)."""
+    import torch
+
+    import autopipe
+    from autopipe.choices import PRECISIONS
+
+    spec, seq, reserve = model
+    torch.set_num_threads(1)  # as each pipeline rank runs
+    autocast = PRECISIONS[cfg.dtype] if cfg.dtype != "fp32" else None
+    return autopipe.profile(seq, spec.args, spec.kwargs, threads=1, progress=False, autocast=autocast,  # type: ignore[attr-defined]
+                            reserve=reserve)  # fmt: skip
+
+
+def plan_for(prof: object, cfg: Config, boundaries: list[int] | None = None) -> object:
+    """The plan for ``cfg``'s stages / schedule / recompute, made for the engine its job trains on
+    (that engine's measured overheads: autopipe/costs/engines.py); ``boundaries``: cost this cut."""
+    import autopipe
+
+    return autopipe.partition(prof, stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule,
+                              recompute=cfg.recompute, engine=cfg.engine, boundaries=boundaries)  # fmt: skip
+
+
+def write_job(root: Path, folder: Path, cfg: Config, prof: object, plan: object) -> Path:
+    """The job folder train.py runs from, for ``plan``."""
+    from autopipe.job.folder import JobSettings, emit
+
+    settings = JobSettings(model=str(folder), stages=cfg.stages, microbatches=plan.microbatches, schedule=plan.schedule,  # type: ignore[attr-defined]
+                           batch_size=ROWS, seq_len=SEQ, dtype=cfg.dtype, engine=cfg.engine)  # fmt: skip
+    return emit(root / cfg.name, settings=settings, profile=prof, plan=plan, baselines={}).job_dir
+
+
+def make_job(root: Path, folder: Path, cfg: Config, profiles: dict) -> tuple[Path, object]:
+    """Profile once per (model, dtype), then partition and write this configuration's job."""
     key = (cfg.model, cfg.dtype)
     if key not in profiles:
-        import torch
-
-        torch.set_num_threads(1)  # as each pipeline rank runs
-        spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)
-        seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)
-        autocast = PRECISIONS[cfg.dtype] if cfg.dtype != "fp32" else None
-        profiles[key] = autopipe.profile(seq, spec.args, spec.kwargs, threads=1, progress=False, autocast=autocast,
-                                         reserve=runtime_reserve("cpu", dtype=cfg.dtype, config=spec.model.config))  # fmt: skip
+        profiles[key] = profile_of(traced(folder, cfg), cfg)
     prof = profiles[key]
-    # planned for the engine the job trains on (its measured overheads: autopipe/costs/engines.py)
-    plan = autopipe.partition(prof, stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule,
-                              recompute=cfg.recompute, engine=cfg.engine)  # fmt: skip
-    settings = JobSettings(model=str(folder), stages=cfg.stages, microbatches=plan.microbatches, schedule=plan.schedule,
-                           batch_size=ROWS, seq_len=SEQ, dtype=cfg.dtype, engine=cfg.engine)  # fmt: skip
-    job = emit(root / cfg.name, settings=settings, profile=prof, plan=plan, baselines={})
-    return job.job_dir, plan
+    plan = plan_for(prof, cfg)
+    return write_job(root, folder, cfg, prof, plan), plan
 
 
 def run_job(job: Path, cfg: Config, *, exact_memory: bool = False) -> list[dict]:

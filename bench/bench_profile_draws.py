@@ -21,12 +21,14 @@ to bench/results/profile-draws.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,23 +41,18 @@ RESULTS = ROOT / "bench" / "results"
 CONFIG = {"gpt2": "gpt2-pp2-1f1b-fp32-none", "llama": "llama-pp2-1f1b-fp32-none"}
 
 
-def _with_runs(runs: int):  # type: ignore[no-untyped-def]
-    """A context in which the profiler takes ``runs`` whole-model runs (whatever its repeats)."""
-    import contextlib
-
+@contextlib.contextmanager
+def whole_model_runs(runs: int) -> Iterator[None]:
+    """The profiler takes ``runs`` whole-model runs inside this block, whatever its repeats."""
     import autopipe.costs.profiler as profiler
 
-    @contextlib.contextmanager
-    def ctx():  # type: ignore[no-untyped-def]
-        original = profiler.time_in_model
-        profiler.time_in_model = lambda layers, x, *, device, warmup, repeats: original(
-            layers, x, device=device, warmup=warmup, repeats=runs)
-        try:
-            yield
-        finally:
-            profiler.time_in_model = original
-
-    return ctx()
+    original = profiler.time_in_model
+    profiler.time_in_model = lambda layers, x, *, device, warmup, repeats: original(
+        layers, x, device=device, warmup=warmup, repeats=runs)
+    try:
+        yield
+    finally:
+        profiler.time_in_model = original
 
 
 def cv(values: list[float]) -> float:
@@ -63,38 +60,20 @@ def cv(values: list[float]) -> float:
 
 
 def measure(model: str, rounds: int, counts: tuple[int, int], root: Path) -> list[dict]:
-    import torch
-
-    import autopipe
-    from autopipe.graph.sources import load_model
-    from autopipe.job.folder import JobSettings, emit
-    from autopipe.runtime.reserve import runtime_reserve
-
     cfg = next(c for c in ba.CONFIGS if c.name == CONFIG[model])
     folder = ba.make_folder(root, cfg.model)
-    torch.set_num_threads(1)  # as each pipeline rank runs
-    spec = load_model(str(folder), device="cpu", batch_size=ba.ROWS, seq_len=ba.SEQ, dropout=0.0)
-    seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)
-    reserve = runtime_reserve("cpu", dtype=cfg.dtype, config=spec.model.config)
-
-    def plan_of(prof, boundaries=None):  # type: ignore[no-untyped-def]
-        return autopipe.partition(prof, stages=cfg.stages, microbatches=cfg.microbatches, schedule=cfg.schedule,
-                                  recompute=cfg.recompute, engine=cfg.engine, boundaries=boundaries)  # fmt: skip
-
+    traced = ba.traced(folder, cfg)
     job, cut, rows = None, None, []
     for r in range(rounds):
         load, predicted = os.getloadavg()[0], {}
         for runs in counts:
-            with _with_runs(runs):
-                prof = autopipe.profile(seq, spec.args, spec.kwargs, threads=1, progress=False, reserve=reserve)
+            with whole_model_runs(runs):
+                prof = ba.profile_of(traced, cfg)
             if job is None:  # the job (and its cut) from the first profile; every later plan costs that cut
-                plan = plan_of(prof)
-                cut = list(plan.boundaries)
-                settings = JobSettings(model=str(folder), stages=cfg.stages, microbatches=plan.microbatches,
-                                       schedule=plan.schedule, batch_size=ba.ROWS, seq_len=ba.SEQ, dtype=cfg.dtype,
-                                       engine=cfg.engine)  # fmt: skip
-                job = emit(root / cfg.name, settings=settings, profile=prof, plan=plan, baselines={}).job_dir
-            predicted[runs] = plan_of(prof, cut).total_step_time
+                plan = ba.plan_for(prof, cfg)
+                cut = list(plan.boundaries)  # type: ignore[attr-defined]
+                job = ba.write_job(root, folder, cfg, prof, plan)
+            predicted[runs] = ba.plan_for(prof, cfg, cut).total_step_time  # type: ignore[attr-defined]
         records = ba.run_job(job, cfg)
         (job / "log.json").unlink()
         measured = statistics.median(ba.whole_steps(records, cfg))
