@@ -237,7 +237,7 @@ def main() -> None:
                # each run against the plan it ran (its own profile under --profile run): the median of those
                "predicted_step_time": statistics.median(x["predicted"] for x in rounds),
                "step_ratio": statistics.median(ratios), "round_ratios": ratios, "rounds": rounds,
-               # the least contended run (the machine is shared: contention only adds time)
+               # the lowest run's: with a profile per run, a slow profile or a quick run
                "best_run_ratio": min(ratios), "profile": opts.profile,
                # on shared cores (4 ranks on 2) the schedule the plan predicts is the processor-sharing replay's
                "predicted_schedule": statistics.median(x["predicted_schedule"] for x in rounds),
@@ -285,13 +285,13 @@ def write_results(rows: list[dict], meta: dict | None = None) -> None:
         "Ratio: each run's median step against the plan that run trained (under `--profile run`, the default, every "
         "run is profiled, planned and written afresh just before it runs, as `autopipe convert` does, so no two runs "
         "share a profile's draw); the median of the runs' ratios, each listed beside it. "
-        "Best run's ratio: the least contended run's. "
+        "Lowest run's ratio: the least of them (with a profile per run, a low one is a slow profile or a quick run). "
         "Load: the 1-minute load average over the configuration's runs (2 cores; above 2 the ranks wait).",
         f"Profiles: {'one per run' if profile == 'run' else 'one per model and dtype, for every run'}. "
         f"2 stages: {step5} of {len(two)} steps within ±5 % (runs: {run5} of {runs2}); "
         f"{mem10} of {mem_rows} memories within ±10 % on every rank.",
         "",
-        "| configuration | engine | cut | measured step | predicted (schedule + after) | ratio | each run's ratio | best run's ratio | schedule ratio | memory ratio per rank | load |",
+        "| configuration | engine | cut | measured step | predicted (schedule + after) | ratio | each run's ratio | lowest run's ratio | schedule ratio | memory ratio per rank | load |",
         "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: | --- | --- |",
     ]
     for r in rows:

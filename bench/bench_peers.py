@@ -1,6 +1,6 @@
 """autopipe's job on each engine against the pipelines a user writes by hand, in one interleaved run.
 
-    python bench/bench_peers.py              # writes bench/results/peers.{json,md}: 29 launches, ~15 min quiet (est.)
+    python bench/bench_peers.py              # writes bench/results/peers.{json,md}: 29 launches a round, ~23 min quiet at --rounds 2
     python bench/bench_peers.py --stages 2   # the 2-stage half (15 launches, the breakdown included)
     python bench/bench_peers.py --quick      # GPT-2, 2 stages, 1 round, few steps: a check that it all runs
     python bench/bench_peers.py --no-write   # print only
