@@ -1,6 +1,7 @@
 """How true are the plan's predictions? Predicted vs measured step time and per-rank peak memory.
 
     python bench/bench_accuracy.py              # every configuration; writes bench/results/accuracy.{json,md}
+    python bench/bench_accuracy.py --rounds 4   # the recorded run: 4 runs each, ~27 min on a quiet 2-core machine
     python bench/bench_accuracy.py --only gpt2-pp2-1f1b-fp32-none   # one (comma-separated names)
 
 Each configuration is a real job: a GPT-2 or Llama config (random weights) profiled on this CPU with
