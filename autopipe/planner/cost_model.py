@@ -7,6 +7,7 @@ seconds from the profile; any chunk ``[a, b)`` is then O(1) through autopipe/pla
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -39,12 +40,6 @@ class CutRequest:
     target: str = ""  # the engine those cuts are for (autopipe.planner.targets), carried into the Plan
 
 
-def _per_byte(layer: object) -> float:
-    """Parameters per byte of a profiled layer's weights (1/4 for fp32; 1/4 where only bytes are known)."""
-    params, nbytes = getattr(layer, "params", 0), getattr(layer, "param_bytes", 0)
-    return params / nbytes if params and nbytes else 0.25
-
-
 class CostModel:
     """The profile as per-chunk costs, for one (optimizer, bandwidth, schedule, micro-batch count).
 
@@ -69,6 +64,7 @@ class CostModel:
         self.memory = lm
         static = list(lm.static)
         tied = []
+        self.tied_params: list[tuple[list[int], int]] = []  # (users, parameters): stepped once per rank (after_schedule)
         for size, users, *rest in lm.tied:
             for i in users:
                 if static[i] < size:
@@ -77,9 +73,10 @@ class CostModel:
                         f"{static[i]} static bytes; its figures must include the tied tensor. Profile again."
                     )
             tied.append((size, list(users), rest[-1]))  # rest[-1]: its step temporaries
-        # a tied tensor's parameters (its weight bytes over its first user's bytes per parameter): a rank
-        # holding several of its users steps it once (after_schedule)
-        self.tied_params = [(list(users), round(rest[0] * _per_byte(layers[users[0]]))) for size, users, *rest in lm.tied]
+            # rest[0]: its weight bytes, in parameters at its first user's bytes per parameter (fp32 where unknown)
+            first = layers[users[0]]
+            per_byte = first.params / first.param_bytes if first.params and first.param_bytes else 0.25
+            self.tied_params.append((list(users), round(rest[0] * per_byte)))
         bw = float("inf") if bandwidth is None else float(bandwidth)
         if not bw > 0:
             raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
@@ -147,13 +144,13 @@ class CostModel:
         if self.engine is None:
             return 0.0
         held = [0] * stages
-        owner = [0] * len(self.param_counts)
+        owner: dict[int, int] = {}
         for c, (a, b) in enumerate(zip(bounds, bounds[1:])):
             held[ranks[c]] += sum(self.param_counts[a:b])
-            owner[a:b] = [ranks[c]] * (b - a)
-        for users, count in self.tied_params:  # each layer's count includes the tied tensor: once per rank
-            for r in set(owner[i] for i in users):
-                held[r] -= (sum(1 for i in users if owner[i] == r) - 1) * count
+            owner.update(dict.fromkeys(range(a, b), ranks[c]))
+        for users, count in self.tied_params:  # each user's count includes the tied tensor: once per rank
+            for r, k in Counter(owner[i] for i in users).items():
+                held[r] -= (k - 1) * count
         return max(self.engine.after_schedule(p) for p in held)
 
     def budget(self, limit: int, stages: int) -> int:
