@@ -420,3 +420,55 @@ def test_a_torch_whose_stages_cannot_receive_integers_is_told_before_any_rank_ta
     engine.check_cuts_for_this_torch(seq, ChunkLayout.make([0, 3, len(seq.layers)], pp_size=1, schedule="1f1b"))
     floats = autopipe.flatten(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), (torch.randn(2, 4),))
     engine.check_cuts_for_this_torch(floats, ChunkLayout.make([0, 1, 3], pp_size=2, schedule="1f1b"))
+
+
+HEAP_PROBE = textwrap.dedent('''
+    import resource, sys, torch
+    from autopipe.costs import devices
+    if sys.argv[1] == "steady":
+        assert devices.steady_heap()
+    def step():  # a step's large tensors, made and freed
+        a = [torch.ones(n) for n in (2 << 20, 1 << 20, 3 << 20, 1 << 19)]  # 8, 4, 12, 2 MiB
+        b = [x * 2 for x in a]
+        del a
+        return sum(float(x[0]) for x in b)
+    for _ in range(3):
+        step()
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    if sys.argv[1] == "profile":  # the profiler fixes the heap on a CPU
+        import autopipe
+        seq = autopipe.flatten(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (torch.zeros(2, 8),))
+        autopipe.profile(seq, (torch.zeros(2, 8),), repeats=2, warmup=1, progress=False)
+    if sys.argv[1] in ("dist", "exact"):
+        from autopipe.runtime import init_dist
+        env = init_dist(dp=1, exact_memory=sys.argv[1] == "exact")
+    print(faults, devices._HEAP_STEADY, devices.heap_kept())
+''')
+
+
+def _heap(which: str) -> tuple[int, bool, bool]:
+    import os
+
+    alone = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR", "RANK")}  # a world of one
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE, which], check=False, capture_output=True, text=True, timeout=300,
+                         env=alone)
+    assert out.returncode == 0, out.stderr[-2000:]
+    faults, steady, kept = out.stdout.strip().splitlines()[-1].split()
+    return int(faults), steady == "True", kept == "True"
+
+
+def test_steady_heap_stops_a_loop_of_steps_page_faulting_and_profiler_and_ranks_set_it() -> None:
+    """Under glibc's own settings a loop that makes and frees a step's large tensors page-faults them
+    in afresh each step (their thresholds adapt to the last free, the heap's top is handed back);
+    under ``steady_heap`` the pages are reused. The profiler and each CPU rank fix the heap so, and
+    exact memory keeps its own settings (``keep_freed_memory``)."""
+    default, steady_before, _ = _heap("default")
+    steady, steady_after, _ = _heap("steady")
+    assert not steady_before and steady_after
+    assert default > 50_000 and steady < default / 5, (default, steady)  # 13 MiB a step of faults vs none
+    assert _heap("profile")[1:] == (True, False)
+    assert _heap("dist")[1:] == (True, False)
+    assert _heap("exact")[1:] == (False, True)

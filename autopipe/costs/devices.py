@@ -243,7 +243,7 @@ def keep_freed_memory() -> bool:
     pipeline's LM-head rank (16 MiB of logits per micro-batch, several times over) spent 1.86 s of
     CPU per step under it against 1.45 s under glibc's own settings (bench/results/peers.md), so the
     runtime calls it only when asked to measure memory (``init_dist(exact_memory=True)``,
-    ``train.py --exact-memory``) and the profiler not at all: both time what a job runs. Returns
+    ``train.py --exact-memory``) and the profiler not at all (both run ``steady_heap``). Returns
     whether it took effect (``heap_kept`` says it later).
     """
     global _HEAP_KEPT
@@ -253,6 +253,37 @@ def keep_freed_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3  # a fixed threshold also stops glibc adapting it
     _HEAP_KEPT = bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
     return _HEAP_KEPT
+
+
+# glibc's largest mmap threshold on a 64-bit system (HEAP_MAX_SIZE / 2): blocks under it come from the heap
+STEADY_MMAP_THRESHOLD = 32 << 20
+_HEAP_STEADY = False
+
+
+def steady_heap() -> bool:
+    """Fix glibc's allocator thresholds for a loop of same-shaped steps (Linux only): blocks under
+    ``STEADY_MMAP_THRESHOLD`` come from the heap, and the heap keeps what it frees, so each step
+    reuses the pages the previous one touched instead of page-faulting fresh ones.
+
+    Why: under glibc's own settings the thresholds adapt to what was freed last, and the heap's top
+    is handed back whenever it outgrows twice the mmap threshold, so when a run's large tensors come
+    and go they are mapped and page-faulted again: the profiler's whole-model runs of a 6-block
+    Llama met 2,000-13,000 minor faults each (bf16 autocast), while a job's steps met few once their
+    pattern settled, and the profile read 4-7% slower than the job (bench/results/accuracy.md). The
+    profiler and every CPU rank call this, so both time one allocator state, the job's steady one.
+    The price: a process keeps its heap's high-water mark resident, as a training loop reaches it
+    every step anyway. ``keep_freed_memory`` (exact memory) takes precedence and is left as it set
+    things. Returns whether the thresholds are fixed (by this call or before).
+    """
+    global _HEAP_STEADY
+    if _HEAP_KEPT or _HEAP_STEADY:
+        return True
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    _HEAP_STEADY = bool(mallopt(m_mmap_threshold, STEADY_MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    return _HEAP_STEADY
 
 
 def heap_kept() -> bool:

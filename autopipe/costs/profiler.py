@@ -39,7 +39,7 @@ from .accounting import (
     layer_cost,
     tied_bytes,
 )
-from .devices import describe_device, device_spec, dtype_name
+from .devices import describe_device, device_spec, dtype_name, steady_heap
 from .estimate import data_free, estimate_layer, meta_copy
 from .in_model import InModelTiming, charge_in_model, time_in_model
 from .layer_costs import LayerCost, Profile, optimizer_state_factor
@@ -134,8 +134,8 @@ def profile(
     infos = list(getattr(seq, "infos", [None] * len(layers)))
 
     old_threads = torch.get_num_threads()
-    # glibc's allocator settings are left as they are: a job runs under them (autopipe.runtime.distenv),
-    # and the layers are timed as it runs them, page faults included
+    if run.device.type == "cpu" and not estimate:
+        steady_heap()  # as every CPU rank of a job runs (autopipe.runtime.distenv): one allocator state timed
     if run.device.type == "cpu" and threads:
         torch.set_num_threads(threads)
     try:

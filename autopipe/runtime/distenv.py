@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from ..choices import PLACEMENTS, world_rank
-from ..costs.devices import keep_freed_memory
+from ..costs.devices import keep_freed_memory, steady_heap
 from ..errors import AutopipeError
 from .comm import Comm, checking_requested
 from .main import watch_peers
@@ -191,6 +191,8 @@ def init_dist(
         exact_memory = os.environ.get("AUTOPIPE_EXACT_MEMORY", "") not in ("", "0")
     if device.type == "cpu" and exact_memory:
         keep_freed_memory()  # the resident peak then measures the tensors; each step page-faults its large ones
+    elif device.type == "cpu":
+        steady_heap()  # each step reuses the last one's heap pages, as the profile timed them
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
     bind = {"device_id": device} if device.type == "cuda" else {}
