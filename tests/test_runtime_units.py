@@ -4,6 +4,7 @@ checkpoint folders, the script writer, mixed precision. No process group except 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -427,11 +428,9 @@ HEAP_PROBE = textwrap.dedent('''
     from autopipe.costs import devices
     if sys.argv[1] == "steady":
         assert devices.steady_heap()
-    def step():  # a step's large tensors, made and freed
-        a = [torch.ones(n) for n in (2 << 20, 1 << 20, 3 << 20, 1 << 19)]  # 8, 4, 12, 2 MiB
-        b = [x * 2 for x in a]
-        del a
-        return sum(float(x[0]) for x in b)
+    def step():  # a step's activations: twenty 8 MiB blocks live at once, all freed at its end
+        xs = [torch.ones(2 << 20) for _ in range(20)]
+        return sum(float(x[0]) for x in xs)
     for _ in range(3):
         step()
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -444,14 +443,12 @@ HEAP_PROBE = textwrap.dedent('''
         autopipe.profile(seq, (torch.zeros(2, 8),), repeats=2, warmup=1, progress=False)
     if sys.argv[1] in ("dist", "exact"):
         from autopipe.runtime import init_dist
-        env = init_dist(dp=1, exact_memory=sys.argv[1] == "exact")
+        init_dist(dp=1, exact_memory=sys.argv[1] == "exact")
     print(faults, devices._HEAP_STEADY, devices.heap_kept())
 ''')
 
 
 def _heap(which: str) -> tuple[int, bool, bool]:
-    import os
-
     alone = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR", "RANK")}  # a world of one
     out = subprocess.run([sys.executable, "-c", HEAP_PROBE, which], check=False, capture_output=True, text=True, timeout=300,
                          env=alone)
@@ -461,14 +458,17 @@ def _heap(which: str) -> tuple[int, bool, bool]:
 
 
 def test_steady_heap_stops_a_loop_of_steps_page_faulting_and_profiler_and_ranks_set_it() -> None:
-    """Under glibc's own settings a loop that makes and frees a step's large tensors page-faults them
-    in afresh each step (their thresholds adapt to the last free, the heap's top is handed back);
-    under ``steady_heap`` the pages are reused. The profiler and each CPU rank fix the heap so, and
-    exact memory keeps its own settings (``keep_freed_memory``)."""
-    default, steady_before, _ = _heap("default")
-    steady, steady_after, _ = _heap("steady")
-    assert not steady_before and steady_after
-    assert default > 50_000 and steady < default / 5, (default, steady)  # 13 MiB a step of faults vs none
+    """Under ``steady_heap`` a loop that makes and frees a step's large tensors reuses their pages:
+    no page faults after the first steps, in every fresh process. Under glibc's own settings the
+    same loop page-faulted all 160 MiB again each step (409,290 faults in 10 steps) in 6 of 8 fresh
+    processes and none in 2 (whether glibc hands the heap's top back depends on what sits above the
+    freed blocks), so that side is not asserted; a steady_heap that set nothing fails here in most
+    runs of each probe. The profiler and each CPU rank fix the heap so, and exact memory keeps its
+    own settings (``keep_freed_memory``)."""
+    for _ in range(2):
+        faults, steady_after, _ = _heap("steady")
+        assert steady_after and faults < 4096, faults  # 409,600 pages touched in the 10 steps
+    assert _heap("default")[1] is False
     assert _heap("profile")[1:] == (True, False)
     assert _heap("dist")[1:] == (True, False)
     assert _heap("exact")[1:] == (False, True)

@@ -247,12 +247,17 @@ def keep_freed_memory() -> bool:
     whether it took effect (``heap_kept`` says it later).
     """
     global _HEAP_KEPT
+    _HEAP_KEPT = _fix_thresholds(MMAP_THRESHOLD)
+    return _HEAP_KEPT
+
+
+def _fix_thresholds(mmap_threshold: int) -> bool:
+    """glibc's mmap threshold set to ``mmap_threshold`` and its trim threshold to the most; whether both took."""
     mallopt = getattr(_libc(), "mallopt", None)  # musl and others have no mallopt
     if mallopt is None:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # a fixed threshold also stops glibc adapting it
-    _HEAP_KEPT = bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
-    return _HEAP_KEPT
+    return bool(mallopt(m_mmap_threshold, mmap_threshold)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 # glibc's largest mmap threshold on a 64-bit system (HEAP_MAX_SIZE / 2): blocks under it come from the heap
@@ -269,21 +274,16 @@ def steady_heap() -> bool:
     is handed back whenever it outgrows twice the mmap threshold, so when a run's large tensors come
     and go they are mapped and page-faulted again: the profiler's whole-model runs of a 6-block
     Llama met 2,000-13,000 minor faults each (bf16 autocast), while a job's steps met few once their
-    pattern settled, and the profile read 4-7% slower than the job (bench/results/accuracy.md). The
+    pattern settled, and the profile read 3-7% slower than the job (docs/profile.md). The
     profiler and every CPU rank call this, so both time one allocator state, the job's steady one.
     The price: a process keeps its heap's high-water mark resident, as a training loop reaches it
     every step anyway. ``keep_freed_memory`` (exact memory) takes precedence and is left as it set
     things. Returns whether the thresholds are fixed (by this call or before).
     """
     global _HEAP_STEADY
-    if _HEAP_KEPT or _HEAP_STEADY:
-        return True
-    mallopt = getattr(_libc(), "mallopt", None)
-    if mallopt is None:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    _HEAP_STEADY = bool(mallopt(m_mmap_threshold, STEADY_MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
-    return _HEAP_STEADY
+    if not (_HEAP_KEPT or _HEAP_STEADY):
+        _HEAP_STEADY = _fix_thresholds(STEADY_MMAP_THRESHOLD)
+    return _HEAP_KEPT or _HEAP_STEADY
 
 
 def heap_kept() -> bool:
