@@ -426,17 +426,18 @@ def test_a_torch_whose_stages_cannot_receive_integers_is_told_before_any_rank_ta
 HEAP_PROBE = textwrap.dedent('''
     import resource, sys, torch
     from autopipe.costs import devices
-    if sys.argv[1] == "steady":
+    faults = 0
+    if sys.argv[1] == "steady":  # the other probes only read which setting the call under test made
         assert devices.steady_heap()
-    def step():  # a step's activations: twenty 8 MiB blocks live at once, all freed at its end
-        xs = [torch.ones(2 << 20) for _ in range(20)]
-        return sum(float(x[0]) for x in xs)
-    for _ in range(3):
-        step()
-    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(10):
-        step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        def step():  # a step's activations: twenty 8 MiB blocks live at once, all freed at its end
+            xs = [torch.ones(2 << 20) for _ in range(20)]
+            return sum(float(x[0]) for x in xs)
+        for _ in range(3):
+            step()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(10):
+            step()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     if sys.argv[1] == "profile":  # the profiler fixes the heap on a CPU
         import autopipe
         seq = autopipe.flatten(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (torch.zeros(2, 8),))
