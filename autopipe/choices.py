@@ -6,12 +6,18 @@ from __future__ import annotations
 
 from .errors import AutopipeError
 
-__all__ = ["PRECISIONS", "ENGINES", "RECOMPUTE_MODES", "RECOMPUTE_POLICIES", "ZERO_STAGES", "PLACEMENTS", "world_rank", "precision"]
+__all__ = ["FUSED_ADAM_DEVICES", "PRECISIONS", "ENGINES", "RECOMPUTE_MODES", "RECOMPUTE_POLICIES", "ZERO_STAGES", "PLACEMENTS", "world_rank", "precision"]
 
 # Training precision -> the torch dtype its matmuls run in (autocast; weights and optimizer state
 # stay fp32). The profile measures the same.
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _PRECISION_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+# Device types on which the runtime steps Adam/AdamW with torch's fused kernel (``fused=True``,
+# torch >= 2.4 on a CPU): one pass over each tensor, no temporaries, where foreach's multi-tensor
+# ops make a state-sized square root of every exp_avg_sq. Elsewhere it steps foreach. The memory
+# model counts the step's temporaries only where foreach runs.
+FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
 # What trains the job: torch.distributed.pipelining, or DeepSpeed's PipelineModule.
 ENGINES = ("torch", "deepspeed")

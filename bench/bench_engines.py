@@ -120,7 +120,8 @@ def probe_optimizer(params: int = 4_000_000, width: int = 256) -> float:
     Why all three and the job's settings: the earlier probe timed torch's default AdamW alone over 40
     equal tensors (2.99 ns per parameter); a job's AdamW (foreach, weight decay) on a GPT-2's or a
     Llama's own parameters took 3.25 and 3.86 ns, and the norm and clip another 0.83 and 1.30 ns,
-    which no term of the plan charged (a fixed per_step fitted on a small model took a little)."""
+    which no term of the plan charged (a fixed per_step fitted on a small model took a little). Jobs
+    on a CPU step AdamW fused since issue 24 (``optimizer_options``), which the probe follows."""
     import torch
 
     from autopipe.runtime.grads import _sum_of_squares, clip_grads_
@@ -137,7 +138,7 @@ def probe_optimizer(params: int = 4_000_000, width: int = 256) -> float:
     matrices = [p for p in ps if p.dim() > 1]
     vectors = [p for p in ps if p.dim() <= 1]
     groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, **optimizer_options(TrainConfig(steps=1, microbatches=1)))
+    opt = torch.optim.AdamW(groups, **optimizer_options(TrainConfig(steps=1, microbatches=1), "cpu"))
     times = []
     for i in range(12):
         for p in ps:
@@ -333,7 +334,7 @@ def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows:
              f"(the fit's worst whole step {worst:.1%} off).", "",
              f"P2P on gloo (one thread per process): latency {latency * 1e6:.0f} µs, bandwidth {bandwidth / 1e9:.2f} GB/s "
              f"(one-way, the least of 3 probes per size, fitted over {', '.join(str(s >> 10) + ' KiB' for s, _ in p2p_rows)}). "
-             f"Gradient norm + clip + AdamW (foreach, fp32, as a job runs them): {rate * 1e9:.2f} ns of CPU per parameter.", "",
+             f"Gradient norm + clip + AdamW (fused, fp32, as a job runs them): {rate * 1e9:.2f} ns of CPU per parameter.", "",
              "Small GPT-2 (4 blocks, n_embd 192, vocab 2048, 4×128 tokens per micro-batch), 2 stages 1F1B fp32, "
              f"cut {list(boundaries)}, {ROUNDS} rounds of {STEPS} steps (medians after {WARMUP}): measured against the "
              "plan with the fitted figures.", "",

@@ -7,14 +7,15 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.costs.layer_costs import LayerCost, Profile, RecomputeCost
+from autopipe.costs.layer_costs import DeviceInfo, LayerCost, Profile, RecomputeCost
 from autopipe.planner.memory import RankMemory, layer_memory, rank_memory
 
 MIB = 2**20
 
 
-def _profile(n: int = 4, *, tied: bool = False) -> Profile:
-    """n layers of 1000 parameter bytes, 100 activation bytes, 10 output bytes; AdamW (state 2x)."""
+def _profile(n: int = 4, *, tied: bool = False, device: str = "cpu") -> Profile:
+    """n layers of 1000 parameter bytes, 100 activation bytes, 10 output bytes; AdamW (state 2x).
+    ``device``: the profile's device type ("mps": one where the runtime steps foreach AdamW)."""
     layers = []
     for i in range(n):
         layers.append(LayerCost(
@@ -24,14 +25,17 @@ def _profile(n: int = 4, *, tied: bool = False) -> Profile:
             recompute={"full": RecomputeCost(10, 1.0)},
         ))  # fmt: skip
     return Profile(layers=tuple(layers), input_bytes=8, tied_static_bytes={"w": 4000} if tied else {},
-                   reserve_bytes=7)  # fmt: skip
+                   reserve_bytes=7, device=DeviceInfo(type=device))  # fmt: skip
 
 
 def test_each_term_of_a_two_stage_1f1b_cut() -> None:
     """Static bytes, activations x in-flight, the last output held, one receive buffer per micro-batch
-    on each cut facing another rank, the worst one-layer transient, the reserve; and AdamW's step
-    temporaries (one state-sized tensor: 1000 B per layer), which peak after the activations are gone."""
-    prof = _profile()
+    on each cut facing another rank, the worst one-layer transient, the reserve; and where foreach
+    AdamW steps (a device without torch's fused kernel), its temporaries (one state-sized tensor:
+    1000 B per layer), which peak after the activations are gone. On a CPU the fused step has none."""
+    cpu = rank_memory(_profile(), (0, 2, 4), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)
+    assert [m.optimizer_step for m in cpu] == [0, 0] and cpu[0].total == 8000 + 40 + 7 + 400 + 50
+    prof = _profile(device="mps")
     m0, m1 = rank_memory(prof, (0, 2, 4), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)
     assert m0 == RankMemory(weights=2000, gradients=2000, optimizer=4000, activations=2 * 200, outputs=0,
                             buffers=4 * 10, transient=50, data_parallel=0, reserve=7, optimizer_step=2000)  # fmt: skip
@@ -82,9 +86,13 @@ def test_zero_stages_shard_what_they_shard(zero, schedule, weights, grads, state
     are its buckets), while under zbv torch's replicate (FSDP2 over a shard dimension of one) computes
     with its own copy of the weights and accumulates whole gradients until the all-reduce; K >= 2
     reduce-scatters one layer at a time (a one-off like a transient)."""
-    prof = _profile()
+    prof = _profile(device="mps")  # foreach AdamW's step temporaries shard with the state
     (m,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1, dp=4, zero=zero,
                        schedule=schedule)
+    (fused,) = rank_memory(_profile(), (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1, dp=4, zero=zero,
+                           schedule=schedule)
+    assert fused.optimizer_step == 0 and fused.total == m.total - max(0, m.optimizer_step - (
+        m.activations + m.outputs + max(m.transient, scatter)))
     assert (m.weights, m.gradients, m.optimizer, m.gathered, m.data_parallel, m.reduce_scatter) == (
         weights, grads, state, gathered, buckets, scatter)
     assert m.optimizer_step == state // 2  # AdamW steps this replica's share: one of its two state tensors

@@ -51,6 +51,8 @@ def test_each_optimizer_is_torch_s_with_the_settings_and_decay_on_matrices() -> 
     sgd = make_optimizer(params, TrainConfig(optimizer="sgd", lr=0.1, momentum=0.5))
     ada = make_optimizer(params, TrainConfig(optimizer="adafactor", lr=0.01))
     assert type(adamw) is torch.optim.AdamW and adamw.defaults["betas"] == (0.8, 0.9)
+    assert adamw.defaults["fused"] is True and not adamw.defaults["foreach"]  # CPU parameters: the fused kernel
+    assert sgd.defaults["foreach"] is True
     assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.5
     assert type(ada) is torch.optim.Adafactor and ada.defaults["lr"] == 0.01
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.05, 0.0]

@@ -51,10 +51,12 @@ ZeRO stage K over R replicas divides what it shards by R (DeepSpeed's stages, FS
 K ≥ 1 the optimizer state, K ≥ 2 the gradients at rest, and since FSDP2 shards parameters at rest
 whenever it shards gradients, K ≥ 2 the weights at rest too; K = 3 differs from 2 only in
 re-gathering parameters for the backward, which pipelining keeps gathered anyway (``ZERO_TERMS``).
-- ``optimizer_step``: the optimizer step's temporaries. torch's foreach AdamW (the runtime's) takes
-  the square root of every ``exp_avg_sq`` of a parameter group at once (``torch._foreach_sqrt``):
-  one more state-sized tensor per parameter, alive during the step, after the backward has freed
-  the activations. So the peak is the steady terms plus the larger of the activation side and this.
+- ``optimizer_step``: the optimizer step's temporaries. On a CPU or a GPU the runtime steps AdamW
+  with torch's fused kernel, which makes none (``choices.FUSED_ADAM_DEVICES``). Elsewhere it steps
+  foreach AdamW, which takes the square root of every ``exp_avg_sq`` of a parameter group at once
+  (``torch._foreach_sqrt``): one more state-sized tensor per parameter, alive during the step, after
+  the backward has freed the activations. So the peak is the steady terms plus the larger of the
+  activation side and this.
 - ``allocator``, ``context``, ``workspace``, ``nccl`` (GPU only, the CUDA memory model: per-GPU
   figures in the profile's DeviceInfo, sources in autopipe/costs/gpu_memory.py): the caching
   allocator's reserved-but-free slack as a share of the tensors' peak; the CUDA context; cuBLAS
@@ -71,8 +73,12 @@ Example:
     >>> from autopipe.costs.layer_costs import Profile
     >>> prof = Profile.from_costs([1, 1], param_bytes=[400, 400], activation_bytes=[300, 20], output_bytes=[8, 8])
     >>> ranks = rank_memory(prof, (0, 1, 2), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)
-    >>> [(m.activations, m.optimizer_step, m.total) for m in ranks]  # rank 1 peaks in AdamW's step
-    [(600, 400, 2232), (20, 400, 2032)]
+    >>> [(m.activations, m.optimizer_step, m.total) for m in ranks]  # a CPU: fused AdamW, no temporaries
+    [(600, 0, 2232), (20, 0, 1660)]
+    >>> from dataclasses import replace
+    >>> elsewhere = replace(prof, device=DeviceInfo(type="mps"))  # foreach AdamW: rank 1 peaks in its step
+    >>> [(m.optimizer_step, m.total) for m in rank_memory(elsewhere, (0, 1, 2), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)]
+    [(400, 2232), (400, 2032)]
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
+from ..choices import FUSED_ADAM_DEVICES
 from ..costs.layer_costs import DeviceInfo, Profile, optimizer_state_factor
 
 __all__ = ["RankMemory", "LayerMemory", "DeviceTerms", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "holds_sends",
@@ -277,10 +284,11 @@ def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1,
     old = optimizer_state_factor(profile.optimizer)
     new = old if optimizer is None else optimizer_state_factor(optimizer)
     opt = [l.optimizer_bytes if new == old else int(l.param_bytes * new) for l in layers]
-    # the step's temporaries: one state-sized tensor per parameter (foreach Adam/AdamW's sqrt of
-    # exp_avg_sq); optimizer_bytes holds the states (and under mixed precision the fp32 master copy)
+    # the step's temporaries: one state-sized tensor per parameter where foreach Adam/AdamW steps
+    # (its sqrt of exp_avg_sq), none where the fused kernel does; optimizer_bytes holds the states
+    # (and under mixed precision the fp32 master copy)
     states = new + (1 if profile.mixed_precision else 0)
-    adam = (optimizer or profile.optimizer).lower() in ("adam", "adamw")
+    adam = (optimizer or profile.optimizer).lower() in ("adam", "adamw") and profile.device.type not in FUSED_ADAM_DEVICES
     step = [int(o // states) if adam and states > 0 else 0 for o in opt]
     inputs = [profile.input_bytes] + [l.output_bytes for l in layers[:-1]]
     base_transient = [

@@ -13,8 +13,8 @@ Example (a log of 3 steps, as ``train.py --log-json log.json`` writes it, for a 
     >>> plan = partition(Profile.from_costs([0.01, 0.04, 0.04, 0.03], param_bytes=[4 << 20, 8 << 20, 8 << 20, 4 << 20]),
     ...                  2, microbatches=4)
     >>> round(plan.step_time, 2), [m >> 20 for m in plan.rank_memory]  # seconds; MiB per rank
-    (0.33, [60, 60])
-    >>> steps = [(1, 0.9, [30, 30]), (2, 0.34, [61, 57.5]), (3, 0.345, [59, 58.2])]  # seconds, MiB per rank
+    (0.33, [48, 48])
+    >>> steps = [(1, 0.9, [30, 30]), (2, 0.34, [49, 46]), (3, 0.345, [47.5, 46.6])]  # seconds, MiB per rank
     >>> with open("log.json", "w") as f:
     ...     for step, seconds, mib in steps:
     ...         peaks = [int(m * 2**20) for m in mib]

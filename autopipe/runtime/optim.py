@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..choices import PRECISIONS, ZERO_STAGES
+from ..choices import FUSED_ADAM_DEVICES, PRECISIONS, ZERO_STAGES
 from ..errors import AutopipeError
 
 __all__ = ["LR_SCHEDULES", "LossScaler", "OPTIMIZERS", "TrainConfig", "describe_optimizer", "lr_factor", "make_lr_scheduler",
@@ -110,15 +110,24 @@ def optimizer_class(config: TrainConfig) -> type[torch.optim.Optimizer]:
     return cls
 
 
-def optimizer_options(config: TrainConfig) -> dict[str, Any]:
-    """The keyword settings ``optimizer_class(config)`` takes (weight decay is per group).
+def optimizer_options(config: TrainConfig, device: torch.device | str | None = None) -> dict[str, Any]:
+    """The keyword settings ``optimizer_class(config)`` takes (weight decay is per group) for
+    parameters on ``device``.
 
-    ``foreach=True``: one multi-tensor kernel per step and group, not one per tensor (on a GPU a
-    rank's thousands of small tensors otherwise cost a launch each). Its sums group tensors
-    differently from a per-tensor loop, which differs in the last bits only.
+    AdamW on a CPU or a GPU (``choices.FUSED_ADAM_DEVICES``): ``fused=True``, torch's fused kernel,
+    one pass over each parameter with its gradient and state and no temporaries. Measured on this
+    2-core machine, one thread, a 2.9M-parameter GPT-2 stage: 6-7 ms a step against foreach's
+    23-30 ms (DeepSpeed's own FusedAdam, which its users get from ``"type": "AdamW"``: 6-7 ms), and
+    no state-sized temporary (foreach's square root of every ``exp_avg_sq``: +256 MiB peak on 256
+    MiB of parameters). Its updates differ from foreach's in the last bits (3.7e-9 after 5 steps).
+    Elsewhere, and for the other optimizers, ``foreach=True``: one multi-tensor kernel per step and
+    group, not one per tensor (on a GPU a rank's thousands of small tensors otherwise cost a launch
+    each); its sums group tensors differently from a per-tensor loop, which differs in the last bits.
     """
     if config.optimizer == "adamw":
-        return {"lr": config.lr, "betas": config.betas, "eps": config.eps, "foreach": True}
+        kind = torch.device(device).type if device is not None else None
+        fast = {"fused": True} if kind in FUSED_ADAM_DEVICES else {"foreach": True}
+        return {"lr": config.lr, "betas": config.betas, "eps": config.eps, **fast}
     if config.optimizer == "sgd":
         return {"lr": config.lr, "momentum": config.momentum, "foreach": True}
     return {"lr": config.lr, "foreach": True}  # Adafactor: torch's defaults for its decay and clipping
@@ -144,7 +153,8 @@ def make_optimizer(
     """The configured optimizer over ``params`` (name -> parameter, each object once), decay on
     tensors of 2+ dims. ``cls``: a subclass of that optimizer's class to build instead (DeepSpeed's
     engine gets one that clips first)."""
-    return (cls or optimizer_class(config))(param_groups(params, config), **optimizer_options(config))
+    device = next((p.device for p in params.values()), None)
+    return (cls or optimizer_class(config))(param_groups(params, config), **optimizer_options(config, device))
 
 
 def preallocate_(optimizer: torch.optim.Optimizer) -> None:

@@ -236,7 +236,7 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
         plain = {n: next(proxies) if hasattr(p, "to_local") else p for n, p in params.items()}
         super().__init__(
             param_groups(plain, config), optimizer_class=optimizer_class(config), process_group=group,
-            **optimizer_options(config),
+            **optimizer_options(config, next((p.device for p in plain.values()), None)),
         )
         self.names = {id(proxy): n for n, proxy in plain.items()}
 
