@@ -8,14 +8,16 @@ Run it on a quiet machine (the load average under 1 before it starts): the jobs 
 only work the figures may contain. Three probes, each on one thread per process as a job's ranks run:
 
 1. P2P on gloo: two processes ping-pong tensors of 4 KiB .. 4 MiB; one way = half the round trip,
-   fitted as latency + bytes / bandwidth.
+   fitted as latency + bytes / bandwidth; and an all-reduce between them of 256 KiB .. 8 MiB, fitted
+   the same way (a tied tensor's gradient, summed over its holders after the schedule).
 2. The step's per-parameter work after the schedule: gradient norm, clip and AdamW as a job runs them,
    over 4 M parameters shaped like a transformer's; seconds per parameter.
 3. Each engine (torch, deepspeed): 2-stage jobs (1F1B, fp32) of a small GPT-2 (4 blocks, n_embd 192,
    vocab 2048, 4x128 tokens per micro-batch) at 2, 4 and 8 micro-batches, at one cut, ROUNDS rounds
    interleaved, STEPS steps each (the first WARMUP left out). Each step record of the job's step log
    (``--log-json``) splits the step: each rank's seconds in its chunks' forwards, the schedule's
-   seconds (slowest rank) and the whole step. The fit, in that order:
+   seconds (slowest rank) and the whole step. The model is profiled PROFILES times (before each of
+   the first rounds) and each simulated schedule is the median over those profiles. The fit, in that order:
 
    - ``compute_scale``: the ranks' forward seconds over the plan's forward terms (the layers alone,
      as profiled): how much slower the layers run inside a job (two ranks sharing the memory bus
@@ -25,7 +27,7 @@ only work the figures may contain. Three probes, each on one thread per process 
      layers over-charged bench_peers' Llama by 21% (bench/results/engines.md), so by default the
      table keeps 1 and the in-job overhead goes to per_op, a fixed cost per chunk op;
    - ``per_step`` (torch): the whole step less the schedule, less the optimizer's own arithmetic
-     on the rank with the most parameters;
+     on the rank with the most parameters and the tied gradient's all-reduce;
    - ``per_op``: the least-squares seconds per forward and per backward of a chunk that make the
      plan's simulated schedule (layers x compute_scale, P2P from probe 1) match the measured ones
      at every micro-batch count; for DeepSpeed, whose log has the whole step only, with ``per_step``
@@ -62,6 +64,8 @@ FIT_SCALE = False  # --fit-scale: adopt the measured compute_scale (see fit_engi
 CONFIG = dict(n_layer=4, n_embd=192, n_head=4, vocab_size=2048, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
               attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
 SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)
+ALLREDUCE_SIZES = (256 << 10, 1 << 20, 4 << 20, 8 << 20)
+PROFILES = 3  # profiles of the bench's model, one before each of the first rounds: per_op is fitted to their median
 
 
 # ---- probe 1: P2P on gloo -------------------------------------------------------------------------
@@ -105,6 +109,47 @@ def probe_p2p(repeats: int = 3) -> tuple[float, float, list]:
             mp.spawn(_pingpong, args=(os.path.join(tmp, "store"), out), nprocs=2)
             runs.append(json.loads(Path(out).read_text()))
     rows = [(size, min(run[i][1] for run in runs)) for i, (size, _) in enumerate(runs[0])]
+    x, y = np.array([r[0] for r in rows], float), np.array([r[1] for r in rows], float)
+    slope, latency = np.polyfit(x, y, 1)
+    return max(float(latency), 0.0), float(1 / slope), rows
+
+
+def _allreduce(rank: int, store: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    rows = []
+    for size in ALLREDUCE_SIZES:
+        t = torch.randn(size // 4)
+        times = []
+        for i in range(20):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            if i >= 4:
+                times.append(time.perf_counter() - t0)
+        rows.append((size, statistics.median(times)))
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def probe_allreduce(repeats: int = 3) -> tuple[float, float, list]:
+    """(latency s, bandwidth bytes/s, the (bytes, s) rows) of an all-reduce between two gloo ranks,
+    what a tied tensor's gradient takes after the schedule: per size the median of ``repeats``
+    probes' medians (unlike a send, an all-reduce also adds the halves, so its bytes cost more)."""
+    import numpy as np
+    import torch.multiprocessing as mp
+
+    runs = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "allreduce.json")
+            mp.spawn(_allreduce, args=(os.path.join(tmp, "store"), out), nprocs=2)
+            runs.append(json.loads(Path(out).read_text()))
+    rows = [(size, statistics.median(run[i][1] for run in runs)) for i, (size, _) in enumerate(runs[0])]
     x, y = np.array([r[0] for r in rows], float), np.array([r[1] for r in rows], float)
     slope, latency = np.polyfit(x, y, 1)
     return max(float(latency), 0.0), float(1 / slope), rows
@@ -202,19 +247,28 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def fit_engines(prof, boundaries, runs: dict[str, dict[int, list[dict]]], rate: float, latency: float,
-                bandwidth: float) -> dict[str, dict]:
+def fit_engines(profs: list, boundaries, runs: dict[str, dict[int, list[dict]]], rate: float, latency: float,
+                bandwidth: float, allreduce: tuple[float, float] = (0.0, 0.0)) -> dict[str, dict]:
     """Each engine's EngineCosts figures (and the fit's rows) from its jobs' step records
-    ({engine: {M: [record, ...]}}): see the module docstring for the order of the fit."""
+    ({engine: {M: [record, ...]}}): see the module docstring for the order of the fit. ``profs``:
+    the model's profiles; each simulated schedule is the median over them (one profile's draw
+    landed in per_op: four fits in a day gave 0.75-2.45 ms). ``allreduce``: (latency, bandwidth)
+    of the tied gradient's all-reduce, charged after the schedule with the optimizer's work."""
     import numpy as np
 
     import autopipe
     from autopipe.costs.engines import EngineCosts
     from autopipe.planner.cost_model import CostModel
 
+    prof = profs[0]
     alone = {m: autopipe.partition(prof, 2, microbatches=m, schedule="1f1b", recompute="none", boundaries=boundaries,
                                    bandwidth=None) for m in MICROBATCHES}  # fmt: skip
-    held = max(sum(CostModel(prof, None, None).param_counts[a:b]) for a, b in zip(boundaries, boundaries[1:]))
+    # after the schedule, beyond per_step: the norm, clip and AdamW on the rank holding the most
+    # parameters and the tied gradient's all-reduce (CostModel.after_schedule, as the plan charges them)
+    work = EngineCosts("fit", "cpu", per_op=0.0, send_latency=latency, bandwidth=bandwidth, per_step=0.0,
+                       optimizer_rate=rate, source="fit", allreduce_latency=allreduce[0],
+                       allreduce_bandwidth=allreduce[1] or None)  # fmt: skip
+    after = CostModel(prof, None, None, engine=work).after_schedule(list(boundaries), [0, 1], 2)
     # the layers in a job over the layers alone, per rank and step (torch's log splits the forward)
     ratios = [f / (m * p) for m, recs in runs.get("torch", {}).items() for r in recs
               for f, p in zip(r["forward"], alone[m].stage_forward) if p > 0]  # fmt: skip
@@ -227,8 +281,9 @@ def fit_engines(prof, boundaries, runs: dict[str, dict[int, list[dict]]], rate: 
     def simulated(m: int, per_op: float) -> float:
         costs = EngineCosts("fit", "cpu", per_op=per_op, send_latency=latency, bandwidth=bandwidth, per_step=0.0,
                             optimizer_rate=0.0, source="fit", compute_scale=scale)  # fmt: skip
-        return autopipe.partition(prof, 2, microbatches=m, schedule="1f1b", recompute="none", boundaries=boundaries,
-                                  bandwidth=bandwidth, engine=costs).step_time  # fmt: skip
+        return statistics.median(
+            autopipe.partition(p, 2, microbatches=m, schedule="1f1b", recompute="none", boundaries=boundaries,
+                               bandwidth=bandwidth, engine=costs).step_time for p in profs)  # fmt: skip
 
     grid = np.linspace(0.0, 0.030, 601)  # per_op in 50 µs steps up to 30 ms
     out = {}
@@ -238,22 +293,23 @@ def fit_engines(prof, boundaries, runs: dict[str, dict[int, list[dict]]], rate: 
         sched = {m: _median([r["schedule"] for r in by_m[m]]) for m in ms}
         sims = {m: np.array([simulated(m, x) for x in grid]) for m in ms}
         if engine == "torch":  # the log splits the step: the schedule alone fits per_op
-            per_step = max(0.0, _median([whole[m] - sched[m] for m in ms]) - rate * held)
+            per_step = max(0.0, _median([whole[m] - sched[m] for m in ms]) - after)
             err = sum((sims[m] / sched[m] - 1) ** 2 for m in ms)
             per_op = float(grid[int(np.argmin(err))])
         else:  # the whole step only: per_op and, for each, the per_step that fits best
             best = (float("inf"), 0.0, 0.0)
             for i, x in enumerate(grid):
-                rest = [whole[m] - sims[m][i] - rate * held for m in ms]
+                rest = [whole[m] - sims[m][i] - after for m in ms]
                 ps = max(0.0, sum(rest) / len(rest))
-                e = sum(((sims[m][i] + ps + rate * held) / whole[m] - 1) ** 2 for m in ms)
+                e = sum(((sims[m][i] + ps + after) / whole[m] - 1) ** 2 for m in ms)
                 best = min(best, (e, float(x), ps))
             _, per_op, per_step = best
         i = int(np.argmin(np.abs(grid - per_op)))
         rows = [{"microbatches": m, "whole": whole[m], "schedule": sched[m], "steps": len(by_m[m]),
-                 "predicted_schedule": float(sims[m][i]), "predicted_whole": float(sims[m][i]) + per_step + rate * held}
+                 "predicted_schedule": float(sims[m][i]), "predicted_whole": float(sims[m][i]) + per_step + after}
                 for m in ms]  # fmt: skip
-        out[engine] = {"per_op": per_op, "per_step": per_step, "compute_scale": scale, "rows": rows,
+        out[engine] = {"per_op": float(per_op), "per_step": float(per_step), "compute_scale": scale, "rows": rows,
+                       "after_work": after,
                        "measured_scale": measured_scale,
                        "forward_ratios": [min(ratios), max(ratios)] if ratios else []}  # fmt: skip
     return out
@@ -276,6 +332,9 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     latency, bandwidth, p2p_rows = probe_p2p()
     print(f"p2p: latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s", flush=True)
+    ar_latency, ar_bandwidth, ar_rows = probe_allreduce()
+    print(f"all-reduce: latency {ar_latency * 1e6:.0f} us, bandwidth {ar_bandwidth / 1e9:.2f} GB/s "
+          f"({', '.join(f'{b >> 20 or b / 2**20:g} MiB {t * 1e3:.2f} ms' for b, t in ar_rows)})", flush=True)
     rate = probe_optimizer()
     print(f"norm + clip + AdamW: {rate * 1e9:.2f} ns/parameter (CPU time)", flush=True)
     engines = opts.engines.split(",")
@@ -285,35 +344,40 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         folder = make_model(root)
-        prof = profile_model(folder)
+        profs = [profile_model(folder)]
         import autopipe
 
-        boundaries = autopipe.partition(prof, 2, microbatches=4, schedule="1f1b", recompute="none").boundaries
+        boundaries = autopipe.partition(profs[0], 2, microbatches=4, schedule="1f1b", recompute="none").boundaries
         runs: dict[str, dict[int, list[dict]]] = {e: {m: [] for m in MICROBATCHES} for e in engines}
         for rnd in range(ROUNDS):  # interleaved, so a drift in the machine's load hits every run alike
+            if 0 < rnd < PROFILES:
+                profs.append(profile_model(folder))
             for m in MICROBATCHES:
                 for e in engines:
-                    recs = run_job(root, folder, prof, e, m, boundaries, f"r{rnd}")
+                    recs = run_job(root, folder, profs[0], e, m, boundaries, f"r{rnd}")
                     runs[e][m] += recs
                     loads.append(os.getloadavg()[0])
                     print(f"round {rnd + 1}/{ROUNDS} {e:<9} M={m}: whole {_median([r['whole'] for r in recs]):.4f} s, "
                           f"schedule {_median([r['schedule'] for r in recs]):.4f} s, load {loads[-1]:.1f}", flush=True)  # fmt: skip
-        fitted = fit_engines(prof, boundaries, runs, rate, latency, bandwidth)
+        fitted = fit_engines(profs, boundaries, runs, rate, latency, bandwidth, (ar_latency, ar_bandwidth))
     for e, f in fitted.items():
         print(f"{e}: compute_scale {f['compute_scale']:.3f}, per_op {f['per_op'] * 1e3:.2f} ms, "
               f"per_step {f['per_step'] * 1e3:.1f} ms", f["rows"], flush=True)  # fmt: skip
     load1 = os.getloadavg()[0]
     if not opts.no_write:
-        write(fitted, latency, bandwidth, rate, p2p_rows, (load0, max(loads or [load1]), load1), boundaries)
+        write(fitted, latency, bandwidth, rate, p2p_rows, (load0, max(loads or [load1]), load1), boundaries,
+              (ar_latency, ar_bandwidth, ar_rows), len(profs))
 
 
-def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows: list, load: tuple, boundaries) -> None:
+def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows: list, load: tuple, boundaries,
+          allreduce: tuple[float, float, list], profiles: int) -> None:
     day = time.strftime("%Y-%m-%d", time.gmtime())
     where = (f"bench/bench_engines.py, {day}, {os.cpu_count()} CPUs ({platform.machine()}), load {load[0]:.1f} before, "
              f"at most {load[1]:.1f} during")  # fmt: skip
     table = {"devices": {"cpu": {e: {"engine": e, "device": "cpu", "per_op": f["per_op"], "send_latency": latency,
                                      "bandwidth": bandwidth, "per_step": f["per_step"], "optimizer_rate": rate,
-                                     "compute_scale": f["compute_scale"], "source": where}
+                                     "compute_scale": f["compute_scale"], "allreduce_latency": allreduce[0],
+                                     "allreduce_bandwidth": allreduce[1], "source": where}
                                  for e, f in fitted.items()}}}  # fmt: skip
     # adopted only when measured on a quiet machine (the jobs' own two ranks make a load of about 2) and
     # when the fit reproduces every measured step within 5 %: else the figures carry other work
@@ -327,14 +391,18 @@ def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows:
               "autopipe/costs/engine_costs.json left as it was", flush=True)  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     raw = {"source": where, "p2p": p2p_rows, "latency": latency, "bandwidth": bandwidth, "adamw_rate": rate,
-           "boundaries": list(boundaries), "engines": fitted, "adopted": adopted}  # fmt: skip
+           "boundaries": list(boundaries), "engines": fitted, "adopted": adopted,
+           "allreduce": {"latency": allreduce[0], "bandwidth": allreduce[1], "rows": allreduce[2]}, "profiles": profiles}  # fmt: skip
     (RESULTS / "engines.json").write_text(json.dumps(raw, indent=1) + "\n")
     said = "adopted into autopipe/costs/engine_costs.json" if adopted else "NOT adopted"
     lines = ["# Engine overheads on this machine", "", f"`python bench/bench_engines.py`; {where}; {said} "
              f"(the fit's worst whole step {worst:.1%} off).", "",
              f"P2P on gloo (one thread per process): latency {latency * 1e6:.0f} µs, bandwidth {bandwidth / 1e9:.2f} GB/s "
              f"(one-way, the least of 3 probes per size, fitted over {', '.join(str(s >> 10) + ' KiB' for s, _ in p2p_rows)}). "
-             f"Gradient norm + clip + AdamW (fused, fp32, as a job runs them): {rate * 1e9:.2f} ns of CPU per parameter.", "",
+             f"Gradient norm + clip + AdamW (fused, fp32, as a job runs them): {rate * 1e9:.2f} ns of CPU per parameter. "
+             f"All-reduce between the two (a tied gradient after the schedule): {allreduce[0] * 1e6:.0f} µs + bytes at "
+             f"{allreduce[1] / 1e9:.2f} GB/s (medians of 3 probes over {', '.join(f'{b / 2**20:g} MiB' for b, _ in allreduce[2])}). "
+             f"per_op fitted to the median schedule over {profiles} profiles of the model.", "",
              "Small GPT-2 (4 blocks, n_embd 192, vocab 2048, 4×128 tokens per micro-batch), 2 stages 1F1B fp32, "
              f"cut {list(boundaries)}, {ROUNDS} rounds of {STEPS} steps (medians after {WARMUP}): measured against the "
              "plan with the fitted figures.", "",

@@ -189,6 +189,7 @@ def test_the_shipped_table_is_physical_and_costs_cpu_plans() -> None:
             assert costs.per_op >= 0 and costs.per_step >= 0 and costs.send_latency >= 0
             assert 1e8 < costs.bandwidth < 1e12 and 0 < costs.optimizer_rate < 1e-7
             assert 0.8 <= costs.compute_scale <= 2.0
+            assert costs.allreduce_bandwidth is None or (1e7 < costs.allreduce_bandwidth < 1e12 and costs.allreduce_latency >= 0)
     cpu = table["cpu"]["torch"]
     prof = _profile()
     plan = partition(prof, 2, microbatches=4, recompute="none", engine="torch")

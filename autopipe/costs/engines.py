@@ -10,6 +10,10 @@ PipelineStage + schedule, or DeepSpeed's PipelineEngine), which adds its own wor
   collectives' latency, the step's host read, zero_grad, the engine's step bookkeeping);
 - ``optimizer_rate``: seconds per parameter of the step's work after the schedule that grows with the
   parameters: the whole-gradient norm, the clip and the AdamW step (fp32 state), as a job runs them;
+- ``allreduce_latency`` and ``allreduce_bandwidth``: one all-reduce between two ranks, latency + bytes /
+  bandwidth: after the schedule each tied tensor held on several ranks (GPT-2's embedding and head)
+  has its gradient summed over them, and every holder waits for it (measured: 8 MiB on gloo took
+  6.7-7.6 ms here, which a GPT-2 job's step paid and no term counted); tables without it charge none;
 - ``compute_scale``: how much longer the layers take inside a running job than the profiler timed
   them alone (each rank's forward seconds in the job's step log over the plan's): on a CPU the
   job's ranks share the memory bus and caches, and a stage's micro-batches interleave their forwards
@@ -24,9 +28,12 @@ the layers alone predict them.
 
 Example:
     >>> costs = EngineCosts("torch", "cpu", per_op=0.002, send_latency=1e-4, bandwidth=1e9,
-    ...                     per_step=0.01, optimizer_rate=1e-8, source="example", compute_scale=1.15)
+    ...                     per_step=0.01, optimizer_rate=1e-8, source="example", compute_scale=1.15,
+    ...                     allreduce_latency=2e-4, allreduce_bandwidth=1e9)
     >>> round(costs.send_time(10**6), 6), round(costs.after_schedule(2 * 10**6), 6), costs.compute_scale
     (0.0011, 0.03, 1.15)
+    >>> round(costs.allreduce_time(10**6), 6), round(costs.allreduce_time(10**6, ranks=4), 6)  # a ring's 2(n-1)/n
+    (0.0012, 0.0017)
 """
 
 from __future__ import annotations
@@ -59,11 +66,20 @@ class EngineCosts:
     optimizer_rate: float  # seconds per parameter of the norm, the clip and the AdamW step
     source: str  # how and when it was measured (the bench, the machine, the load)
     compute_scale: float = 1.0  # a layer's seconds in a job over its profiled seconds (tables before it: 1)
+    allreduce_latency: float = 0.0  # seconds per all-reduce between two ranks, beyond bytes / bandwidth
+    allreduce_bandwidth: float | None = None  # bytes/s of that all-reduce; None: not measured (charged 0)
 
     def send_time(self, nbytes: int) -> float:
         """Seconds of one send (or receive) of ``nbytes`` at a cut."""
         bw = self.bandwidth or float("inf")
         return self.send_latency + nbytes / bw
+
+    def allreduce_time(self, nbytes: int, ranks: int = 2) -> float:
+        """Seconds of one all-reduce of ``nbytes`` over ``ranks`` ranks (a ring moves 2(n-1)/n of the
+        bytes, which is all of them for the two measured); 0 where the table has no such figure."""
+        if not self.allreduce_bandwidth or ranks < 2:
+            return 0.0
+        return self.allreduce_latency + nbytes * (2 * (ranks - 1) / ranks) / self.allreduce_bandwidth
 
     def after_schedule(self, params: int) -> float:
         """Seconds a step spends after the schedule on the rank holding ``params`` parameters."""

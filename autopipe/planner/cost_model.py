@@ -65,6 +65,7 @@ class CostModel:
         static = list(lm.static)
         tied = []
         self.tied_params: list[tuple[list[int], int]] = []  # (users, parameters): stepped once per rank (after_schedule)
+        self.tied_grad_bytes: list[int] = []  # one copy's gradient (this rank's share): summed over its holders
         for size, users, *rest in lm.tied:
             for i in users:
                 if static[i] < size:
@@ -77,6 +78,7 @@ class CostModel:
             first = layers[users[0]]
             per_byte = first.params / first.param_bytes if first.params and first.param_bytes else 0.25
             self.tied_params.append((list(users), round(rest[0] * per_byte)))
+            self.tied_grad_bytes.append(int(rest[1]))
         bw = float("inf") if bandwidth is None else float(bandwidth)
         if not bw > 0:
             raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
@@ -137,7 +139,8 @@ class CostModel:
         self.tied = tied
 
     def after_schedule(self, bounds: Sequence[int], ranks: Sequence[int], stages: int) -> float:
-        """Seconds a step spends after the schedule (norm, optimizer step: ``EngineCosts.after_schedule``)
+        """Seconds a step spends after the schedule (norm, optimizer step: ``EngineCosts.after_schedule``;
+        the all-reduce of each tied tensor's gradient over the ranks holding it, for each of them)
         on its slowest rank: every rank waits for the global norm, so the step ends with the slowest.
         0 without engine costs. Not minimised by the solver: it moves with the largest rank's
         parameters only (the cut of the schedule's step decides the plan)."""
@@ -148,10 +151,13 @@ class CostModel:
         for c, (a, b) in enumerate(zip(bounds, bounds[1:])):
             held[ranks[c]] += sum(self.param_counts[a:b])
             owner.update(dict.fromkeys(range(a, b), ranks[c]))
-        for users, count in self.tied_params:  # each user's count includes the tied tensor: once per rank
-            for r, k in Counter(owner[i] for i in users).items():
+        reduce = [0.0] * stages
+        for (users, count), grad in zip(self.tied_params, self.tied_grad_bytes):
+            holders = Counter(owner[i] for i in users)
+            for r, k in holders.items():  # each user's count includes the tied tensor: once per rank
                 held[r] -= (k - 1) * count
-        return max(self.engine.after_schedule(p) for p in held)
+                reduce[r] += self.engine.allreduce_time(grad, len(holders))
+        return max(self.engine.after_schedule(p) + t for p, t in zip(held, reduce))
 
     def budget(self, limit: int, stages: int) -> int:
         """What a rank's tensors may use of ``limit`` (``memory.tensor_budget``): the limit less
