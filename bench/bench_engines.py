@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -69,90 +70,67 @@ PROFILES = 3  # profiles of the bench's model, one before each of the first roun
 
 
 # ---- probe 1: P2P on gloo -------------------------------------------------------------------------
-def _pingpong(rank: int, store: str, out: str) -> None:
+def _collective(rank: int, store: str, out: str, kind: str) -> None:
+    """One of the two gloo processes: per size, the median seconds of a one-way send (``p2p``: half
+    a ping-pong's round trip) or of an all-reduce (``allreduce``); rank 0 writes the rows."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    sizes, repeats, skip = (SIZES, 30, 5) if kind == "p2p" else (ALLREDUCE_SIZES, 20, 4)
     rows = []
-    for size in SIZES:
-        t = torch.zeros(size // 4)
+    for size in sizes:
+        t = torch.randn(size // 4)
         times = []
-        for i in range(30):
+        for i in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
+            if kind == "allreduce":
+                dist.all_reduce(t)
+            elif rank == 0:
                 dist.send(t, 1)
                 dist.recv(t, 1)
             else:
                 dist.recv(t, 0)
                 dist.send(t, 0)
-            if i >= 5:
-                times.append((time.perf_counter() - t0) / 2)
+            if i >= skip:
+                times.append((time.perf_counter() - t0) / (2 if kind == "p2p" else 1))
         rows.append((size, statistics.median(times)))
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def probe_p2p(repeats: int = 3) -> tuple[float, float, list]:
-    """(latency s, bandwidth bytes/s, the measured (bytes, one-way s) rows): per size the least of
-    ``repeats`` probes' medians (a wake-up on a shared machine waits for a core; the link does not)."""
+def _probe(kind: str, repeats: int, pick: Any) -> tuple[float, float, list]:
+    """``repeats`` runs of ``_collective``; per size ``pick`` of their medians, fitted as latency +
+    bytes / bandwidth: (latency s, bandwidth bytes/s, the (bytes, s) rows)."""
     import numpy as np
     import torch.multiprocessing as mp
 
     runs = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "p2p.json")
-            mp.spawn(_pingpong, args=(os.path.join(tmp, "store"), out), nprocs=2)
+            out = os.path.join(tmp, f"{kind}.json")
+            mp.spawn(_collective, args=(os.path.join(tmp, "store"), out, kind), nprocs=2)
             runs.append(json.loads(Path(out).read_text()))
-    rows = [(size, min(run[i][1] for run in runs)) for i, (size, _) in enumerate(runs[0])]
+    rows = [(size, pick([run[i][1] for run in runs])) for i, (size, _) in enumerate(runs[0])]
     x, y = np.array([r[0] for r in rows], float), np.array([r[1] for r in rows], float)
     slope, latency = np.polyfit(x, y, 1)
     return max(float(latency), 0.0), float(1 / slope), rows
 
 
-def _allreduce(rank: int, store: str, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    rows = []
-    for size in ALLREDUCE_SIZES:
-        t = torch.randn(size // 4)
-        times = []
-        for i in range(20):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
-            if i >= 4:
-                times.append(time.perf_counter() - t0)
-        rows.append((size, statistics.median(times)))
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+def probe_p2p(repeats: int = 3) -> tuple[float, float, list]:
+    """(latency s, bandwidth bytes/s, the measured (bytes, one-way s) rows): per size the least of
+    ``repeats`` probes' medians (a wake-up on a shared machine waits for a core; the link does not)."""
+    return _probe("p2p", repeats, min)
 
 
 def probe_allreduce(repeats: int = 3) -> tuple[float, float, list]:
     """(latency s, bandwidth bytes/s, the (bytes, s) rows) of an all-reduce between two gloo ranks,
     what a tied tensor's gradient takes after the schedule: per size the median of ``repeats``
     probes' medians (unlike a send, an all-reduce also adds the halves, so its bytes cost more)."""
-    import numpy as np
-    import torch.multiprocessing as mp
-
-    runs = []
-    for _ in range(repeats):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "allreduce.json")
-            mp.spawn(_allreduce, args=(os.path.join(tmp, "store"), out), nprocs=2)
-            runs.append(json.loads(Path(out).read_text()))
-    rows = [(size, statistics.median(run[i][1] for run in runs)) for i, (size, _) in enumerate(runs[0])]
-    x, y = np.array([r[0] for r in rows], float), np.array([r[1] for r in rows], float)
-    slope, latency = np.polyfit(x, y, 1)
-    return max(float(latency), 0.0), float(1 / slope), rows
+    return _probe("allreduce", repeats, statistics.median)
 
 
 # ---- probe 2: the optimizer -----------------------------------------------------------------------
