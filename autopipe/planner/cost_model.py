@@ -64,8 +64,9 @@ class CostModel:
         self.memory = lm
         static = list(lm.static)
         tied = []
-        self.tied_params: list[tuple[list[int], int]] = []  # (users, parameters): stepped once per rank (after_schedule)
-        self.tied_grad_bytes: list[int] = []  # one copy's gradient (this rank's share): summed over its holders
+        # (users, parameters, one copy's gradient bytes) per tied tensor, for after_schedule: stepped once
+        # per rank holding it, its gradient summed over those ranks
+        self.tied_params: list[tuple[list[int], int, int]] = []
         for size, users, *rest in lm.tied:
             for i in users:
                 if static[i] < size:
@@ -77,8 +78,7 @@ class CostModel:
             # rest[0]: its weight bytes, in parameters at its first user's bytes per parameter (fp32 where unknown)
             first = layers[users[0]]
             per_byte = first.params / first.param_bytes if first.params and first.param_bytes else 0.25
-            self.tied_params.append((list(users), round(rest[0] * per_byte)))
-            self.tied_grad_bytes.append(int(rest[1]))
+            self.tied_params.append((list(users), round(rest[0] * per_byte), int(rest[1])))
         bw = float("inf") if bandwidth is None else float(bandwidth)
         if not bw > 0:
             raise PartitionError(f"bandwidth must be > 0 bytes/s, got {bandwidth}.")
@@ -152,11 +152,12 @@ class CostModel:
             held[ranks[c]] += sum(self.param_counts[a:b])
             owner.update(dict.fromkeys(range(a, b), ranks[c]))
         reduce = [0.0] * stages
-        for (users, count), grad in zip(self.tied_params, self.tied_grad_bytes):
+        for users, count, grad in self.tied_params:
             holders = Counter(owner[i] for i in users)
+            summed = self.engine.allreduce_time(grad, len(holders))
             for r, k in holders.items():  # each user's count includes the tied tensor: once per rank
                 held[r] -= (k - 1) * count
-                reduce[r] += self.engine.allreduce_time(grad, len(holders))
+                reduce[r] += summed
         return max(self.engine.after_schedule(p) + t for p, t in zip(held, reduce))
 
     def budget(self, limit: int, stages: int) -> int:
