@@ -181,6 +181,47 @@ def test_meta_trace_runs_on_cpu_after_rebind_and_retarget() -> None:
     torch.testing.assert_close(model.transformer.wte.weight.grad, real.transformer.wte.weight.grad)
 
 
+def _upcast_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, reorder_and_upcast_attn=True,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "eager"  # the upcast attention is eager attention's
+    return GPT2LMHeadModel(cfg)
+
+
+def test_a_bf16_stage_keeps_the_models_fp32_regions_and_computes_the_untouched_model() -> None:
+    """transformers' ``maybe_autocast(enabled=False)`` enters GPT-2's fp32 attention region only when
+    autocast is on. Traced without autocast the region was gone and a bf16 job ran those matmuls in
+    bf16 (a Llama-1B bf16 job on an H200, transformers 5.17: logits 1.48 off). A stage traced under
+    the job's autocast (``build_stage(autocast=)``, as train.py builds it) computes the untouched
+    model's outputs, loss and gradients under autocast; the old trace is shown to differ."""
+    from autopipe.runtime.build import build_reference, build_stage
+
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    kwargs = {"labels": ids, "use_cache": False}
+    ref = build_reference(_upcast_gpt2, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(ids, **kwargs)
+    want.loss.backward()
+
+    def stage(autocast: torch.dtype | None) -> tuple:
+        b = build_stage(_upcast_gpt2, (ids,), kwargs, 1, pp_rank=0, pp_size=1, device="cpu", autocast=autocast)
+        (chunk,) = b.chunks
+        chunk.autocast_dtype = torch.bfloat16  # as the engine runs it for --dtype bf16
+        got = b.seq.unpack_outputs(chunk(*b.seq.pack_inputs((ids,), kwargs)))
+        got.loss.backward()
+        return got, b.params
+
+    got, params = stage(torch.bfloat16)
+    torch.testing.assert_close(got.logits.float(), want.logits.float(), rtol=0, atol=0)
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, rtol=0, atol=0, msg=name)
+    old, _ = stage(None)  # traced without autocast: the upcast matmuls ran in bf16
+    assert float((old.logits.float() - want.logits.float()).abs().max()) > 1e-3
+
+
 def test_layers_run_under_autocast_after_an_fp32_trace() -> None:
     """Export's dtype assertions are dropped: a layer traced in fp32 runs under bf16 autocast and
     gives the eager model's autocast result."""

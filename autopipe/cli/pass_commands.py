@@ -117,7 +117,8 @@ def profile_command(
         # Trace where it will be measured: traced graphs keep their device.
         m = m.to(device)
         args, kwargs = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
-    seq = flatten(m, args, kwargs)
+    # traced under the autocast it is timed in (and a job trains in): the model's fp32 regions stay
+    seq = flatten(m, args, kwargs, autocast=None if estimate else autocast)
     prof = profile(seq, args, kwargs, device=device, estimate=estimate, dtype=dtype,
                    mixed_precision=mixed_precision, autocast=autocast, optimizer=optimizer, repeats=repeats, warmup=warmup,
                    progress=not json_output, reserve=reserve_bytes)

@@ -9,6 +9,7 @@ rotary tables) are not live across cuts: each layer reading one calls its shared
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import operator
 from typing import Any, Literal
@@ -49,6 +50,7 @@ def flatten(
     validate: bool = True,
     name: str = "",
     device_type: str | None = None,
+    autocast: torch.dtype | str | None = None,
 ) -> LayerSequence:
     """Trace ``model`` and flatten it into a pipe-compatible LayerSequence.
 
@@ -64,6 +66,17 @@ def flatten(
         device_type: for a model on meta, the device type its Python branches are resolved for
             (``x.device.type == "cuda"``); default cuda when torch sees one, else cpu. A model with
             real tensors is traced where they are. ``seq.trace_device`` records it.
+        autocast: the 16-bit dtype the layers will run under (``train.py --dtype bf16|fp16``);
+            the model is traced under that autocast, so the regions it keeps in fp32 on purpose
+            stay in the graph (below). None (fp32 training): traced without.
+
+    Why trace under the training autocast: transformers' ``maybe_autocast(enabled=False)`` (GPT-2's
+    upcast attention, Nemotron's norm, the rotary tables of some versions) enters its fp32 region
+    only when autocast is on. Traced without autocast it left no region, and the layers then ran
+    that matmul in bf16 under the job's autocast: a slightly different function from the user's
+    model (GPT-2 with ``reorder_and_upcast_attn``: logits 4e-3 off on a 2-layer model; a Llama-1B
+    bf16 job on an H200 with transformers 5.17: 1.48, ten times what bf16 moves the untouched
+    model by itself). Ops outside such regions trace the same either way.
 
     Example:
         >>> import torch, autopipe
@@ -79,7 +92,9 @@ def flatten(
     args = as_args(example_args)
     kwargs = dict(example_kwargs or {})
     traced_for = trace_device(model, device_type)
-    ep, notes = trace_with_notes(model, args, kwargs, device_type=traced_for)
+    amp = _training_autocast(traced_for, autocast)
+    with amp:
+        ep, notes = trace_with_notes(model, args, kwargs, device_type=traced_for)
     seq = _flatten_program(model, ep, args, kwargs, granularity, blocks_per_layer, name)
     seq.notes.extend(notes)
     seq.trace_device = traced_for
@@ -90,6 +105,17 @@ def flatten(
     if validate and not _on_meta(model):
         _validate(model, seq, args, kwargs)
     return seq
+
+
+def _training_autocast(device_type: str, dtype: torch.dtype | str | None) -> Any:
+    """The autocast a job's layers run under, to trace in (``flatten``'s docstring says why)."""
+    if dtype is None or device_type == "meta":
+        return contextlib.nullcontext()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -205,8 +205,12 @@ def _flatten(model: str, loaded: _Loaded, s: ConvertSettings) -> Any:
     """The layer sequence, refused before profiling when the job could not train or not be cut."""
     from ..graph.flattener import flatten
 
-    # traced for the device the job will train on (a measured model is traced where it is)
-    seq = flatten(loaded.model, loaded.args, loaded.kwargs, device_type="cpu" if s.device == "cpu" else "cuda")
+    # traced for the device the job will train on (a measured model is traced where it is), under
+    # the autocast it trains in, as each rank traces it again (build_stage); an estimate's model is
+    # in 16 bits already (_load)
+    amp = None if s.dtype == "fp32" or s.estimate else PRECISIONS[s.dtype]
+    seq = flatten(loaded.model, loaded.args, loaded.kwargs, device_type="cpu" if s.device == "cpu" else "cuda",
+                  autocast=amp)
     _check_job_inputs(model, seq, loaded.loss, s, factory_data=loaded.spec.data is not None, rows=loaded.spec.batch_size)
     per_stage = s.chunks_per_stage
     if s.gpus is None and s.stages * per_stage > len(seq.layers):  # type: ignore[operator]

@@ -252,6 +252,7 @@ def build_stage(
     device: torch.device | str = "cpu",
     granularity: str = "block",
     recompute: str | Sequence[str] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> StageBuild:
     """Build pipeline rank ``pp_rank``'s chunks of the model ``model_fn`` makes.
 
@@ -264,6 +265,8 @@ def build_stage(
         recompute: activation recompute, one mode for every chunk (``none``, ``selective``,
             ``full``) or one per chunk of the plan; None (or ``"plan"``) takes the plan's
             ``stage_recompute`` when it has one, else none. Works with every schedule.
+        autocast: the 16-bit dtype the step runs the layers under (``TrainConfig.autocast_dtype``):
+            traced under it, as ``convert`` traced the plan's layers (``flatten``'s docstring).
 
     Example:
         >>> def make_model():
@@ -277,7 +280,7 @@ def build_stage(
     model = meta_model(model_fn)
     # traced for this rank's device type: Python branching on it runs the branch this rank will
     seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False,  # type: ignore[arg-type]
-                  granularity=granularity, device_type=torch.device(device).type)
+                  granularity=granularity, device_type=torch.device(device).type, autocast=autocast)
     if isinstance(boundaries, int):  # a chunk count: cut evenly (no plan yet)
         boundaries = even_boundaries(len(seq.layers), boundaries)
     layout = ChunkLayout.make(boundaries, pp_size=pp_size, schedule=schedule)

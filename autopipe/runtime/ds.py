@@ -119,7 +119,7 @@ class DeepSpeedTrainer:
         if plan is not None:
             check_launch(plan, pp, dp, plan_path=plan_path)
         layers = LayerSource(source.factory, source.args, source.kwargs, seed=config.seed,
-                             weights=args.weights or source.weights, device=device)
+                             weights=args.weights or source.weights, device=device, autocast=config.autocast_dtype)
         boundaries = even_boundaries(len(layers.seq.layers), pp) if plan is None else list(plan.boundaries)
         if len(boundaries) - 1 != pp:
             raise AutopipeError(

@@ -37,14 +37,14 @@ class LayerSource:
     """The meta model and its flattened layers, materialised piece by piece as specs are built."""
 
     def __init__(self, model_fn: Any, example_args: Sequence[Any], example_kwargs: dict[str, Any], *, seed: int,
-                 weights: str | None, device: torch.device) -> None:
+                 weights: str | None, device: torch.device, autocast: torch.dtype | None = None) -> None:
         from ..graph.flattener import flatten
 
         self.model_fn = model_fn
         self.model = meta_model(model_fn)
-        # traced for this rank's device type, as build_stage traces
+        # traced for this rank's device type and under its autocast, as build_stage traces
         self.seq = flatten(self.model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs)), validate=False,
-                           device_type=torch.device(device).type)
+                           device_type=torch.device(device).type, autocast=autocast)
         self.seed, self.weights, self.device = seed, weights, device
         self.built: list[DSLayer] = []
 

@@ -225,8 +225,8 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
         torch.set_num_threads(1)  # as each rank runs
         try:
             spec = load_model(str(root / "model"), device=device, batch_size=_ROWS, seq_len=_SEQ, dropout=0.0)
-            seq = flatten(spec.model, spec.args, spec.kwargs, validate=False)
             autocast = None if dtype == "fp32" else PRECISIONS[dtype]  # fp32: no autocast
+            seq = flatten(spec.model, spec.args, spec.kwargs, validate=False, autocast=autocast)
             prof = profile(seq, spec.args, spec.kwargs, repeats=1, warmup=0, progress=False, reserve=0,
                            autocast=autocast)  # fmt: skip
         finally:
@@ -262,7 +262,8 @@ def _worker(root: Path, dtype: str) -> None:
     try:
         plan = load_plan(root / "plan.json")
         build = build_stage(source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank,
-                            pp_size=env.pp_size, schedule="1f1b", device=env.device)  # fmt: skip
+                            pp_size=env.pp_size, schedule="1f1b", device=env.device,
+                            autocast=TrainConfig(dtype=dtype).autocast_dtype)  # fmt: skip
         trainer = Trainer(build, env, TrainConfig(steps=_STEPS, microbatches=_MICRO, dtype=dtype))
         data = TokenData(None, vocab_size=source.vocab_size, seq_len=_SEQ)
         peak = 0

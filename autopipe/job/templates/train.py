@@ -126,6 +126,7 @@ else:
     build = rt.build_stage(
         source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size,
         schedule=args.schedule, seed=args.seed, weights=weights, device=env.device, recompute=args.recompute,
+        autocast=config.autocast_dtype,
     )
     trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))
     # the plan's predictions hold for the run it was made for: same schedule, micro-batches, batch, dtype
