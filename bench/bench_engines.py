@@ -134,7 +134,7 @@ def probe_allreduce(repeats: int = 3) -> tuple[float, float, list]:
 
 
 # ---- probe 2: the optimizer -----------------------------------------------------------------------
-def probe_optimizer(params: int = 4_000_000, width: int = 256) -> float:
+def probe_optimizer(params: int = 4_000_000, width: int = 256, device: str = "cpu", kind: str = "job") -> float:
     """CPU seconds per parameter of a step's work after the schedule that grows with the parameters:
     the whole-gradient norm, the clip and the AdamW step, each as the job runs it (autopipe's
     ``global_grad_norm`` sum, ``clip_grads_``, AdamW with ``optimizer_options``' settings), over a
@@ -144,34 +144,49 @@ def probe_optimizer(params: int = 4_000_000, width: int = 256) -> float:
     equal tensors (2.99 ns per parameter); a job's AdamW (foreach, weight decay) on a GPT-2's or a
     Llama's own parameters took 3.25 and 3.86 ns, and the norm and clip another 0.83 and 1.30 ns,
     which no term of the plan charged (a fixed per_step fitted on a small model took a little). Jobs
-    on a CPU step AdamW fused since issue 24 (``optimizer_options``), which the probe follows."""
+    on a CPU step AdamW fused since issue 24 (``optimizer_options``), which the probe follows.
+
+    ``device="cuda"`` times the same work on a GPU in wall seconds between synchronisations (the
+    host's CPU time says nothing there); ``kind`` is ``job`` (what ``optimizer_options`` picks),
+    ``fused`` or ``foreach``, so the two kernels can be set side by side on one device."""
     import torch
 
     from autopipe.runtime.grads import _sum_of_squares, clip_grads_
     from autopipe.runtime.optim import TrainConfig, optimizer_options
 
-    torch.set_num_threads(1)
+    on_gpu = torch.device(device).type == "cuda"
+    if not on_gpu:
+        torch.set_num_threads(1)
     shapes: list[tuple[int, ...]] = []
     while sum(torch.Size(s).numel() for s in shapes) < params:
         shapes += [(width, 4 * width), (4 * width,), (4 * width, width), (width,), (width,), (width,)]
-    ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ps = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
     total = sum(p.numel() for p in ps)
     for p in ps:
         p.grad = torch.randn_like(p)
     matrices = [p for p in ps if p.dim() > 1]
     vectors = [p for p in ps if p.dim() <= 1]
     groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, **optimizer_options(TrainConfig(steps=1, microbatches=1), "cpu"))
+    options = optimizer_options(TrainConfig(steps=1, microbatches=1), device)
+    if kind != "job":
+        options = {k: v for k, v in options.items() if k not in ("fused", "foreach")} | {kind: True}
+    opt = torch.optim.AdamW(groups, **options)
+    # CPU seconds on a CPU: what the step costs, not what the shared machine lets it have
+    clock = time.perf_counter if on_gpu else time.thread_time
     times = []
     for i in range(12):
         for p in ps:
             p.grad.mul_(0.5)  # written just before, as by the backward (untimed)
-        t0 = time.thread_time()  # CPU seconds: what the step costs, not what the shared machine lets it have
-        norm = _sum_of_squares([p.grad for p in ps], torch.device("cpu")).sqrt()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+        t0 = clock()
+        norm = _sum_of_squares([p.grad for p in ps], torch.device(device)).sqrt()
         clip_grads_(ps, norm, 1.0)
         opt.step()
+        if on_gpu:
+            torch.cuda.synchronize(device)
         if i >= 2:
-            times.append(time.thread_time() - t0)
+            times.append(clock() - t0)
     return statistics.median(times) / total
 
 

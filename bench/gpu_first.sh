@@ -4,7 +4,7 @@
 # BUDGET seconds have passed, so the logs and artifacts always come back.
 #
 #   OUT=/tmp/gpu BUDGET=300 bash bench/gpu_first.sh            # on the GPU machine, in the repo root
-#   PART=2 ... / PART=all / PART=verify                        # fp32 and expandable segments / both / the jobs with --verify
+#   PART=2 / all / verify / llama / optim   # fp32 and expandable segments / all / the jobs with --verify / Llama-1B bf16 --verify / AdamW alone
 #
 # It runs under the machine's own python3 (its torch and transformers, not this repo's pins) with
 # this checkout on PYTHONPATH; nothing is installed. Writes $OUT/run.log and $OUT/art.tar.gz.
@@ -77,6 +77,21 @@ if [[ $PART == 2 || $PART == all ]]; then
     train_fp32 70
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step doctor-expandable 90 \
         $PY -m autopipe doctor --device "$DEV" --ranks 1 --out "$ART/doctor-expandable.md" --force
+fi
+if [[ $PART == all || $PART == verify || $PART == llama ]]; then
+    # Llama-1B bf16 against the untouched model: on 2026-11-28 (before flatten traced under the job's
+    # autocast) its logits were 1.48 off, 10x bf16's own noise (bench/results/gpu.md)
+    step convert-llama 120 $PY -m autopipe convert llama-1b --stages 2 --device "$DEV" --dtype bf16 --seq-len "$SEQ" \
+        --batch-size 4 --out jobs/llama-cuda --force
+    step train-llama 90 $PY jobs/llama-cuda/train.py --steps 5 --verify --log-json "$ART/log-llama-bf16.json"
+fi
+if [[ $PART == all || $PART == optim ]]; then
+    # what the plan leaves out on a GPU (no engine row there): the step's norm + clip + AdamW, per
+    # parameter, fused (what jobs run since issue 24) against foreach, on GPT-2 124M's tensor mix
+    step optim 60 $PY -c "import sys; sys.path.insert(0, 'bench'); from bench_engines import probe_optimizer as p
+for n, w in ((124_000_000, 768), (4_000_000, 256)):
+    for kind in ('fused', 'foreach'):
+        r = p(n, w, '$DEV', kind); print(f'optim {n / 1e6:.0f}M x {w} {kind}: {r * 1e9:.4f} ns per parameter, {r * n * 1e3:.2f} ms a step', flush=True)"
 fi
 cp autopipe-error-*.log "$ART/" 2>/dev/null
 tar -czf "$OUT/art.tar.gz" -C "$OUT" art && rm -rf "$ART"
