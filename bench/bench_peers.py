@@ -4,6 +4,7 @@
     python bench/bench_peers.py --stages 2   # the 2-stage half (15 launches, the breakdown included)
     python bench/bench_peers.py --quick      # GPT-2, 2 stages, 1 round, few steps: a check that it all runs
     python bench/bench_peers.py --no-write   # print only
+    python bench/bench_peers.py --stages 2 --rounds 3 --out peers-2   # bench/results/peers-2.*: the full table stays
 
 Models: GPT-2-shaped (8 blocks, n_embd 256, tied embedding) and Llama-shaped (8 layers, hidden 256,
 untied), vocab 8192, sequence 128, micro-batch 4, 8 micro-batches, AdamW, fp32, dropout 0, on 2 and 4
@@ -270,6 +271,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 10: the first 2 are warm-up)")
     ap.add_argument("--models", default=",".join(MODELS), help="a subset: gpt2, llama")
     ap.add_argument("--stages", default="2,4", help="a subset: 2, 4")
+    ap.add_argument("--out", default="peers", help="results name in bench/results (peers-2 for a 2-stage run, say)")
     a = ap.parse_args()
     models, stage_counts = a.models.split(","), [int(x) for x in a.stages.split(",")]
     if a.quick:
@@ -354,14 +356,14 @@ def main() -> None:
     print(f"{doc['seconds']:.0f} s; load {started:.1f} -> {finished:.1f}; {uptime}")
     if not a.no_write:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "peers.json").write_text(json.dumps(doc, indent=1) + "\n")
-        head = (f"# autopipe against hand-written pipelines (bench/bench_peers.py{' --quick' if a.quick else ''})\n\n"
+        (RESULTS / f"{a.out}.json").write_text(json.dumps(doc, indent=1) + "\n")
+        head = (f"# autopipe against hand-written pipelines (bench/bench_peers.py{''.join(' ' + x for x in sys.argv[1:])})\n\n"
                 f"{rounds} round(s) of {steps} steps, median of steps {warmup + 1}-{steps}; {os.cpu_count()} CPUs, "
                 f"gloo, one thread per rank; `uptime` at the start: {uptime}; load {started:.1f} -> {finished:.1f}.\n")  # fmt: skip
-        write_keeping_notes(RESULTS / "peers.md", head + text)
+        write_keeping_notes(RESULTS / f"{a.out}.md", head + text)
         # for `autopipe report PLAN --breakdown`: the profiled configuration's methods, per rank
         rows = [{"method": m, "ranks": ranks} for res in results.values() for m, ranks in res["breakdown"].items()]
-        (RESULTS / "peers-breakdown.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (RESULTS / f"{a.out}-breakdown.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":
