@@ -84,6 +84,7 @@ if [[ $PART == all || $PART == verify || $PART == llama ]]; then
     step convert-llama 120 $PY -m autopipe convert llama-1b --stages 2 --device "$DEV" --dtype bf16 --seq-len "$SEQ" \
         --batch-size 4 --out jobs/llama-cuda --force
     step train-llama 90 $PY jobs/llama-cuda/train.py --steps 5 --verify --log-json "$ART/log-llama-bf16.json"
+    step bf16-floor 60 $PY bench/bf16_floor.py llama-1b "$SEQ"  # what bf16 moves the untouched model by itself
 fi
 if [[ $PART == all || $PART == optim ]]; then
     # what the plan leaves out on a GPU (no engine row there): the step's norm + clip + AdamW, per
