@@ -261,10 +261,11 @@ def _worker(root: Path, dtype: str) -> None:
     env = init_dist(dp=1, exact_memory=True)  # the peak then counts tensors, as the memory model does
     try:
         plan = load_plan(root / "plan.json")
+        config = TrainConfig(steps=_STEPS, microbatches=_MICRO, dtype=dtype)
         build = build_stage(source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank,
                             pp_size=env.pp_size, schedule="1f1b", device=env.device,
-                            autocast=TrainConfig(dtype=dtype).autocast_dtype)  # fmt: skip
-        trainer = Trainer(build, env, TrainConfig(steps=_STEPS, microbatches=_MICRO, dtype=dtype))
+                            autocast=config.autocast_dtype)  # fmt: skip
+        trainer = Trainer(build, env, config)
         data = TokenData(None, vocab_size=source.vocab_size, seq_len=_SEQ)
         peak = 0
         rows = _ROWS * _MICRO
