@@ -50,6 +50,12 @@ _FAILED = "autopipe/failed"  # store key: the rank that failed, set after its wo
 # closed" from a peer that stopped already: that rank reads this and stops as interrupted, not failed.
 _INTERRUPTED = "autopipe/interrupted"
 _LEAVING = threading.Lock()  # one way out per process: the excepthook's or the peer watch's
+_SAID = "autopipe/said"  # store key: rank 0 has said the run's line (a failing rank waits for it, _wait_for_rank_0)
+# A bad flag or a missing file fails every rank the same way, but not at the same moment: the rank
+# that gets there first would have its line said for it ("rank 1: ...") before rank 0 says its own.
+# Rank 0's peer watch gives its own main thread this long to fail too; the failing rank stays alive
+# a little longer still, since its exit makes torchrun stop rank 0 before rank 0 could say anything.
+_OWN_LINE_GRACE = 2.0
 
 
 def _rank() -> int:
@@ -100,6 +106,7 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 _announce_failure()
             else:  # usually rank 0 fails the same way; if not, it finds this rank's line in the store
                 _leave_word(message)
+                _wait_for_rank_0()
                 if _store() is None:  # before the process group: no store, and torchrun stops rank 0
                     time.sleep(2)  # when this rank exits, before it says its (same) line: let it say it
             # leave at once: a rank waiting in a collective would otherwise hold the others until it times out
@@ -132,6 +139,7 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                 _announce_failure()
             else:
                 _leave_word(message)
+                _wait_for_rank_0()
             os._exit(1)
         previous(kind, value, tb)
         _announce_failure()  # not an Exception (SystemExit and kin): the other ranks leave too
@@ -282,8 +290,14 @@ def _watch(store: Any, stop: threading.Event, interval: float) -> None:
             failed = store.get(_FAILED).decode()
         except Exception:  # the store is gone: the run has ended (a lost host the collectives report)
             return
-        if failed == str(_rank()) or stop.is_set() or not _LEAVING.acquire(blocking=False):
-            return  # this rank is the one failing, or is on its way out already
+        if failed == str(_rank()) or stop.is_set():
+            return  # this rank is the one failing, or the run is over
+        if _rank() == 0:  # rank 0 may be about to fail the same way: then its own line, without "rank N:"
+            deadline = time.monotonic() + _OWN_LINE_GRACE
+            while time.monotonic() < deadline and not _LEAVING.locked():
+                time.sleep(0.05)
+        if not _LEAVING.acquire(blocking=False):
+            return  # on its way out already
         if _rank() == 0:
             word = _find_word()
             _say(f"error: {word}" if word else f"error: rank {failed} failed (its output above says why)")
@@ -307,9 +321,25 @@ def _find_word() -> str | None:
 def _say(line: str) -> None:
     """One line on the process's real stderr: torch.distributed's own excepthook captures
     ``sys.stderr`` while it calls ours (to prefix each line with the rank), and we exit before it
-    would print the capture."""
+    would print the capture. On rank 0 it also marks the store: a failing rank waits for that."""
     sys.stdout.flush()
     os.write(2, (line + "\n").encode())
+    if _rank() == 0:
+        _set_key(_SAID)
+
+
+def _wait_for_rank_0(interval: float = 0.05) -> None:
+    """Keep a failing rank alive until rank 0 has said its line (at most the peer watch's interval and
+    grace, and a second more): its exit would make torchrun stop rank 0 before that."""
+    store = _store()
+    deadline = time.monotonic() + 1.0 + _OWN_LINE_GRACE + 1.0
+    while store is not None and time.monotonic() < deadline:
+        try:
+            if store.check([_SAID]):
+                return
+        except Exception:  # the store is gone with its host: nobody is left to wait for
+            return
+        time.sleep(interval)
 
 
 def check_launch(plan: Any, pp_size: int, dp_size: int, *, plan_path: str = "plan.json") -> None:

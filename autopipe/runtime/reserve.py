@@ -79,7 +79,8 @@ def _key(device: str, dtype: str = "fp32", arch: str = "gpt2") -> str:
         name = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda") + " (model 2)"
     else:
         # the allocator's settings change what a CPU rank holds beyond its tensors: measure again
-        name = f"{cpu_name()} x{os.environ.get('OMP_NUM_THREADS', '1')} ({ALLOCATOR_SETTINGS})"
+        # "anon": measured without the library code pages the steps map (runtime.peak); earlier figures had them
+        name = f"{cpu_name()} x{os.environ.get('OMP_NUM_THREADS', '1')} ({ALLOCATOR_SETTINGS}, anon)"
     mode = "" if dtype == "fp32" else f"|autocast {dtype}"
     shape = "" if arch == "gpt2" else f"|{arch}"  # fp32 GPT-2 keeps the key caches made before either
     return f"{device}|{name}|torch {torch.__version__}{mode}{shape}"
