@@ -328,16 +328,20 @@ rt.one_line_errors()
 env = rt.init_dist()
 if env.rank == 0:
     time.sleep(1.5)  # rank 0 reaches the same check later (a slower rank, a loaded machine)
-raise AutopipeError("--data 'missing.bin' does not exist.")
+if env.rank <= 1:
+    raise AutopipeError("--data 'missing.bin' does not exist.")
+env.barrier()  # a third rank has not got there yet: it only sees rank 1's mark
 '''
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [2, 3])
 def test_an_error_every_rank_meets_is_rank_0_s_own_line_whichever_rank_meets_it_first(torchrun: Launcher,
-                                                                                         tmp_path: Path) -> None:
-    """A missing file fails every rank; rank 1 gets there 1.5 s first. The line is rank 0's own, without
-    "rank 1:" (rank 1 waits for it rather than exiting, which would make torchrun stop rank 0 first)."""
+                                                                                         tmp_path: Path, nproc: int) -> None:
+    """A missing file fails ranks 0 and 1; rank 1 gets there 1.5 s first. The line is rank 0's own,
+    without "rank 1:": rank 1, and a third rank that only saw rank 1's mark, wait for it rather than
+    exiting, which would make torchrun stop rank 0 first."""
     (tmp_path / "fails.py").write_text(BOTH_FAIL_RANK1_FIRST)
-    proc = torchrun(tmp_path / "fails.py", nproc=2, cwd=tmp_path, timeout=120, check=False)
+    proc = torchrun(tmp_path / "fails.py", nproc=nproc, cwd=tmp_path, timeout=120, check=False)
     _one_line(proc, "--data 'missing.bin' does not exist.")
     assert "error: --data 'missing.bin' does not exist." in (proc.stdout + proc.stderr).splitlines()

@@ -66,3 +66,46 @@ def test_profile_table_formats_bytes_like_the_plan() -> None:
     console.print(profile_table(prof))
     text = console.export_text()
     assert "4.00 TiB" in text and "1.50 KiB" in text
+
+
+AVX2_ONLY = {"avx": True, "avx2": True, "fma": True, "avx512_f": False, "avx512_bf16": False, "avx512_fp16": False,
+             "amx_bf16": False, "amx_tile": False, "amx_fp16": False}
+
+
+def test_a_16_bit_job_on_a_cpu_that_emulates_it_is_warned_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 without AVX512-BF16 or AMX (an AVX2 CPU: torch emulates it, ~30x slower than fp32) is
+    warned of, naming the way out; with either instruction set, in fp32, or where torch cannot say: nothing."""
+    import torch
+
+    from autopipe.costs.devices import slow_16bit_cpu_note
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AVX2_ONLY)
+    note = slow_16bit_cpu_note("bf16")
+    assert note is not None and "no bf16 instructions (AVX512_BF16 or AMX_BF16)" in note and "--dtype fp32" in note
+    assert "no fp16 instructions" in (slow_16bit_cpu_note("fp16") or "")
+    assert slow_16bit_cpu_note("fp32") is None
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**AVX2_ONLY, "avx512_bf16": True})
+    assert slow_16bit_cpu_note("bf16") is None
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**AVX2_ONLY, "amx_bf16": True})
+    assert slow_16bit_cpu_note("bf16") is None
+
+    def unknown() -> dict:
+        raise RuntimeError("cpuinfo failed")
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", unknown)
+    assert slow_16bit_cpu_note("bf16") is None
+
+
+def test_profile_in_bf16_on_such_a_cpu_warns_once_before_it_measures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warning comes before the table (the profile it warns of may take many minutes), once, and
+    stays in the saved profile's warnings."""
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: AVX2_ONLY)
+    out = tmp_path / "p.json"
+    result = runner.invoke(app, ["profile", "llama-tiny", "--autocast", "bf16", "--seq-len", "8", "--repeats", "1",
+                                 "--warmup", "0", "--reserve", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert text.count("no bf16 instructions") == 1 and text.index("no bf16 instructions") < text.index("measured on")
+    assert any("no bf16 instructions" in w for w in Profile.load(out).warnings)

@@ -83,6 +83,12 @@ def convert_command(
     def say(name: str) -> None:
         err_console.print(f"[dim]{name}…[/]", highlight=False)
 
+    from ..costs.devices import slow_16bit_cpu_note
+
+    # said before the passes too: the profile it warns of may take many minutes
+    emulated = slow_16bit_cpu_note(dtype) if device == "cpu" and not estimate else None
+    if emulated:
+        err_console.print(f"[yellow]warning:[/] {emulated}", highlight=False, soft_wrap=True)
     result = convert(model, settings, on_pass=say)
     plan, prof = result.plan, result.profile
     if result.search is not None:
@@ -91,7 +97,8 @@ def convert_command(
         console.print(search_table(result.search))
         console.print(search_summary(result.search), highlight=False, soft_wrap=True)
     for warning in prof.warnings:
-        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+        if warning != emulated:
+            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     replicas = f" x {plan.dp} replicas" if plan.dp > 1 else ""
     console.print(stage_table(plan, prof, title=f"{model}: {plan.stages} stages{replicas}, {plan.schedule}, "
                                                 f"{plan.microbatches} micro-batches"))

@@ -108,8 +108,13 @@ def profile_command(
         m = m.to(target)
         args, kwargs = tree_map(lambda v: v.to(target) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
                                 (args, kwargs))
+    from ..costs.devices import slow_16bit_cpu_note
     from ..runtime.reserve import reserve_for
 
+    sixteen = {"bfloat16": "bf16", "float16": "fp16"}.get(str(autocast or dtype or ""), "fp32")
+    emulated = slow_16bit_cpu_note(sixteen) if device == "cpu" and not estimate else None
+    if emulated and not json_output:  # before the profile it warns of, which may take many minutes
+        err_console.print(f"[yellow]warning:[/] {emulated}", highlight=False, soft_wrap=True)
     # measured before the model is on the GPU: a probe beside it would compete with it for memory
     reserve_bytes = reserve_for(device, estimate=estimate, given=reserve, dtype=precision(autocast) if autocast else "fp32",
                                 config=getattr(m, "config", None))  # fmt: skip
@@ -129,7 +134,8 @@ def profile_command(
     else:
         console.print(profile_table(prof))
         for warning in prof.warnings:
-            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+            if warning != emulated:
+                err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
         console.print(f"saved {out}")
 
 

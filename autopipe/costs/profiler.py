@@ -39,7 +39,7 @@ from .accounting import (
     layer_cost,
     tied_bytes,
 )
-from .devices import describe_device, device_spec, dtype_name, steady_heap
+from .devices import describe_device, device_spec, dtype_name, slow_16bit_cpu_note, steady_heap
 from .estimate import data_free, estimate_layer, meta_copy
 from .in_model import InModelTiming, charge_in_model, time_in_model
 from .layer_costs import LayerCost, Profile, optimizer_state_factor
@@ -173,6 +173,9 @@ def profile(
         walk.warnings.extend([note] if note else [])
     warnings = walk.warnings + ([] if estimate else _noisy(layer_costs))
     amp, tdtype = run.amp, run.dtype
+    if run.device.type == "cpu" and not estimate:
+        emulated = slow_16bit_cpu_note({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp or tdtype, "fp32"))
+        warnings = [*([emulated] if emulated else []), *warnings]
     return Profile(
         layers=layer_costs,
         device=run.spec.info(dtype_name(tdtype)) if estimate else describe_device(run.device),

@@ -127,6 +127,7 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
                          "it hung or was killed (its own output, or the launcher's, says which)")
                     os._exit(1)
             else:
+                _wait_for_rank_0()
                 os._exit(1)
         if issubclass(kind, Exception):
             from .failures import describe, write_traceback
@@ -301,6 +302,8 @@ def _watch(store: Any, stop: threading.Event, interval: float) -> None:
         if _rank() == 0:
             word = _find_word()
             _say(f"error: {word}" if word else f"error: rank {failed} failed (its output above says why)")
+        else:  # a third rank leaving now would make torchrun stop rank 0 before its own line, as the failed one would
+            _wait_for_rank_0()
         os._exit(1)
 
 
