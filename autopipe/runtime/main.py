@@ -80,8 +80,10 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        # leaving already: torchrun's stop must not cut the line, nor wake a rank whose peer watch is
+        # on its way out (waiting for rank 0's line) into a traceback from inside this hook
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _leave_alone()
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leaving already: torchrun's stop must not cut the line
         if issubclass(kind, KeyboardInterrupt) or _interrupted(value):
             # torchrun stops the others with SIGTERM when a rank fails: then say why, not "interrupted"
             word = _find_word() if _rank() == 0 else None
@@ -247,7 +249,11 @@ def _announce_failure() -> None:
 def _leave_alone() -> None:
     """Go on only if this process is not already leaving: the peer watch may be, and it exits."""
     if not _LEAVING.acquire(blocking=False):
-        threading.Event().wait()
+        while True:  # the watch exits the process; a Ctrl-C meanwhile must not print a traceback
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                continue
 
 
 def watch_peers(interval: float = 1.0) -> threading.Event | None:
