@@ -111,8 +111,7 @@ def profile_command(
     from ..costs.devices import slow_16bit_cpu_note
     from ..runtime.reserve import reserve_for
 
-    sixteen = {"bfloat16": "bf16", "float16": "fp16"}.get(str(autocast or dtype or ""), "fp32")
-    emulated = slow_16bit_cpu_note(sixteen) if device == "cpu" and not estimate else None
+    emulated = slow_16bit_cpu_note(autocast or dtype or "fp32") if device == "cpu" and not estimate else None
     if emulated and not json_output:  # before the profile it warns of, which may take many minutes
         err_console.print(f"[yellow]warning:[/] {emulated}", highlight=False, soft_wrap=True)
     # measured before the model is on the GPU: a probe beside it would compete with it for memory

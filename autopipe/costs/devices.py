@@ -126,9 +126,16 @@ def cpu_features() -> dict[str, bool]:
 
 
 def slow_16bit_cpu_note(dtype: str) -> str | None:
-    """A warning when training ``dtype`` (bf16 or fp16) on this CPU would be emulated: without its
-    instructions torch converts each value to fp32 and back, and a step runs many times slower than
-    in fp32. None where the CPU has them, ``dtype`` is fp32, or torch cannot tell."""
+    """A warning when training ``dtype`` (bf16 or fp16, any spelling ``choices.precision`` reads:
+    ``bfloat16`` too) on this CPU would be emulated: without its instructions torch converts each
+    value to fp32 and back, and a step runs many times slower than in fp32. None where the CPU has
+    them, ``dtype`` is not 16-bit, or torch cannot tell."""
+    from ..choices import precision
+
+    try:
+        dtype = precision(dtype)
+    except AutopipeError:  # float64 and kin: not a precision this warns of
+        return None
     wanted = _NATIVE_16BIT.get(dtype)
     features = cpu_features()
     if wanted is None or not features or any(features.get(f, False) for f in wanted):

@@ -174,7 +174,7 @@ def profile(
     warnings = walk.warnings + ([] if estimate else _noisy(layer_costs))
     amp, tdtype = run.amp, run.dtype
     if run.device.type == "cpu" and not estimate:
-        emulated = slow_16bit_cpu_note({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp or tdtype, "fp32"))
+        emulated = slow_16bit_cpu_note(dtype_name(amp or tdtype))
         warnings = [*([emulated] if emulated else []), *warnings]
     return Profile(
         layers=layer_costs,

@@ -56,6 +56,7 @@ _SAID = "autopipe/said"  # store key: rank 0 has said the run's line (a failing 
 # Rank 0's peer watch gives its own main thread this long to fail too; the failing rank stays alive
 # a little longer still, since its exit makes torchrun stop rank 0 before rank 0 could say anything.
 _OWN_LINE_GRACE = 2.0
+_WATCH_INTERVAL = 1.0  # how often the peer watch reads the store (watch_peers' default)
 
 
 def _rank() -> int:
@@ -256,7 +257,7 @@ def _leave_alone() -> None:
                 continue
 
 
-def watch_peers(interval: float = 1.0) -> threading.Event | None:
+def watch_peers(interval: float = _WATCH_INTERVAL) -> threading.Event | None:
     """Leave as soon as another rank has failed (collective-free: a daemon thread reads the store).
 
     A rank that fails marks the store (``one_line_errors``) and exits. Its peers may be waiting for
@@ -341,7 +342,7 @@ def _wait_for_rank_0(interval: float = 0.05) -> None:
     """Keep a failing rank alive until rank 0 has said its line (at most the peer watch's interval and
     grace, and a second more): its exit would make torchrun stop rank 0 before that."""
     store = _store()
-    deadline = time.monotonic() + 1.0 + _OWN_LINE_GRACE + 1.0
+    deadline = time.monotonic() + _WATCH_INTERVAL + _OWN_LINE_GRACE + 1.0
     while store is not None and time.monotonic() < deadline:
         try:
             if store.check([_SAID]):
