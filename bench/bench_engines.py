@@ -353,30 +353,33 @@ def main() -> None:
                     print(f"round {rnd + 1}/{ROUNDS} {e:<9} M={m}: whole {_median([r['whole'] for r in recs]):.4f} s, "
                           f"schedule {_median([r['schedule'] for r in recs]):.4f} s, load {loads[-1]:.1f}", flush=True)  # fmt: skip
         fitted = fit_engines(profs, boundaries, runs, rate, latency, bandwidth, (ar_latency, ar_bandwidth))
+        # the host the figures are seconds of: a plan on another CPU scales the per-call terms by its own probe
+        probe = _median([p.device.host_probe for p in profs])
+    print(f"host probe: {probe * 1e3:.2f} ms (median of {len(profs)} profiles)", flush=True)
     for e, f in fitted.items():
         print(f"{e}: compute_scale {f['compute_scale']:.3f}, per_op {f['per_op'] * 1e3:.2f} ms, "
               f"per_step {f['per_step'] * 1e3:.1f} ms", f["rows"], flush=True)  # fmt: skip
     load1 = os.getloadavg()[0]
     if not opts.no_write:
         write(fitted, latency, bandwidth, rate, p2p_rows, (load0, max(loads or [load1]), load1), boundaries,
-              (ar_latency, ar_bandwidth, ar_rows), len(profs))
+              (ar_latency, ar_bandwidth, ar_rows), len(profs), probe)
 
 
 def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows: list, load: tuple, boundaries,
-          allreduce: tuple[float, float, list], profiles: int) -> None:
+          allreduce: tuple[float, float, list], profiles: int, probe: float) -> None:
     day = time.strftime("%Y-%m-%d", time.gmtime())
     where = (f"bench/bench_engines.py, {day}, {os.cpu_count()} CPUs ({platform.machine()}), load {load[0]:.1f} before, "
              f"at most {load[1]:.1f} during")  # fmt: skip
     table = {"devices": {"cpu": {e: {"engine": e, "device": "cpu", "per_op": f["per_op"], "send_latency": latency,
                                      "bandwidth": bandwidth, "per_step": f["per_step"], "optimizer_rate": rate,
                                      "compute_scale": f["compute_scale"], "allreduce_latency": allreduce[0],
-                                     "allreduce_bandwidth": allreduce[1], "source": where}
+                                     "allreduce_bandwidth": allreduce[1], "host_probe": probe, "source": where}
                                  for e, f in fitted.items()}}}  # fmt: skip
     # adopted only when measured on a quiet machine (the jobs' own two ranks make a load of about 2) and
     # when the fit reproduces every measured step within 5 %: else the figures carry other work
     worst = max(abs(r["predicted_whole"] / r["whole"] - 1) for f in fitted.values() for r in f["rows"])
     quiet = load[0] < 1.0 and load[1] < 3.0
-    adopted = quiet and worst <= 0.05
+    adopted = bool(quiet and worst <= 0.05)
     if adopted:
         (ROOT / "autopipe" / "costs" / "engine_costs.json").write_text(json.dumps(table, indent=1) + "\n")
     else:
@@ -385,7 +388,8 @@ def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows:
     RESULTS.mkdir(parents=True, exist_ok=True)
     raw = {"source": where, "p2p": p2p_rows, "latency": latency, "bandwidth": bandwidth, "adamw_rate": rate,
            "boundaries": list(boundaries), "engines": fitted, "adopted": adopted,
-           "allreduce": {"latency": allreduce[0], "bandwidth": allreduce[1], "rows": allreduce[2]}, "profiles": profiles}  # fmt: skip
+           "allreduce": {"latency": allreduce[0], "bandwidth": allreduce[1], "rows": allreduce[2]}, "profiles": profiles,
+           "host_probe": probe}  # fmt: skip
     (RESULTS / "engines.json").write_text(json.dumps(raw, indent=1) + "\n")
     said = "adopted into autopipe/costs/engine_costs.json" if adopted else "NOT adopted"
     lines = ["# Engine overheads on this machine", "", f"`python bench/bench_engines.py`; {where}; {said} "
@@ -395,7 +399,9 @@ def write(fitted: dict, latency: float, bandwidth: float, rate: float, p2p_rows:
              f"Gradient norm + clip + AdamW (fused, fp32, as a job runs them): {rate * 1e9:.2f} ns of CPU per parameter. "
              f"All-reduce between the two (a tied gradient after the schedule): {allreduce[0] * 1e6:.0f} µs + bytes at "
              f"{allreduce[1] / 1e9:.2f} GB/s (medians of 3 probes over {', '.join(f'{b / 2**20:g} MiB' for b, _ in allreduce[2])}). "
-             f"per_op fitted to the median schedule over {profiles} profiles of the model.", "",
+             f"per_op fitted to the median schedule over {profiles} profiles of the model. Host probe "
+             f"(`autopipe.costs.devices.host_probe`, the profiles' median): {probe * 1e3:.2f} ms; a plan on another CPU "
+             "scales per_op, per_step and the latencies by its own probe over this one.", "",
              "Small GPT-2 (4 blocks, n_embd 192, vocab 2048, 4×128 tokens per micro-batch), 2 stages 1F1B fp32, "
              f"cut {list(boundaries)}, {ROUNDS} rounds of {STEPS} steps (medians after {WARMUP}): measured against the "
              "plan with the fitted figures.", "",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -104,6 +105,58 @@ def test_compute_scale_stretches_the_layers_not_the_sends() -> None:
     assert CostModel(prof, None, 1e6, "1f1b", 4, engine=EngineCosts("torch", "cpu", compute_scale=3.0, **linked)).one_way \
         == CostModel(prof, None, 1e6, "1f1b", 4, engine=EngineCosts("torch", "cpu", **linked)).one_way
     assert EngineCosts(**{"engine": "torch", "device": "cpu", **flat}).compute_scale == 1.0
+
+
+def test_a_table_fitted_on_another_host_scales_its_per_call_seconds_by_the_profile_s_probe(tmp_path, monkeypatch) -> None:
+    """A table records the host probe of the machine it was fitted on; a profile from a host whose probe
+    took twice as long plans with twice the per-op, per-step and latency seconds (the step exactly as
+    a table holding those figures would give) and the same bandwidths and optimizer rate; a profile
+    without the probe (older ones) plans with the table as fitted."""
+    path = tmp_path / "engine_costs.json"
+    row = {"engine": "torch", "device": "cpu", "source": "test", "host_probe": 0.004, "allreduce_latency": 1e-3,
+           "allreduce_bandwidth": 1e8, **TORCH}
+    path.write_text(json.dumps({"devices": {"cpu": {"torch": row}}}))
+    monkeypatch.setattr(engines_mod, "TABLE", path)
+    prof = _profile()
+    slow = replace(prof, device=replace(prof.device, type="cpu", host_probe=0.008))
+    doubled = EngineCosts(**{**row, "per_op": 2 * TORCH["per_op"], "per_step": 2 * TORCH["per_step"],
+                             "send_latency": 2 * TORCH["send_latency"], "allreduce_latency": 2e-3,
+                             "host_probe": 0.008})  # fitted on the slow host: nothing to scale
+    for stages in (2, 3):
+        scaled = partition(slow, stages, microbatches=4, recompute="none", engine="torch")
+        by_hand = partition(slow, stages, microbatches=4, recompute="none", engine=doubled)
+        assert scaled.boundaries == by_hand.boundaries
+        assert scaled.step_time == pytest.approx(by_hand.step_time, rel=1e-12)
+        assert scaled.step_overhead == pytest.approx(by_hand.step_overhead, rel=1e-12)
+        as_fitted = partition(prof, stages, microbatches=4, recompute="none", engine="torch")
+        assert as_fitted.step_time < scaled.step_time and as_fitted.step_overhead < scaled.step_overhead
+    on_slow = engine_costs("torch", "cpu").on_host(0.008)
+    assert (on_slow.bandwidth, on_slow.optimizer_rate, on_slow.allreduce_bandwidth) == (1e6, 1e-9, 1e8)
+    assert on_slow.allreduce_time(10**6) == pytest.approx(2e-3 + 2 * 10**6 / 2 / 1e8 * 1)  # 2(n-1)/n = 1 for two
+
+
+def test_the_host_probe_times_per_op_host_work() -> None:
+    """The probe is the host's per-operator work: with a Python hook on every torch call (more host work
+    per op, no more arithmetic) it reads longer; a CPU profile's device records it."""
+    import time
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from autopipe.costs.devices import describe_device, host_probe
+
+    class Slower(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 20e-6:  # 20 µs of host work per call
+                pass
+            return func(*args, **(kwargs or {}))
+
+    plain = host_probe()
+    with Slower():
+        hooked = host_probe()
+    assert plain > 0 and hooked > 1.5 * plain
+    assert describe_device(torch.device("cpu")).host_probe > 0
 
 
 def test_auto_picks_the_faster_engine_and_says_why_not(table) -> None:

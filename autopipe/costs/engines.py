@@ -14,6 +14,14 @@ PipelineStage + schedule, or DeepSpeed's PipelineEngine), which adds its own wor
   bandwidth: after the schedule each tied tensor held on several ranks (GPT-2's embedding and head)
   has its gradient summed over them, and every holder waits for it (measured: 8 MiB on gloo took
   6.7-7.6 ms here, which a GPT-2 job's step paid and no term counted); tables without it charge none;
+- ``host_probe``: seconds of :func:`autopipe.costs.devices.host_probe` on the machine the table was
+  fitted on (0 in tables before it). The fixed per-call terms above (``per_op``, ``per_step``, the two
+  latencies) are host software work, Python and the dispatcher, and are that machine's seconds; a
+  profile records the same probe on its own host, and :meth:`EngineCosts.on_host` scales those terms
+  by the ratio. Throughputs (the bandwidths, ``optimizer_rate``) are left as fitted: the arithmetic
+  and memory traffic behind them do not follow the interpreter's speed (an AVX2 CPU measured 1.6-2.0x
+  another CPU's gloo latency and 0.7-0.9x its AdamW seconds per parameter). Unverified across CPUs:
+  no two CPUs have both been measured with the probe;
 - ``compute_scale``: how much longer the layers take inside a running job than the profiler timed
   them alone (each rank's forward seconds in the job's step log over the plan's): on a CPU the
   job's ranks share the memory bus and caches, and a stage's micro-batches interleave their forwards
@@ -34,12 +42,19 @@ Example:
     (0.0011, 0.03, 1.15)
     >>> round(costs.allreduce_time(10**6), 6), round(costs.allreduce_time(10**6, ranks=4), 6)  # a ring's 2(n-1)/n
     (0.0012, 0.0017)
+    >>> fitted = EngineCosts("torch", "cpu", per_op=0.002, send_latency=1e-4, bandwidth=1e9, per_step=0.01,
+    ...                      optimizer_rate=1e-8, source="example", host_probe=0.004)
+    >>> slower = fitted.on_host(0.006)  # a host whose probe takes 1.5x as long
+    >>> round(slower.per_op, 6), round(slower.per_step, 6), slower.optimizer_rate, slower.host_probe
+    (0.003, 0.015, 1e-08, 0.006)
+    >>> fitted.on_host(0.0) is fitted  # a profile without the probe: the table as fitted
+    True
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +83,7 @@ class EngineCosts:
     compute_scale: float = 1.0  # a layer's seconds in a job over its profiled seconds (tables before it: 1)
     allreduce_latency: float = 0.0  # seconds per all-reduce between two ranks, beyond bytes / bandwidth
     allreduce_bandwidth: float | None = None  # bytes/s of that all-reduce; None: not measured (charged 0)
+    host_probe: float = 0.0  # seconds of devices.host_probe where fitted; 0: not measured (never scaled)
 
     def send_time(self, nbytes: int) -> float:
         """Seconds of one send (or receive) of ``nbytes`` at a cut."""
@@ -84,6 +100,16 @@ class EngineCosts:
     def after_schedule(self, params: int) -> float:
         """Seconds a step spends after the schedule on the rank holding ``params`` parameters."""
         return self.per_step + self.optimizer_rate * params
+
+    def on_host(self, probe: float) -> "EngineCosts":
+        """These costs on a host whose :func:`~autopipe.costs.devices.host_probe` read ``probe`` seconds:
+        the per-call terms scaled by ``probe / self.host_probe``; unchanged where either was not measured."""
+        if probe <= 0 or self.host_probe <= 0 or probe == self.host_probe:
+            return self
+        ratio = probe / self.host_probe
+        return replace(self, per_op=self.per_op * ratio, per_step=self.per_step * ratio,
+                       send_latency=self.send_latency * ratio, allreduce_latency=self.allreduce_latency * ratio,
+                       host_probe=probe)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -103,6 +103,9 @@ class DeviceInfo:
     # CPU cores the profiling process could run on (CPU profiles; 0 on GPUs and in older profiles): a CPU
     # job whose ranks outnumber them shares them, which the plan's step counts (schedules.shared_step).
     cores: int = 0
+    # Seconds of :func:`autopipe.costs.devices.host_probe` on the profiling host (CPU profiles; 0 where not
+    # measured): an engine table fitted on another CPU scales its runtime overheads by the ratio.
+    host_probe: float = 0.0
     # On a GPU, what a training process holds there beyond its tensors, for the memory model
     # (autopipe.costs.gpu_memory says what each is and where its figure comes from); 0 elsewhere,
     # and in profiles made before they were modelled.

@@ -205,6 +205,8 @@ def partition(
                        cuts=None if allowed is None else allowed.cuts, target=target_info(target).key if target else "")  # fmt: skip
 
     costs = engine if isinstance(engine, EngineCosts) else engine_costs(engine, profile.device.type)
+    if costs is not None:
+        costs = costs.on_host(profile.device.host_probe)  # the table's runtime seconds, on this profile's host
     if costs is not None and costs.bandwidth is not None and bandwidth == DEFAULT_BANDWIDTH:
         bandwidth = costs.bandwidth  # the engine's measured link, not a GPU's PCIe guess
 
