@@ -180,6 +180,7 @@ def main() -> None:
                              "plans every run")  # fmt: skip
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/results alone")
     parser.add_argument("--no-memory", action="store_true", help="skip each configuration's --exact-memory run")
+    parser.add_argument("--json", default="", help="also write this pass's rows here (a partial pass, --no-write, kept)")
     opts = parser.parse_args()
     import statistics
 
@@ -220,7 +221,8 @@ def main() -> None:
                 run["load"].append(os.getloadavg()[0])
                 run["seconds"] += time.perf_counter() - t0
                 print(f"round {r} {cfg.name:<44} whole step {measured:.3f}s / predicted {plan.total_step_time:.3f}s "
-                      f"= {measured / plan.total_step_time:.3f}   load {load0:.1f}", flush=True)  # fmt: skip
+                      f"= {measured / plan.total_step_time:.3f} (schedule {schedule / plan.schedule_step_time:.3f})"
+                      f"   load {load0:.1f}", flush=True)  # fmt: skip
         if not opts.no_memory:  # one more run each, under --exact-memory, for the peaks alone (its steps are slower)
             for cfg in wanted:
                 if cfg.engine == "torch":
@@ -255,6 +257,8 @@ def main() -> None:
         each = " ".join(f"{x:.3f}" for x in ratios)
         print(f"{name:<44} step {row['measured_step_time']:.3f}s (iqr {q[2] - q[0]:.3f}) / {row['predicted_step_time']:.3f}s:"
               f" ratio {row['step_ratio']:.3f} (runs {each})   memory {mem}", flush=True)  # fmt: skip
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"configs": rows}, indent=1, default=str) + "\n")
     if not opts.no_write:
         write_results(rows)
 
