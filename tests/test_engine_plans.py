@@ -157,6 +157,10 @@ def test_the_host_probe_times_per_op_host_work() -> None:
         hooked = host_probe()
     assert plain > 0 and hooked > 1.5 * plain
     assert describe_device(torch.device("cpu")).host_probe > 0
+    with torch.inference_mode():  # a caller's mode does not change what it times
+        assert host_probe() > 0
+    with torch.no_grad():
+        assert host_probe() > 0
 
 
 def test_auto_picks_the_faster_engine_and_says_why_not(table) -> None:

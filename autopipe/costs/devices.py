@@ -174,19 +174,20 @@ def host_probe() -> float:
     machine's seconds; a profile records this probe so a plan made on another CPU can scale them by the
     ratio instead of charging the fitting machine's seconds. About 35 ms (8 runs of 4 ms on a 2026 EPYC).
     """
-    x = torch.ones(8, requires_grad=True)
-    w = torch.ones(8, requires_grad=True)
-    state: dict[str, float] = {}
+    # the same work whatever mode the caller is in (a profile asked for under no_grad or inference_mode)
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.ones(8, requires_grad=True)
+        w = torch.ones(8, requires_grad=True)
+        state: dict[str, float] = {}
 
-    def work() -> None:
-        for i in range(40):
-            y = torch.relu(x * w + 1.0).sum()
-            y.backward()
-            state[f"op{i % 4}"] = state.get(f"op{i % 4}", 0.0) + 1.0  # an engine's dict and attribute traffic
-        x.grad = None
-        w.grad = None
+        def work() -> None:
+            for i in range(40):
+                y = torch.relu(x * w + 1.0).sum()
+                y.backward()
+                state[f"op{i % 4}"] = state.get(f"op{i % 4}", 0.0) + 1.0  # an engine's dict and attribute traffic
+            x.grad = None
+            w.grad = None
 
-    with torch.enable_grad():
         return _best_time(work, 7)
 
 
