@@ -5,9 +5,10 @@
   then (its parameters and buffers), and less the file-backed pages mapped since (``RssFile``: the
   library code the first steps run, which the page cache decides the size of, not the model). So
   the figure counts every tensor the rank holds, and what the allocator holds for them, but not the
-  host-side Python objects of the traced graph, which on a GPU would not be in device memory either. The peak is reset at each step start
-  (``/proc/self/clear_refs``), so each step reports its own peak. With freed memory kept in the
-  process (``keep_freed_memory``, as the runtime does when asked to measure memory:
+  host-side Python objects of the traced graph, which on a GPU would not be in device memory
+  either. The peak is reset at each step start (``/proc/self/clear_refs``), so each step reports its
+  own peak. With freed memory kept in the process (``keep_freed_memory``, as the runtime does when
+  asked to measure memory:
   ``init_dist(exact_memory=True)``), what the process once held stays resident, so this is the
   high-water mark of the heap: what the OS has to give the rank, and what the plan predicts. Under
   glibc's own settings (a job's default: they are faster) the heap's free blocks stay resident
