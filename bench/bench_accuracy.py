@@ -40,6 +40,9 @@ from _notes import write_keeping_notes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 ROWS, SEQ, STEPS, WARMUP = 4, 128, 6, 2
+# the memory run: its peaks are read from the 5th step of 12 on, as a long run holds them (and as the
+# reserve probe reads them: autopipe/runtime/reserve.py)
+MEMORY_STEPS, MEMORY_SETTLED = 12, 4
 
 MODELS = {
     "gpt2": ("GPT2", dict(n_layer=6, n_embd=256, n_head=4, vocab_size=4096, n_positions=SEQ,
@@ -147,12 +150,12 @@ def write_job(root: Path, folder: Path, cfg: Config, prof: object, plan: object)
     return emit(root / cfg.name, settings=settings, profile=prof, plan=plan, baselines={}).job_dir
 
 
-def run_job(job: Path, cfg: Config, *, exact_memory: bool = False) -> list[dict]:
+def run_job(job: Path, cfg: Config, *, exact_memory: bool = False, steps: int = STEPS) -> list[dict]:
     """The job's step log. ``exact_memory``: under train.py --exact-memory, whose CPU peaks count the
     tensors the plan counts (glibc keeps freed memory; slower steps): the memory run, not timed."""
     log = job / "log.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.stages}",
-           str(job / "train.py"), "--steps", str(STEPS), "--log-json", str(log),
+           str(job / "train.py"), "--steps", str(steps), "--log-json", str(log),
            *(["--exact-memory"] if exact_memory else [])]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
     done = subprocess.run(cmd, cwd=job, env=env, capture_output=True, text=True, timeout=900)
@@ -226,9 +229,9 @@ def main() -> None:
         if not opts.no_memory:  # one more run each, under --exact-memory, for the peaks alone (its steps are slower)
             for cfg in wanted:
                 if cfg.engine == "torch":
-                    records = run_job(runs[cfg.name]["job"], cfg, exact_memory=True)
+                    records = run_job(runs[cfg.name]["job"], cfg, exact_memory=True, steps=MEMORY_STEPS)
                     (runs[cfg.name]["job"] / "log.json").unlink()
-                    memory[cfg.name] = records[WARMUP:]
+                    memory[cfg.name] = records[MEMORY_SETTLED:]
     rows = []
     for name, run in runs.items():
         cfg, plan, rounds = run["cfg"], run["plan"], run["rounds"]  # plan: the last round's, whose job the memory run ran

@@ -290,8 +290,17 @@ def _cuda_fields(name: str, hopper: bool | None = None) -> dict[str, float]:
 # were 1.12 and 1.15-1.17, with 1 MiB 0.89 and 1.02-1.03, and the runtime reserve a probe measures fell
 # from 67 to 28 MiB. The price, GPT-2 (6 x 256) fp32 steps on one thread, 3 interleaved rounds under
 # load 2-5: 1 MiB 1.08-1.11x the old setting's step, 8 MiB 1.01-1.11x.
-MMAP_THRESHOLD = 1 << 20
-ALLOCATOR_SETTINGS = f"glibc mmap>={MMAP_THRESHOLD >> 20}MiB, no trim"  # part of the reserve's cache key
+# 64 KiB (2026-11-29): under 1 MiB the heap still held a step's sub-MiB tensors (a GPT-2 or Llama
+# block's hidden states, 512 KiB at 4 x 128 x 256), and its holes grew the resident peak by 20-37 MiB
+# over the live tensors (the profiler's memory timeline: the plan's tensors within 1-8 MiB of it),
+# climbing for ~8 steps and moving +-5 MiB from step to step, which the runtime reserve, one figure
+# per machine, could not follow: Llama 1F1B's rank 1 read 1.09-1.11x its plan, GPT-2's rank 0 1.07.
+# At 64 KiB the same ranks read 0.99-1.05x their tensors, the same to 0.1 MiB from the 2nd step on,
+# and the reserve fell from 20 to 0.2 MiB (GPT-2) and 27 to 3.6 (Llama). The price: an exact-memory
+# GPT-2 1F1B step 1.30-1.32 s against 0.91-0.94 at 1 MiB (2 rounds, interleaved, load 1.3-1.5);
+# it is the measuring mode's alone (a job's default is ``steady_heap``).
+MMAP_THRESHOLD = 64 << 10
+ALLOCATOR_SETTINGS = f"glibc mmap>={MMAP_THRESHOLD >> 10}KiB, no trim"  # part of the reserve's cache key
 
 
 _HEAP_KEPT = False  # whether keep_freed_memory took effect in this process (it cannot be undone)

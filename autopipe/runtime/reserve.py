@@ -10,10 +10,11 @@ on the architecture's pattern of allocations, so it is measured once per device,
 architecture by a probe: a small model of the user's architecture (their HuggingFace causal-LM
 config shrunk by ``probe_config`` to 4 layers of width 256 and a vocabulary of 4096; a GPT-2 of that
 size for anything else) is profiled in the mode training runs in (autocast for bf16/fp16), cut into
-2 stages (1 on a GPU: NCCL will not put two ranks on one), trained a few steps by the real runtime
+2 stages (1 on a GPU: NCCL will not put two ranks on one), trained 10 steps by the real runtime
 under torchrun, and the reserve is the ranks' mean measured peak (``autopipe.runtime.peak``, read
-after each step's optimizer step) less what the memory model predicts for them, at least 0. Each
-profile keeps the reserve it was made with (``Profile.reserve_bytes``); every plan adds it to each rank.
+after each step's optimizer step, from the 5th step on) less what the memory model predicts for
+them, at least 0. Each profile keeps the reserve it was made with (``Profile.reserve_bytes``); every
+plan adds it to each rank.
 
 On a GPU the probe's ranks measure their own process (NVML's per-process figure), never the whole
 device: the process that asks (which may hold the user's model on the GPU already) is not theirs. A
@@ -25,8 +26,12 @@ Measured on this CPU, three probes each (MiB): GPT-2-shaped fp32 28.0-29.3, bf16
 Llama-shaped fp32 35.2-38.0, bf16 45.1-51.5. The GPT-2 fp32 probe alone under-charged every rank of a
 Llama plan by 7-10 MiB and of a bf16 plan by 8-23: hence the precision and the architecture in the key.
 Those counted the library code pages a rank maps after its baseline; without them (the peak since
-2026-11-28, ``runtime.peak``) an AVX2 EPYC measured 15.4 MiB (GPT-2 fp32) and 24.7 MiB (Llama fp32),
-and one CI run drew under 16 MiB for GPT-2: the example's bound is loose on purpose.
+2026-11-28, ``runtime.peak``) an AVX2 EPYC measured 15.4 MiB (GPT-2 fp32) and 24.7 MiB (Llama fp32).
+Nearly all of that was glibc's heap: under a 1 MiB mmap threshold it held the sub-MiB tensors, and
+its holes put the resident peak 20-37 MiB over the live tensors, climbing for ~8 steps. With the
+exact-memory threshold at 64 KiB (``devices.MMAP_THRESHOLD``, 2026-11-29) the same CPU measures
+0.2 MiB (GPT-2 fp32) and 3.6 MiB (Llama fp32): the reserve is now what a CPU rank holds outside its
+tensors, and may be 0.
 
 The figure is cached per device, thread count, torch version, precision and architecture in
 ``$AUTOPIPE_CACHE`` (default ``~/.cache/autopipe/reserve.json``). An estimate for a named GPU
@@ -37,7 +42,7 @@ The figure is cached per device, thread count, torch version, precision and arch
 
 Example:
     >>> reserve = runtime_reserve("cpu")  # bytes; measured the first time (about 20 s), cached after
-    >>> 4 << 20 < reserve < 128 << 20    # MiB to tens of MiB on a CPU (the figures above), this machine's own
+    >>> 0 <= reserve < 64 << 20    # a few MiB on a CPU (the figures above), this machine's own
     True
 """
 
@@ -58,7 +63,12 @@ from .launch import run_local_workers
 
 __all__ = ["holds_gpu_memory", "measure_reserve", "probe_config", "reserve_for", "runtime_reserve"]
 
-_ROWS, _SEQ, _MICRO, _STEPS = 4, 128, 4, 6
+_ROWS, _SEQ, _MICRO, _STEPS = 4, 128, 4, 10
+# the probe reads each rank's peak from this step on, as a long run holds it: under a 1 MiB mmap
+# threshold a CPU rank's heap took ~8 steps to settle (the GPT-2 probe's rank 0 read 19 MiB over its
+# tensors by step 5, 26-30 from step 8 to 48); under 64 KiB (devices.MMAP_THRESHOLD) the 2nd step's
+# peak is the 12th's to 0.1 MiB, and the later steps are the margin
+_SETTLED = 4
 _LAYERS, _WIDTH, _HEADS, _VOCAB = 4, 256, 4, 4096  # the probe's size, GPT-2 or the user's architecture
 # token ids inside the probe's vocabulary: GPT2Config's defaults (50256) made transformers warn, on
 # the user's terminal, about a model the user never asked for
@@ -83,7 +93,8 @@ def _key(device: str, dtype: str = "fp32", arch: str = "gpt2") -> str:
     else:
         # the allocator's settings change what a CPU rank holds beyond its tensors: measure again
         # "anon": measured without the library code pages the steps map (runtime.peak); earlier figures had them
-        name = f"{cpu_name()} x{os.environ.get('OMP_NUM_THREADS', '1')} ({ALLOCATOR_SETTINGS}, anon)"
+        # "settled": read from the probe's 5th step on (_SETTLED); earlier figures read steps 2-6
+        name = f"{cpu_name()} x{os.environ.get('OMP_NUM_THREADS', '1')} ({ALLOCATOR_SETTINGS}, anon, settled)"
     mode = "" if dtype == "fp32" else f"|autocast {dtype}"
     shape = "" if arch == "gpt2" else f"|{arch}"  # fp32 GPT-2 keeps the key caches made before either
     return f"{device}|{name}|torch {torch.__version__}{mode}{shape}"
@@ -251,8 +262,8 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
 
 
 def _worker(root: Path, dtype: str) -> None:
-    """One probe rank: train the planned cut a few steps and write its largest peak after warm-up,
-    each read after the step's optimizer step."""
+    """One probe rank: train the planned cut ``_STEPS`` steps and write its largest peak once the heap
+    has settled (``_SETTLED``), each read after the step's optimizer step."""
     from .build import build_stage
     from .data import TokenData
     from .distenv import init_dist
@@ -277,7 +288,7 @@ def _worker(root: Path, dtype: str) -> None:
             args, kwargs = source.batch(data.batch(step, rows), rows, step=step)
             trainer.step(args, kwargs)
             whole = env.peak.read()  # after the step returned: its optimizer step included
-            if step >= 1:  # the first step also infers shapes and allocates what later steps reuse
+            if step >= _SETTLED:  # not the first steps': shapes inferred, allocations still finding their places
                 peak = max(peak, whole)
         reading = {"peak": peak, "outside_known": env.peak.outside_known}
         (root / f"peak{env.rank}.json").write_text(json.dumps(reading))
