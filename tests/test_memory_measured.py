@@ -14,6 +14,12 @@ on an AVX2 EPYC: 0.88-1.06 per rank, growth 0.93-1.10. Bound ±20 % on both: cat
 multiplied by the micro-batches in flight (GPipe holds 4 where 1F1B holds 2 and 1), counted twice, or a reserve gone missing; before the
 allocator settings the totals read 0.69-0.90 and the bounds were ±35 % / ±30 %. bench/bench_accuracy.py
 records the figures for more configurations.
+
+Since 2026-11-29 the exact-memory heap keeps no tensor of 64 KiB or more (``devices.MMAP_THRESHOLD``;
+its holes among sub-MiB activations had been 15-37 MiB of each rank's peak, and the reserve), and a
+rank with several chunks is planned at their joint peak. One run here: 1F1B 0.994 / 1.084, GPipe
+0.995 / 1.032, interleaved 1F1B (its own cut) 0.953 / 0.954, where the sum of its chunks' own
+peaks would read 0.948 / 0.884; growth from 1F1B to GPipe 0.996 / 0.994. Bound ±15 %.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ from _launch import Launcher
 
 import autopipe
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # train.py under torchrun, twice
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # train.py under torchrun, three times
 
 ROWS, SEQ, MICRO, STEPS = 4, 128, 4, 4
-BOUND = 0.20  # measured / predicted 0.88-1.06, growth 0.93-1.10 over 4 runs (module docstring)
+BOUND = 0.15  # measured / predicted 0.95-1.08, growth 0.99-1.00 (module docstring)
 
 
 def _run(torchrun: Launcher, root: Path, folder: Path, prof, plan, name: str):
@@ -62,20 +68,37 @@ def measured(torchrun: Launcher, tmp_path_factory: pytest.TempPathFactory):
                             reserve=runtime_reserve("cpu"))  # fmt: skip
     plan = autopipe.partition(prof, 2, microbatches=MICRO, schedule="1f1b")
     gpipe = autopipe.partition(prof, 2, microbatches=MICRO, schedule="gpipe", boundaries=plan.boundaries)
+    inter = autopipe.partition(prof, 2, microbatches=MICRO, schedule="interleaved1f1b")
     return {"1f1b": (plan, _run(torchrun, root, folder, prof, plan, "1f1b")),
-            "gpipe": (gpipe, _run(torchrun, root, folder, prof, gpipe, "gpipe"))}
+            "gpipe": (gpipe, _run(torchrun, root, folder, prof, gpipe, "gpipe")),
+            "interleaved1f1b": (inter, _run(torchrun, root, folder, prof, inter, "interleaved")), "profile": prof}
 
 
 def test_each_rank_s_measured_peak_matches_the_plan(measured) -> None:
-    """Measured peak / predicted within ±20 % on both ranks under both schedules."""
-    for schedule, (plan, cmp) in measured.items():
+    """Measured peak / predicted within ±15 % on both ranks under each schedule."""
+    for schedule in ("1f1b", "gpipe", "interleaved1f1b"):
+        plan, cmp = measured[schedule]
         for r, ratio in enumerate(cmp.memory_ratios):
             assert abs(ratio - 1) <= BOUND, (schedule, r, cmp.measured_memory, cmp.predicted_memory)
 
 
+def test_a_rank_with_two_chunks_peaks_at_their_joint_state_not_the_sum_of_their_peaks(measured) -> None:
+    """Interleaved 1F1B puts two chunks on each rank, which do not peak together: the plan charges
+    each rank at its heaviest joint state (``schedules.rank_states``), and the measured peak is
+    nearer that than the sum of the chunks' own peaks (what the partitioner held the cut to)."""
+    from autopipe.planner.memory import rank_memory
+
+    plan, cmp = measured["interleaved1f1b"]
+    alone = rank_memory(measured["profile"], plan.boundaries, stage_ranks=plan.stage_ranks,
+                        inflight=plan.stage_inflight, microbatches=plan.microbatches, schedule=plan.schedule)  # fmt: skip
+    assert any(a.total > p for a, p in zip(alone, plan.rank_memory))  # the two differ on this cut
+    for r, (a, p, m) in enumerate(zip(alone, plan.rank_memory, cmp.measured_memory)):
+        assert p <= a.total and abs(m / p - 1) <= abs(m / a.total - 1), (r, m, p, a.total)
+
+
 def test_what_more_micro_batches_in_flight_add_is_what_the_plan_adds(measured) -> None:
     """GPipe holds all 4 micro-batches' activations where 1F1B holds 2 (rank 0) and 1 (rank 1): the
-    measured growth per rank matches the predicted growth within ±20 %. The reserve, fitted on another
+    measured growth per rank matches the predicted growth within ±15 %. The reserve, fitted on another
     model, cancels out here, so this sees the activation and in-flight terms alone."""
     (one, m1), (all_, m4) = measured["1f1b"], measured["gpipe"]
     assert one.stage_inflight == (2, 1) and all_.stage_inflight == (4, 4)

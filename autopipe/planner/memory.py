@@ -63,8 +63,9 @@ re-gathering parameters for the backward, which pipelining keeps gathered anyway
   workspaces; one NCCL communicator per group the rank is in (the world's, the pipeline's and the
   replicas' when both are larger than one, one per tied tensor held by several ranks) and
   point-to-point buffers per pipeline neighbour.
-- ``reserve``: what the runtime holds on the device beyond all of these (on a CPU: glibc's heap
-  holes, the traced graph's tensors), measured once per device (``Profile.reserve_bytes``).
+- ``reserve``: what the runtime holds on the device beyond all of these (on a CPU: what the rank
+  allocates outside tensors and the heap's holes among tensors under 64 KiB, a few MiB), measured
+  once per device (``Profile.reserve_bytes``).
 
 ``--memory-limit device`` is the GPU's memory; the tensors may use what is left after the fixed
 terms (context, workspace, NCCL, reserve) divided by one plus the slack (``tensor_budget``).
@@ -90,7 +91,7 @@ from ..choices import FUSED_ADAM_DEVICES
 from ..costs.layer_costs import DeviceInfo, Profile, optimizer_state_factor
 
 __all__ = ["RankMemory", "LayerMemory", "DeviceTerms", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "holds_sends",
-           "layer_memory", "rank_memory", "splits_backward", "tensor_budget", "zero_share"]
+           "joint_peak", "layer_memory", "rank_memory", "splits_backward", "tensor_budget", "zero_share"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 # schedules that split the backward into input and weight passes (the partitioner's and torch's spellings)
@@ -442,6 +443,39 @@ def rank_memory(
                           nccl=dev.nccl(groups, len(peers)))  # fmt: skip
         out.append(mem)
     return out
+
+
+def joint_peak(memory: LayerMemory, boundaries: Sequence[int], *, states: Sequence[tuple[Sequence[int], Sequence]],
+               recompute: Sequence[str] = ()) -> tuple[list[int], list[int]]:
+    """Per chunk, the (inflight, waiting) to give ``rank_memory`` so each rank is charged at its
+    heaviest joint state (``schedules.rank_states``: per rank, its chunks and the (held, waiting) of
+    each at every point of its op order) rather than at each chunk's own peak: on a rank with several
+    chunks the units of one are freed while another's arrive, and the sum of the chunks' own peaks
+    over-charges it (measured, 2026-11-29: GPT-2 interleaved 1F1B's ranks held 0.84-0.87 of that sum
+    once glibc's heap stopped hiding it; bench/results/accuracy.md). Only the activations and the
+    model's output depend on the state; the rest of a rank's terms are the same in every one.
+
+    >>> from autopipe.costs.layer_costs import Profile
+    >>> lm = layer_memory(Profile.from_costs([1, 1, 1, 1], activation_bytes=[100, 100, 300, 100]))
+    >>> joint_peak(lm, (0, 1, 2, 3, 4), states=[((0, 2), (((4, 0), (1, 0)), ((3, 0), (2, 0)))),
+    ...                                          ((1, 3), (((2, 0), (2, 0)),))])
+    ([3, 2, 2, 2], [0, 0, 0, 0])
+
+    Rank 0 peaks holding 3 x 100 + 2 x 300 bytes, where its chunks' own peaks add to 4 x 100 + 2 x 300.
+    """
+    n = len(memory.weights)
+    chunks = list(zip(boundaries, boundaries[1:]))
+    modes = list(recompute) or ["none"] * len(chunks)
+    held_bytes, wait_bytes = [], []
+    for c, (a, b) in enumerate(chunks):
+        held_bytes.append(sum(memory.activations[modes[c]][a:b]) + (memory.outputs[n - 1] if b == n else 0))
+        wait_bytes.append(sum(memory.waiting[modes[c]][a:b]))
+    inflight, waiting = [0] * len(chunks), [0] * len(chunks)
+    for mine, seen in states:
+        best = max(seen, key=lambda st: sum(h * held_bytes[c] + w * wait_bytes[c] for c, (h, w) in zip(mine, st)))
+        for c, (h, w) in zip(mine, best):
+            inflight[c], waiting[c] = h + w, w
+    return inflight, waiting
 
 
 def _groups(stages: int, dp: int, tied: Sequence[int]) -> list[int]:

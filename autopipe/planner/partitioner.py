@@ -40,7 +40,7 @@ from ..units import format_bytes, parse_size
 from .baselines import BASELINES, baseline
 from .chunk_costs import state_arrays
 from .cost_model import CostModel, CutRequest, unit_states
-from .memory import rank_memory
+from .memory import joint_peak, rank_memory
 from .plan import Plan
 from .refusals import chunk_need, explain_infeasible, recompute_hint, with_zero_hint
 from .schedules import (
@@ -48,6 +48,7 @@ from .schedules import (
     check_weight_share,
     chunk_ranks,
     normalize_schedule,
+    rank_states,
     shared_step,
     simulate,
 )
@@ -472,13 +473,18 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
     waiting = [int(waits[p, 0, s]) for s, p in enumerate(peak_at)]
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
-    # Each chunk at its own peak, as the partitioner held it under the limit. The chunks of one rank
-    # do not peak together (schedules.peak_states), but on CPU the resident peak measured at least
-    # this sum on interleaved and 2-rank zbv runs (bench/results/accuracy.md), not the live tensors'
-    # joint peak, which read 1.08-1.14 of it.
-    per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=inflight, microbatches=m,
-                           recompute=[c.modes[int(x)] for x in md], reserve=model.reserve, waiting=waiting,
-                           schedule=schedule)  # fmt: skip
+    # The partitioner held each chunk at its own peak under the limit (their sum bounds the rank's).
+    # The plan predicts each rank at its heaviest joint state instead, where several chunks share a
+    # rank (interleaved, zbv): they do not peak together (schedules.rank_states). Until 2026-11-29
+    # the CPU's resident peak read at least the sum, but that was glibc's heap holes among sub-MiB
+    # activations; with them gone (devices.MMAP_THRESHOLD) the ranks held 0.84-0.92 of the sum.
+    names = [c.modes[int(x)] for x in md]
+    joint_in, joint_wait = inflight, waiting
+    if v > 1:
+        joint_in, joint_wait = joint_peak(model.memory, bounds, recompute=names,
+                                          states=rank_states(schedule, stages, v, m))  # fmt: skip
+    per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=joint_in, microbatches=m,
+                           recompute=names, reserve=model.reserve, waiting=joint_wait, schedule=schedule)  # fmt: skip
     rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=req.weight_share)
     # a CPU job's ranks beyond its cores share them: the step they run (the cut stays the dedicated optimum)

@@ -63,6 +63,7 @@ __all__ = [
     "step_times",
     "inflight_counts",
     "peak_states",
+    "rank_states",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv")
@@ -316,28 +317,65 @@ def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) 
     return peak
 
 
+def _walk(order: list[tuple[str, int, int]]):  # noqa: ANN202 (a generator of the two dicts)
+    """After each op of a rank's ``order``: the op's chunk, and per chunk the units held (between F
+    and B, or W where the backward is split) and waiting (between B and W)."""
+    held: dict[int, int] = {}
+    waiting: dict[int, int] = {}
+    split = any(kind == "W" for kind, _, _ in order)
+    for kind, _, c in order:
+        # torch never splits the first stage's backward (nothing upstream waits for its input
+        # gradients): its B does nothing and its W is the whole backward, so its units stay held
+        first = c == 0
+        if kind == "F":
+            held[c] = held.get(c, 0) + 1
+        elif kind == "B" and not (split and first):
+            held[c] -= 1
+            waiting[c] = waiting.get(c, 0) + split
+        elif kind == "W" and first:
+            held[c] -= 1
+        elif kind == "W":
+            waiting[c] -= 1
+        yield c, held, waiting
+
+
 @lru_cache(maxsize=64)
 def _peak_states(schedule: str, ranks: int, virtual: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     seen: list[set[tuple[int, int]]] = [set() for _ in range(ranks * virtual)]
     for order in fixed_orders(schedule, ranks, virtual, m):
-        held: dict[int, int] = {}
-        waiting: dict[int, int] = {}
-        split = any(kind == "W" for kind, _, _ in order)
-        for kind, _, c in order:
-            # torch never splits the first stage's backward (nothing upstream waits for its input
-            # gradients): its B does nothing and its W is the whole backward, so its units stay held
-            first = c == 0
-            if kind == "F":
-                held[c] = held.get(c, 0) + 1
-            elif kind == "B" and not (split and first):
-                held[c] -= 1
-                waiting[c] = waiting.get(c, 0) + split
-            elif kind == "W" and first:
-                held[c] -= 1
-            elif kind == "W":
-                waiting[c] -= 1
+        for c, held, waiting in _walk(order):
             seen[c].add((held.get(c, 0), waiting.get(c, 0)))
     return tuple(_upper_hull(states) for states in seen)
+
+
+@lru_cache(maxsize=64)
+def _rank_states(schedule: str, ranks: int, virtual: int, m: int) -> tuple[tuple[tuple[int, ...], tuple], ...]:
+    out = []
+    for order in fixed_orders(schedule, ranks, virtual, m):
+        chunks = tuple(sorted({c for _, _, c in order}))
+        seen = {tuple((held.get(c, 0), waiting.get(c, 0)) for c in chunks) for _, held, waiting in _walk(order)}
+        out.append((chunks, tuple(sorted(seen))))
+    return tuple(out)
+
+
+def rank_states(schedule: str, ranks: int, virtual: int,
+                microbatches: int) -> list[tuple[tuple[int, ...], tuple[tuple[tuple[int, int], ...], ...]]]:
+    """Per rank, its chunks and the joint states its op order passes through: for each, the
+    (held, waiting) of every chunk of the rank at once (``peak_states`` takes each chunk alone).
+    A rank's chunks do not peak together: under interleaved 1F1B the first chunk's units are
+    being freed while the last's are still arriving, so the rank's peak is the heaviest joint state,
+    not the sum of its chunks' own peaks.
+
+    >>> chunks, states = rank_states("interleaved1f1b", 2, 2, 4)[0]
+    >>> chunks, [max(s[i][0] for s in states) for i in range(2)], max(a + b for (a, _), (b, _) in states)
+    ((0, 2), [4, 2], 5)
+    >>> [len(states) for _, states in rank_states("1f1b", 2, 1, 4)]  # one chunk: 0, 1, 2 held on rank 0
+    [3, 2]
+
+    Rank 0 holds 5 units at once at most, where its chunks' own peaks add up to 6.
+    """
+    schedule = check_schedule(schedule, ranks, virtual, microbatches)
+    return list(_rank_states(schedule, ranks, virtual, microbatches))
 
 
 def _upper_hull(states: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
