@@ -51,9 +51,10 @@ class Plan:
     stage_backward: tuple[float, ...]  # per chunk: backward compute, recomputation included
     stage_comm: tuple[float, ...]  # per chunk: send/recv seconds in one direction (+ the engine's per op)
     stage_memory: tuple[int, ...]  # per chunk: static bytes (tied once) + activations in flight
-    stage_inflight: tuple[int, ...]  # per chunk: micro-batches of activations held at the peak
+    stage_inflight: tuple[int, ...]  # per chunk: micro-batches of activations held at the chunk's own peak
     rank_times: tuple[float, ...]  # per rank: sum of its chunks' times
-    rank_memory: tuple[int, ...]  # per rank: its chunks' memory, tied tensors once per rank
+    # per rank: its chunks' memory at their heaviest joint state (memory.joint_peak), tied tensors once
+    rank_memory: tuple[int, ...]
     bottleneck_stage: int  # the slowest chunk
     bottleneck_time: float
     peak_memory: int  # the largest rank_memory
