@@ -415,9 +415,9 @@ def rank_memory(
             # held units keep the forward's bytes, waiting ones what their weight pass needs
             late = int(waiting[c]) if len(waiting) else 0
             held = inflight[c] - late
-            act += sum(held * lm.activations[modes[c]][i] + late * lm.waiting[modes[c]][i] for i in range(a, b))
-            if b == n:
-                outs += held * lm.outputs[n - 1]  # the model's output lives until its B
+            kept, hold, output = _unit_bytes(lm, a, b, modes[c])
+            act += held * kept + late * hold
+            outs += held * output
             trans = max([trans, *(lm.transient[modes[c]][i] for i in range(a, b))])
             # one buffer per micro-batch for each cut facing another rank
             if a > 0 and stage_ranks[c - 1] != r:
@@ -445,6 +445,14 @@ def rank_memory(
     return out
 
 
+def _unit_bytes(memory: LayerMemory, a: int, b: int, mode: str) -> tuple[int, int, int]:
+    """What one micro-batch of chunk [a, b) holds under recompute ``mode``: held (between its F and
+    B) its kept activations, waiting (between B and W) what its weight pass needs, and, held on the
+    model's last chunk, the model's output too (it lives until its B)."""
+    out = memory.outputs[-1] if b == len(memory.weights) else 0
+    return sum(memory.activations[mode][a:b]), sum(memory.waiting[mode][a:b]), out
+
+
 def joint_peak(memory: LayerMemory, boundaries: Sequence[int], *, states: Sequence[tuple[Sequence[int], Sequence]],
                recompute: Sequence[str] = ()) -> tuple[list[int], list[int]]:
     """Per chunk, the (inflight, waiting) to give ``rank_memory`` so each rank is charged at its
@@ -463,13 +471,13 @@ def joint_peak(memory: LayerMemory, boundaries: Sequence[int], *, states: Sequen
 
     Rank 0 peaks holding 3 x 100 + 2 x 300 bytes, where its chunks' own peaks add to 4 x 100 + 2 x 300.
     """
-    n = len(memory.weights)
     chunks = list(zip(boundaries, boundaries[1:]))
     modes = list(recompute) or ["none"] * len(chunks)
     held_bytes, wait_bytes = [], []
     for c, (a, b) in enumerate(chunks):
-        held_bytes.append(sum(memory.activations[modes[c]][a:b]) + (memory.outputs[n - 1] if b == n else 0))
-        wait_bytes.append(sum(memory.waiting[modes[c]][a:b]))
+        kept, hold, output = _unit_bytes(memory, a, b, modes[c])
+        held_bytes.append(kept + output)
+        wait_bytes.append(hold)
     inflight, waiting = [0] * len(chunks), [0] * len(chunks)
     for mine, seen in states:
         best = max(seen, key=lambda st: sum(h * held_bytes[c] + w * wait_bytes[c] for c, (h, w) in zip(mine, st)))

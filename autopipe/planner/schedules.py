@@ -318,8 +318,8 @@ def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) 
 
 
 def _walk(order: list[tuple[str, int, int]]):  # noqa: ANN202 (a generator of the two dicts)
-    """After each op of a rank's ``order``: the op's chunk, and per chunk the units held (between F
-    and B, or W where the backward is split) and waiting (between B and W)."""
+    """After each op of a rank's ``order``: per chunk, the units held (between F and B, or W where
+    the backward is split) and waiting (between B and W)."""
     held: dict[int, int] = {}
     waiting: dict[int, int] = {}
     split = any(kind == "W" for kind, _, _ in order)
@@ -336,15 +336,17 @@ def _walk(order: list[tuple[str, int, int]]):  # noqa: ANN202 (a generator of th
             held[c] -= 1
         elif kind == "W":
             waiting[c] -= 1
-        yield c, held, waiting
+        yield held, waiting
 
 
 @lru_cache(maxsize=64)
 def _peak_states(schedule: str, ranks: int, virtual: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    # each chunk's own states are its column of its rank's joint states (the (0, 0) a chunk shows
+    # before its first op is under every hull)
     seen: list[set[tuple[int, int]]] = [set() for _ in range(ranks * virtual)]
-    for order in fixed_orders(schedule, ranks, virtual, m):
-        for c, held, waiting in _walk(order):
-            seen[c].add((held.get(c, 0), waiting.get(c, 0)))
+    for chunks, states in _rank_states(schedule, ranks, virtual, m):
+        for i, c in enumerate(chunks):
+            seen[c].update(st[i] for st in states)
     return tuple(_upper_hull(states) for states in seen)
 
 
@@ -353,7 +355,7 @@ def _rank_states(schedule: str, ranks: int, virtual: int, m: int) -> tuple[tuple
     out = []
     for order in fixed_orders(schedule, ranks, virtual, m):
         chunks = tuple(sorted({c for _, _, c in order}))
-        seen = {tuple((held.get(c, 0), waiting.get(c, 0)) for c in chunks) for _, held, waiting in _walk(order)}
+        seen = {tuple((held.get(c, 0), waiting.get(c, 0)) for c in chunks) for held, waiting in _walk(order)}
         out.append((chunks, tuple(sorted(seen))))
     return tuple(out)
 
