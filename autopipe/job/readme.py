@@ -74,7 +74,9 @@ def _schedule_words(plan: Plan) -> str:
     if plan.schedule_policy != "auto":
         return ""
     steps = ", ".join(f"{s} {format_time(t)}" for s, t in plan.schedule_steps.items())
-    return f"\nThe schedule is the fastest predicted whole step of those planned (`--schedule auto`): {steps}."
+    how = (f"the simplest (fewest chunks, micro-batches held and sends) within {plan.schedule_margin:.0%} of the fastest"
+           if plan.schedule_margin > 0 else "the fastest")
+    return f"\nThe schedule is {how} predicted whole step of those planned (`--schedule auto`): {steps}."
 
 
 def _engine_words(plan: Plan) -> str:

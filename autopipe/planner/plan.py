@@ -112,11 +112,13 @@ class Plan:
     engine: str = ""
     step_overhead: float = 0.0
     # How the schedule was chosen: "auto" when planner.schedule_choice made every schedule's plan and
-    # kept the least predicted whole step (schedule_steps: each one planned, seconds; schedule_skipped:
-    # each one left out, why); "" when the schedule was given (and in plans before these fields).
+    # kept the simplest within schedule_margin (a fraction) of the least predicted whole step
+    # (schedule_steps: each one planned, seconds; schedule_skipped: each one left out, why); "" when
+    # the schedule was given (and in plans before these fields; a plan before the margin reads 0).
     schedule_policy: str = ""
     schedule_steps: dict[str, float] = field(default_factory=dict)
     schedule_skipped: dict[str, str] = field(default_factory=dict)
+    schedule_margin: float = 0.0
     # A CPU job whose ranks (stages x dp, one thread each) outnumber the cores the profile saw: those
     # cores (0 otherwise: a core or device per rank, as on GPUs) and the step when the ranks share
     # them (schedules.shared_step: the same op order, the running ops sharing the cores evenly).
@@ -330,6 +332,7 @@ def _check_plan(plan: Plan) -> None:
         raise RecordError(f"plan schedule_policy is {plan.schedule_policy!r}, but must be 'auto' or ''; {again}")
     for name, step in plan.schedule_steps.items():
         number(step, f"schedule_steps[{name!r}]")
+    number(plan.schedule_margin, "schedule_margin")
     for c, mode in enumerate(plan.stage_recompute):
         if mode not in ("none", "selective", "full"):
             raise RecordError(f"plan stage_recompute[{c}] is {mode!r}; use none, selective or full.")

@@ -1,14 +1,14 @@
-"""Which schedule a job runs: every schedule's own best plan, and ``auto`` = the fastest that can be made. No torch.
+"""Which schedule a job runs: every schedule's own best plan, and ``auto`` = the simplest of the fastest. No torch.
 
 A plan is made for one schedule (``partition(..., schedule=...)``): the cut that minimises that
 schedule's simulated step, with the memory it keeps in flight. :func:`plan_schedules` makes every
-schedule's plan under the same options and keeps the one whose whole step
-(``plan.total_step_time``) is the least. A schedule is left out, with its one-line reason, when the
-engine or the ``--for`` target does not run it (DeepSpeed's pipeline engine runs its own 1F1B only),
-when one stage leaves no bubble to fill, or when its plan cannot be made (too few layers for S·v
-chunks, micro-batches its rule refuses, no cut that fits the memory limit). On a tie (within the
-partitioner's ``TIE``) the simpler schedule wins, in the order of :data:`SCHEDULE_PREFERENCE`: fewer
-chunks per rank, fewer micro-batches held, fewer sends.
+schedule's plan under the same options and keeps the simplest one, in the order of
+:data:`SCHEDULE_PREFERENCE` (fewer chunks per rank, fewer micro-batches held, fewer sends), whose
+whole step (``plan.total_step_time``) is within :data:`SCHEDULE_MARGIN` of the least. A schedule is
+left out, with its one-line reason, when the engine or the ``--for`` target does not run it
+(DeepSpeed's pipeline engine runs its own 1F1B only), when one stage leaves no bubble to fill, or
+when its plan cannot be made (too few layers for S·v chunks, micro-batches its rule refuses, no cut
+that fits the memory limit).
 
 One chunk per stage can always be cut when any plan can, so ``auto`` refuses only what 1F1B
 refuses, and with 1F1B's own message.
@@ -35,13 +35,21 @@ from .schedules import SCHEDULES, normalize_schedule
 from .step_solver import TIE
 from .targets import target_info
 
-__all__ = ["ScheduleChoice", "plan_schedules", "schedules_for", "is_auto", "SCHEDULE_PREFERENCE", "ENGINE_SCHEDULES"]
+__all__ = ["ScheduleChoice", "plan_schedules", "schedules_for", "is_auto", "SCHEDULE_PREFERENCE", "SCHEDULE_MARGIN",
+           "ENGINE_SCHEDULES"]
 
 # The order a tie goes by: one chunk per rank before two (fewer sends, one module per rank), 1F1B
 # before GPipe (at most S micro-batches in flight, not M), interleaved before zbv (no deferred
 # weight gradients held).
 SCHEDULE_PREFERENCE = ("1f1b", "gpipe", "interleaved1f1b", "zbv")
 assert sorted(SCHEDULE_PREFERENCE) == sorted(SCHEDULES)
+
+# How much faster a less simple schedule must be planned to be chosen over a simpler one, as a
+# fraction of the fastest plan's whole step. Step predictions hold within ±5% of measured jobs, and
+# two schedules planned from one profile 2-3% apart ran 1-2% apart either way (Llama and GPT-2, 4
+# stages, bench/results/peers-4*.md): inside that, the simpler schedule (fewer sends, fewer chunks
+# and micro-batches held) is the safer bet; 0 keeps the least predicted step.
+SCHEDULE_MARGIN = 0.03
 
 # What each engine runs. DeepSpeed's pipeline engine always runs its own TrainSchedule (1F1B):
 # autopipe's DeepSpeed runtime accepts --schedule gpipe but runs that same 1F1B, so a gpipe plan
@@ -56,11 +64,13 @@ def is_auto(schedule: str | None) -> bool:
 
 @dataclass(frozen=True)
 class ScheduleChoice:
-    """Each schedule's best plan under the same options, the schedules skipped (with why), the fastest."""
+    """Each schedule's best plan under the same options, the schedules skipped (with why), the one
+    chosen (the simplest within ``margin`` of the fastest)."""
 
     schedule: str
     plans: tuple[tuple[str, Plan], ...]
     skipped: tuple[tuple[str, str], ...]
+    margin: float = 0.0
 
     @property
     def plan(self) -> Plan:
@@ -76,6 +86,11 @@ class ScheduleChoice:
         """One line: what was chosen and why."""
         steps = ", ".join(f"{s} {format_time(p.total_step_time)}" for s, p in self.plans)
         out = f"schedule {self.schedule}: predicted whole step {steps}"
+        fastest, best = min(self.plans, key=lambda sp: sp[1].total_step_time)
+        over = self.plan.total_step_time / best.total_step_time - 1
+        if over > TIE:  # the margin decided (an exact tie went to the simpler schedule by the order alone)
+            out += (f"; the simpler {self.schedule} kept: planned {over:.1%} over {fastest},"
+                    f" within the {self.margin:.0%} margin (the predictions' noise)")
         reasons: dict[str, list[str]] = {}  # schedules left out for the same reason, named together
         for s, why in self.skipped:
             reasons.setdefault(why, []).append(s)
@@ -85,7 +100,8 @@ class ScheduleChoice:
 
     def to_dict(self) -> dict[str, Any]:
         """What `plan --json` prints: the choice, each schedule's plan, each skipped one's reason."""
-        return {"chosen": self.schedule, "plans": {s: p.to_dict() for s, p in self.plans}, "skipped": dict(self.skipped)}
+        return {"chosen": self.schedule, "margin": self.margin, "plans": {s: p.to_dict() for s, p in self.plans},
+                "skipped": dict(self.skipped)}
 
 
 def schedules_for(engine: str | None = None, target: str | None = None,
@@ -112,24 +128,31 @@ def schedules_for(engine: str | None = None, target: str | None = None,
 
 
 def plan_schedules(profile: Profile, stages: int, *, engine: str | None = None, target: str | None = None,
-                   schedules: Sequence[str] | None = None, **options: Any) -> ScheduleChoice:  # fmt: skip
-    """Every schedule's best plan for ``partition(profile, stages, **options)`` and the fastest.
+                   schedules: Sequence[str] | None = None, margin: float = SCHEDULE_MARGIN,
+                   **options: Any) -> ScheduleChoice:  # fmt: skip
+    """Every schedule's best plan for ``partition(profile, stages, **options)`` and the one to run:
+    the simplest whose whole step is within ``margin`` of the fastest.
 
     Args:
         profile, stages: as for ``partition``.
         engine, target: passed to ``partition``; they also decide which schedules run at all.
         schedules: plan only these (default: all four); the others are skipped.
+        margin: a schedule later in :data:`SCHEDULE_PREFERENCE` is chosen only when planned faster
+            than every earlier one by more than this fraction of the fastest step (0: the least
+            predicted step, the simpler schedule on an exact tie).
         **options: ``partition``'s other options, the same for every schedule (``virtual_stages``
             given applies to each: only the schedules that run that many chunks per rank remain).
 
     The chosen plan (and every candidate's) records the choice: ``schedule_policy="auto"``,
-    ``schedule_steps`` and ``schedule_skipped``. Raises the first refusal (1F1B's, where it was
+    ``schedule_steps``, ``schedule_skipped`` and ``schedule_margin``. Raises the first refusal (1F1B's, where it was
     planned) when no schedule's plan can be made.
     """
     from .partitioner import partition
 
     if "schedule" in options:
         raise PartitionError("plan_schedules chooses the schedule; give partition(schedule=...) for one schedule.")
+    if not 0 <= margin < 1:
+        raise PartitionError(f"schedule margin {margin!r} is not a fraction in [0, 1); e.g. 0.03 for 3%.")
     keep, skipped_list = schedules_for(engine, target, stages)
     skipped = list(skipped_list)
     if schedules is not None:
@@ -149,12 +172,13 @@ def plan_schedules(profile: Profile, stages: int, *, engine: str | None = None, 
             raise first
         raise PartitionError("no schedule can run these options: " + "; ".join(f"{s}: {w}" for s, w in skipped) + ".")
     best = min(p.total_step_time for _, p in plans)
-    chosen = next(s for s, p in plans if p.total_step_time <= best * (1 + TIE))  # preference order on a tie
+    # plans are in preference order: the first within the margin (and the tie's last bits) of the fastest
+    chosen = next(s for s, p in plans if p.total_step_time <= best * (1 + margin) * (1 + TIE))
     order = {s: i for i, s in enumerate(SCHEDULE_PREFERENCE)}
     skipped.sort(key=lambda sw: order[sw[0]])
     steps = {s: p.total_step_time for s, p in plans}
-    record = dict(schedule_policy="auto", schedule_steps=steps, schedule_skipped=dict(skipped))
-    return ScheduleChoice(chosen, tuple((s, replace(p, **record)) for s, p in plans), tuple(skipped))
+    record = dict(schedule_policy="auto", schedule_steps=steps, schedule_skipped=dict(skipped), schedule_margin=margin)
+    return ScheduleChoice(chosen, tuple((s, replace(p, **record)) for s, p in plans), tuple(skipped), margin)
 
 
 def _reason(error: Exception) -> str:

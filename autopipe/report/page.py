@@ -184,7 +184,7 @@ def _header(name: str, plan: Plan, profile: Profile | None) -> str:
         ("stages", str(plan.stages) + (f" × {plan.virtual_stages} virtual" if plan.virtual_stages > 1 else "")),
         ("layers", str(plan.num_layers)),
         ("schedule", f"{plan.schedule}, {plan.microbatches} mb"),
-        # --schedule auto: the predicted whole step of each schedule planned, the least chosen
+        # --schedule auto: the predicted whole step of each schedule planned, the simplest within the margin chosen
         *([("schedules planned (auto)", ", ".join(f"{s} {format_time(t)}" for s, t in plan.schedule_steps.items()))]
           if plan.schedule_policy == "auto" else []),
         ("step time (simulated)", format_time(plan.step_time)),
