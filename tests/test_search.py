@@ -93,6 +93,27 @@ def test_shared_unlimited_cut_is_partitions_optimum(seed: int) -> None:
         if got is not None and want is not None:
             assert got.pipeline_time == pytest.approx(want.pipeline_time, rel=1e-9), x
             assert got.peak_memory <= limit
+            if (got.boundaries, got.recompute) == (want.boundaries, want.recompute):
+                assert got.peak_memory == want.peak_memory, x
+
+
+@pytest.mark.parametrize("limit", [None, 10**6])
+def test_the_shortcut_charges_a_multi_chunk_rank_its_chunks_joint_peak(limit: int | None) -> None:
+    """Where the unlimited cut is kept (no limit, or one that does not bind), the layout's peak is the
+    plan's: interleaved and zbv ranks at their chunks' joint peak, not the sum of each chunk's own
+    (which read over the plan on 16 of these 40 layouts before)."""
+    prof = _profile(0)
+    cache: dict = {}
+    multi = 0
+    for x in enumerate_layouts(len(prof.layers), CLUSTER, 8):
+        if x.virtual_stages == 1:
+            continue
+        got, plan = evaluate(prof, CLUSTER, x, memory_limit=limit, cache=cache)
+        want, solved = evaluate(prof, CLUSTER, x, memory_limit=limit)
+        assert plan is None and solved is not None  # the first took the shortcut, the second solved
+        assert got.boundaries == want.boundaries and got.peak_memory == want.peak_memory == solved.peak_memory, x
+        multi += 1
+    assert multi == 40
 
 
 def test_bounds_hold_for_every_layout() -> None:
