@@ -115,7 +115,9 @@ def make_jobs(root: Path, model: str, stage_counts: list[int]) -> dict[int, tupl
                           out=str(root / f"{model}-pp{stages}-default"))  # fmt: skip
         jobs[stages] = (job.job_dir, list(plan.boundaries), float(plan.total_step_time), plan_terms(plan),
                         {"dir": default.job.job_dir, "parts": list(default.plan.boundaries), "schedule": default.plan.schedule,
-                         "engine": default.plan.engine or "torch", "predicted": float(default.plan.total_step_time)})  # fmt: skip
+                         "engine": default.plan.engine or "torch", "predicted": float(default.plan.total_step_time),
+                         # what --schedule auto weighed, from the default job's own profile
+                         "schedule_steps": dict(default.plan.schedule_steps), "margin": default.plan.schedule_margin})  # fmt: skip
     return jobs
 
 
@@ -240,6 +242,10 @@ def table(results: dict) -> str:
             best = min(hand, key=hand.get)
             lines.append(f"autopipe's default job over the best hand-written DeepSpeed pipeline ({best}): "
                          f"{ms['autopipe default']['step'] / hand[best]:.3f}x")
+        steps = (res.get("default") or {}).get("schedule_steps")
+        if steps:  # what the default's schedule choice weighed (its own profile), and under which margin
+            lines.append("the default's schedules as planned: " + ", ".join(f"{s} {t:.3f} s" for s, t in steps.items())
+                         + f" (the simplest within {res['default'].get('margin', 0):.0%} of the least kept)")
     return "\n".join(lines) + "\n"
 
 
