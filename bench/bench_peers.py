@@ -30,7 +30,10 @@ over the steps after WARMUP with its IQR, from the first rank; the process CPU t
 over the ranks (less sensitive to other load than wall time); the peak resident set of each rank
 (VmHWM: the whole process, imports included). The runs go round by round (``--rounds``, default 1 to
 keep the whole bench near 12 minutes; 2 or more on a quiet machine), every method once per round,
-so load that drifts hits each alike; a DeepSpeed method whose cut another method already runs (DeepSpeed's
+so load that drifts hits each alike, the methods' order turned by one each round (round r starts at
+the r-th method): on 2026-11-29 (4 stages) the default job, opening each model's round, read 11%
+(GPT-2) and 15% (Llama) slower in round 1 than autopipe's 1F1B job run right after it with the same
+train.py, plan and cut, and -2% to +3% in rounds 2-3; no method should always take that place; a DeepSpeed method whose cut another method already runs (DeepSpeed's
 partition functions, on the same layers, say so beforehand; checked after the run) is not run twice; the 1-minute load average is recorded beside each run.
 
 Where a step goes (issue 24, item 1): after the timed rounds, GPT-2 on 2 stages runs once more
@@ -306,8 +309,9 @@ def main() -> None:
             same[name] = {m: first[tuple(c)] for m, c in cuts.items() if first[tuple(c)] != m}
         failed: dict = {name: {} for name, *_ in configs}  # a method that fails is reported, the bench goes on
         for rnd in range(rounds):
+            order = METHODS[rnd % len(METHODS):] + METHODS[:rnd % len(METHODS)]  # each round opened by another
             for name, job, cut, stages, *_ in configs:
-                for method in METHODS:
+                for method in order:
                     if method in same[name] or method in failed[name]:
                         continue
                     try:
