@@ -33,8 +33,10 @@ keep the whole bench near 12 minutes; 2 or more on a quiet machine), every metho
 so load that drifts hits each alike, the methods' order turned by one each round (round r starts at
 the r-th method): on 2026-11-29 (4 stages) the default job, opening each model's round, read 11%
 (GPT-2) and 15% (Llama) slower in round 1 than autopipe's 1F1B job run right after it with the same
-train.py, plan and cut, and -2% to +3% in rounds 2-3; no method should always take that place; a DeepSpeed method whose cut another method already runs (DeepSpeed's
-partition functions, on the same layers, say so beforehand; checked after the run) is not run twice; the 1-minute load average is recorded beside each run.
+train.py, plan and cut, and -2% to +3% in rounds 2-3; no method should always take that place. A
+DeepSpeed method whose cut another method already runs (DeepSpeed's partition functions, on the
+same layers, say so beforehand; checked after the run) is not run twice; the 1-minute load average
+is recorded beside each run.
 
 Where a step goes (issue 24, item 1): after the timed rounds, GPT-2 on 2 stages runs once more
 per engine, autopipe's job and the bare script, with the steps after WARMUP under torch's

@@ -8,10 +8,10 @@ from typing import Sequence
 
 from ..costs.layer_costs import Profile
 from ..costs.rescale import scale_microbatch, tokens_per_sample
-from ..planner.memory import LayerMemory, joint_peak, layer_memory, rank_memory, tensor_budget
+from ..planner.memory import LayerMemory, charged_units, layer_memory, rank_memory, tensor_budget
 from ..planner.partitioner import fits_memory, partition, resolve_limit
 from ..planner.plan import Plan
-from ..planner.schedules import chunk_ranks, inflight_counts, rank_states
+from ..planner.schedules import chunk_ranks, inflight_counts
 from ..planner.targets import restricted_cuts
 from .layouts import Layout
 from .topology import Cluster, dp_reduce_time, place
@@ -144,10 +144,11 @@ def _peak_if_fits(prof: Profile, free: Plan, x: Layout, optimizer: str | None, l
     lm = layer_memory(prof, optimizer, dp=x.dp, zero=x.zero, schedule=x.schedule)
     common = dict(inflight=free.stage_inflight, microbatches=free.microbatches, recompute=free.stage_recompute,
                   reserve=prof.reserve_bytes, waiting=free.stage_waiting, schedule=x.schedule)  # fmt: skip
-    joint = dict(common)
-    if x.virtual_stages > 1:  # a rank's chunks do not peak together: charged at their joint peak, as partition's plan is
-        states = rank_states(x.schedule, x.stages, x.virtual_stages, free.microbatches)
-        joint["inflight"], joint["waiting"] = joint_peak(lm, free.boundaries, states=states, recompute=free.stage_recompute)
+    joint = dict(common)  # a rank's chunks charged as partition's plan charges them
+    joint["inflight"], joint["waiting"] = charged_units(
+        lm, free.boundaries, schedule=x.schedule, stages=x.stages, virtual=x.virtual_stages,
+        microbatches=free.microbatches, inflight=free.stage_inflight, waiting=free.stage_waiting,
+        recompute=free.stage_recompute)  # fmt: skip
     ranks = rank_memory(lm, free.boundaries, stage_ranks=free.stage_ranks, **joint)  # type: ignore[arg-type]
     peak = max(r.total for r in ranks)
     if limit is None:

@@ -89,9 +89,10 @@ from dataclasses import asdict, dataclass, replace
 
 from ..choices import FUSED_ADAM_DEVICES
 from ..costs.layer_costs import DeviceInfo, Profile, optimizer_state_factor
+from .schedules import rank_states
 
 __all__ = ["RankMemory", "LayerMemory", "DeviceTerms", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "holds_sends",
-           "joint_peak", "layer_memory", "rank_memory", "splits_backward", "tensor_budget", "zero_share"]
+           "charged_units", "joint_peak", "layer_memory", "rank_memory", "splits_backward", "tensor_budget", "zero_share"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 # schedules that split the backward into input and weight passes (the partitioner's and torch's spellings)
@@ -451,6 +452,19 @@ def _unit_bytes(memory: LayerMemory, a: int, b: int, mode: str) -> tuple[int, in
     model's last chunk, the model's output too (it lives until its B)."""
     out = memory.outputs[-1] if b == len(memory.weights) else 0
     return sum(memory.activations[mode][a:b]), sum(memory.waiting[mode][a:b]), out
+
+
+def charged_units(memory: LayerMemory, boundaries: Sequence[int], *, schedule: str, stages: int, virtual: int,
+                  microbatches: int, inflight: Sequence[int], waiting: Sequence[int],
+                  recompute: Sequence[str] = ()) -> tuple[list[int], list[int]]:  # fmt: skip
+    """Per chunk, the (inflight, waiting) a plan charges its rank with: each chunk's own peak
+    (``inflight``, ``waiting``) where a rank runs one chunk, the chunks' joint peak
+    (:func:`joint_peak` over ``schedules.rank_states``) where it runs ``virtual`` > 1. The one rule
+    for the partitioner's plan and the cluster search's layouts, so the two report one peak."""
+    if virtual == 1:
+        return list(inflight), list(waiting)
+    return joint_peak(memory, boundaries, recompute=recompute,
+                      states=rank_states(schedule, stages, virtual, microbatches))  # fmt: skip
 
 
 def joint_peak(memory: LayerMemory, boundaries: Sequence[int], *, states: Sequence[tuple[Sequence[int], Sequence]],

@@ -40,7 +40,7 @@ from ..units import format_bytes, parse_size
 from .baselines import BASELINES, baseline
 from .chunk_costs import state_arrays
 from .cost_model import CostModel, CutRequest, unit_states
-from .memory import joint_peak, rank_memory
+from .memory import charged_units, rank_memory
 from .plan import Plan
 from .refusals import chunk_need, explain_infeasible, recompute_hint, with_zero_hint
 from .schedules import (
@@ -48,7 +48,6 @@ from .schedules import (
     check_weight_share,
     chunk_ranks,
     normalize_schedule,
-    rank_states,
     shared_step,
     simulate,
 )
@@ -479,10 +478,8 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
     # the CPU's resident peak read at least the sum, but that was glibc's heap holes among sub-MiB
     # activations; with them gone (devices.MMAP_THRESHOLD) the ranks held 0.84-0.92 of the sum.
     names = [c.modes[int(x)] for x in md]
-    joint_in, joint_wait = inflight, waiting
-    if v > 1:
-        joint_in, joint_wait = joint_peak(model.memory, bounds, recompute=names,
-                                          states=rank_states(schedule, stages, v, m))  # fmt: skip
+    joint_in, joint_wait = charged_units(model.memory, bounds, schedule=schedule, stages=stages, virtual=v,
+                                         microbatches=m, inflight=inflight, waiting=waiting, recompute=names)  # fmt: skip
     per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=joint_in, microbatches=m,
                            recompute=names, reserve=model.reserve, waiting=joint_wait, schedule=schedule)  # fmt: skip
     rank_mem = [r.total for r in per_rank]
