@@ -11,7 +11,8 @@ __all__ = ["lazy_exports"]
 
 def lazy_exports(package: str, names: Mapping[str, str], namespace: dict[str, Any]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package`` that imports ``names[name]`` (a submodule, relative
-    to the package) on first access and keeps the value in ``namespace`` (the package's globals).
+    to the package, or a whole dotted ``autopipe.`` name for a module of another folder) on first
+    access and keeps the value in ``namespace`` (the package's globals).
 
     >>> ns = {}
     >>> get = lazy_exports("autopipe", {"precision": "choices"}, ns)
@@ -24,7 +25,7 @@ def lazy_exports(package: str, names: Mapping[str, str], namespace: dict[str, An
             module = names[name]
         except KeyError:
             raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
-        value = getattr(import_module(f"{package}.{module}"), name)
+        value = getattr(import_module(module if module.startswith("autopipe.") else f"{package}.{module}"), name)
         namespace[name] = value
         return value
 

@@ -11,7 +11,7 @@ stages / schedule / recompute, written with the generated train.py, and trained 
 afresh just before it runs, as ``autopipe convert`` does: a profile reads the machine's speed of its
 minute, and one profile shared by every job of a model moved all of them together (one draw put six
 GPT-2 jobs at 1.03-1.11 where the runs before read 0.99-1.05); ``--profile model`` shares one. The step log's measured step time (median after warm-up) and each
-rank's peak memory (``autopipe.runtime.peak``: peak RSS above the rank's baseline) are set against
+rank's peak memory (``autopipe.runtime.logs.peak``: peak RSS above the rank's baseline) are set against
 the plan's ``step_time`` and ``rank_memory`` (``autopipe.report.steplog.compare``). The goal (issue
 24) is every 2-stage step within ±5 % and every memory within ±10 % on this CPU.
 
@@ -41,7 +41,7 @@ from _notes import write_keeping_notes  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 ROWS, SEQ, STEPS, WARMUP = 4, 128, 6, 2
 # the memory run: its peaks are read from the 5th step of 12 on, as a long run holds them (and as the
-# reserve probe reads them: autopipe/runtime/reserve.py)
+# reserve probe reads them: autopipe/runtime/checks/reserve.py)
 MEMORY_STEPS, MEMORY_SETTLED = 12, 4
 
 MODELS = {
@@ -111,7 +111,7 @@ def traced(folder: Path, cfg: Config) -> tuple[object, object, int]:
     dtype: what each profile of it needs, made once."""
     import autopipe
     from autopipe.graph.sources import load_model
-    from autopipe.runtime.reserve import runtime_reserve
+    from autopipe.runtime.checks.reserve import runtime_reserve
 
     spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)
     seq = autopipe.flatten(spec.model, spec.args, spec.kwargs, validate=False)

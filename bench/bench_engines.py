@@ -151,8 +151,8 @@ def probe_optimizer(params: int = 4_000_000, width: int = 256, device: str = "cp
     ``fused`` or ``foreach``, so the two kernels can be set side by side on one device."""
     import torch
 
-    from autopipe.runtime.grads import _sum_of_squares, clip_grads_
-    from autopipe.runtime.optim import TrainConfig, optimizer_options
+    from autopipe.runtime.training.grads import _sum_of_squares, clip_grads_
+    from autopipe.runtime.training.optim import TrainConfig, optimizer_options
 
     on_gpu = torch.device(device).type == "cuda"
     if not on_gpu:
@@ -204,7 +204,7 @@ def profile_model(folder: Path):
 
     import autopipe
     from autopipe.graph.sources import load_model
-    from autopipe.runtime.reserve import runtime_reserve
+    from autopipe.runtime.checks.reserve import runtime_reserve
 
     torch.set_num_threads(1)
     spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)

@@ -93,7 +93,7 @@ def make_jobs(root: Path, model: str, stage_counts: list[int]) -> dict[int, tupl
     from autopipe.graph.sources import load_model
     from autopipe.job.converter import convert
     from autopipe.job.folder import JobSettings, emit
-    from autopipe.runtime.reserve import runtime_reserve
+    from autopipe.runtime.checks.reserve import runtime_reserve
 
     kind, cfg = MODELS[model]
     folder = root / model

@@ -43,7 +43,7 @@ def profile_model(folder: Path):  # noqa: ANN201
 
     import autopipe
     from autopipe.graph.sources import load_model
-    from autopipe.runtime.reserve import runtime_reserve
+    from autopipe.runtime.checks.reserve import runtime_reserve
 
     torch.set_num_threads(1)  # as each rank runs
     spec = load_model(str(folder), device="cpu", batch_size=1, seq_len=SEQ, dropout=0.0)

@@ -17,7 +17,7 @@ and trained by the generated train.py on 4 processes (gloo, one thread each) for
 
 For each: the median step time after WARMUP steps and its spread (IQR), the ratio to the
 hand-written path measured in the same run, and each pipeline rank's peak memory (replica 0;
-``autopipe.runtime.peak``: peak RSS above the rank's baseline, the maximum over the kept steps)
+``autopipe.runtime.logs.peak``: peak RSS above the rank's baseline, the maximum over the kept steps)
 against the plan's ``rank_memory`` for that ZeRO stage. Resident memory also holds what the heap
 keeps after frees, so each rank's live tensor bytes are sampled too, in step PROBED only (a probe
 put on PYTHONPATH, bench-side: every tensor the process holds, each storage once, after each
@@ -50,13 +50,13 @@ PROBED = STEPS - 1  # 0-based step whose live tensor bytes are sampled (slow: a 
 PROBE = '''
 import gc, json, os
 if os.environ.get("BENCH_REPLICATE"):
-    import autopipe.runtime.zero as _zero
+    import autopipe.runtime.torch_engine.zero as _zero
 
     _zero.ddp_schedule = lambda schedule: False
 if os.environ.get("BENCH_PROBE_DIR"):
     import torch
     from torch.distributed.pipelining import stage as _stage
-    import autopipe.runtime.trainer as _trainer
+    import autopipe.runtime.torch_engine.trainer as _trainer
 
     _state = {"step": 0, "peak": 0}
 
@@ -112,7 +112,7 @@ def make_plans(root: Path, folder: Path) -> tuple[dict[int, object], object]:
 
     import autopipe
     from autopipe.graph.sources import load_model
-    from autopipe.runtime.reserve import runtime_reserve
+    from autopipe.runtime.checks.reserve import runtime_reserve
 
     torch.set_num_threads(1)
     spec = load_model(str(folder), device="cpu", batch_size=ROWS, seq_len=SEQ, dropout=0.0)

@@ -25,7 +25,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec  # noqa: E402
 from torch import nn  # noqa: E402
 
 from autopipe.runtime import TokenData, TrainConfig, build_reference, model_factory  # noqa: E402
-from autopipe.runtime.optim import make_lr_scheduler, make_optimizer  # noqa: E402
+from autopipe.runtime.training.optim import make_lr_scheduler, make_optimizer  # noqa: E402
 
 
 class Wte(nn.Module):

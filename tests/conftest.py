@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _launch import Launcher  # noqa: E402  (tests/ is put on sys.path just above)
 
-# The runtime reserve is measured once per device and cached (autopipe.runtime.reserve); a session-wide
+# The runtime reserve is measured once per device and cached (autopipe.runtime.checks.reserve); a session-wide
 # cache of its own makes the suite measure it once itself, on this machine, rather than trust a
 # figure left in the home folder by another torch or another machine.
 if "AUTOPIPE_CACHE" not in os.environ:

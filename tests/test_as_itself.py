@@ -18,9 +18,8 @@ import autopipe
 from autopipe.errors import AutopipeError
 from autopipe.graph.sources import load_model
 from autopipe.runtime import build_stage, model_factory
-from autopipe.runtime.engine import model_loss
-from autopipe.runtime.tasks import LossError, check_loss, make_loss
-from autopipe.runtime.untouched import untouched_model
+from autopipe.runtime.checks.untouched import untouched_model
+from autopipe.runtime.data.losses import LossError, check_loss, make_loss, model_loss
 
 ZOO = Path(zoo.__file__).resolve()
 

@@ -67,7 +67,7 @@ def test_a_causal_gqa_decoder_calls_sdpa_as_its_eager_forward() -> None:
 def test_a_trace_on_meta_rewrites_as_one_with_weights() -> None:
     """The runtime flattens on meta (the mask is made from constants, so it is checked there too)
     and the plan was made from a trace with weights: both rewrite the same calls the same way."""
-    from autopipe.runtime.build import meta_model, to_meta
+    from autopipe.runtime.stage.build import meta_model, to_meta
 
     ids = _ids()
     kwargs = {"labels": ids, "use_cache": False}

@@ -291,7 +291,7 @@ def test_a_stage_built_on_meta_makes_its_tables_on_its_device() -> None:
     make real tables on its device, equal to the untouched model's built with the same seed; the
     chunk holds the buffer they read. A layer run on meta before materialising keeps nothing."""
     from autopipe.graph.sequence import retarget_device_
-    from autopipe.runtime.build import build_reference, build_stage, fill_tensors, meta_model, to_meta
+    from autopipe.runtime.stage.build import build_reference, build_stage, fill_tensors, meta_model, to_meta
 
     ids = _ids()
     kwargs = {"labels": ids, "use_cache": False}
@@ -301,7 +301,7 @@ def test_a_stage_built_on_meta_makes_its_tables_on_its_device() -> None:
     tables = [h for h in holders if h.recipe.graph.find_nodes(op="placeholder")]  # cos, sin: they read inv_freq
     assert len(holders) == 2 and len(tables) == 2  # no mask: SDPA's is_causal (autopipe.graph.attention)
     assert "model.rotary_emb.inv_freq" in {n for layer in chunk.layers for n, _ in layer.named_buffers()}
-    first = b.layout.boundaries[b.chunk_ids[0]]
+    first = b.plan.boundaries[b.chunk_ids[0]]
     inputs = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in b.seq.infos[first].inputs]
     chunk(*inputs)
     reference = _rotary(build_reference(_make_llama, seed=0))
@@ -326,7 +326,7 @@ def test_a_deepspeed_layer_file_from_before_loads() -> None:
     """DeepSpeed's strict load takes a layer file written before the blocks made their rotary
     tables: layer 0's copy of inv_freq (it reads none now) is dropped, a block's missing one keeps
     the built value; a missing parameter is still an error."""
-    from autopipe.runtime.ds_module import DSLayer, LayerSource
+    from autopipe.runtime.deepspeed_engine.module import DSLayer, LayerSource
 
     ids = _ids()
     ctx = LayerSource(_make_llama, (ids,), {"labels": ids, "use_cache": False}, seed=0, weights=None,
@@ -393,7 +393,7 @@ def test_a_llama_job_trains_as_the_untouched_model(torchrun: Launcher, llama_job
 
     from autopipe.graph.flattener import flatten
     from autopipe.runtime import model_factory
-    from autopipe.runtime.build import meta_model
+    from autopipe.runtime.stage.build import meta_model
 
     source = model_factory(llama_job["model"], batch_size=ROWS, seq_len=SEQ)
     seq = flatten(meta_model(source.factory), source.args, source.kwargs, device_type="cpu")

@@ -29,14 +29,14 @@ from autopipe.runtime import (
     make_loss,
     model_factory,
 )
-from autopipe.runtime.checkpoint import (
+from autopipe.runtime.checkpoints.exports import checkpoint_params, export
+from autopipe.runtime.checkpoints.store import (
     CheckpointFolderError,
     check_ckpt_dir,
     claim_ckpt_dir,
     save_checkpoint,
 )
-from autopipe.runtime.exports import checkpoint_params, export
-from autopipe.runtime.reference import ReferenceTrainer
+from autopipe.runtime.checks.reference import ReferenceTrainer
 
 MICRO, ROWS, SEQ = 2, 2, 16
 
@@ -57,7 +57,7 @@ def test_a_save_never_removes_the_newest_and_refuses_another_run_s_folder(tmp_pa
     """In one process: a folder with another run's checkpoints is refused by save_checkpoint itself
     (what an older train.py calls), nothing written; a folder resumed from is this run's; --ckpt-keep 1
     keeps exactly the checkpoint just written, also when an older run's is numbered higher."""
-    import autopipe.runtime.checkpoint as checkpoint
+    import autopipe.runtime.checkpoints.store as checkpoint
 
     trainer = _trainer()
     x, y = torch.randn(8, 8), torch.randn(8, 1)

@@ -300,7 +300,8 @@ def test_deepspeed_jobs_are_planned_without_recompute(factory: str):
     from types import SimpleNamespace
 
     from autopipe.errors import AutopipeError
-    from autopipe.runtime.ds_settings import refuse_plan as _refuse_plan
+    from autopipe.planner.stage_plan import StagePlan
+    from autopipe.runtime.deepspeed_engine.settings import refuse_plan as _refuse_plan
 
     assert _convert(factory, "--stages", "2", "--out", "t").exit_code == 0
     assert json.loads(Path("t/plan.json").read_text())["recompute"] == "auto"
@@ -310,12 +311,12 @@ def test_deepspeed_jobs_are_planned_without_recompute(factory: str):
     _fails_cleanly(_convert(factory, "--stages", "2", "--engine", "deepspeed", "--recompute", "full", "--out", "x"),
                    "--recompute full does not run on --engine deepspeed")
     assert not Path("x").exists()
-    recomputing = SimpleNamespace(stage_recompute=("full", "none"))
+    recomputing = StagePlan((0, 2, 4), recompute=("full", "none"))
     with pytest.raises(AutopipeError, match=r"plan.json recomputes activations \(full none\).*--recompute none"):
         _refuse_plan(recomputing, "plan.json", SimpleNamespace(recompute="plan"))
     _refuse_plan(recomputing, "plan.json", SimpleNamespace(recompute="none"))  # asked to run it without
-    _refuse_plan(SimpleNamespace(stage_recompute=("none", "none")), "plan.json", SimpleNamespace(recompute="plan"))
-    _refuse_plan(SimpleNamespace(boundaries=(0, 2, 4)), "plan.json", SimpleNamespace(recompute="plan"))  # hand-written
+    _refuse_plan(StagePlan((0, 2, 4), recompute=("none", "none")), "plan.json", SimpleNamespace(recompute="plan"))
+    _refuse_plan(StagePlan((0, 2, 4)), "plan.json", SimpleNamespace(recompute="plan"))  # hand-written
 
 
 @pytest.mark.parametrize(("flags", "line"), [
@@ -330,7 +331,7 @@ def test_train_py_flags_deepspeed_does_not_run_are_refused(flags: dict, line: st
     from types import SimpleNamespace
 
     from autopipe.errors import AutopipeError
-    from autopipe.runtime.ds_settings import refuse_flags
+    from autopipe.runtime.deepspeed_engine.settings import refuse_flags
 
     with pytest.raises(AutopipeError) as info:
         refuse_flags(SimpleNamespace(**flags))

@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import autopipe.runtime.grads as grads
+import autopipe.runtime.training.grads as grads
 from autopipe.errors import AutopipeError
 from autopipe.runtime import TrainConfig, Trainer, build_stage, init_dist, model_factory
-from autopipe.runtime.comm import Comm, DeviceCheckError, HostSyncError
-from autopipe.runtime.distenv import rank_device, to_device
-from autopipe.runtime.engine import PipelineEngine
+from autopipe.runtime.process.comm import Comm, DeviceCheckError, HostSyncError
+from autopipe.runtime.process.distenv import rank_device, to_device
+from autopipe.runtime.torch_engine.pipeline import PipelineEngine
 
 
 def test_checking_refuses_a_tensor_on_another_device_and_names_the_call() -> None:
@@ -123,7 +123,7 @@ def test_check_catches_a_cpu_tensor_handed_to_a_collective(
         comm.all_reduce(local, group=pp_group, where="gradient norm")
         return local
 
-    monkeypatch.setattr("autopipe.runtime.trainer.global_grad_norm", old_norm)
+    monkeypatch.setattr("autopipe.runtime.torch_engine.trainer.global_grad_norm", old_norm)
     with pytest.raises(DeviceCheckError, match="gradient norm: .* is on meta, not on this rank's device cpu"):
         t.step(args, kwargs)
 
@@ -151,7 +151,7 @@ def test_check_catches_a_host_sync_in_the_step(
         float(value)  # the regression: a host read outside the logging reduction
         return value
 
-    monkeypatch.setattr("autopipe.runtime.trainer.global_grad_norm", reading_norm)
+    monkeypatch.setattr("autopipe.runtime.torch_engine.trainer.global_grad_norm", reading_norm)
     with pytest.raises(HostSyncError, match=r"__float__ at .*test_comm.py"):
         t.step(args, kwargs)
 
@@ -164,14 +164,14 @@ def test_verify_compares_with_the_untouched_model_and_catches_what_differs(
     it fails in one line when the job computes another function than the model (a weight of its
     layers off by 1e-3, which a comparison of autopipe's layers with themselves cannot see), and when
     the pipelined gradients are off by a little (one entry of one tensor, 1e-3), naming the parameter."""
-    import autopipe.runtime.verify as verify
-    from autopipe.runtime.verify import VerifyError, verify_step
+    import autopipe.runtime.checks.verify as verify
+    from autopipe.runtime.checks.verify import VerifyError, verify_step
 
     t, args, kwargs = trainer
     built: list[torch.nn.Module] = []
     untouched = verify.untouched_model
     monkeypatch.setattr(verify, "untouched_model", lambda *a, **k: built.append(untouched(*a, **k)) or built[-1])
-    for where in ("autopipe.runtime.build.build_reference", "autopipe.runtime.reference.SequenceModel.build_from"):
+    for where in ("autopipe.runtime.stage.build.build_reference", "autopipe.runtime.checks.reference.SequenceModel.build_from"):
         monkeypatch.setattr(where, lambda *a, **k: pytest.fail("--verify compared autopipe with autopipe"))
     report = verify_step(t, args, kwargs)
     assert report.ok and report.loss == pytest.approx(report.reference_loss, abs=1e-6) and report.max_grad_diff < 1e-5

@@ -20,7 +20,7 @@ PACKAGE = Path(autopipe.__file__).parent
 
 # modules whose examples start processes or profile a real model, with the reason
 SLOW = {
-    "autopipe.runtime.reserve": "measures the runtime reserve: a probe trained under torchrun (about 20 s) unless cached",
+    "autopipe.runtime.checks.reserve": "measures the runtime reserve: a probe trained under torchrun (about 20 s) unless cached",
 }
 
 MODULES = ["autopipe", *sorted(m.name for m in pkgutil.walk_packages(autopipe.__path__, "autopipe."))]

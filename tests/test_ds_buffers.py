@@ -16,7 +16,7 @@ import torch
 
 @pytest.mark.deepspeed
 def test_a_receive_buffer_of_another_dtype_is_replaced_and_one_of_the_same_reused() -> None:
-    from autopipe.runtime.ds import _import_deepspeed
+    from autopipe.runtime.deepspeed_engine.trainer import _import_deepspeed
 
     deepspeed = _import_deepspeed()  # puts the typed reuse in
     allocate = deepspeed.runtime.pipe.engine.PipelineEngine._allocate_or_extend_buffers

@@ -2,7 +2,7 @@
 
 DeepSpeed's own ``gradient_clipping`` on a pipeline takes stage 0's norm only (issue 24: 8.56 where the
 whole model's was 10.11), so under ZeRO 0 the job sets it to 0 and autopipe clips
-(``autopipe.runtime.ds``): every stage's gradients, GPT-2's tied wte/lm_head counted once. Compared
+(``autopipe.runtime.deepspeed_engine.trainer``): every stage's gradients, GPT-2's tied wte/lm_head counted once. Compared
 here on the gradients themselves just after the clip, before AdamW's update (AdamW would hide the
 scale a wrong norm gives): a tiny GPT-2 whose tie spans the two stages, one step on 2 processes
 against the untouched model's gradients clipped by torch's ``clip_grad_norm_``.
@@ -20,7 +20,7 @@ from _factories import tiny_gpt2_job
 from _launch import Launcher
 
 from autopipe.runtime import TokenData, TrainConfig, build_reference, model_factory
-from autopipe.runtime.reference import ReferenceTrainer
+from autopipe.runtime.checks.reference import ReferenceTrainer
 
 MICRO, ROWS, SEQ = 2, 2, 16
 CLIP = 0.05  # well under the first step's norm, so the clip scales every gradient

@@ -30,10 +30,10 @@ from autopipe.runtime import (
     build_reference,
     model_factory,
 )
-from autopipe.runtime.build import meta_model
-from autopipe.runtime.engine import split_batch
-from autopipe.runtime.tasks import make_loss, model_outputs_logits
-from autopipe.runtime.untouched import untouched_model
+from autopipe.runtime.checks.untouched import untouched_model
+from autopipe.runtime.data.batches import split_batch
+from autopipe.runtime.data.losses import make_loss, model_outputs_logits
+from autopipe.runtime.stage.build import meta_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # every test starts train.py on several processes
 

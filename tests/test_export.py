@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import tomllib
 from typer.testing import CliRunner
 
 from autopipe import Profile, partition

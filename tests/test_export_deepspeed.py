@@ -27,7 +27,7 @@ from autopipe.runtime import (
     build_stage,
     model_factory,
 )
-from autopipe.runtime.reference import ReferenceTrainer
+from autopipe.runtime.checks.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.deepspeed]
 

@@ -10,10 +10,10 @@ model's per-micro-batch losses and gradients (1e-5), every parameter trained by 
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 from _launch import Launcher
 from _titan_split import causal_lm_loss, llama_part, tiny_llama

@@ -198,7 +198,7 @@ def test_a_gpu_rank_s_peak_is_reserved_plus_what_the_process_holds_outside_the_a
     """On ``cuda:1`` the peak is torch's reserved bytes (tensors, cached-but-free blocks, cuBLAS
     workspaces) plus this process's context and NCCL buffers (its NVML figure less the reserved
     bytes), all read for cuda:1 and for this process only; allocated is kept beside it."""
-    from autopipe.runtime import peak as peak_module
+    from autopipe.runtime.logs import peak as peak_module
 
     cuda = _MemoryCuda()
     monkeypatch.setattr(torch, "cuda", cuda)
@@ -213,7 +213,7 @@ def test_a_gpu_rank_s_peak_is_reserved_plus_what_the_process_holds_outside_the_a
 def test_without_nvml_the_outside_part_is_unknown_not_guessed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where NVML cannot see the process, the peak is the allocator's reserved bytes and says the
     context is not in it (``outside_known``), rather than reading the whole device."""
-    from autopipe.runtime import peak as peak_module
+    from autopipe.runtime.logs import peak as peak_module
 
     monkeypatch.setattr(torch, "cuda", _MemoryCuda())
     monkeypatch.setattr(peak_module, "process_device_bytes", lambda device: None)
@@ -238,7 +238,7 @@ def test_the_measured_peak_includes_the_optimizer_step_after_the_statistics_read
     """The trainer reads the peak before it steps the optimizer (the update depends on that read):
     what the optimizer step allocates afterwards is reported with the next step, and a read after
     the step (the reserve probe, the doctor) sees it at once."""
-    from autopipe.runtime.peak import PeakMemory
+    from autopipe.runtime.logs.peak import PeakMemory
 
     peak = PeakMemory(torch.device("cpu"))
     size = 64 * 2**20
@@ -262,7 +262,7 @@ def test_the_modelled_optimizer_step_is_what_the_runtimes_adamw_allocates(device
     from autopipe.costs.layer_costs import DeviceInfo, Profile
     from autopipe.costs.measure import LiveBytes
     from autopipe.planner.memory import layer_memory
-    from autopipe.runtime.optim import TrainConfig, optimizer_class, optimizer_options, param_groups
+    from autopipe.runtime.training.optim import TrainConfig, optimizer_class, optimizer_options, param_groups
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256))
@@ -291,7 +291,7 @@ def test_a_polluted_reserve_measurement_serves_the_run_but_is_not_cached(monkeyp
     """A probe whose figure is not clean (on a GPU: NVML could not see its processes, or the asking
     process held GPU memory while it ran) is used for this run and measured again next time, not
     cached for good; a clean one is cached."""
-    from autopipe.runtime.reserve import runtime_reserve
+    from autopipe.runtime.checks.reserve import runtime_reserve
 
     monkeypatch.setenv("AUTOPIPE_CACHE", str(tmp_path))
     runs: list[int] = []
@@ -300,7 +300,7 @@ def test_a_polluted_reserve_measurement_serves_the_run_but_is_not_cached(monkeyp
         runs.append(1)
         return {"reserve_bytes": 5 << 20, "clean": int(len(runs) > 2)}
 
-    monkeypatch.setattr("autopipe.runtime.reserve.measure_reserve", probe)
+    monkeypatch.setattr("autopipe.runtime.checks.reserve.measure_reserve", probe)
     assert [runtime_reserve("cpu") for _ in range(4)] == [5 << 20] * 4
     assert len(runs) == 3  # two polluted measurements, then a clean one, cached
 
@@ -308,7 +308,7 @@ def test_a_polluted_reserve_measurement_serves_the_run_but_is_not_cached(monkeyp
 def test_a_probe_beside_the_user_s_model_on_the_gpu_is_known_to_be(monkeypatch: pytest.MonkeyPatch) -> None:
     """The asking process holding GPU memory (convert moved the model there) marks the probe's
     figure as taken beside it."""
-    from autopipe.runtime.reserve import holds_gpu_memory
+    from autopipe.runtime.checks.reserve import holds_gpu_memory
 
     state = {"init": False, "reserved": 0}
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["init"])
@@ -343,7 +343,7 @@ def test_weights_on_a_gpu_are_initialised_from_the_cpu_generator() -> None:
     that copy.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autopipe.runtime.weights import host_init, materialize_
+    from autopipe.runtime.stage.weights import host_init, materialize_
 
     drawn: list[str] = []
 
@@ -368,7 +368,7 @@ def test_init_weights_initialises_the_cpu_twins_of_a_gpu_rank_s_tensors() -> Non
     fake CUDA tensors, cannot run on a CPU-only torch: everything before it can, and is checked.)"""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autopipe.runtime.weights import init_weights_, materialize_
+    from autopipe.runtime.stage.weights import init_weights_, materialize_
 
     drawn: list[str] = []
 

@@ -130,7 +130,7 @@ def test_placement_builds_the_process_groups(fake_world, placement: str) -> None
     pipeline-inner a pipeline is; every rank makes the same groups, tied groups included."""
     from autopipe.choices import world_rank
     from autopipe.cluster.topology import cluster_for, place
-    from autopipe.runtime.build import TiedSpec
+    from autopipe.runtime.stage.build import TiedSpec
 
     link = place(cluster_for("h100", 16, 8), stages=8, dp=2, order=placement).dp_link
     for rank in range(16):
@@ -177,7 +177,7 @@ def test_resume_loads_rng_on_the_host_and_no_weights_onto_the_device(one_rank, t
     """load_checkpoint on a rank whose device is not the host (meta stands in for a GPU): the saved RNG
     states stay host tensors (torch.set_rng_state takes nothing else), and replica 0's whole stage
     weights, kept for export, are not loaded at all (they would sit on every GPU beside the model)."""
-    from autopipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from autopipe.runtime.checkpoints.store import load_checkpoint, save_checkpoint
 
     trainer = trainer_for(one_rank)
     trainer.step((X,), {}, Y)
@@ -228,7 +228,7 @@ def test_checkpoint_weights_go_to_the_host_without_a_copy_on_the_gpu() -> None:
     GPU). A replica that keeps nothing touches nothing of its whole tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autopipe.runtime.zero import full_values
+    from autopipe.runtime.torch_engine.zero import full_values
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         params = [(f"w{i}", nn.Parameter(torch.empty(64, 64, device="cuda"))) for i in range(3)]
@@ -255,8 +255,8 @@ class _Count(TorchDispatchMode):
 def test_grad_norm_and_clip_issue_a_few_kernels_whatever_the_tensor_count() -> None:
     """The global norm and the clip issue the same few operators (on a GPU, kernel launches) for 10
     gradients as for 40: multi-tensor kernels, not three or four per tensor and slice."""
-    from autopipe.runtime.comm import Comm
-    from autopipe.runtime.grads import clip_grads_, global_grad_norm
+    from autopipe.runtime.process.comm import Comm
+    from autopipe.runtime.training.grads import clip_grads_, global_grad_norm
 
     def ops(n: int) -> int:
         params = {f"p{i}": nn.Parameter(torch.randn(300)) for i in range(n)}
@@ -292,8 +292,8 @@ def test_fp16_steps_skipped_for_overflow_do_not_advance_the_lr_schedule(one_rank
     """A loss scale so large that every step overflows: every step is skipped, and the learning rate
     stays at the first step's (warmup) value, in the trainer and in the unpipelined reference."""
     from autopipe.runtime import build_reference
-    from autopipe.runtime.optim import lr_factor
-    from autopipe.runtime.reference import ReferenceTrainer
+    from autopipe.runtime.checks.reference import ReferenceTrainer
+    from autopipe.runtime.training.optim import lr_factor
 
     config = dict(dtype="fp16", loss_scale=1e30, warmup=4)
     trainer = trainer_for(one_rank, **config)
@@ -347,7 +347,7 @@ def test_resume_hint_keeps_the_nodes_and_the_rendezvous(monkeypatch: pytest.Monk
     """The command rank 0 prints for resuming a 2-node run keeps torchrun's --nnodes and rendezvous
     options as given (read from torchrun's own command line), with the node rank left to each node;
     where that line cannot be read it is rebuilt from torchrun's environment."""
-    from autopipe.runtime import launch
+    from autopipe.runtime.process import launch
 
     _torchrun_env(monkeypatch, WORLD_SIZE="16", LOCAL_WORLD_SIZE="8", GROUP_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="42",
                   MASTER_ADDR="node0", MASTER_PORT="29500")

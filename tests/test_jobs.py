@@ -30,9 +30,9 @@ from autopipe.runtime import (
     make_loss,
     model_factory,
 )
-from autopipe.runtime.build import meta_model
-from autopipe.runtime.reference import ReferenceTrainer
-from autopipe.runtime.untouched import untouched_model
+from autopipe.runtime.checks.reference import ReferenceTrainer
+from autopipe.runtime.checks.untouched import untouched_model
+from autopipe.runtime.stage.build import meta_model
 
 pytestmark = pytest.mark.slow  # every test starts train.py (most on several processes)
 
@@ -266,7 +266,7 @@ def test_deepspeed_resumes_and_exports_through_its_own_checkpoints(torchrun: Lau
     training's, and --export writes weights HF's from_pretrained loads, equal to the reference's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from autopipe.runtime.ds import ds_config
+    from autopipe.runtime.deepspeed_engine.trainer import ds_config
 
     LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, intermediate_size=48, vocab_size=128, max_position_embeddings=SEQ).save_pretrained(tmp_path / "llama")

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from autopipe.runtime.main import _watch, _WatchStop
+from autopipe.runtime.process.lifecycle import _watch, _WatchStop
 
 ROOT = Path(__file__).resolve().parents[1]
 
 RAISE = """
 import sys
 from torch.distributed.checkpoint.api import CheckpointException
-from autopipe.runtime.main import one_line_errors
+from autopipe.runtime.process.lifecycle import one_line_errors
 one_line_errors(sys.argv[1])
 cause = {"interrupt": KeyboardInterrupt(), "disk": OSError(28, "No space left on device")}[sys.argv[2]]
 raise CheckpointException("save failed", {0: (cause, None), 1: (cause, None)})

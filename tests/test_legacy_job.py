@@ -20,7 +20,7 @@ import torch
 from _launch import Launcher
 
 from autopipe.runtime import JobData, TrainConfig, build_reference, model_factory
-from autopipe.runtime.reference import ReferenceTrainer
+from autopipe.runtime.checks.reference import ReferenceTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # each test trains the job on 2 processes
 

@@ -19,8 +19,7 @@ import torch
 from rich.console import Console
 
 from autopipe.errors import AutopipeError
-from autopipe.runtime.logs import StepLogger, format_eta
-from autopipe.runtime.trainer import StepStats
+from autopipe.runtime.logs.steps import StepLogger, StepStats, format_eta
 
 
 def _stats(step: int, loss: float = 2.0, step_time: float = 0.5) -> StepStats:
@@ -37,7 +36,7 @@ def test_a_file_gets_every_step_and_a_terminal_a_live_line(monkeypatch: pytest.M
     """Output to a file: one kept line per step, with step/steps, ETA and FLOP/s. On a terminal: the
     line is redrawn in place each step and kept every log_every steps (and at the last)."""
     clock = iter(float(t) for t in range(0, 100, 2))  # every step takes 2 s of wall clock
-    monkeypatch.setattr("autopipe.runtime.logs.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("autopipe.runtime.logs.steps.time.perf_counter", lambda: next(clock))
     console, buf = _console(terminal=False)
     log = StepLogger(0, steps=5, flops_per_step=2e9, console=console)
     for s in range(1, 6):
@@ -86,7 +85,7 @@ def test_the_record_has_eta_and_mfu_and_goes_to_json_lines(tmp_path: Path, monke
     """Every sink gets the same record: StepStats, the plan's predictions, eta_s, model_flops_per_s and
     mfu (when the peak is known: flops / step time / peak), and what the loop adds (eval, epoch)."""
     clock = iter([0.0, 3.0])
-    monkeypatch.setattr("autopipe.runtime.logs.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("autopipe.runtime.logs.steps.time.perf_counter", lambda: next(clock))
     console, buf = _console(terminal=False)
     log = StepLogger(0, json_path=tmp_path / "log.json", steps=10, flops_per_step=1e12, peak_flops=1e13, console=console)
     log.step(_stats(1, step_time=0.5))

@@ -4,7 +4,7 @@ A GPT-2 config (not the reserve probe's model, so the reserve is not fitted to i
 as train.py trains it, cut into 2 stages for 1F1B, and trained by the generated train.py under
 torchrun. Each rank's logged ``peak_memory`` (peak RSS above its baseline) is set against the plan's
 ``rank_memory``, whose total carries the runtime reserve measured by a GPT-2 probe of another size
-(``autopipe.runtime.reserve``). Measured here (4 runs, each its own profile and so its own cut, after the
+(``autopipe.runtime.checks.reserve``). Measured here (4 runs, each its own profile and so its own cut, after the
 runtime's allocator settings of ``devices.keep_freed_memory``): measured / predicted 0.85-1.00 per
 rank, and the growth from 1F1B to GPipe on the same cut (where the reserve cancels) 0.96-1.13 of the
 predicted growth. A CI run read rank 0 at 1.21 (28 MB over; rank 1 0.94), not reproduced here. The
@@ -55,7 +55,7 @@ def measured(torchrun: Launcher, tmp_path_factory: pytest.TempPathFactory):
     from transformers import GPT2Config
 
     from autopipe.graph.sources import load_model
-    from autopipe.runtime.reserve import runtime_reserve
+    from autopipe.runtime.checks.reserve import runtime_reserve
 
     root = tmp_path_factory.mktemp("measured")
     folder = root / "gpt2"

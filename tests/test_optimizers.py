@@ -24,8 +24,9 @@ from autopipe.errors import AutopipeError
 from autopipe.planner.memory import layer_memory
 from autopipe.planner.partitioner import partition
 from autopipe.runtime import JobData, TrainConfig, build_reference, model_factory
-from autopipe.runtime.optim import lr_factor, make_optimizer, materialize_state_
-from autopipe.runtime.reference import ReferenceTrainer, unique_parameters
+from autopipe.runtime.checkpoints.store import materialize_state_
+from autopipe.runtime.checks.reference import ReferenceTrainer, unique_parameters
+from autopipe.runtime.training.optim import lr_factor, make_optimizer
 
 MICRO, ROWS, SEQ = 2, 2, 16
 TOL = 1e-5

@@ -23,10 +23,10 @@ import autopipe
 from autopipe.costs.layer_costs import Profile
 from autopipe.costs.measure import LiveBytes, as_tuple
 from autopipe.graph.recompute import RecomputeError, chunk_modes, run_layer
+from autopipe.planner.stage_plan import StagePlan, even_boundaries
 from autopipe.report.tables import profile_table
 from autopipe.runtime import build_stage
-from autopipe.runtime.build import PipeChunk
-from autopipe.runtime.layout import even_boundaries
+from autopipe.runtime.stage.build import PipeChunk
 from autopipe.units import format_bytes
 
 B, T, V = 2, 8, 96
@@ -300,7 +300,7 @@ def test_train_script_recompute_flag_trains_like_the_unpipelined_model(torchrun:
     batch ranks 0 read), the log names the mode, losses equal plain training."""
     from autopipe.job.script import write_train_script
     from autopipe.runtime import TokenData, TrainConfig, build_reference, model_factory
-    from autopipe.runtime.reference import ReferenceTrainer
+    from autopipe.runtime.checks.reference import ReferenceTrainer
 
     folder = _tiny_gpt2_folder(tmp_path, dropout=0.0)  # --verify compares with a reference: no dropout
     write_train_script(tmp_path / "train.py", model=str(folder), stages=2, microbatches=MICRO, schedule="zbv",
@@ -472,15 +472,15 @@ def test_split_backward_recomputes_per_weight_group_unless_shared(mode: str) -> 
 
 def test_modes_per_chunk_come_from_the_flag_or_the_plan() -> None:
     """One mode for all chunks, one per chunk, or the plan's stage_recompute; bad ones are refused."""
-    plan = SimpleNamespace(boundaries=(0, 2, 4), stage_recompute=("full", "none"))
-    assert chunk_modes(None, 2, plan) == chunk_modes("plan", 2, plan) == ["full", "none"]
-    assert chunk_modes("selective", 2, plan) == ["selective", "selective"]
+    planned = ("full", "none")
+    assert chunk_modes(None, 2, planned) == chunk_modes("plan", 2, planned) == ["full", "none"]
+    assert chunk_modes("selective", 2, planned) == ["selective", "selective"]
     assert chunk_modes(["none", "full"], 2) == ["none", "full"]
-    assert chunk_modes(None, 3, SimpleNamespace(boundaries=(0, 1, 2, 3))) == ["none"] * 3
+    assert chunk_modes(None, 3, ()) == ["none"] * 3
     with pytest.raises(RecomputeError, match="2 modes but the plan has 3 chunks"):
         chunk_modes(["full", "none"], 3)
     with pytest.raises(RecomputeError, match="the plan's stage_recompute gives 2 modes"):
-        chunk_modes(None, 3, plan)
+        chunk_modes(None, 3, planned)
     with pytest.raises(RecomputeError, match="unknown recompute mode 'partial'"):
         chunk_modes("partial", 2)
 
@@ -489,7 +489,7 @@ def test_build_stage_applies_the_plan_s_modes_and_a_rejoined_chunk_keeps_them() 
     """build_stage gives each chunk the plan's mode; the one-process engine joins the chunks into one,
     which must still run each layer in its own chunk's mode."""
     x = torch.randn(ROWS, D)
-    plan = SimpleNamespace(boundaries=(0, 1, 3), stage_recompute=("selective", "full"))
+    plan = StagePlan((0, 1, 3), recompute=("selective", "full"))
     build = build_stage(lambda: MLPStack(D, 3), (x,), None, plan, pp_rank=0, pp_size=1)
     assert build.recompute == ["selective", "full"]
     assert [c.recompute for c in build.chunks] == [("selective",), ("full", "full")]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autopipe.errors import AutopipeError
-from autopipe.runtime.reserve import reserve_for, runtime_reserve
+from autopipe.runtime.checks.reserve import reserve_for, runtime_reserve
 
 MIB = 2**20
 
@@ -19,7 +19,7 @@ def test_the_cpu_reserve_is_measured_once_then_read_from_the_cache(monkeypatch: 
     (the reserve is what it holds beyond, a few MiB on a CPU since the exact-memory heap keeps no
     sub-MiB tensors: the module docstring); the figure is cached under $AUTOPIPE_CACHE and the next
     call reads it without measuring."""
-    from autopipe.runtime import reserve as mod
+    from autopipe.runtime.checks import reserve as mod
 
     probes = []
     real = mod.measure_reserve
@@ -40,7 +40,7 @@ def test_the_cpu_reserve_is_measured_once_then_read_from_the_cache(monkeypatch: 
     def no_probe(device: str, **kwargs: object):  # noqa: ANN202
         raise AssertionError("measured again despite the cache")
 
-    monkeypatch.setattr("autopipe.runtime.reserve.measure_reserve", no_probe)
+    monkeypatch.setattr("autopipe.runtime.checks.reserve.measure_reserve", no_probe)
     assert runtime_reserve("cpu") == first
 
 
@@ -70,7 +70,7 @@ def test_each_precision_and_architecture_has_a_reserve_of_its_own(monkeypatch: p
         asked.append((dtype, getattr(config, "model_type", "gpt2")))
         return {"reserve_bytes": len(asked) * MIB}
 
-    monkeypatch.setattr("autopipe.runtime.reserve.measure_reserve", fake_probe)
+    monkeypatch.setattr("autopipe.runtime.checks.reserve.measure_reserve", fake_probe)
     llama = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1376,
                         num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
     got = [runtime_reserve("cpu"), runtime_reserve("cpu", dtype="bf16"), reserve_for("cpu", estimate=False, config=llama),
@@ -90,7 +90,7 @@ def test_the_probe_takes_the_architecture_at_probe_size() -> None:
     (not a decoder-only LM, or GPT-2 itself) gets the GPT-2 probe."""
     from transformers import BertConfig, GPT2Config, LlamaConfig, T5Config
 
-    from autopipe.runtime.reserve import probe_config
+    from autopipe.runtime.checks.reserve import probe_config
 
     big = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=8192, intermediate_size=28672,
                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, num_hidden_layers=80,

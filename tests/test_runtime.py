@@ -16,6 +16,7 @@ import torch
 from _factories import tiny_gpt2_job
 from _launch import Launcher
 
+from autopipe.planner.stage_plan import even_boundaries
 from autopipe.runtime import (
     TokenData,
     TrainConfig,
@@ -23,8 +24,7 @@ from autopipe.runtime import (
     build_stage,
     model_factory,
 )
-from autopipe.runtime.layout import even_boundaries
-from autopipe.runtime.reference import ReferenceTrainer
+from autopipe.runtime.checks.reference import ReferenceTrainer
 
 pytestmark = pytest.mark.slow  # every test starts train.py (most on several processes)
 
@@ -186,7 +186,7 @@ def test_killed_rank_resumes_exactly(torchrun: Launcher, job: Path, num_layers: 
 @pytest.mark.deepspeed
 def test_deepspeed_pipeline_module_matches_single_process_training(torchrun: Launcher, job: Path, num_layers: int) -> None:
     """--engine deepspeed: PipelineModule with TiedLayerSpec, cut at the plan's boundaries, matches too."""
-    from autopipe.runtime.ds import ds_config
+    from autopipe.runtime.deepspeed_engine.trainer import ds_config
 
     # the job's ds_config.json as emit writes it, given with --deepspeed_config (the flags' batch sizes win)
     (job / "ds_config.json").write_text(json.dumps(ds_config(TrainConfig(microbatches=1), rows=1, dp=1)))

@@ -17,11 +17,12 @@ from torch import nn
 import autopipe
 from autopipe.errors import AutopipeError, PartitionError
 from autopipe.job.script import write_train_script
+from autopipe.planner.plan import load_plan
+from autopipe.planner.stage_plan import StagePlan, even_boundaries, schedule_name
 from autopipe.runtime import build_reference, build_stage
-from autopipe.runtime.checkpoint import latest_checkpoint
-from autopipe.runtime.data import TokenData
-from autopipe.runtime.layout import ChunkLayout, even_boundaries, schedule_name
-from autopipe.runtime.weights import init_weights_, materialize_
+from autopipe.runtime.checkpoints.store import latest_checkpoint
+from autopipe.runtime.data.sources import TokenData
+from autopipe.runtime.stage.weights import init_weights_, materialize_
 
 
 def tiny_gpt2(n_layer: int = 4, n_embd: int = 32, vocab: int = 128) -> nn.Module:
@@ -37,9 +38,9 @@ IDS = torch.zeros(2, 16, dtype=torch.long)
 
 def test_layout_owners_loop_and_v() -> None:
     """Looped schedules deal chunks round-robin; V schedules go down and back up."""
-    loop = ChunkLayout.make([0, 1, 2, 3, 4, 5, 6, 7, 8], pp_size=4, schedule="interleaved1f1b")
+    loop = StagePlan((0, 1, 2, 3, 4, 5, 6, 7, 8), schedule="interleaved1f1b").placed(4)
     assert [loop.owner(c) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    v = ChunkLayout.make([0, 1, 2, 3, 4, 5, 6, 7, 8], pp_size=4, schedule="zbv")
+    v = StagePlan((0, 1, 2, 3, 4, 5, 6, 7, 8), schedule="zbv").placed(4)
     assert [v.owner(c) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
     assert v.chunks_of(0) == [0, 7]
     assert loop.ranks_holding([0, 7]) == [0, 3]
@@ -49,7 +50,7 @@ def test_layout_one_process_holds_every_chunk_of_a_v_plan() -> None:
     """`python train.py` runs a 2-rank zbv plan in one process: every chunk, and so both ends of
     GPT-2's tied embedding, is rank 0's (the V's way back once numbered it -1 and -2, and the tied
     group over ranks [0, -2] failed in new_group before the first step)."""
-    one = ChunkLayout.make([0, 3, 7, 13, 15], pp_size=1, schedule="zbv")
+    one = StagePlan((0, 3, 7, 13, 15), schedule="zbv").placed(1)
     assert [one.owner(c) for c in range(4)] == [0, 0, 0, 0]
     assert one.chunks_of(0) == [0, 1, 2, 3]
     assert one.ranks_holding([0, 14]) == [0]
@@ -58,11 +59,50 @@ def test_layout_one_process_holds_every_chunk_of_a_v_plan() -> None:
 def test_layout_refuses_mismatched_plans() -> None:
     """Wrong chunk counts for a schedule fail with the fix in the message."""
     with pytest.raises(PartitionError, match="Interleaved1F1B"):
-        ChunkLayout.make([0, 1, 2, 3, 4], pp_size=2, schedule="1f1b")
+        StagePlan((0, 1, 2, 3, 4), schedule="1f1b").placed(2)
     with pytest.raises(PartitionError, match="virtual_stages=2"):
-        ChunkLayout.make([0, 1, 2, 3], pp_size=3, schedule="zbv")
+        StagePlan((0, 1, 2, 3), schedule="zbv").placed(3)
     with pytest.raises(PartitionError, match="evenly"):
-        ChunkLayout.make([0, 1, 2, 3], pp_size=2, schedule="interleaved1f1b")
+        StagePlan((0, 1, 2, 3), schedule="interleaved1f1b").placed(2)
+
+
+def test_the_runtime_places_every_chunk_where_the_plan_did() -> None:
+    """One rule for chunk ownership: for every schedule, stage count and virtual stages the planner
+    plans, the StagePlan a rank reads (from the Plan, and from its plan.json) places each chunk on
+    the rank the plan charged it to, and a hand-written cut is placed the same way."""
+    from autopipe import Profile, partition
+
+    prof = Profile.from_costs([1.0] * 12)
+    for schedule, stages, v in (("1f1b", 2, 1), ("gpipe", 3, 1), ("interleaved1f1b", 2, 2), ("interleaved1f1b", 3, 2),
+                                ("zbv", 2, 2), ("zbv", 3, 2)):
+        plan = partition(prof, stages, schedule=schedule, virtual_stages=v, microbatches=6, bandwidth=None)
+        record = plan.stage_plan()
+        assert record.chunk_ranks == plan.stage_ranks and record.stages == stages
+        assert record.placed(stages).chunk_ranks == plan.stage_ranks, (schedule, stages, v)
+        by_hand = StagePlan(plan.boundaries, schedule=schedule).placed(stages)
+        assert by_hand.chunk_ranks == plan.stage_ranks, (schedule, stages, v)
+        assert [record.placed(stages).chunks_of(r) for r in range(stages)] == [plan.chunks_of(r) for r in range(stages)]
+
+
+def test_load_plan_reads_a_full_and_a_hand_written_plan_as_one_record(tmp_path) -> None:
+    """plan.json written by partition and a hand-written {"boundaries": ...} both load as a StagePlan;
+    the full one keeps what the runtime reads (ranks, schedule, placement, dp/zero, promises)."""
+    import json
+
+    from autopipe import Profile, partition
+
+    plan = partition(Profile.from_costs([1.0] * 8), 2, schedule="zbv", virtual_stages=2, microbatches=4, bandwidth=None)
+    plan.save(tmp_path / "plan.json")
+    full = load_plan(tmp_path / "plan.json")
+    assert full == plan.stage_plan()
+    assert (full.schedule, full.chunk_ranks, full.microbatches, full.step_time) == \
+        ("ZBVZeroBubble", plan.stage_ranks, 4, plan.step_time)
+    (tmp_path / "hand.json").write_text(json.dumps({"boundaries": [0, 3, 8], "placement": "replica-inner"}))
+    hand = load_plan(tmp_path / "hand.json")
+    assert (hand.boundaries, hand.stages, hand.chunk_ranks, hand.placement) == ((0, 3, 8), 0, (), "replica-inner")
+    assert hand.placed(2).chunk_ranks == (0, 1) and hand.step_time is None
+    with pytest.raises(PartitionError, match="not placed"):
+        hand.owner(0)
 
 
 def test_even_boundaries_and_schedule_names() -> None:
@@ -269,7 +309,7 @@ def test_peak_memory_window_sees_what_the_step_allocates() -> None:
     """PeakMemory: each reset starts a window; 64 MiB of fresh pages touched in it show, above the baseline."""
     import mmap
 
-    from autopipe.runtime.peak import PeakMemory, resident_bytes
+    from autopipe.runtime.logs.peak import PeakMemory, resident_bytes
 
     peak = PeakMemory(torch.device("cpu"))
     assert peak.supported
@@ -293,8 +333,8 @@ def test_grad_norm_is_torch_s_and_never_holds_a_float64_copy_of_a_large_gradient
     import copy
 
     from autopipe.costs.measure import peak_bytes
-    from autopipe.runtime.comm import Comm
-    from autopipe.runtime.grads import clip_grads_, global_grad_norm
+    from autopipe.runtime.process.comm import Comm
+    from autopipe.runtime.training.grads import clip_grads_, global_grad_norm
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(8192, 128), nn.Linear(128, 64), nn.LayerNorm(64))
@@ -325,15 +365,15 @@ def test_step_log_carries_the_plan_s_predictions_only_for_the_planned_run(tmp_pa
     """--log-json lines hold predicted step time and per-rank memory beside the measured ones, when
     the run uses the plan's schedule, micro-batches and stage count; otherwise none."""
     import json as _json
-    from types import SimpleNamespace
 
-    from autopipe.runtime.logs import StepLogger, predictions
-    from autopipe.runtime.trainer import StepStats
+    from autopipe.runtime.logs.steps import StepLogger, StepStats, predictions
 
-    plan = SimpleNamespace(schedule="1f1b", microbatches=4, stages=2, step_time=1.5, rank_memory=(100, 200))
+    plan = StagePlan((0, 2, 4), schedule="1f1b", microbatches=4, stages=2, chunk_ranks=(0, 1), step_time=1.5,
+                     rank_memory=(100, 200))
     assert predictions(plan, schedule="gpipe", microbatches=4, pp_size=2) is None
     assert predictions(plan, schedule="1F1B", microbatches=8, pp_size=2) is None
-    assert predictions(SimpleNamespace(boundaries=(0, 2, 4)), schedule="1f1b", microbatches=4, pp_size=2) is None
+    assert predictions(StagePlan((0, 2, 4)), schedule="1f1b", microbatches=4, pp_size=2) is None  # hand-written
+    assert predictions(2, schedule="1f1b", microbatches=4, pp_size=2) is None  # --plan even
     pred = predictions(plan, schedule="1F1B", microbatches=4, pp_size=2)
     log = StepLogger(0, json_path=tmp_path / "log.json", quiet=True, predicted=pred)
     log.step(StepStats(step=1, loss=1.0, lr=0.1, grad_norm=1.0, step_time=1.4, tokens_per_s=1.0,
@@ -346,7 +386,7 @@ def test_step_log_carries_the_plan_s_predictions_only_for_the_planned_run(tmp_pa
 def test_preallocated_adamw_state_is_what_adamw_makes_itself() -> None:
     """preallocate_ gives each parameter zero gradients and the exact state AdamW would create (same keys,
     shapes, dtypes, devices), so updates from it are bit-identical to lazily initialised AdamW."""
-    from autopipe.runtime.optim import TrainConfig, make_optimizer, preallocate_
+    from autopipe.runtime.training.optim import TrainConfig, make_optimizer, preallocate_
 
     torch.manual_seed(0)
     a, b = nn.Linear(8, 4), nn.Linear(8, 4)
@@ -403,11 +443,11 @@ def test_a_torch_whose_stages_cannot_receive_integers_is_told_before_any_rank_ta
     reserve probe hung 10 minutes under torch 2.11). Such a torch gets one line naming the tensor,
     the cut and the ways out; a cut carrying only floats, or one process, still runs."""
     from autopipe.errors import AutopipeError
-    from autopipe.runtime import engine
+    from autopipe.runtime.torch_engine import pipeline as engine
 
     model = tiny_gpt2()
     seq = autopipe.flatten(model, (IDS,), {"labels": IDS})
-    two = ChunkLayout.make([0, 3, len(seq.layers)], pp_size=2, schedule="1f1b")
+    two = StagePlan((0, 3, len(seq.layers)), schedule="1f1b").placed(2)
     for version, receives in (("2.13.0a0+git1a2b3c", True), ("2.13.0.dev20260101", True), ("2.15.0", True),
                               ("2.12.1", False), ("2.11.0+cu130", False)):  # NVIDIA's images, nightlies
         monkeypatch.setattr(torch, "__version__", version)
@@ -418,9 +458,9 @@ def test_a_torch_whose_stages_cannot_receive_integers_is_told_before_any_rank_ta
     monkeypatch.setattr(engine, "receives_integers", lambda: False)
     with pytest.raises(AutopipeError, match=r"\(int64\) crosses the cut before layer 3 .*torch >= 2\.13"):
         engine.check_cuts_for_this_torch(seq, two)
-    engine.check_cuts_for_this_torch(seq, ChunkLayout.make([0, 3, len(seq.layers)], pp_size=1, schedule="1f1b"))
+    engine.check_cuts_for_this_torch(seq, StagePlan((0, 3, len(seq.layers)), schedule="1f1b").placed(1))
     floats = autopipe.flatten(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), (torch.randn(2, 4),))
-    engine.check_cuts_for_this_torch(floats, ChunkLayout.make([0, 1, 3], pp_size=2, schedule="1f1b"))
+    engine.check_cuts_for_this_torch(floats, StagePlan((0, 1, 3), schedule="1f1b").placed(2))
 
 
 HEAP_PROBE = textwrap.dedent('''

@@ -76,7 +76,8 @@ def _lazy_names(tree: ast.Module, package: str) -> dict[str, tuple[str, int]]:
             if isinstance(table, ast.Dict):
                 for key, value in zip(table.keys, table.values):
                     if isinstance(key, ast.Constant) and isinstance(value, ast.Constant):
-                        out[key.value] = (f"{package}.{value.value}", value.lineno)
+                        target = value.value if value.value.startswith("autopipe.") else f"{package}.{value.value}"
+                        out[key.value] = (target, value.lineno)
     return out
 
 
@@ -234,6 +235,34 @@ def test_imports_only_go_down_the_floors() -> None:
             problems.append(f"{imp.where()}: {here} (floor {FLOORS.get(here)}) may not import {there} "
                             f"(floor {FLOORS.get(there)}); move the shared piece down or the caller up")
     _fail(problems, "imports that climb")
+
+
+# The runtime's rooms, lowest first: each imports its own room or a lower one; rooms of one floor
+# never import each other (the two engines share the pieces beneath them, not each other's).
+RUNTIME_FLOORS = {"stage": 0, "logs": 0, "checkpoints": 0, "data": 1, "process": 1, "training": 2,
+                  "torch_engine": 3, "deepspeed_engine": 3, "checks": 4}
+
+
+def _runtime_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["autopipe", "runtime"] else None
+
+
+def test_the_runtime_s_rooms_import_only_downward() -> None:
+    """Inside runtime/, a sub-package imports only rooms on a lower floor (RUNTIME_FLOORS): stage,
+    logs and checkpoints at the bottom, then data and process, training, the two engines, the checks;
+    a new room is given a floor before it can be judged."""
+    problems = [f"{MODULES[m].relative_to(ROOT)}: runtime room {_runtime_room(m)!r} has no floor: add it to "
+                "RUNTIME_FLOORS in tests/test_structure.py" for m in MODULES
+                if _runtime_room(m) is not None and _runtime_room(m) not in RUNTIME_FLOORS]
+    for imp in ALL:
+        here, there = _runtime_room(imp.source), _runtime_room(imp.target)
+        if here is None or there is None or here == there or here not in RUNTIME_FLOORS:
+            continue
+        if RUNTIME_FLOORS.get(there, 99) >= RUNTIME_FLOORS[here]:
+            problems.append(f"{imp.where()}: runtime/{here} (floor {RUNTIME_FLOORS[here]}) may not import "
+                            f"runtime/{there} (floor {RUNTIME_FLOORS.get(there)}); move the shared piece down")
+    _fail(problems, "runtime imports that climb")
 
 
 def _torch_free(module: str) -> bool:

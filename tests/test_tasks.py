@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from autopipe.errors import AutopipeError
+from autopipe.planner.stage_plan import StagePlan
 from autopipe.runtime import JobData, build_stage, model_factory
-from autopipe.runtime.data import DataError, TokenStream, epoch_order, open_data
-from autopipe.runtime.main import check_launch
-from autopipe.runtime.tasks import LossError, check_loss, mlm_mask
+from autopipe.runtime.data.losses import LossError, check_loss
+from autopipe.runtime.data.sources import DataError, TokenStream, epoch_order, open_data
+from autopipe.runtime.data.tasks import mlm_mask
+from autopipe.runtime.process.lifecycle import check_launch
 
 SEQ = 8
 
@@ -182,8 +184,8 @@ def test_a_model_without_a_scalar_loss_is_refused_with_the_fix(tmp_path: Path) -
 
 def test_dropout_is_kept_and_seeded_per_layer_and_micro_batch(tmp_path: Path) -> None:
     """The model's dropout stays on; the same step and micro-batch draw the same masks, another step others."""
-    from autopipe.runtime.build import MicrobatchSeeds
-    from autopipe.runtime.reference import SequenceModel
+    from autopipe.runtime.checks.reference import SequenceModel
+    from autopipe.runtime.stage.build import MicrobatchSeeds
 
     source = model_factory(_folder(tmp_path, "gpt2", resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5),
                            batch_size=2, seq_len=SEQ)
@@ -203,7 +205,7 @@ def test_dropout_is_kept_and_seeded_per_layer_and_micro_batch(tmp_path: Path) ->
 
 def test_launching_the_wrong_number_of_processes_says_the_right_one() -> None:
     """A plan of 2 stages on 3 or 4 processes: one line with the --nproc-per-node that fits (one process runs any plan)."""
-    plan = SimpleNamespace(stages=2, boundaries=(0, 3, 6))
+    plan = StagePlan((0, 3, 6), stages=2, chunk_ranks=(0, 1))
     with pytest.raises(AutopipeError, match="has 2 stages but 3 processes were launched .* launch with --nproc-per-node 2"):
         check_launch(plan, 3, 1)
     with pytest.raises(AutopipeError, match="--nproc-per-node 4 with --dp 2"):
@@ -211,7 +213,7 @@ def test_launching_the_wrong_number_of_processes_says_the_right_one() -> None:
     check_launch(plan, 1, 1)
     check_launch(plan, 2, 2)
     with pytest.raises(AutopipeError, match="launch with --nproc-per-node 2 or 4"):
-        check_launch(SimpleNamespace(boundaries=(0, 1, 2, 3, 4)), 3, 1)
+        check_launch(StagePlan((0, 1, 2, 3, 4)), 3, 1)
 
 
 def test_seq2seq_pairs_from_a_datasets_file(tmp_path: Path) -> None:
@@ -234,7 +236,7 @@ def test_resume_says_what_changed_and_refuses_nothing_to_resume(tmp_path: Path, 
     """--resume: nothing there is an error (--resume auto starts afresh, saying so); a checkpoint made
     with another --steps (the LR schedule then decays over the new count) or other data is said so; a
     checkpoint already at --steps is an error naming the larger --steps to pass."""
-    from autopipe.runtime.main import ResumeError, resume
+    from autopipe.runtime.checkpoints.resume import ResumeError, resume
 
     said: list[str] = []
     trainer = SimpleNamespace(step_count=0)
@@ -247,7 +249,7 @@ def test_resume_says_what_changed_and_refuses_nothing_to_resume(tmp_path: Path, 
     step = tmp_path / "ckpt" / "step_00000002"
     step.mkdir(parents=True)
     (step / "meta.json").write_text(json.dumps({"step": 2, "config": {"steps": 4}, "data": {"source": "a.bin"}}))
-    monkeypatch.setattr("autopipe.runtime.checkpoint.load_checkpoint", lambda t, path: setattr(t, "step_count", 2))
+    monkeypatch.setattr("autopipe.runtime.checkpoints.store.load_checkpoint", lambda t, path: setattr(t, "step_count", 2))
     said.clear()
     assert resume(trainer, tmp_path / "ckpt", mode="must", steps=8, data=data, say=said.append) == step
     assert said == [f"resumed from {step} at step 2",

@@ -196,7 +196,7 @@ def test_a_bf16_stage_keeps_the_models_fp32_regions_and_computes_the_untouched_m
     bf16 (a Llama-1B bf16 job on an H200, transformers 5.17: logits 1.48 off). A stage traced under
     the job's autocast (``build_stage(autocast=)``, as train.py builds it) computes the untouched
     model's outputs, loss and gradients under autocast; the old trace is shown to differ."""
-    from autopipe.runtime.build import build_reference, build_stage
+    from autopipe.runtime.stage.build import build_reference, build_stage
 
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     kwargs = {"labels": ids, "use_cache": False}

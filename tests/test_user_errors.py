@@ -147,7 +147,7 @@ def test_a_bad_train_py_flag_is_one_line_from_rank_0(torchrun: Launcher, tmp_pat
 
 
 def test_refusals_name_the_flag_a_person_gave(tmp_path: Path) -> None:
-    from autopipe.runtime.data import check_data_path
+    from autopipe.runtime.data.sources import check_data_path
 
     with pytest.raises(AutopipeError, match="--eval-data 'nowhere.bin' does not exist"):
         check_data_path(Path("nowhere.bin"), flag="--eval-data")

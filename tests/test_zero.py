@@ -33,6 +33,7 @@ from _factories import tiny_gpt2_job
 from _launch import Launcher, free_port
 
 from autopipe.job.script import write_train_script
+from autopipe.planner.stage_plan import even_boundaries
 from autopipe.runtime import (
     TokenData,
     TrainConfig,
@@ -40,9 +41,8 @@ from autopipe.runtime import (
     build_stage,
     model_factory,
 )
-from autopipe.runtime.exports import checkpoint_params
-from autopipe.runtime.layout import even_boundaries
-from autopipe.runtime.reference import ReferenceTrainer
+from autopipe.runtime.checkpoints.exports import checkpoint_params
+from autopipe.runtime.checks.reference import ReferenceTrainer
 
 STEPS, MICRO, ROWS, SEQ, LR = 3, 2, 2, 16, 1e-3
 CLIP = 1.0  # active on the first steps (the reference's norms are above it: asserted), so clipping is exercised
@@ -239,7 +239,7 @@ def test_the_job_takes_dp_and_zero_from_the_plan(tmp_path: Path) -> None:
 _UNUSED = """
 import os, torch, torch.distributed as dist
 from torch import nn
-from autopipe.runtime.zero import explain_ddp_error
+from autopipe.runtime.torch_engine.zero import explain_ddp_error
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)
 class Chunk(nn.Module):
@@ -269,7 +269,7 @@ def test_a_parameter_no_forward_uses_is_one_line_under_ddp(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1 and "never uses" in lines[0] and "--zero 2" in lines[0], done.stdout
-    from autopipe.runtime.zero import explain_ddp_error
+    from autopipe.runtime.torch_engine.zero import explain_ddp_error
 
     other = RuntimeError("something else")
     assert explain_ddp_error(other, 0) is other

@@ -25,7 +25,8 @@ from autopipe.graph.flattener import flatten
 from autopipe.graph.sources import load_model
 from autopipe.job.script import write_train_script
 from autopipe.runtime import JobData, make_loss, model_factory
-from autopipe.runtime.engine import model_loss, split_batch
+from autopipe.runtime.data.batches import split_batch
+from autopipe.runtime.data.losses import model_loss
 
 pytestmark = pytest.mark.slow
 

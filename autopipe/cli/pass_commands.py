@@ -109,7 +109,7 @@ def profile_command(
         args, kwargs = tree_map(lambda v: v.to(target) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
                                 (args, kwargs))
     from ..costs.devices import slow_16bit_cpu_note
-    from ..runtime.reserve import reserve_for
+    from ..runtime.checks.reserve import reserve_for
 
     emulated = slow_16bit_cpu_note(autocast or dtype or "fp32") if device == "cpu" and not estimate else None
     if emulated and not json_output:  # before the profile it warns of, which may take many minutes

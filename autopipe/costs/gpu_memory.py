@@ -14,7 +14,7 @@ process holds more, and a plan that leaves it out says "fits" and runs out of me
 Each figure below says whether it is **published** (a default documented or written in the
 source of the library that allocates it), **reported** (measured by others, cited) or **assumed**
 (our estimate, to be replaced by a measurement: ``autopipe doctor`` prints the gap on the GPU it
-runs on, and a measured profile carries the runtime reserve, :mod:`autopipe.runtime.reserve`, which
+runs on, and a measured profile carries the runtime reserve, :mod:`autopipe.runtime.checks.reserve`, which
 absorbs what the model leaves out). The optimizer step's temporaries are the memory model's own
 term (:func:`autopipe.planner.memory.layer_memory`), from torch's code, not a per-GPU figure.
 

@@ -76,7 +76,7 @@ def static_storage_keys(layer: nn.Module) -> set[int]:
 def fresh_casts() -> None:
     """Forget the weight casts autocast keeps while its context is open, as a new micro-batch does.
 
-    A job enters autocast afresh for each micro-batch's forward (``runtime/build.py``), so each
+    A job enters autocast afresh for each micro-batch's forward (``runtime/stage/build.py``), so each
     casts its weights again; the profiler keeps one autocast context open over a layer's repeats,
     whose cache would leave every cast but the first out of the time. Measured on a bf16 GPT-2
     (6 x 256, vocab 4096, CPU): the job's forwards took 1.22x and 1.40x the profiled ones per rank

@@ -104,7 +104,7 @@ def profile(
         progress: show a progress bar on stderr.
 
         reserve: bytes the training runtime holds per rank on this device beyond the model's tensors,
-            kept in the profile for the memory model (``autopipe.runtime.reserve.runtime_reserve`` measures
+            kept in the profile for the memory model (``autopipe.runtime.checks.reserve.runtime_reserve`` measures
             it once per device; the CLI passes it).
 
     Every layer is also run under each recompute mode (:mod:`autopipe.graph.recompute`) to fill
@@ -135,7 +135,7 @@ def profile(
 
     old_threads = torch.get_num_threads()
     if run.device.type == "cpu" and not estimate:
-        steady_heap()  # as every CPU rank of a job runs (autopipe.runtime.distenv): one allocator state timed
+        steady_heap()  # as every CPU rank of a job runs (autopipe.runtime.process.distenv): one allocator state timed
     if run.device.type == "cpu" and threads:
         torch.set_num_threads(threads)
     try:

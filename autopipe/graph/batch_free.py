@@ -34,7 +34,7 @@ from torch import Tensor, fx, nn
 __all__ = ["BatchFreeValue", "batch_free_nodes", "computed_in_layer", "crossing_values", "held_tensors", "making_value",
            "recipe"]
 
-# Arguments the eval-mode switch (autopipe.runtime.eval_mode) rewrites: a value made with them in
+# Arguments the eval-mode switch (autopipe.runtime.stage.eval_mode) rewrites: a value made with them in
 # train mode would be wrong in eval mode, so an operator taking one is never batch-free.
 _MODE_ARGUMENTS = {"train", "training", "dropout_p"}
 

@@ -299,7 +299,7 @@ def _layer_entries(segments: list[Segment]) -> list[tuple[str, int] | None]:
     A layer starts at the outermost module on its first node's stack that the layer before had
     not entered (``transformer.h.3``, not ``transformer``, which layer 0 entered already). The
     untouched model, seeded there, draws the random numbers each layer draws in the pipeline
-    (autopipe.runtime.untouched).
+    (autopipe.runtime.checks.untouched).
     """
     entries: list[tuple[str, int] | None] = []
     before: set[str] = set()

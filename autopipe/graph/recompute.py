@@ -105,11 +105,11 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def chunk_modes(recompute: str | Sequence[str] | None, num_chunks: int, plan: Any = None) -> list[str]:
+def chunk_modes(recompute: str | Sequence[str] | None, num_chunks: int, planned: Sequence[str] = ()) -> list[str]:
     """The recompute mode of each of ``num_chunks`` chunks.
 
-    ``recompute`` is one mode for every chunk, or one per chunk; None (or ``"plan"``) takes the plan's
-    ``stage_recompute`` when it has one, else ``none`` everywhere.
+    ``recompute`` is one mode for every chunk, or one per chunk; None (or ``"plan"``) takes the
+    ``planned`` modes (the plan's, one per chunk) when there are any, else ``none`` everywhere.
 
     Example:
         >>> chunk_modes("full", 3)
@@ -119,7 +119,7 @@ def chunk_modes(recompute: str | Sequence[str] | None, num_chunks: int, plan: An
     """
     source = "recompute"
     if recompute is None or recompute == "plan":
-        recompute = getattr(plan, "stage_recompute", None) or "none"
+        recompute = tuple(planned) or "none"
         source = "the plan's stage_recompute"
     if isinstance(recompute, str):
         return [check_mode(recompute)] * num_chunks

@@ -137,7 +137,7 @@ def _check_destination(s: ConvertSettings, model: str) -> Path:
     check_source(model)
     job_dir = Path(s.out) if s.out is not None else default_job_dir(model)
     check_job_dir(job_dir, force=s.force)
-    from ..runtime.data import check_data_path
+    from ..runtime.data.sources import check_data_path
 
     for flag, given in (("--data", s.data), ("--eval-data", s.eval_data)):
         if given is not None:
@@ -176,7 +176,7 @@ def _load(model: str, s: ConvertSettings) -> _Loaded:
     import torch
 
     from ..graph.sources import load_model
-    from ..runtime.tasks import resolve_loss
+    from ..runtime.data.losses import resolve_loss
 
     spec = load_model(model, device="meta" if s.estimate else "cpu", batch_size=s.batch_size, seq_len=s.seq_len,
                       seed=s.seed)  # fmt: skip
@@ -234,7 +234,7 @@ def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profi
 
 
 def _reserve(spec: Any, s: ConvertSettings) -> int:
-    from ..runtime.reserve import reserve_for
+    from ..runtime.checks.reserve import reserve_for
 
     return reserve_for(s.device, estimate=s.estimate, given=s.reserve, dtype=s.dtype,
                        config=getattr(spec.model, "config", None))
@@ -310,11 +310,12 @@ def _absolute_spec(model: str) -> str:
 def _check_job_inputs(model: str, seq: Any, job_loss: Any, s: ConvertSettings, *, factory_data: bool, rows: int) -> None:
     """Refuse, before profiling, a job that could not train: no scalar loss, or data (--data, or the
     factory's) that does not fit the model."""
-    from ..runtime.tasks import JobData, check_loss
+    from ..runtime.data.tasks import JobData
+    from ..runtime.data.losses import check_loss
 
     check_loss(seq, job_loss, model)
     if s.data is not None or factory_data or s.eval_data is not None:
-        from ..runtime.factory import model_factory
+        from ..runtime.data.factory import model_factory
 
         source = model_factory(model, batch_size=rows, seq_len=s.seq_len, seed=s.seed, loss=s.loss)
         JobData(source, str(s.data) if s.data is not None else None, seq_len=s.seq_len, seed=s.seed, seq=seq)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AutopipeError
-from ..runtime.launch import run_local_workers
+from ..runtime.process.launch import run_local_workers
 
 __all__ = ["DeviceLine", "DoctorReport", "RankCheck", "run_doctor"]
 
@@ -158,7 +158,7 @@ def run_doctor(*, device: str = "auto", ranks: int | None = None, steps: int = 6
     from ..graph.flattener import flatten
     from ..graph.sources import load_model
     from ..planner.partitioner import partition
-    from ..runtime.reserve import reserve_for
+    from ..runtime.checks.reserve import reserve_for
 
     cuda = torch.cuda.is_available()
     if device == "auto":
@@ -167,7 +167,7 @@ def run_doctor(*, device: str = "auto", ranks: int | None = None, steps: int = 6
         raise AutopipeError(f"doctor --device {device!r}: use auto, cpu or cuda.")
     if device == "cuda" and not cuda:
         raise AutopipeError("doctor --device cuda, but torch sees no CUDA device; run it with --device cpu.")
-    from ..runtime.engine import receives_integers
+    from ..runtime.torch_engine.pipeline import receives_integers
 
     most = 2 if device == "cpu" else min(2, torch.cuda.device_count())
     # the small GPT-2's cut carries its labels, which torch < 2.13's stages cannot receive
@@ -218,13 +218,13 @@ def _memory_model(gpu: str) -> dict[str, dict[str, Any]]:
 def _worker(root: Path, steps: int) -> None:
     """One rank: train the plan, then write its step times and its largest peak after the first step
     (each read after the step, its optimizer step included)."""
-    from ..runtime.build import build_stage
-    from ..runtime.data import TokenData
-    from ..runtime.distenv import init_dist
-    from ..runtime.factory import model_factory
-    from ..runtime.layout import load_plan
-    from ..runtime.optim import TrainConfig
-    from ..runtime.trainer import Trainer
+    from ..runtime.stage.build import build_stage
+    from ..runtime.data.sources import TokenData
+    from ..runtime.process.distenv import init_dist
+    from ..runtime.data.factory import model_factory
+    from ..planner.plan import load_plan
+    from ..runtime.training.optim import TrainConfig
+    from ..runtime.torch_engine.trainer import Trainer
 
     source = model_factory(str(root / "model"), batch_size=_ROWS, seq_len=_SEQ)
     env = init_dist(dp=1, exact_memory=True)  # a CPU rank's peak then counts the tensors the plan counts

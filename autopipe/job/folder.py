@@ -124,7 +124,7 @@ def emit(
         plan.save(staging / "plan.json")
         profile.save(staging / "profile.json")
         write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model, search=search)
-        dp, nodes = int(getattr(plan, "dp", 1)), int(getattr(plan, "nodes", 1))
+        dp, nodes = plan.dp, plan.nodes
         launch = launch_command(path, settings, dp, nodes)
         write_text_atomic(staging / "README.md", job_readme(settings, profile, plan, launch))
         names = JOB_FILES
@@ -158,12 +158,12 @@ def emit(
 def _ds_config(settings: JobSettings, plan: Plan) -> str:
     import json
 
-    from ..runtime.ds_settings import ds_config
-    from ..runtime.optim import TrainConfig
+    from ..runtime.deepspeed_engine.settings import ds_config
+    from ..runtime.training.optim import TrainConfig
 
     # the plan's ZeRO stage (0 or 1 on DeepSpeed: convert refuses more) is the job's
     config = TrainConfig(microbatches=settings.microbatches, dtype=settings.dtype, seed=settings.seed,
-                         zero=int(getattr(plan, "zero", 0)), optimizer=settings.optimizer, lr=settings.lr,
+                         zero=plan.zero, optimizer=settings.optimizer, lr=settings.lr,
                          weight_decay=settings.weight_decay, betas=tuple(settings.betas), momentum=settings.momentum,
                          warmup=settings.warmup, lr_schedule=settings.lr_schedule, grad_clip=settings.grad_clip)
     return json.dumps(ds_config(config, rows=settings.batch_size, dp=1), indent=2) + "\n"

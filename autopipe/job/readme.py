@@ -27,7 +27,7 @@ def job_readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str)
         rows.append(f"| {c} | {plan.stage_ranks[c]} | {a}–{b - 1} (`{first}` … `{last}`) | "
                     f"{format_time(plan.stage_times[c])} | {format_bytes(plan.stage_memory[c])} |")
     limit = format_bytes(plan.memory_limit) if plan.memory_limit else "none"
-    nodes = int(getattr(plan, "nodes", 1))
+    nodes = plan.nodes
     where = "" if nodes == 1 else f"""
 The plan spans {nodes} nodes of {plan.gpus_per_node} ({plan.stages} stages x {plan.dp} replicas, ranks
 numbered {plan.placement}). Run the line on every node, with `NODE_RANK` set to 0 .. {nodes - 1} and

@@ -48,7 +48,7 @@ def job_script(job: str | os.PathLike[str]) -> Path:
 def _processes(script: Path, flags: Sequence[str]) -> int:
     """stages x replicas: the plan's stages, the replicas of ``--dp`` among the flags, else the plan's.
     The plan is read as train.py reads it: a hand-written ``{"boundaries": [...]}`` too."""
-    from ..runtime.layout import load_plan
+    from ..planner.plan import load_plan
 
     plan_path = script.with_name("plan.json")
     given = _flag(flags, "--plan")
@@ -57,19 +57,16 @@ def _processes(script: Path, flags: Sequence[str]) -> int:
     if not plan_path.is_file():
         raise AutopipeError(f"{plan_path} does not exist; give --nproc-per-node N to autopipe run.")
     plan = load_plan(plan_path)
-    if int(getattr(plan, "nodes", 1)) > 1:
+    if plan.nodes > 1:
         raise AutopipeError(f"{plan_path} spans {plan.nodes} nodes; launch each node with the torchrun line in "
                             f"{script.with_name('README.md')} (or sbatch {script.with_name('train.sbatch')}).")
     dp = _flag(flags, "--dp")
     try:
-        replicas = int(dp) if dp is not None else int(getattr(plan, "dp", 1) or 1)
+        replicas = int(dp) if dp is not None else plan.dp
     except ValueError:
         raise AutopipeError(f"--dp {dp}: give a whole number of replicas.") from None
-    stages = getattr(plan, "stages", None)
-    if stages is None:  # hand-written: its chunks' ranks, else one chunk per stage
-        ranks = tuple(plan.stage_ranks)
-        stages = max(ranks) + 1 if ranks else len(plan.boundaries) - 1
-    return int(stages) * replicas
+    # a hand-written cut of no stage count (no stage_ranks): one chunk per stage
+    return (plan.stages or plan.num_chunks) * replicas
 
 
 def _flag(flags: Sequence[str], name: str) -> str | None:
@@ -92,7 +89,7 @@ def run_job(job: str | os.PathLike[str], flags: Sequence[str] = (), *, nproc: in
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ..runtime.launch import RUN_COMMAND
+    from ..runtime.process.launch import RUN_COMMAND
 
     out, err = out or sys.stdout, err or sys.stderr
     script = job_script(job)

@@ -108,9 +108,9 @@ def write_train_script(
         >>> path.name, "MICROBATCHES = 8" in path.read_text()
         ('train.py', True)
     """
-    from ..runtime.layout import schedule_name
-    from ..runtime.optim import LR_SCHEDULES, OPTIMIZERS, TrainConfig
-    from ..runtime.zero import check_zero
+    from ..planner.stage_plan import schedule_name
+    from ..runtime.training.optim import LR_SCHEDULES, OPTIMIZERS, TrainConfig
+    from ..runtime.training.optim import check_zero
     from .settings import refuse_unknown
 
     known = ("model", "stages", "microbatches", "schedule", "plan", "batch_size", "seq_len", "dtype", "engine",

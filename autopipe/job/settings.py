@@ -145,7 +145,7 @@ class ConvertSettings:
         if self.target is not None:
             self._set(target=target_info(self.target).key)  # an unknown engine is refused before any work
         zero_choices(self.zero, self.dp)  # a bad --dp/--zero
-        from ..runtime.optim import (
+        from ..runtime.training.optim import (
             TrainConfig,  # the optimizer's settings, checked as train.py will
         )
 

@@ -1,7 +1,7 @@
 """What a pipeline rank holds at its peak while training, term by term. No torch.
 
 The plan's ``rank_memory`` is this module's ``RankMemory.total``; the step log's measured
-``peak_memory`` (``autopipe.runtime.peak``) is its counterpart. Per rank, over the chunks it runs:
+``peak_memory`` (``autopipe.runtime.logs.peak``) is its counterpart. Per rank, over the chunks it runs:
 
 - ``weights``, ``gradients``, ``optimizer``: what the layers' parameters hold for the whole step,
   as the profile sized them for the training mode (fp32 master weights and fp32 state under
@@ -134,7 +134,7 @@ def ddp_schedule(schedule: str) -> bool:
 
     DDP reduces from autograd hooks that a whole ``backward()`` fires; zero-bubble schedules
     compute weight gradients with ``torch.autograd.grad`` and set ``.grad`` by hand, which fires
-    none, so there DDP would never reduce (autopipe.runtime.zero).
+    none, so there DDP would never reduce (autopipe.runtime.torch_engine.zero).
 
     >>> ddp_schedule("1f1b"), ddp_schedule("Interleaved1F1B"), ddp_schedule("zbv")
     (True, True, False)

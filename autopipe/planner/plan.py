@@ -13,17 +13,20 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from ..choices import PLACEMENTS
 from ..errors import RecordError
 from ..files import check_header, read_json, write_json_atomic
 from .schedules import Simulation, simulate
+from .stage_plan import StagePlan, schedule_name
 
-__all__ = ["Plan", "PLAN_SCHEMA"]
+__all__ = ["PLAN_SCHEMA", "Plan", "load_plan"]
 
 PLAN_SCHEMA = 1
 
@@ -207,6 +210,15 @@ class Plan:
         """Chunks that rank ``rank`` runs, in model order."""
         return [c for c, r in enumerate(self.stage_ranks) if r == rank]
 
+    def stage_plan(self) -> StagePlan:
+        """What the runtime runs of this plan (``autopipe.planner.stage_plan.StagePlan``): the cut,
+        each chunk's rank, the schedule by torch's name, the world's layout and the promises."""
+        return StagePlan(self.boundaries, schedule=schedule_name(self.schedule), stages=self.stages,
+                         chunk_ranks=self.stage_ranks, microbatches=self.microbatches,
+                         recompute=self.stage_recompute, placement=self.placement, dp=self.dp, zero=self.zero,
+                         trace_device=self.trace_device, gpus_per_node=self.gpus_per_node,
+                         step_time=self.step_time, rank_memory=self.rank_memory)
+
     def simulate(self, schedule: str | None = None, microbatches: int | None = None) -> Simulation:
         """Simulate one training step of this cut under ``schedule`` (default: the plan's own).
 
@@ -336,3 +348,37 @@ def _check_plan(plan: Plan) -> None:
     for c, mode in enumerate(plan.stage_recompute):
         if mode not in ("none", "selective", "full"):
             raise RecordError(f"plan stage_recompute[{c}] is {mode!r}; use none, selective or full.")
+
+
+_HAND_WRITTEN = {"boundaries", "stage_ranks", "schedule", "microbatches", "placement"}
+
+
+def load_plan(path: str | os.PathLike[str]) -> StagePlan:
+    """Read plan.json as the record the runtime runs: a full ``autopipe.planner.plan.Plan`` (its
+    ``stage_plan()``), or a hand-written ``{"boundaries": [...]}`` (with, optionally,
+    ``"stage_ranks"``, ``"schedule"``, ``"microbatches"`` and ``"placement": "replica-inner"``)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise RecordError(f"no plan at {p}; run `autopipe convert`, or pass --plan even.") from None
+    except ValueError as e:
+        raise RecordError(f"{p} is not valid JSON ({e}).") from None
+    if isinstance(data, dict) and set(data) <= _HAND_WRITTEN:
+        return _hand_written(p, data)
+    return Plan.from_dict(data).stage_plan()
+
+
+def _hand_written(p: Path, data: dict) -> StagePlan:
+    if "boundaries" not in data:
+        raise RecordError(f"{p} has no 'boundaries'.")
+    placement = data.get("placement", "pipeline-inner")
+    if placement not in PLACEMENTS:
+        raise RecordError(f"{p} has placement {placement!r}; use one of {', '.join(PLACEMENTS)}.")
+    ranks = tuple(int(r) for r in data.get("stage_ranks", ()))
+    try:
+        return StagePlan(tuple(data["boundaries"]), schedule=str(data.get("schedule", "1F1B")),
+                         stages=max(ranks) + 1 if ranks else 0, chunk_ranks=ranks,
+                         microbatches=int(data.get("microbatches", 0)), placement=placement)
+    except (TypeError, ValueError) as e:
+        raise RecordError(f"{p}: {e}") from None

@@ -58,6 +58,7 @@ __all__ = [
     "check_schedule",
     "check_weight_share",
     "chunk_ranks",
+    "place_chunks",
     "simulate",
     "shared_step",
     "step_times",
@@ -137,10 +138,22 @@ def check_weight_share(weight_share: float) -> None:
 
 
 def chunk_ranks(schedule: str, ranks: int, virtual: int) -> tuple[int, ...]:
-    """The rank that runs each chunk: round-robin (c % ranks), or a V for zbv."""
-    if normalize_schedule(schedule) == "zbv":
-        return tuple(c if c < ranks else 2 * ranks - 1 - c for c in range(2 * ranks))
-    return tuple(c % ranks for c in range(ranks * virtual))
+    """The rank that runs each chunk of a planned schedule: round-robin (c % ranks), or a V for zbv."""
+    v_shaped = normalize_schedule(schedule) == "zbv"
+    return place_chunks(ranks, 2 * ranks if v_shaped else ranks * virtual, v_shaped=v_shaped)
+
+
+def place_chunks(ranks: int, chunks: int, *, v_shaped: bool) -> tuple[int, ...]:
+    """The one rule for which pipeline rank runs each chunk, the planner's and the runtime's alike:
+    round-robin (chunk c on rank c % ranks), or down and back up for a V-shaped schedule (rank r
+    holds chunks r and 2·ranks-1-r), as torch.distributed.pipelining places its stages.
+
+    >>> place_chunks(3, 6, v_shaped=False), place_chunks(3, 6, v_shaped=True)
+    ((0, 1, 2, 0, 1, 2), (0, 1, 2, 2, 1, 0))
+    """
+    if v_shaped:
+        return tuple(c if c < ranks else 2 * ranks - 1 - c for c in range(chunks))
+    return tuple(c % ranks for c in range(chunks))
 
 
 def fixed_orders(schedule: str, ranks: int, virtual: int, m: int) -> list[list[tuple[str, int, int]]]:

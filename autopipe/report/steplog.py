@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RecordError
+from ..planner.plan import Plan
 
 __all__ = ["Comparison", "compare", "read_step_log"]
 
@@ -83,7 +84,7 @@ class Comparison:
         return tuple(m / p if p > 0 and m > 0 else float("nan") for m, p in zip(self.measured_memory, self.predicted_memory))
 
 
-def compare(plan: Any, records: list[dict[str, Any]], *, warmup: int = 1) -> Comparison:
+def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Comparison:
     """The plan's predictions against a step log, skipping the first ``warmup`` steps (when the log
     has more). Per-rank peaks are the maximum over the kept steps: the plan promises a ceiling; 0
     where the run did not measure what the plan counts (a CPU job without ``--exact-memory``)."""
@@ -99,7 +100,7 @@ def compare(plan: Any, records: list[dict[str, Any]], *, warmup: int = 1) -> Com
             peaks[i] = max(peaks[i], int(m))
     return Comparison(
         steps=len(kept),
-        predicted_step_time=float(getattr(plan, "schedule_step_time", plan.step_time)),
+        predicted_step_time=plan.schedule_step_time,
         measured_step_time=statistics.median(times),
         step_time_spread=q[2] - q[0],
         predicted_memory=tuple(int(m) for m in plan.rank_memory),

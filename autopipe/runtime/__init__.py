@@ -1,26 +1,27 @@
 """autopipe.runtime: what a generated train.py calls to train a plan for real.
 
-On each rank: ``init_dist`` lays the world out as dp × pp; ``model_factory`` resolves the model, its
-task and its loss; ``build_stage`` builds only this rank's chunks (meta model -> flatten ->
-materialise just their tensors); ``JobData`` turns the data into each step's inputs and targets;
-``Trainer`` runs the plan's torch.distributed.pipelining schedule, syncs tied gradients, averages
-over replicas, clips the global norm and steps the optimizer; ``save_checkpoint``/``load_checkpoint`` write
-and read per-stage shards atomically, one run per folder (``check_ckpt_dir``); ``export`` joins a
-checkpoint's weights into one safetensors file, ``export_final`` the weights a run holds;
-``DeepSpeedTrainer`` does the same on DeepSpeed's engine (with ``ds_save_checkpoint``, ``ds_resume``
-and ``ds_latest_checkpoint`` for its own checkpoints); ``one_line_errors`` makes failures one line;
-``runtime_reserve`` (the ``reserve`` module) measures what a rank holds beyond the tensors;
-``untouched_model`` builds the user's model as its factory does, at the job's weights: what
-``verify_step`` (``--verify``) and the tests compare a job with.
+Each rank reads one record, the plan's ``StagePlan`` (``load_plan``): the cut, the rank of each
+chunk, the schedule, the world's layout and what the plan promised. The rooms, lowest first:
+
+    logs/             the step record and its line on rank 0, the sinks, peak memory, FLOPs
+    checkpoints/      per-stage shards written atomically, one run per folder, --resume, export
+    stage/            this rank's chunks: meta model -> flatten -> placed by the plan -> its tensors only
+    data/             the model's factory and example batch, the data, micro-batches, the loss
+    process/          the rank's device and process groups, every collective, flags, launch, one error line
+    training/         what both engines share: TrainConfig, optimizer and LR schedule, clip, evaluation
+    torch_engine/     torch.distributed.pipelining's schedules, DDP/FSDP2/ZeRO, the Trainer
+    deepspeed_engine/ DeepSpeed's PipelineModule over the same layers, DeepSpeedTrainer
+    checks/           the untouched model (--verify), plain training of the same layers, the reserve probe
 
     env = init_dist(dp=1)
     source = model_factory("gpt2", batch_size=2, seq_len=128)
+    plan = load_plan("plan.json")
     build = build_stage(source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size)
     data = JobData(source, "tokens.bin", seq_len=128, seq=build.seq)
     trainer = Trainer(build, env, TrainConfig(steps=100, microbatches=4), loss_fn=make_loss(source.loss))
     stats = trainer.step(*data.batch(step=0, rows=8))
 
-Submodules are imported on first use, so ``import autopipe.runtime`` stays cheap.
+Names are imported on first use, so ``import autopipe.runtime`` stays cheap.
 """
 
 from __future__ import annotations
@@ -28,66 +29,66 @@ from __future__ import annotations
 from ..lazy import lazy_exports
 
 _LAZY = {
-    "ChunkLayout": "layout",
-    "even_boundaries": "layout",
-    "schedule_name": "layout",
-    "load_plan": "layout",
-    "plan_placement": "layout",
-    "DistEnv": "distenv",
-    "init_dist": "distenv",
-    "rank_device": "distenv",
-    "to_device": "distenv",
-    "Comm": "comm",
-    "StageBuild": "build",
-    "PipeChunk": "build",
-    "build_stage": "build",
-    "build_reference": "build",
-    "PipelineEngine": "engine",
-    "TrainConfig": "optim",
-    "Trainer": "trainer",
-    "StepStats": "trainer",
-    "ReferenceTrainer": "reference",
-    "save_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "latest_checkpoint": "checkpoint",
-    "export": "exports",
-    "export_final": "exports",
-    "checkpoint_params": "exports",
-    "check_ckpt_dir": "checkpoint",
-    "TokenData": "data",
-    "open_data": "data",
-    "JobData": "tasks",
-    "make_loss": "tasks",
-    "loss_name": "tasks",
-    "check_loss": "tasks",
-    "one_line_errors": "main",
-    "check_launch": "main",
-    "resume": "main",
-    "MicrobatchSeeds": "build",
-    "SequenceModel": "reference",
-    "StepLogger": "logs",
-    "Predictions": "logs",
-    "predictions": "logs",
-    "PeakMemory": "peak",
-    "verify_step": "verify",
-    "untouched_model": "untouched",
-    "seeded_like_pipeline": "untouched",
-    "model_factory": "factory",
-    "train_deepspeed": "ds",
-    "DeepSpeedTrainer": "ds",
-    "ds_save_checkpoint": "ds",
-    "ds_resume": "ds",
-    "ds_latest_checkpoint": "ds",
-    "check_zero": "zero",
-    "ZERO_STAGES": "zero",
-    "runtime_reserve": "reserve",
-    "parse_flags": "flags",
-    "float_pair": "flags",
-    "describe_optimizer": "optim",
-    "step_flops": "flops",
-    "world_peak_flops": "flops",
-    "Evaluator": "evaluate",
-    "EvalResult": "evaluate",
+    "even_boundaries": "autopipe.planner.stage_plan",
+    "schedule_name": "autopipe.planner.stage_plan",
+    "load_plan": "autopipe.planner.plan",
+    "StagePlan": "autopipe.planner.stage_plan",
+    "plan_placement": "autopipe.planner.stage_plan",
+    "DistEnv": "process.distenv",
+    "init_dist": "process.distenv",
+    "rank_device": "process.distenv",
+    "to_device": "process.distenv",
+    "Comm": "process.comm",
+    "StageBuild": "stage.build",
+    "PipeChunk": "stage.build",
+    "build_stage": "stage.build",
+    "build_reference": "stage.build",
+    "PipelineEngine": "torch_engine.pipeline",
+    "TrainConfig": "training.optim",
+    "Trainer": "torch_engine.trainer",
+    "StepStats": "logs.steps",
+    "ReferenceTrainer": "checks.reference",
+    "save_checkpoint": "checkpoints.store",
+    "load_checkpoint": "checkpoints.store",
+    "latest_checkpoint": "checkpoints.store",
+    "export": "checkpoints.exports",
+    "export_final": "checkpoints.exports",
+    "checkpoint_params": "checkpoints.exports",
+    "check_ckpt_dir": "checkpoints.store",
+    "TokenData": "data.sources",
+    "open_data": "data.sources",
+    "JobData": "data.tasks",
+    "make_loss": "data.losses",
+    "loss_name": "data.losses",
+    "check_loss": "data.losses",
+    "one_line_errors": "process.lifecycle",
+    "check_launch": "process.lifecycle",
+    "resume": "checkpoints.resume",
+    "MicrobatchSeeds": "stage.build",
+    "SequenceModel": "checks.reference",
+    "StepLogger": "logs.steps",
+    "Predictions": "logs.steps",
+    "predictions": "logs.steps",
+    "PeakMemory": "logs.peak",
+    "verify_step": "checks.verify",
+    "untouched_model": "checks.untouched",
+    "seeded_like_pipeline": "checks.untouched",
+    "model_factory": "data.factory",
+    "train_deepspeed": "deepspeed_engine.trainer",
+    "DeepSpeedTrainer": "deepspeed_engine.trainer",
+    "ds_save_checkpoint": "deepspeed_engine.trainer",
+    "ds_resume": "deepspeed_engine.trainer",
+    "ds_latest_checkpoint": "deepspeed_engine.trainer",
+    "check_zero": "training.optim",
+    "ZERO_STAGES": "autopipe.choices",
+    "runtime_reserve": "checks.reserve",
+    "parse_flags": "process.flags",
+    "float_pair": "process.flags",
+    "describe_optimizer": "training.optim",
+    "step_flops": "logs.flops",
+    "world_peak_flops": "logs.flops",
+    "Evaluator": "training.evaluate",
+    "EvalResult": "training.evaluate",
 }
 
 __all__ = [
@@ -110,7 +111,7 @@ __all__ = [
     "ds_latest_checkpoint",
     "ds_resume",
     "ds_save_checkpoint",
-    "ChunkLayout",
+    "StagePlan",
     "PipeChunk",
     "PeakMemory",
     "PipelineEngine",

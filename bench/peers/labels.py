@@ -74,12 +74,12 @@ def install() -> None:
     torch.nn.utils.get_total_norm = _labelled(torch.nn.utils.get_total_norm, "grad norm/clip")
     torch.nn.utils.clip_grads_with_norm_ = _labelled(torch.nn.utils.clip_grads_with_norm_, "grad norm/clip")
     for name in ("global_grad_norm", "clip_grads_"):
-        _wrap("autopipe.runtime.grads", name, "grad norm/clip")  # DeepSpeed's job imports them at its first step
-        _wrap("autopipe.runtime.trainer", name, "grad norm/clip")
-    _wrap("autopipe.runtime.trainer", "sync_tied_grads", "tied + dp reduce")
-    _wrap("autopipe.runtime.trainer", "pack_batch", "data")
-    _wrap("autopipe.runtime.trainer", "Trainer._gather", "stats + memory")
-    _wrap("autopipe.runtime.peak", "PeakMemory.reset", "stats + memory")
+        _wrap("autopipe.runtime.training.grads", name, "grad norm/clip")  # DeepSpeed's job imports them at its first step
+        _wrap("autopipe.runtime.torch_engine.trainer", name, "grad norm/clip")
+    _wrap("autopipe.runtime.torch_engine.trainer", "sync_tied_grads", "tied + dp reduce")
+    _wrap("autopipe.runtime.torch_engine.trainer", "pack_batch", "data")
+    _wrap("autopipe.runtime.torch_engine.trainer", "Trainer._gather", "stats + memory")
+    _wrap("autopipe.runtime.logs.peak", "PeakMemory.reset", "stats + memory")
     _wrap("deepspeed.runtime.engine", "DeepSpeedEngine.clip_fp32_gradients", "grad norm/clip")
     try:
         from deepspeed.runtime.pipe import engine as ds

@@ -12,7 +12,7 @@ _spec = os.environ.get("AUTOPIPE_TEST_KILL_AT", "")
 if _spec and os.environ.get("RANK", "0") == _spec.split(":")[1]:
     import signal
 
-    import autopipe.runtime.checkpoint as _checkpoint
+    import autopipe.runtime.checkpoints.store as _checkpoint
 
     _step = int(_spec.split(":")[0])
     _save = _checkpoint.save_checkpoint
@@ -26,7 +26,7 @@ if _spec and os.environ.get("RANK", "0") == _spec.split(":")[1]:
     _checkpoint.save_checkpoint = _save_then_die
 
     # the DeepSpeed engine saves through DeepSpeed's own checkpoints
-    import autopipe.runtime.ds as _ds
+    import autopipe.runtime.deepspeed_engine.trainer as _ds
 
     _ds_save = _ds._ds_save
 

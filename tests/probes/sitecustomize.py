@@ -45,7 +45,7 @@ if _DIR:
                 json.dump(_ddp, f)
             _ddp["step"] += 1
 
-    import autopipe.runtime.trainer as _trainer
+    import autopipe.runtime.torch_engine.trainer as _trainer
 
     if os.environ.get("AUTOPIPE_TEST_DDP"):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
@@ -87,7 +87,7 @@ if _DIR:
 
         _trainer.Trainer.__init__ = _init_then_probe
 
-    import autopipe.runtime.ds as _ds
+    import autopipe.runtime.deepspeed_engine.trainer as _ds
 
     _build = _ds.build_pipeline_module
     _modules = []
@@ -134,7 +134,7 @@ _WEIGHTS = os.environ.get("AUTOPIPE_TEST_WEIGHTS", "")
 if _WEIGHTS:
     import torch
 
-    import autopipe.runtime.trainer as _weights_trainer
+    import autopipe.runtime.torch_engine.trainer as _weights_trainer
 
     _init_weights = _weights_trainer.Trainer.__init__
 

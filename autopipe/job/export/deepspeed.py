@@ -3,7 +3,7 @@
 The file holds ``STAGE_MODULES`` (module FQNs per stage), ``LAYER_MODULES`` and ``PARTS`` (one
 PipelineModule layer per flattened layer of autopipe, if you build your layers that way),
 ``DS_CONFIG`` (the batch sizes and ZeRO stage the plan assumed) and, copied from
-autopipe.runtime.ds_parts, ``parts_for`` and ``planned_pipeline_module``: DeepSpeed's own
+autopipe.runtime.deepspeed_engine.parts, ``parts_for`` and ``planned_pipeline_module``: DeepSpeed's own
 PipelineModule with explicit parts. It imports nothing from autopipe, so it can be copied into a
 DeepSpeed project as it is.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 
-from ...runtime import ds_parts
+from ...runtime.deepspeed_engine import parts as ds_parts
 from .modules import StageModules
 
 __all__ = ["deepspeed_file", "deepspeed_config"]

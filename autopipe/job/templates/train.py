@@ -143,8 +143,8 @@ log = rt.StepLogger(env.rank, json_path=args.log_json, predicted=planned if same
                     replicas=env.dp_size) if env.rank == 0 else None, peak_flops=rt.world_peak_flops(env, args.dtype),
                     tensorboard=args.tensorboard, wandb=args.wandb, run_config=vars(args), log_every=args.log_every)
 zero = trainer.config.zero
-log.info(f"{MODEL}: {len(build.seq.layers)} layers, chunks {build.layout.boundaries} on {env.pp_size} "
-         f"stage(s) x {env.dp_size} replica(s), {build.layout.schedule} on {args.engine}, {args.microbatches} "
+log.info(f"{MODEL}: {len(build.seq.layers)} layers, chunks {build.plan.boundaries} on {env.pp_size} "
+         f"stage(s) x {env.dp_size} replica(s), {build.plan.schedule} on {args.engine}, {args.microbatches} "
          f"micro-batches, ZeRO {zero}{'' if env.dp_size > 1 or not zero else ' (one replica: nothing to shard)'}, "
          f"recompute {' '.join(build.recompute)}, {rt.describe_optimizer(trainer.config)}, loss "
          f"{rt.loss_name(source.loss)}, data {data.state()['source']}")

@@ -33,7 +33,7 @@ if os.environ.get("BENCH_RECORD_DIR") and "RANK" in os.environ:  # a rank, not t
     class _Hook(importlib.abc.MetaPathFinder):
         """Wrap the trainers when their modules are first imported (train.py imports them lazily)."""
 
-        targets = {"autopipe.runtime.trainer": "Trainer", "autopipe.runtime.ds": "DeepSpeedTrainer"}
+        targets = {"autopipe.runtime.torch_engine.trainer": "Trainer", "autopipe.runtime.deepspeed_engine.trainer": "DeepSpeedTrainer"}
 
         def find_spec(self, name, path, target=None):
             if name not in self.targets:

@@ -1,0 +1,320 @@
+"""The runtime reserve of a device: what a training rank holds beyond everything the memory model counts.
+
+The memory model (:mod:`autopipe.planner.memory`) adds up tensors: weights, gradients, optimizer state
+and its step's temporaries, activations, buffers; on a GPU also the CUDA memory model's per-GPU terms
+(context, cuBLAS workspaces, NCCL's buffers, the caching allocator's slack:
+:mod:`autopipe.costs.gpu_memory`). A real rank holds more: on a CPU what glibc keeps between the
+tensors (a heap that never shrinks fragments) and the runtime's own allocations; on a GPU whatever
+the assumed figures miss. That depends on the device and the runtime, and also on the precision and
+on the architecture's pattern of allocations, so it is measured once per device, precision and
+architecture by a probe: a small model of the user's architecture (their HuggingFace causal-LM
+config shrunk by ``probe_config`` to 4 layers of width 256 and a vocabulary of 4096; a GPT-2 of that
+size for anything else) is profiled in the mode training runs in (autocast for bf16/fp16), cut into
+2 stages (1 on a GPU: NCCL will not put two ranks on one), trained 10 steps by the real runtime
+under torchrun, and the reserve is the ranks' mean measured peak (``autopipe.runtime.logs.peak``, read
+after each step's optimizer step, from the 5th step on) less what the memory model predicts for
+them, at least 0. Each profile keeps the reserve it was made with (``Profile.reserve_bytes``); every
+plan adds it to each rank.
+
+On a GPU the probe's ranks measure their own process (NVML's per-process figure), never the whole
+device: the process that asks (which may hold the user's model on the GPU already) is not theirs. A
+measurement is cached only when it is clean: on a GPU, NVML saw the probe's processes and the
+asking process held no GPU memory while it ran; otherwise the figure serves this run and the next
+run measures again.
+
+Measured on this CPU, three probes each (MiB): GPT-2-shaped fp32 28.0-29.3, bf16 36.3-37.5;
+Llama-shaped fp32 35.2-38.0, bf16 45.1-51.5. The GPT-2 fp32 probe alone under-charged every rank of a
+Llama plan by 7-10 MiB and of a bf16 plan by 8-23: hence the precision and the architecture in the key.
+Those counted the library code pages a rank maps after its baseline; without them (the peak since
+2026-11-28, ``runtime.peak``) an AVX2 EPYC measured 15.4 MiB (GPT-2 fp32) and 24.7 MiB (Llama fp32).
+Nearly all of that was glibc's heap: under a 1 MiB mmap threshold it held the sub-MiB tensors, and
+its holes put the resident peak 20-37 MiB over the live tensors, climbing for ~8 steps. With the
+exact-memory threshold at 64 KiB (``devices.MMAP_THRESHOLD``, 2026-11-29) the same CPU measures
+0.2 MiB (GPT-2 fp32) and 3.6 MiB (Llama fp32): the reserve is now what a CPU rank holds outside its
+tensors, and may be 0.
+
+The figure is cached per device, thread count, torch version, precision and architecture in
+``$AUTOPIPE_CACHE`` (default ``~/.cache/autopipe/reserve.json``). An estimate for a named GPU
+(``--estimate --device h100``) carries no reserve: the device table's terms stand for the GPU.
+
+    python -m autopipe.runtime.checks.reserve --device cpu                        # GPT-2 probe, fp32 (or the cache)
+    python -m autopipe.runtime.checks.reserve --device cpu --model llama-7b --dtype bf16
+
+Example:
+    >>> reserve = runtime_reserve("cpu")  # bytes; measured the first time (about 20 s), cached after
+    >>> 0 <= reserve < 64 << 20    # a few MiB on a CPU (the figures above), this machine's own
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ...choices import PRECISIONS
+from ...errors import AutopipeError
+from ..process.launch import run_local_workers
+
+__all__ = ["holds_gpu_memory", "measure_reserve", "probe_config", "reserve_for", "runtime_reserve"]
+
+_ROWS, _SEQ, _MICRO, _STEPS = 4, 128, 4, 10
+# the probe reads each rank's peak from this step on, as a long run holds it: under a 1 MiB mmap
+# threshold a CPU rank's heap took ~8 steps to settle (the GPT-2 probe's rank 0 read 19 MiB over its
+# tensors by step 5, 26-30 from step 8 to 48); under 64 KiB (devices.MMAP_THRESHOLD) the 2nd step's
+# peak is the 12th's to 0.1 MiB, and the later steps are the margin
+_SETTLED = 4
+_LAYERS, _WIDTH, _HEADS, _VOCAB = 4, 256, 4, 4096  # the probe's size, GPT-2 or the user's architecture
+# token ids inside the probe's vocabulary: GPT2Config's defaults (50256) made transformers warn, on
+# the user's terminal, about a model the user never asked for
+_PROBE = dict(n_layer=_LAYERS, n_embd=_WIDTH, n_head=_HEADS, vocab_size=_VOCAB, n_positions=_SEQ,
+              bos_token_id=0, eos_token_id=0)
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("AUTOPIPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "autopipe")
+    return Path(root) / "reserve.json"
+
+
+def _key(device: str, dtype: str = "fp32", arch: str = "gpt2") -> str:
+    import torch
+
+    from ...costs.devices import ALLOCATOR_SETTINGS, cpu_name
+
+    if device == "cuda":
+        # "model 2": measured per process after the optimizer step, beside the CUDA memory model's
+        # terms; figures cached before (device-wide, with the asking process's model in them) are not reused
+        name = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda") + " (model 2)"
+    else:
+        # the allocator's settings change what a CPU rank holds beyond its tensors: measure again
+        # "anon": measured without the library code pages the steps map (runtime.peak); earlier figures had them
+        # "settled": read from the probe's 5th step on (_SETTLED); earlier figures read steps 2-6
+        name = f"{cpu_name()} x{os.environ.get('OMP_NUM_THREADS', '1')} ({ALLOCATOR_SETTINGS}, anon, settled)"
+    mode = "" if dtype == "fp32" else f"|autocast {dtype}"
+    shape = "" if arch == "gpt2" else f"|{arch}"  # fp32 GPT-2 keeps the key caches made before either
+    return f"{device}|{name}|torch {torch.__version__}{mode}{shape}"
+
+
+def probe_config(config: Any) -> Any | None:
+    """A small config of ``config``'s architecture for the probe: 4 layers of width 256 and 4 heads
+    (the grouped-query ratio and the MLP's width ratio kept), a vocabulary of 4096, no dropout.
+    None where the GPT-2 probe stands in: not a HuggingFace decoder-only language model, GPT-2 itself,
+    or a config whose size fields are not the usual ones.
+
+    >>> from transformers import LlamaConfig
+    >>> small = probe_config(LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=4096,
+    ...                                  intermediate_size=11008, num_attention_heads=32, num_key_value_heads=8))
+    >>> small.hidden_size, small.intermediate_size, small.num_key_value_heads, small.num_hidden_layers
+    (256, 688, 1, 4)
+    """
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs or not all(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return None
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "model_type", "gpt2") in ("", "gpt2"):
+        return None
+    try:
+        hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+        kv = int(getattr(config, "num_key_value_heads", None) or heads)
+        inter = getattr(config, "intermediate_size", None)
+        small = copy.deepcopy(config)
+        small.num_hidden_layers, small.hidden_size, small.num_attention_heads = _LAYERS, _WIDTH, _HEADS
+        if hasattr(config, "num_key_value_heads"):
+            small.num_key_value_heads = max(1, _HEADS * kv // heads)
+        if getattr(config, "head_dim", None):
+            small.head_dim = _WIDTH // _HEADS
+        if inter:
+            small.intermediate_size = max(8, round(_WIDTH * int(inter) / hidden))
+        small.vocab_size = _VOCAB
+        small.max_position_embeddings = max(_SEQ, 128)
+        for key in ("layer_types",):  # per-layer lists sized for the old depth
+            if isinstance(getattr(small, key, None), list):
+                setattr(small, key, list(getattr(small, key))[:_LAYERS])
+        for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+            if isinstance(getattr(small, key, None), float):
+                setattr(small, key, 0.0)
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(getattr(small, key, None), int) and getattr(small, key) >= _VOCAB:
+                setattr(small, key, 0)
+        small.use_cache = False
+        return small
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _arch(config: Any) -> str:
+    """The architecture a reserve is cached under: the config's model type where the probe takes its
+    shape, else ``gpt2`` (the stand-in)."""
+    return str(config.model_type) if config is not None and probe_config(config) is not None else "gpt2"
+
+
+def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = None, refresh: bool = False) -> int:
+    """This machine's reserve for ``device`` (cpu or cuda) when training ``dtype`` (fp32, or bf16/fp16
+    under autocast with fp32 master weights) a model of ``config``'s architecture (a HuggingFace
+    config; None for the GPT-2 probe): cached, else measured by the probe."""
+    if device not in ("cpu", "cuda"):
+        raise AutopipeError(f"the runtime reserve is measured on cpu or cuda, not {device!r}.")
+    if dtype not in PRECISIONS:
+        raise AutopipeError(f"the runtime reserve is measured for fp32, bf16 or fp16 training, not {dtype!r}.")
+    arch = _arch(config)
+    key = _key(device, dtype, arch)
+    path = _cache_file()
+    cache: dict[str, int] = {}
+    if path.is_file():
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+    if key in cache and not refresh:
+        return int(cache[key])
+    measured = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None)
+    value = int(measured["reserve_bytes"])
+    if not measured.get("clean", True):
+        return value  # polluted (module docstring): good for this run, measured again next time
+    cache[key] = value
+    try:
+        from ...files import write_text_atomic
+
+        write_text_atomic(path, json.dumps(cache, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only home: measure again next time
+    return value
+
+
+def reserve_for(device: str, *, estimate: bool, given: str | int | None = None, dtype: str = "fp32",
+                config: Any = None) -> int:
+    """The reserve a profile for ``device`` should carry: ``given`` (a size like 80MiB, or 0) if set;
+    estimating for a named GPU, none (the device table's CUDA memory model stands for it); else this
+    machine's for training ``dtype`` a model of ``config``'s architecture, measured once (cpu or
+    cuda). Call it before the model is moved to the GPU: a measurement taken beside it is not cached."""
+    if given is not None:
+        from ...units import parse_size
+
+        return 0 if str(given).strip().lower() in ("0", "none") else parse_size(given)
+    if estimate and device not in ("cpu", "cuda"):
+        return 0
+    return runtime_reserve("cuda" if device.startswith("cuda") else "cpu", dtype=dtype, config=config)
+
+
+def holds_gpu_memory() -> bool:
+    """Whether this process holds GPU memory (the user's model moved there already): a probe run
+    beside it competes for the device, so its figure is not cached."""
+    import torch
+
+    return bool(torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0)
+
+
+def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = None) -> dict[str, int]:
+    """Run the probe: profile and cut the probe model (``config``'s architecture shrunk by
+    ``probe_config``, else a small GPT-2) here, in the mode ``dtype`` trains in; train it under
+    torchrun in fresh processes; compare each rank's measured peak with the memory model's prediction.
+    ``clean`` (0 or 1) says whether the figure may be cached (module docstring)."""
+    import torch
+    from transformers import GPT2Config
+
+    from ...costs.profiler import profile
+    from ...graph.flattener import flatten
+    from ...graph.sources import load_model
+    from ...planner.memory import rank_memory
+    from ...planner.partitioner import partition
+    from ..torch_engine.pipeline import receives_integers
+
+    # two ranks on a CPU (gloo's buffers are in the reserve); one where the probe's cut, which
+    # carries the labels, would not run (torch < 2.13)
+    ranks = 1 if device == "cuda" or not receives_integers() else 2
+    beside = holds_gpu_memory() if device == "cuda" else False
+    small = probe_config(config) if config is not None else None
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if small is not None:
+            small.save_pretrained(root / "model")
+        else:
+            GPT2Config(architectures=["GPT2LMHeadModel"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                       use_cache=False, **_PROBE).save_pretrained(root / "model")  # fmt: skip
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as each rank runs
+        try:
+            spec = load_model(str(root / "model"), device=device, batch_size=_ROWS, seq_len=_SEQ, dropout=0.0)
+            autocast = None if dtype == "fp32" else PRECISIONS[dtype]  # fp32: no autocast
+            seq = flatten(spec.model, spec.args, spec.kwargs, validate=False, autocast=autocast)
+            prof = profile(seq, spec.args, spec.kwargs, repeats=1, warmup=0, progress=False, reserve=0,
+                           autocast=autocast)  # fmt: skip
+        finally:
+            torch.set_num_threads(threads)
+        del seq, spec
+        plan = partition(prof, stages=ranks, microbatches=_MICRO, schedule="1f1b")
+        plan.save(root / "plan.json")
+        predicted = rank_memory(prof, plan.boundaries, stage_ranks=plan.stage_ranks, inflight=plan.stage_inflight,
+                                microbatches=plan.microbatches, reserve=0)  # fmt: skip
+        run_local_workers("autopipe.runtime.checks.reserve", ranks, [str(root), "--dtype", dtype], timeout=600,
+                          failure=f"measuring the runtime reserve on {device} failed")
+        readings = [json.loads((root / f"peak{r}.json").read_text()) for r in range(ranks)]
+    measured = [int(r["peak"]) for r in readings]
+    gaps = [m - p.total for m, p in zip(measured, predicted)]
+    clean = all(r["outside_known"] for r in readings) and not beside
+    return {"measured_bytes": max(measured), "model_bytes": max(p.total for p in predicted),
+            "reserve_bytes": max(0, int(statistics.mean(gaps))), "clean": int(clean)}  # fmt: skip
+
+
+def _worker(root: Path, dtype: str) -> None:
+    """One probe rank: train the planned cut ``_STEPS`` steps and write its largest peak once the heap
+    has settled (``_SETTLED``), each read after the step's optimizer step."""
+    from ...planner.plan import load_plan
+    from ..data.factory import model_factory
+    from ..data.sources import TokenData
+    from ..process.distenv import init_dist
+    from ..stage.build import build_stage
+    from ..torch_engine.trainer import Trainer
+    from ..training.optim import TrainConfig
+
+    source = model_factory(str(root / "model"), batch_size=_ROWS, seq_len=_SEQ)
+    env = init_dist(dp=1, exact_memory=True)  # the peak then counts tensors, as the memory model does
+    try:
+        plan = load_plan(root / "plan.json")
+        config = TrainConfig(steps=_STEPS, microbatches=_MICRO, dtype=dtype)
+        build = build_stage(source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank,
+                            pp_size=env.pp_size, schedule="1f1b", device=env.device,
+                            autocast=config.autocast_dtype)  # fmt: skip
+        trainer = Trainer(build, env, config)
+        data = TokenData(None, vocab_size=source.vocab_size, seq_len=_SEQ)
+        peak = 0
+        rows = _ROWS * _MICRO
+        for step in range(_STEPS):
+            args, kwargs = source.batch(data.batch(step, rows), rows, step=step)
+            trainer.step(args, kwargs)
+            whole = env.peak.read()  # after the step returned: its optimizer step included
+            if step >= _SETTLED:  # not the first steps': shapes inferred, allocations still finding their places
+                peak = max(peak, whole)
+        reading = {"peak": peak, "outside_known": env.peak.outside_known}
+        (root / f"peak{env.rank}.json").write_text(json.dumps(reading))
+    finally:
+        env.close()
+
+
+def main() -> None:
+
+    parser = argparse.ArgumentParser(description="Measure the training runtime's memory reserve on this device.")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="fp32", choices=list(PRECISIONS), help="the precision training runs in")
+    parser.add_argument("--model", default=None, help="a built-in name or folder whose architecture the probe takes")
+    parser.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a probe rank under torchrun
+    opts = parser.parse_args()
+    if opts.worker:
+        _worker(Path(opts.worker), opts.dtype)
+        return
+    config = None
+    if opts.model:
+        from ...graph.sources import load_model
+
+        config = getattr(load_model(opts.model, device="meta", batch_size=1, seq_len=_SEQ).model, "config", None)
+    print(json.dumps({"reserve_bytes": runtime_reserve(opts.device, dtype=opts.dtype, config=config,
+                                                       refresh=opts.refresh)}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
