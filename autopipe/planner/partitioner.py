@@ -3,7 +3,9 @@
 This module turns a profile into per-chunk costs (autopipe/planner/cost_model.py over
 autopipe/planner/chunk_costs.py), asks the step-time partitioner (autopipe/planner/step_solver.py, which
 owns the algorithm) for the cut, applies user overrides and baselines, and fills the Plan; a limit
-nothing fits is explained by autopipe/planner/refusals.py.
+nothing fits is explained by autopipe/planner/refusals.py. The options travel as one checked record,
+autopipe/planner/options.py's PartitionOptions: a re-plan with one option changed (one recompute
+mode, no target, a baseline's method) is ``dataclasses.replace`` of it.
 
 Objective: the simulated step of the schedule that will run (schedules.simulate), not the slowest
 chunk. Cost model, per micro-batch. A chunk ``[a, b)`` takes its layers' forward and backward time
@@ -27,12 +29,11 @@ time. ``recompute="auto"`` lets each chunk take the fastest mode that fits; the 
 from __future__ import annotations
 
 import operator
-from dataclasses import replace
-from typing import Sequence
+from dataclasses import fields, replace
+from typing import Callable, Sequence
 
 import numpy as np
 
-from ..choices import RECOMPUTE_POLICIES, ZERO_STAGES
 from ..costs.engines import EngineCosts, engine_costs
 from ..costs.layer_costs import Profile
 from ..errors import AutopipeError, InfeasibleMemoryError, PartitionError
@@ -41,36 +42,21 @@ from .baselines import BASELINES, baseline
 from .chunk_costs import state_arrays
 from .cost_model import CostModel, CutRequest, unit_states
 from .memory import charged_units, rank_memory
+from .options import DEFAULT_BANDWIDTH, PartitionOptions, zero_choices
 from .plan import Plan
 from .refusals import chunk_need, explain_infeasible, recompute_hint, with_zero_hint
-from .schedules import (
-    check_schedule,
-    check_weight_share,
-    chunk_ranks,
-    normalize_schedule,
-    shared_step,
-    simulate,
-)
+from .schedules import check_weight_share, chunk_ranks, shared_step, simulate
 from .step_bound import fits
 from .step_solver import TIE, NoCutFits, StepSolution, solve_step
-from .targets import (
-    check_cut_allowed,
-    check_target,
-    explain_restricted,
-    restricted_cuts,
-    target_info,
-)
+from .targets import check_cut_allowed, explain_restricted, restricted_cuts, target_info
 
 __all__ = ["partition", "compare_baselines", "fits_memory", "resolve_limit", "zero_choices", "check_bounds",
-           "names_to_bounds", "DEFAULT_BANDWIDTH"]
-
-# PCIe 4.0 x16 in practice: the slowest link a pipeline commonly crosses inside one machine.
-DEFAULT_BANDWIDTH = 25e9
+           "names_to_bounds", "DEFAULT_BANDWIDTH", "PartitionOptions"]
 
 
 def partition(
     profile: Profile,
-    stages: int,
+    stages: int | None = None,
     *,
     microbatches: int | None = None,
     schedule: str = "1f1b",
@@ -88,46 +74,18 @@ def partition(
     cuts: Sequence[int] | None = None,
     target: str | None = None,
     engine: str | EngineCosts | None = None,
+    options: PartitionOptions | None = None,
 ) -> Plan:
     """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
     Args:
         profile: per-layer costs (``autopipe.profile`` or ``Profile.from_costs``).
         stages: pipeline ranks S.
-        microbatches: micro-batches per step M (default 2·S).
-        schedule: gpipe, 1f1b, interleaved1f1b or zbv: the schedule simulated (and minimised), and
-            the in-flight activations per stage.
-        memory_limit: bytes per device, or a size like "80GiB"; None or "none": unlimited; "device"
-            (the default): the memory of the GPU the profile was measured or estimated for, unlimited
-            for a CPU profile (ranks on one host share its memory; give a limit).
-        optimizer: recount optimizer state for this optimizer (default: the profile's).
-        virtual_stages: chunks per rank v (default 1; 2 for interleaved1f1b and zbv). The model is
-            cut into S·v chunks.
-        bandwidth: bytes/s between neighbouring ranks; None: ignore communication.
-        boundaries: your own cut (S·v + 1 layer indices); the plan reports the optimum beside it.
-        stage_names: your own cut as layer/module names per chunk (a name covers the layers it
-            prefixes, e.g. "transformer.h.0").
-        method: "autopipe" (the step-time search), or a baseline: uniform, parameters, type:REGEX,
-            torchtitan, greedy.
-        weight_share: part of the backward that zero-bubble schedules split off as W (default: the
-            profile's measured split, ``Profile.split_backward``; 0.5 when it was not measured).
-        recompute: "none", "full", "selective" (that mode in every chunk) or "auto" (the default:
-            each chunk the fastest mode that fits the memory limit, so none where nothing binds).
-        dp: data-parallel replicas of each stage (the job's ``--dp``); memory is per rank.
-        zero: ZeRO stage 0-3 across those replicas (what each rank shards, autopipe.planner.memory), or
-            "auto": the stage whose plan steps fastest under the limit, the lowest on a tie (ZeRO
-            0 where nothing binds).
-        cuts: the only layer indices (1..L-1) a chunk may start at; the plan records them and the
-            step of the best unrestricted cut beside its own (``unrestricted_step_time``).
-        target: plan for an engine that splits by module: torchtitan, megatron, deepspeed or fqns
-            (autopipe.planner.targets): only the cuts it allows (with ``cuts``, those of both), and
-            only what it can run (its schedules, virtual stages, ZeRO stages).
-        engine: the engine the job trains on (torch or deepspeed): its measured seconds per op, per
-            send and per step (autopipe.costs.engines) join the layers' in the cost model, so the
-            cut is the best for that engine; its measured P2P bandwidth replaces the default link.
-            None, or an engine not measured on the profile's device: the layers alone. An
-            ``EngineCosts`` record instead of a name plans with those figures (what-ifs, and the
-            bench that fits them).
+        microbatches, schedule, memory_limit, optimizer, virtual_stages, bandwidth, boundaries,
+            stage_names, method, weight_share, recompute, dp, zero, cuts, target, engine: the options,
+            each a field of :class:`~autopipe.planner.options.PartitionOptions`, documented there, with
+            the same defaults (the schedule 1f1b, the device's memory, 25 GB/s, recompute auto, ...).
+        options: the same as one record, instead of ``stages`` and the keywords (not beside them).
 
     Returns:
         A :class:`~autopipe.planner.plan.Plan`; ``plan.step_lower_bound`` is a proven bound on the step of
@@ -142,78 +100,104 @@ def partition(
         >>> plan = partition(prof, 3, bandwidth=None)
         >>> plan.boundaries, round(plan.step_time, 6), plan.step_gap
         ((0, 2, 4, 6), 59.0, 0.0)
+        >>> partition(prof, options=PartitionOptions(3, bandwidth=None)) == plan
+        True
     """
-    n = len(profile.layers)
-    if n == 0:
-        raise PartitionError("the profile has no layers.")
-    if str(schedule).strip().lower() == "auto":  # a choice among plans, made one level up
-        raise PartitionError("partition plans one schedule; for schedule='auto' call "
-                             "autopipe.planner.plan_schedules(profile, stages, ...), which plans each and keeps the fastest.")
-    if target is not None and recompute == "auto" and not target_info(target).per_stage_recompute:
-        # the engine applies one mode to every stage: the fastest single mode that fits, set against
-        # autopipe's own plan (any cut, each chunk its own mode): what planning for the engine costs
-        def plan_with(mode: str, cut_for: str | None = target) -> Plan:
-            return partition(profile, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
-                             optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bandwidth,
-                             boundaries=boundaries, stage_names=stage_names, method=method, weight_share=weight_share,
-                             recompute=mode, dp=dp, zero=zero, cuts=cuts, target=cut_for, engine=engine)  # fmt: skip
+    keywords: dict[str, object] = {"microbatches": microbatches, "schedule": schedule, "memory_limit": memory_limit,
+                                   "optimizer": optimizer, "virtual_stages": virtual_stages, "bandwidth": bandwidth,
+                                   "boundaries": boundaries, "stage_names": stage_names, "method": method,
+                                   "weight_share": weight_share, "recompute": recompute, "dp": dp, "zero": zero,
+                                   "cuts": cuts, "target": target, "engine": engine}  # fmt: skip
+    return _partition(profile, _options(stages, keywords, options))
 
-        plan = _one_mode(target_info(target).recompute, plan_with)
-        if plan.method != "autopipe" or cuts is not None:
-            return plan
-        try:
-            free = plan_with("auto", None)
-        except InfeasibleMemoryError:
-            return plan
-        return replace(plan, unrestricted_step_time=free.step_time, unrestricted_boundaries=free.boundaries)
-    schedule = normalize_schedule(schedule)
-    # `is None`, not `or`: 0 is a mistake to report, not a request for the default.
-    v = virtual_stages if virtual_stages is not None else (2 if schedule in ("interleaved1f1b", "zbv") else 1)
-    m = microbatches if microbatches is not None else 2 * max(stages, 1)
-    schedule = check_schedule(schedule, stages, v, m)
-    engine_name = engine.engine if isinstance(engine, EngineCosts) else engine
-    if engine_name == "torch" and schedule == "1f1b" and m < stages:
-        # torch's Schedule1F1B refuses it when the job starts; DeepSpeed's 1F1B and Megatron's run it
-        raise PartitionError(f"1f1b on torch's engine needs at least as many micro-batches as stages ({m} < {stages}): "
-                             f"use --microbatches {stages} or more, or gpipe.")
+
+def _options(stages: int | None, keywords: dict[str, object], options: PartitionOptions | None) -> PartitionOptions:
+    """The one record a call gives: built from ``stages`` and the keywords, or ``options`` as it is.
+
+    Both at once is refused, not merged: which should win would be a guess, and a keyword at its
+    default cannot be told from one not given."""
+    if options is None:
+        if stages is None:
+            raise PartitionError("partition needs stages: partition(profile, stages, ...) or "
+                                 "partition(profile, options=PartitionOptions(stages, ...)).")
+        return PartitionOptions(stages, **keywords)  # type: ignore[arg-type]
+    if not isinstance(options, PartitionOptions):
+        raise PartitionError(f"options={type(options).__name__}: give a PartitionOptions record "
+                             "(autopipe.planner.PartitionOptions).")
+    defaults = {f.name: f.default for f in fields(PartitionOptions)}
+    given = ([f"stages={stages!r}"] if stages is not None else []) + [
+        f"{name}={value!r}" for name, value in keywords.items() if _differs(value, defaults[name])]
+    if given:
+        raise PartitionError(f"partition takes options=PartitionOptions(...) or keywords, not both ({', '.join(given)} "
+                             f"beside options); use options=dataclasses.replace(options, {given[0]}).")
+    return options
+
+
+def _differs(value: object, default: object) -> bool:
+    """Whether a keyword was moved off its default (a list or array given is never compared: only
+    a default of None has them, and ``is not None`` says it)."""
+    return value is not None if default is None else (value is None or value != default)
+
+
+def _partition(profile: Profile, opts: PartitionOptions) -> Plan:
+    """``partition`` for one checked record; every re-plan inside the planner comes back here with
+    ``dataclasses.replace(opts, ...)``, so no option is passed along by hand."""
+    if not profile.layers:
+        raise PartitionError("the profile has no layers.")
+    if opts.target is not None and opts.recompute == "auto" and not target_info(opts.target).per_stage_recompute:
+        return _for_one_mode_engine(profile, opts)
+    req = _request(profile, opts)
+    costs, bandwidth = _engine_and_link(profile, opts)
+
+    def attempt(z: int) -> Plan:
+        model = CostModel(profile, opts.optimizer, bandwidth, req.schedule, req.m, dp=opts.dp, zero=z, engine=costs)
+        return _partition_one(profile, model, req, boundaries=opts.boundaries, stage_names=opts.stage_names,
+                              method=opts.method)
+
+    return _fastest_zero(attempt, opts, req.limit)
+
+
+def _request(profile: Profile, opts: PartitionOptions) -> CutRequest:
+    """What every ZeRO stage's attempt shares, with what the options leave to the profile filled in:
+    its weight share, its device's memory for "device", the cuts its layer names allow."""
+    weight_share = opts.weight_share
     if weight_share is None:
         split = profile.split_backward
         weight_share = split[0] if split is not None else 0.5
-    check_weight_share(weight_share)
-    if recompute not in RECOMPUTE_POLICIES:
-        raise PartitionError(f"recompute={recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
-    k = stages * v
+        check_weight_share(weight_share)
+    n, k = len(profile.layers), opts.stages * opts.v
     if k > n:
         raise PartitionError(
-            f"cannot cut {n} layers into {k} non-empty chunks ({stages} stages x {v} virtual); "
-            f"use at most {n // v} stages."
+            f"cannot cut {n} layers into {k} non-empty chunks ({opts.stages} stages x {opts.v} virtual); "
+            f"use at most {n // opts.v} stages."
         )
-    limit, limit_source = resolve_limit(profile, memory_limit)
-    zeros = zero_choices(zero, dp)
-    if boundaries is not None and stage_names is not None:
-        raise PartitionError("give boundaries or stage_names, not both.")
-    if target is not None:
-        check_target(target, schedule=schedule, virtual_stages=v, dp=dp)
-        zeros = [z for z in zeros if dp == 1 or z in target_info(target).zeros] or zeros
-        if len(zeros) == 1:
-            check_target(target, schedule=schedule, virtual_stages=v, zero=zeros[0], dp=dp)
-    allowed = restricted_cuts(profile, k, cuts, target)
+    limit, limit_source = resolve_limit(profile, opts.memory_limit)
+    allowed = restricted_cuts(profile, k, opts.cuts, opts.target)
+    return CutRequest(stages=opts.stages, v=opts.v, m=opts.m, schedule=opts.schedule, limit=limit,
+                      limit_source=limit_source, recompute=opts.recompute, weight_share=weight_share,
+                      states=unit_states(opts.schedule, opts.stages, opts.v, opts.m), signature=profile.signature,
+                      zero_policy=str(opts.zero), cuts=None if allowed is None else allowed.cuts,
+                      target=target_info(opts.target).key if opts.target else "")  # fmt: skip
 
-    request = CutRequest(stages=stages, v=v, m=m, schedule=schedule, limit=limit, limit_source=limit_source,
-                       recompute=recompute, weight_share=weight_share, states=unit_states(schedule, stages, v, m),
-                       signature=profile.signature, zero_policy=str(zero),
-                       cuts=None if allowed is None else allowed.cuts, target=target_info(target).key if target else "")  # fmt: skip
 
+def _engine_and_link(profile: Profile, opts: PartitionOptions) -> tuple[EngineCosts | None, float | None]:
+    """The engine's measured costs on this profile's host (None: the layers alone), and the link to price
+    sends at: the engine's measured one where the default 25 GB/s (a GPU's PCIe guess) was left."""
+    engine = opts.engine
     costs = engine if isinstance(engine, EngineCosts) else engine_costs(engine, profile.device.type)
     if costs is not None:
         costs = costs.on_host(profile.device.host_probe)  # the table's runtime seconds, on this profile's host
+    bandwidth = opts.bandwidth
     if costs is not None and costs.bandwidth is not None and bandwidth == DEFAULT_BANDWIDTH:
-        bandwidth = costs.bandwidth  # the engine's measured link, not a GPU's PCIe guess
+        bandwidth = costs.bandwidth
+    return costs, bandwidth
 
-    def attempt(z: int) -> Plan:
-        model = CostModel(profile, optimizer, bandwidth, schedule, m, dp=dp, zero=z, engine=costs)
-        return _partition_one(profile, model, request, boundaries=boundaries, stage_names=stage_names, method=method)
 
+def _fastest_zero(attempt: Callable[[int], Plan], opts: PartitionOptions, limit: int | None) -> Plan:
+    """The plan of each ZeRO stage to try (one unless zero="auto"), and the one kept: the fastest that
+    fits, the lowest stage on a tie (the least to gather); for a cut the user or a baseline fixed, the
+    lowest stage under which it fits, else the most sharded."""
+    zeros = opts.zero_stages
     plans: list[Plan] = []
     failure: InfeasibleMemoryError | None = None
     for z in zeros:
@@ -223,19 +207,31 @@ def partition(
             failure = e
     if not plans:
         assert failure is not None
-        raise with_zero_hint(failure, attempt, zeros, dp)
+        raise with_zero_hint(failure, attempt, zeros, opts.dp)
     if len(plans) == 1:
         return plans[0]
     fitting = [p for p in plans if limit is None or p.peak_memory <= limit]
-    if method == "autopipe" and boundaries is None and stage_names is None:
-        # the fastest step; on a tie the lowest stage (the least communication and state to gather)
+    if opts.method == "autopipe" and opts.boundaries is None and opts.stage_names is None:
         best = min(p.step_time for p in fitting or plans)
         return next(p for p in fitting or plans if p.step_time <= best * (1 + TIE))
-    # a cut the user or a baseline fixed: the lowest stage under which it fits, else the most sharded
     return fitting[0] if fitting else plans[-1]
 
 
-def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
+def _for_one_mode_engine(profile: Profile, opts: PartitionOptions) -> Plan:
+    """The plan for a target engine that applies one recompute mode to every stage: the fastest single
+    mode that fits, set against autopipe's own plan (any cut, each chunk its own mode), which says
+    what planning for the engine costs (``unrestricted_step_time``)."""
+    plan = _one_mode(profile, opts, target_info(opts.target).recompute)
+    if plan.method != "autopipe" or opts.cuts is not None:
+        return plan
+    try:
+        free = _partition(profile, replace(opts, target=None))
+    except InfeasibleMemoryError:
+        return plan
+    return replace(plan, unrestricted_step_time=free.step_time, unrestricted_boundaries=free.boundaries)
+
+
+def _one_mode(profile: Profile, opts: PartitionOptions, modes: Sequence[str]) -> Plan:
     """The plan of the recompute mode (one for every chunk) whose step is the least; the first on a tie
     (modes go none, selective, full). A mode the profile has no figures for is passed over. Raises the
     last refusal when no mode fits (a bad option fails in every mode alike)."""
@@ -243,7 +239,7 @@ def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
     failure: PartitionError | None = None
     for mode in modes:
         try:
-            plan = plan_with(mode)
+            plan = _partition(profile, replace(opts, recompute=mode))
         except PartitionError as e:  # no fit, or no figures for this mode
             failure = e
             continue
@@ -256,21 +252,20 @@ def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
 
 
 def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
-    """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth, optimizer and engine.
+    """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth, optimizer and engine
+    (``PartitionOptions.of_plan``).
 
     A baseline that cannot be made (e.g. fewer layers than it needs) is left out; one that breaks the
     memory limit is kept (the report marks it), because that is exactly what the comparison shows.
     """
+    try:
+        same = PartitionOptions.of_plan(plan)
+    except AutopipeError:  # a plan whose options no longer stand: no baseline can be made under them
+        return {}
     out: dict[str, Plan] = {}
-    bandwidth = None if plan.bandwidth == float("inf") else plan.bandwidth
     for method in BASELINES:
         try:
-            out[method] = partition(
-                profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
-                memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
-                method=method, weight_share=plan.weight_share, optimizer=plan.optimizer, recompute=plan.recompute,
-                dp=plan.dp, zero="auto" if plan.zero_policy == "auto" else plan.zero, engine=plan.engine or None,
-            )  # fmt: skip
+            out[method] = _partition(profile, replace(same, method=method))
         except AutopipeError:
             continue
     return out
@@ -293,21 +288,6 @@ def fits_memory(profile: Profile, stages: int, *, microbatches: int, schedule: s
     k = stages * virtual_stages
     return chunk_limit > 0 and k <= costs.n and fits(costs, k, limit=chunk_limit, modes=model.allowed(recompute),
                                                      states=states)  # fmt: skip
-
-
-def zero_choices(zero: int | str, dp: int) -> list[int]:
-    """The ZeRO stages to try: the one given, or all four for "auto" (only 0 without replicas)."""
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise PartitionError(f"dp={dp!r}: the data-parallel replicas must be a whole number >= 1.")
-    if isinstance(zero, str) and zero.strip().lower() == "auto":
-        return [0] if dp == 1 else list(ZERO_STAGES)
-    try:
-        z = int(zero)
-    except (TypeError, ValueError):
-        z = -1
-    if z not in ZERO_STAGES or isinstance(zero, bool) or (isinstance(zero, float) and zero != z):
-        raise PartitionError(f"zero={zero!r}; use a ZeRO stage 0, 1, 2 or 3, or 'auto'.")
-    return [z]
 
 
 def resolve_limit(profile: Profile, memory_limit: int | str | None) -> tuple[int | None, str]:
