@@ -41,7 +41,7 @@ from ..units import format_bytes, parse_size
 from .baselines import BASELINES, baseline
 from .chunk_costs import state_arrays
 from .cost_model import CostModel, CutRequest, unit_states
-from .memory import charged_units, rank_memory
+from .memory import RankMemory, charged_units, rank_memory
 from .options import DEFAULT_BANDWIDTH, PartitionOptions, zero_choices
 from .plan import Plan
 from .refusals import chunk_need, explain_infeasible, recompute_hint, with_zero_hint
@@ -151,8 +151,7 @@ def _partition(profile: Profile, opts: PartitionOptions) -> Plan:
 
     def attempt(z: int) -> Plan:
         model = CostModel(profile, opts.optimizer, bandwidth, req.schedule, req.m, dp=opts.dp, zero=z, engine=costs)
-        return _partition_one(profile, model, req, boundaries=opts.boundaries, stage_names=opts.stage_names,
-                              method=opts.method)
+        return _partition_one(profile, model, req, opts)
 
     return _fastest_zero(attempt, opts, req.limit)
 
@@ -307,75 +306,107 @@ def resolve_limit(profile: Profile, memory_limit: int | str | None) -> tuple[int
     return parse_size(memory_limit), "given"
 
 
-def _partition_one(profile: Profile, model: CostModel, req: CutRequest, *, boundaries: Sequence[int] | None,
-                   stage_names: Sequence[Sequence[str]] | None, method: str) -> Plan:
-    """The plan for one ZeRO stage (the model's): see partition()."""
-    n = len(profile.layers)
-    limit, k, states = req.limit, req.stages * req.v, req.states
-    # the runtime's own fixed terms first (reserve; on a GPU context, workspaces, NCCL, the
-    # allocator's slack), then each of a rank's v chunks gets a share of the rest
-    chunk_limit = None if limit is None else model.budget(limit, req.stages) // req.v
-    if chunk_limit is not None and chunk_limit <= 0:
+def _partition_one(profile: Profile, model: CostModel, req: CutRequest, opts: PartitionOptions) -> Plan:
+    """The plan for one ZeRO stage (the model's): the optimum, or the cut given (or a baseline's) with
+    the optimum's figures beside it. The optimum is solved for the cut given too, so a plan says how far
+    from the best it is; where nothing fits, that is an error only when no cut was given."""
+    chunk_limit = _chunk_limit(model, req)
+    allowed = model.allowed(req.recompute)
+    chosen, method = _fixed_cut(profile, model, req, opts)
+    best: StepSolution | None = None
+    try:
+        best = _solve(model, req, chunk_limit, allowed, req.cuts)
+    except NoCutFits:
+        if chosen is None:
+            raise _no_cut_fits(profile, model, req, chunk_limit) from None
+    if chosen is None:
+        assert best is not None
+        plan = _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
+        if req.cuts is not None:  # what the restriction costs: the best cut the engine cannot make
+            free = _solve(model, req, chunk_limit, allowed, None)
+            plan = replace(plan, unrestricted_step_time=free.step, unrestricted_boundaries=free.boundaries)
+        return plan
+    plan = _plan_of_cut(model, req, chosen, method, chunk_limit, allowed)
+    if best is not None:
+        opt = _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
+        plan = replace(plan, optimum_bottleneck_time=opt.bottleneck_time, optimum_step_time=opt.step_time,
+                       step_lower_bound=best.lower_bound)  # fmt: skip
+    return plan
+
+
+def _chunk_limit(model: CostModel, req: CutRequest) -> int | None:
+    """Bytes each chunk may hold (None: unlimited): the runtime's own fixed terms first (reserve; on a
+    GPU context, workspaces, NCCL, the allocator's slack), then each of a rank's v chunks a share of the rest."""
+    limit = req.limit
+    if limit is None:
+        return None
+    chunk_limit = model.budget(limit, req.stages) // req.v
+    if chunk_limit <= 0:
         fixed = limit - model.budget(limit, req.stages)
         raise InfeasibleMemoryError(
             f"a memory limit of {format_bytes(limit)} per device leaves nothing for the model: the runtime itself "
             f"holds {format_bytes(fixed)} per rank on this device (the profile's reserve, and on a GPU its context, "
             "workspaces and NCCL buffers). Raise the limit."
         )
-    allowed = model.allowed(req.recompute)
+    return chunk_limit
 
+
+def _fixed_cut(profile: Profile, model: CostModel, req: CutRequest,
+               opts: PartitionOptions) -> tuple[tuple[int, ...] | None, str]:  # fmt: skip
+    """The cut the options fix and the method to record: the user's (``manual``), a baseline's, or
+    (None, "autopipe") for the search. A fixed cut must keep to the cuts the target allows."""
     chosen: tuple[int, ...] | None = None
-    if boundaries is not None or stage_names is not None:
-        chosen = check_bounds(boundaries, n, k) if boundaries is not None else names_to_bounds(stage_names, model.names, k)
+    method = opts.method
+    n, k = len(profile.layers), req.stages * req.v
+    if opts.boundaries is not None or opts.stage_names is not None:
+        chosen = (check_bounds(opts.boundaries, n, k) if opts.boundaries is not None
+                  else names_to_bounds(opts.stage_names, model.names, k))  # type: ignore[arg-type]  # fmt: skip
         method = "manual"
     elif method != "autopipe":
         chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
-
     if chosen is not None and req.cuts is not None:
         check_cut_allowed(chosen, req.cuts, model.names, req.target, method)
-    best: StepSolution | None = None
+    return chosen, method
 
-    def solve(cuts: tuple[int, ...] | None) -> StepSolution:
-        return solve_step(model.costs, req.schedule, ranks=req.stages, virtual=req.v, microbatches=req.m, states=states,
-                          limit=chunk_limit, modes=allowed, weight_share=req.weight_share, cuts=cuts)  # fmt: skip
 
-    try:
-        best = solve(req.cuts)
-    except NoCutFits:
-        if chosen is None:
-            what = (f"the {profile.device.name}'s {format_bytes(limit)} (its memory, the default limit)"
-                    if req.limit_source == "device" else f"{format_bytes(limit)} per device")  # fmt: skip
-            if req.cuts is not None:
-                raise explain_restricted(explain_infeasible(model, req, chunk_limit, what), req.target) from None
-            raise explain_infeasible(model, req, chunk_limit, what) from None
-    if chosen is None:
-        assert best is not None
-        plan = _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
-        if req.cuts is not None:  # what the restriction costs: the best cut the engine cannot make
-            free = solve(None)
-            plan = replace(plan, unrestricted_step_time=free.step, unrestricted_boundaries=free.boundaries)
-        return plan
+def _solve(model: CostModel, req: CutRequest, chunk_limit: int | None, allowed: Sequence[int],
+           cuts: tuple[int, ...] | None) -> StepSolution:  # fmt: skip
+    """The step solver on this request's shape (step_solver.solve_step), over ``cuts`` (None: any)."""
+    return solve_step(model.costs, req.schedule, ranks=req.stages, virtual=req.v, microbatches=req.m, states=req.states,
+                      limit=chunk_limit, modes=allowed, weight_share=req.weight_share, cuts=cuts)  # fmt: skip
+
+
+def _no_cut_fits(profile: Profile, model: CostModel, req: CutRequest, chunk_limit: int | None) -> InfeasibleMemoryError:
+    """Why no cut fits and what would (refusals.explain_infeasible), naming where the limit came from."""
+    limit = req.limit
+    assert limit is not None  # with no limit every cut fits
+    what = (f"the {profile.device.name}'s {format_bytes(limit)} (its memory, the default limit)"
+            if req.limit_source == "device" else f"{format_bytes(limit)} per device")  # fmt: skip
+    if req.cuts is not None:
+        return explain_restricted(explain_infeasible(model, req, chunk_limit, what), req.target)
+    return explain_infeasible(model, req, chunk_limit, what)
+
+
+def _plan_of_cut(model: CostModel, req: CutRequest, chosen: tuple[int, ...], method: str, chunk_limit: int | None,
+                 allowed: Sequence[int]) -> Plan:  # fmt: skip
+    """The plan of a fixed cut, each chunk in its fastest mode that fits. A manual chunk that fits in no
+    mode is refused (the user can move layers); a baseline's is kept in its fastest mode, over the
+    limit (the report marks it), because that is what the comparison shows."""
+    states = req.states
     units, waits = state_arrays(states)
-    modes = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), units[:, 0], chunk_limit, allowed,
-                                      waits[:, 0])  # fmt: skip
+    a, b = np.array(chosen[:-1]), np.array(chosen[1:])
+    modes = model.costs.fastest_modes(a, b, units[:, 0], chunk_limit, allowed, waits[:, 0])
     if method == "manual" and chunk_limit is not None and np.any(modes < 0):
         c = int(np.flatnonzero(modes < 0)[0])
-        a, b = chosen[c], chosen[c + 1]
-        need = min(chunk_need(model.costs, a, b, states[c], md) for md in allowed)
-        hint = recompute_hint(model, req.recompute, [(a, b, states[c])], chunk_limit)
+        lo, hi = chosen[c], chosen[c + 1]
+        need = min(chunk_need(model.costs, lo, hi, states[c], md) for md in allowed)
+        hint = recompute_hint(model, req.recompute, [(lo, hi, states[c])], chunk_limit)
         raise InfeasibleMemoryError(
-            f"your chunk {c} (layers {a}..{b - 1}) needs {format_bytes(need)}, more than the "
+            f"your chunk {c} (layers {lo}..{hi - 1}) needs {format_bytes(need)}, more than the "
             f"{format_bytes(chunk_limit)} it may use; move layers out of it, raise the memory limit{hint}."
         )
-    # A baseline that breaks the limit is still shown (marked over it), in its fastest allowed mode.
-    fastest = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), units[:, 0], None, allowed,
-                                        waits[:, 0])  # fmt: skip
-    plan = _make_plan(model, req, chosen, method=method, modes=np.where(modes < 0, fastest, modes).tolist(), bound=None)
-    if best is not None:
-        opt = _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
-        plan = replace(plan, optimum_bottleneck_time=opt.bottleneck_time, optimum_step_time=opt.step_time,
-                       step_lower_bound=best.lower_bound)  # fmt: skip
-    return plan
+    fastest = model.costs.fastest_modes(a, b, units[:, 0], None, allowed, waits[:, 0])
+    return _make_plan(model, req, chosen, method=method, modes=np.where(modes < 0, fastest, modes).tolist(), bound=None)
 
 
 def check_bounds(bounds: Sequence[int], n: int, k: int) -> tuple[int, ...]:
@@ -433,7 +464,7 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
                bound: float | None) -> Plan:
     """The Plan of cut ``bounds`` with chunk recompute ``modes``: each chunk's seconds and bytes, the ranks'
     memory and the simulated step."""
-    stages, v, m, schedule, states = req.stages, req.v, req.m, req.schedule, req.states
+    stages, v, m, schedule = req.stages, req.v, req.m, req.schedule
     c = model.costs
     a = np.asarray(bounds[:-1])
     b = np.asarray(bounds[1:])
@@ -443,25 +474,10 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
     comm = c.comm(a, b).tolist()
     times = c.time(a, b, md).tolist()
     extra = c.extra_of(a, b, md).tolist()
-    # each chunk in the state that is its peak for this cut and mode
-    units, waits = state_arrays(states)
-    per_state = c.memory(a, b, units[:, 0], md, waits[:, 0])  # (states, chunks)
-    peak_at = per_state.argmax(axis=0)
-    mems = [int(x) for x in per_state.max(axis=0)]
-    inflight = [int(units[p, 0, s]) for s, p in enumerate(peak_at)]
-    waiting = [int(waits[p, 0, s]) for s, p in enumerate(peak_at)]
+    mems, inflight, waiting = _chunk_peaks(model, req, a, b, md)
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
-    # The partitioner held each chunk at its own peak under the limit (their sum bounds the rank's).
-    # The plan predicts each rank at its heaviest joint state instead, where several chunks share a
-    # rank (interleaved, zbv): they do not peak together (schedules.rank_states). Until 2026-11-29
-    # the CPU's resident peak read at least the sum, but that was glibc's heap holes among sub-MiB
-    # activations; with them gone (devices.MMAP_THRESHOLD) the ranks held 0.84-0.92 of the sum.
-    names = [c.modes[int(x)] for x in md]
-    joint_in, joint_wait = charged_units(model.memory, bounds, schedule=schedule, stages=stages, virtual=v,
-                                         microbatches=m, inflight=inflight, waiting=waiting, recompute=names)  # fmt: skip
-    per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=joint_in, microbatches=m,
-                           recompute=names, reserve=model.reserve, waiting=joint_wait, schedule=schedule)  # fmt: skip
+    per_rank = _rank_peaks(model, req, bounds, ranks, inflight, waiting, [c.modes[int(x)] for x in md])
     rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=req.weight_share)
     # a CPU job's ranks beyond its cores share them: the step they run (the cut stays the dedicated optimum)
@@ -514,3 +530,32 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
         cores=cores,
         shared_step_time=shared,
     )
+
+
+def _chunk_peaks(model: CostModel, req: CutRequest, a: np.ndarray, b: np.ndarray,
+                 md: np.ndarray) -> tuple[list[int], list[int], list[int]]:  # fmt: skip
+    """Each chunk in the state that is its peak for this cut and mode: its bytes, the micro-batches it
+    then holds in flight, and those waiting for their weight pass (zbv)."""
+    units, waits = state_arrays(req.states)
+    per_state = model.costs.memory(a, b, units[:, 0], md, waits[:, 0])  # (states, chunks)
+    peak_at = per_state.argmax(axis=0)
+    mems = [int(x) for x in per_state.max(axis=0)]
+    inflight = [int(units[p, 0, s]) for s, p in enumerate(peak_at)]
+    waiting = [int(waits[p, 0, s]) for s, p in enumerate(peak_at)]
+    return mems, inflight, waiting
+
+
+def _rank_peaks(model: CostModel, req: CutRequest, bounds: Sequence[int], ranks: Sequence[int], inflight: list[int],
+                waiting: list[int], names: list[str]) -> list[RankMemory]:  # fmt: skip
+    """What each rank holds at its heaviest joint state (memory.rank_memory, term by term).
+
+    The partitioner held each chunk at its own peak under the limit (their sum bounds the rank's).
+    The plan predicts each rank at its heaviest joint state instead, where several chunks share a
+    rank (interleaved, zbv): they do not peak together (schedules.rank_states). Until 2026-11-29
+    the CPU's resident peak read at least the sum, but that was glibc's heap holes among sub-MiB
+    activations; with them gone (devices.MMAP_THRESHOLD) the ranks held 0.84-0.92 of the sum."""
+    stages, v, m, schedule = req.stages, req.v, req.m, req.schedule
+    joint_in, joint_wait = charged_units(model.memory, bounds, schedule=schedule, stages=stages, virtual=v,
+                                         microbatches=m, inflight=inflight, waiting=waiting, recompute=names)  # fmt: skip
+    return rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=joint_in, microbatches=m,
+                       recompute=names, reserve=model.reserve, waiting=joint_wait, schedule=schedule)  # fmt: skip
