@@ -9,6 +9,7 @@ from typing import Sequence
 from ..costs.layer_costs import Profile
 from ..costs.rescale import scale_microbatch, tokens_per_sample
 from ..planner.memory import LayerMemory, charged_units, layer_memory, rank_memory, tensor_budget
+from ..planner.options import PartitionOptions
 from ..planner.partitioner import fits_memory, partition, resolve_limit
 from ..planner.plan import Plan
 from ..planner.schedules import chunk_ranks, inflight_counts
@@ -84,8 +85,10 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
     prof = scale_microbatch(profile, x.microbatch_size)
     p = place(cluster, stages=x.stages, dp=x.dp, order=x.placement)
     bw = None if x.stages == 1 else p.p2p_bandwidth
-    opts = dict(microbatches=x.microbatches, schedule=x.schedule, virtual_stages=x.virtual_stages, optimizer=optimizer,
-                recompute=recompute, bandwidth=bw, weight_share=weight_share, target=target)  # fmt: skip
+    # what every solve of this layout shares; the one under its limit adds the limit, the sharding and the cut
+    unlimited = PartitionOptions(x.stages, microbatches=x.microbatches, schedule=x.schedule, memory_limit=None,
+                                 virtual_stages=x.virtual_stages, optimizer=optimizer, recompute=recompute, bandwidth=bw,
+                                 weight_share=weight_share, target=target)  # fmt: skip
     # an engine's cuts (autopipe.planner.targets): the memory test and every solve keep to them
     cuts = None if target is None else restricted_cuts(prof, x.stages * x.virtual_stages, None, target)
     cuts = None if cuts is None else cuts.cuts
@@ -101,12 +104,12 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
     if cache is not None and method == "autopipe" and boundaries is None:
         key = (x.stages, x.microbatch_size, x.microbatches, x.schedule, x.virtual_stages, bw)
         if key not in cache:
-            cache[key] = partition(prof, x.stages, memory_limit=None, **opts)  # type: ignore[arg-type]
+            cache[key] = partition(prof, options=unlimited)
         peak = _peak_if_fits(prof, cache[key], x, optimizer, limit)
         source = cache[key] if peak is not None else None
     if source is None:
-        plan = source = partition(prof, x.stages, memory_limit=memory_limit, dp=x.dp, zero=x.zero, method=method,
-                                  boundaries=boundaries, **opts)  # type: ignore[arg-type]
+        plan = source = partition(prof, options=replace(unlimited, memory_limit=memory_limit, dp=x.dp, zero=x.zero,
+                                                        method=method, boundaries=boundaries))  # fmt: skip
         # the links were priced for this numbering of the ranks on these nodes: the job must run it
         plan = replace(plan, placement=x.placement, gpus_per_node=cluster.gpus_per_node)
         peak = plan.peak_memory

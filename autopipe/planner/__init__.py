@@ -1,6 +1,7 @@
 """The partition pass: Profile + stages + schedule + memory limit -> Plan. No torch.
 
     partitioner  partition: the cut with the shortest simulated step under the memory limit
+    options      PartitionOptions: every option partition takes, as one checked record
     plan         Plan: the record of a cut and what it predicts
     schedules    the schedules (GPipe, 1F1B, interleaved, zbv): step time, bubble, timeline
     simulator    how the simulator runs a fixed op order
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+from .options import PartitionOptions
 from .partitioner import (
            DEFAULT_BANDWIDTH,
            compare_baselines,
@@ -27,4 +29,4 @@ from .schedule_choice import ScheduleChoice, plan_schedules
 from .schedules import SCHEDULES, Simulation, normalize_schedule, simulate
 
 __all__ = ["DEFAULT_BANDWIDTH", "Plan", "SCHEDULES", "Simulation", "compare_baselines", "fits_memory",
-           "normalize_schedule", "partition", "plan_schedules", "resolve_limit", "ScheduleChoice", "simulate"]
+           "normalize_schedule", "partition", "PartitionOptions", "plan_schedules", "resolve_limit", "ScheduleChoice", "simulate"]

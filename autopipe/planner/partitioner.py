@@ -3,7 +3,9 @@
 This module turns a profile into per-chunk costs (autopipe/planner/cost_model.py over
 autopipe/planner/chunk_costs.py), asks the step-time partitioner (autopipe/planner/step_solver.py, which
 owns the algorithm) for the cut, applies user overrides and baselines, and fills the Plan; a limit
-nothing fits is explained by autopipe/planner/refusals.py.
+nothing fits is explained by autopipe/planner/refusals.py. The options travel as one checked record,
+autopipe/planner/options.py's PartitionOptions: a re-plan with one option changed (one recompute
+mode, no target, a baseline's method) is ``dataclasses.replace`` of it.
 
 Objective: the simulated step of the schedule that will run (schedules.simulate), not the slowest
 chunk. Cost model, per micro-batch. A chunk ``[a, b)`` takes its layers' forward and backward time
@@ -27,12 +29,11 @@ time. ``recompute="auto"`` lets each chunk take the fastest mode that fits; the 
 from __future__ import annotations
 
 import operator
-from dataclasses import replace
-from typing import Sequence
+from dataclasses import fields, replace
+from typing import Callable, Sequence
 
 import numpy as np
 
-from ..choices import RECOMPUTE_POLICIES, ZERO_STAGES
 from ..costs.engines import EngineCosts, engine_costs
 from ..costs.layer_costs import Profile
 from ..errors import AutopipeError, InfeasibleMemoryError, PartitionError
@@ -40,37 +41,22 @@ from ..units import format_bytes, parse_size
 from .baselines import BASELINES, baseline
 from .chunk_costs import state_arrays
 from .cost_model import CostModel, CutRequest, unit_states
-from .memory import charged_units, rank_memory
+from .memory import RankMemory, charged_units, rank_memory
+from .options import DEFAULT_BANDWIDTH, PartitionOptions, zero_choices
 from .plan import Plan
 from .refusals import chunk_need, explain_infeasible, recompute_hint, with_zero_hint
-from .schedules import (
-    check_schedule,
-    check_weight_share,
-    chunk_ranks,
-    normalize_schedule,
-    shared_step,
-    simulate,
-)
+from .schedules import check_weight_share, chunk_ranks, shared_step, simulate
 from .step_bound import fits
 from .step_solver import TIE, NoCutFits, StepSolution, solve_step
-from .targets import (
-    check_cut_allowed,
-    check_target,
-    explain_restricted,
-    restricted_cuts,
-    target_info,
-)
+from .targets import check_cut_allowed, explain_restricted, restricted_cuts, target_info
 
 __all__ = ["partition", "compare_baselines", "fits_memory", "resolve_limit", "zero_choices", "check_bounds",
-           "names_to_bounds", "DEFAULT_BANDWIDTH"]
-
-# PCIe 4.0 x16 in practice: the slowest link a pipeline commonly crosses inside one machine.
-DEFAULT_BANDWIDTH = 25e9
+           "names_to_bounds", "DEFAULT_BANDWIDTH", "PartitionOptions"]
 
 
 def partition(
     profile: Profile,
-    stages: int,
+    stages: int | None = None,
     *,
     microbatches: int | None = None,
     schedule: str = "1f1b",
@@ -88,46 +74,18 @@ def partition(
     cuts: Sequence[int] | None = None,
     target: str | None = None,
     engine: str | EngineCosts | None = None,
+    options: PartitionOptions | None = None,
 ) -> Plan:
     """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
     Args:
         profile: per-layer costs (``autopipe.profile`` or ``Profile.from_costs``).
         stages: pipeline ranks S.
-        microbatches: micro-batches per step M (default 2·S).
-        schedule: gpipe, 1f1b, interleaved1f1b or zbv: the schedule simulated (and minimised), and
-            the in-flight activations per stage.
-        memory_limit: bytes per device, or a size like "80GiB"; None or "none": unlimited; "device"
-            (the default): the memory of the GPU the profile was measured or estimated for, unlimited
-            for a CPU profile (ranks on one host share its memory; give a limit).
-        optimizer: recount optimizer state for this optimizer (default: the profile's).
-        virtual_stages: chunks per rank v (default 1; 2 for interleaved1f1b and zbv). The model is
-            cut into S·v chunks.
-        bandwidth: bytes/s between neighbouring ranks; None: ignore communication.
-        boundaries: your own cut (S·v + 1 layer indices); the plan reports the optimum beside it.
-        stage_names: your own cut as layer/module names per chunk (a name covers the layers it
-            prefixes, e.g. "transformer.h.0").
-        method: "autopipe" (the step-time search), or a baseline: uniform, parameters, type:REGEX,
-            torchtitan, greedy.
-        weight_share: part of the backward that zero-bubble schedules split off as W (default: the
-            profile's measured split, ``Profile.split_backward``; 0.5 when it was not measured).
-        recompute: "none", "full", "selective" (that mode in every chunk) or "auto" (the default:
-            each chunk the fastest mode that fits the memory limit, so none where nothing binds).
-        dp: data-parallel replicas of each stage (the job's ``--dp``); memory is per rank.
-        zero: ZeRO stage 0-3 across those replicas (what each rank shards, autopipe.planner.memory), or
-            "auto": the stage whose plan steps fastest under the limit, the lowest on a tie (ZeRO
-            0 where nothing binds).
-        cuts: the only layer indices (1..L-1) a chunk may start at; the plan records them and the
-            step of the best unrestricted cut beside its own (``unrestricted_step_time``).
-        target: plan for an engine that splits by module: torchtitan, megatron, deepspeed or fqns
-            (autopipe.planner.targets): only the cuts it allows (with ``cuts``, those of both), and
-            only what it can run (its schedules, virtual stages, ZeRO stages).
-        engine: the engine the job trains on (torch or deepspeed): its measured seconds per op, per
-            send and per step (autopipe.costs.engines) join the layers' in the cost model, so the
-            cut is the best for that engine; its measured P2P bandwidth replaces the default link.
-            None, or an engine not measured on the profile's device: the layers alone. An
-            ``EngineCosts`` record instead of a name plans with those figures (what-ifs, and the
-            bench that fits them).
+        microbatches, schedule, memory_limit, optimizer, virtual_stages, bandwidth, boundaries,
+            stage_names, method, weight_share, recompute, dp, zero, cuts, target, engine: the options,
+            each a field of :class:`~autopipe.planner.options.PartitionOptions`, documented there, with
+            the same defaults (the schedule 1f1b, the device's memory, 25 GB/s, recompute auto, ...).
+        options: the same as one record, instead of ``stages`` and the keywords (not beside them).
 
     Returns:
         A :class:`~autopipe.planner.plan.Plan`; ``plan.step_lower_bound`` is a proven bound on the step of
@@ -142,78 +100,103 @@ def partition(
         >>> plan = partition(prof, 3, bandwidth=None)
         >>> plan.boundaries, round(plan.step_time, 6), plan.step_gap
         ((0, 2, 4, 6), 59.0, 0.0)
+        >>> partition(prof, options=PartitionOptions(3, bandwidth=None)) == plan
+        True
     """
-    n = len(profile.layers)
-    if n == 0:
-        raise PartitionError("the profile has no layers.")
-    if str(schedule).strip().lower() == "auto":  # a choice among plans, made one level up
-        raise PartitionError("partition plans one schedule; for schedule='auto' call "
-                             "autopipe.planner.plan_schedules(profile, stages, ...), which plans each and keeps the fastest.")
-    if target is not None and recompute == "auto" and not target_info(target).per_stage_recompute:
-        # the engine applies one mode to every stage: the fastest single mode that fits, set against
-        # autopipe's own plan (any cut, each chunk its own mode): what planning for the engine costs
-        def plan_with(mode: str, cut_for: str | None = target) -> Plan:
-            return partition(profile, stages, microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
-                             optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bandwidth,
-                             boundaries=boundaries, stage_names=stage_names, method=method, weight_share=weight_share,
-                             recompute=mode, dp=dp, zero=zero, cuts=cuts, target=cut_for, engine=engine)  # fmt: skip
+    keywords: dict[str, object] = {"microbatches": microbatches, "schedule": schedule, "memory_limit": memory_limit,
+                                   "optimizer": optimizer, "virtual_stages": virtual_stages, "bandwidth": bandwidth,
+                                   "boundaries": boundaries, "stage_names": stage_names, "method": method,
+                                   "weight_share": weight_share, "recompute": recompute, "dp": dp, "zero": zero,
+                                   "cuts": cuts, "target": target, "engine": engine}  # fmt: skip
+    return _partition(profile, _options(stages, keywords, options))
 
-        plan = _one_mode(target_info(target).recompute, plan_with)
-        if plan.method != "autopipe" or cuts is not None:
-            return plan
-        try:
-            free = plan_with("auto", None)
-        except InfeasibleMemoryError:
-            return plan
-        return replace(plan, unrestricted_step_time=free.step_time, unrestricted_boundaries=free.boundaries)
-    schedule = normalize_schedule(schedule)
-    # `is None`, not `or`: 0 is a mistake to report, not a request for the default.
-    v = virtual_stages if virtual_stages is not None else (2 if schedule in ("interleaved1f1b", "zbv") else 1)
-    m = microbatches if microbatches is not None else 2 * max(stages, 1)
-    schedule = check_schedule(schedule, stages, v, m)
-    engine_name = engine.engine if isinstance(engine, EngineCosts) else engine
-    if engine_name == "torch" and schedule == "1f1b" and m < stages:
-        # torch's Schedule1F1B refuses it when the job starts; DeepSpeed's 1F1B and Megatron's run it
-        raise PartitionError(f"1f1b on torch's engine needs at least as many micro-batches as stages ({m} < {stages}): "
-                             f"use --microbatches {stages} or more, or gpipe.")
+
+def _options(stages: int | None, keywords: dict[str, object], options: PartitionOptions | None) -> PartitionOptions:
+    """The one record a call gives: built from ``stages`` and the keywords, or ``options`` as it is.
+
+    Both at once is refused, not merged: which should win would be a guess, and a keyword at its
+    default cannot be told from one not given."""
+    if options is None:
+        if stages is None:
+            raise PartitionError("partition needs stages: partition(profile, stages, ...) or "
+                                 "partition(profile, options=PartitionOptions(stages, ...)).")
+        return PartitionOptions(stages, **keywords)  # type: ignore[arg-type]
+    if not isinstance(options, PartitionOptions):
+        raise PartitionError(f"options={type(options).__name__}: give a PartitionOptions record "
+                             "(autopipe.planner.PartitionOptions).")
+    defaults = {f.name: f.default for f in fields(PartitionOptions)}
+    given = ([f"stages={stages!r}"] if stages is not None else []) + [
+        f"{name}={value!r}" for name, value in keywords.items() if _differs(value, defaults[name])]
+    if given:
+        raise PartitionError(f"partition takes options=PartitionOptions(...) or keywords, not both ({', '.join(given)} "
+                             f"beside options); use options=dataclasses.replace(options, {given[0]}).")
+    return options
+
+
+def _differs(value: object, default: object) -> bool:
+    """Whether a keyword was moved off its default (a list or array given is never compared: only
+    a default of None has them, and ``is not None`` says it)."""
+    return value is not None if default is None else (value is None or value != default)
+
+
+def _partition(profile: Profile, opts: PartitionOptions) -> Plan:
+    """``partition`` for one checked record; every re-plan inside the planner comes back here with
+    ``dataclasses.replace(opts, ...)``, so no option is passed along by hand."""
+    if not profile.layers:
+        raise PartitionError("the profile has no layers.")
+    if opts.target is not None and opts.recompute == "auto" and not target_info(opts.target).per_stage_recompute:
+        return _for_one_mode_engine(profile, opts)
+    req = _request(profile, opts)
+    costs, bandwidth = _engine_and_link(profile, opts)
+
+    def attempt(z: int) -> Plan:
+        model = CostModel(profile, opts.optimizer, bandwidth, req.schedule, req.m, dp=opts.dp, zero=z, engine=costs)
+        return _partition_one(profile, model, req, opts)
+
+    return _fastest_zero(attempt, opts, req.limit)
+
+
+def _request(profile: Profile, opts: PartitionOptions) -> CutRequest:
+    """What every ZeRO stage's attempt shares, with what the options leave to the profile filled in:
+    its weight share, its device's memory for "device", the cuts its layer names allow."""
+    weight_share = opts.weight_share
     if weight_share is None:
         split = profile.split_backward
         weight_share = split[0] if split is not None else 0.5
-    check_weight_share(weight_share)
-    if recompute not in RECOMPUTE_POLICIES:
-        raise PartitionError(f"recompute={recompute!r}; use one of {', '.join(RECOMPUTE_POLICIES)}.")
-    k = stages * v
+        check_weight_share(weight_share)
+    n, k = len(profile.layers), opts.stages * opts.v
     if k > n:
         raise PartitionError(
-            f"cannot cut {n} layers into {k} non-empty chunks ({stages} stages x {v} virtual); "
-            f"use at most {n // v} stages."
+            f"cannot cut {n} layers into {k} non-empty chunks ({opts.stages} stages x {opts.v} virtual); "
+            f"use at most {n // opts.v} stages."
         )
-    limit, limit_source = resolve_limit(profile, memory_limit)
-    zeros = zero_choices(zero, dp)
-    if boundaries is not None and stage_names is not None:
-        raise PartitionError("give boundaries or stage_names, not both.")
-    if target is not None:
-        check_target(target, schedule=schedule, virtual_stages=v, dp=dp)
-        zeros = [z for z in zeros if dp == 1 or z in target_info(target).zeros] or zeros
-        if len(zeros) == 1:
-            check_target(target, schedule=schedule, virtual_stages=v, zero=zeros[0], dp=dp)
-    allowed = restricted_cuts(profile, k, cuts, target)
+    limit, limit_source = resolve_limit(profile, opts.memory_limit)
+    allowed = restricted_cuts(profile, k, opts.cuts, opts.target)
+    return CutRequest(stages=opts.stages, v=opts.v, m=opts.m, schedule=opts.schedule, limit=limit,
+                      limit_source=limit_source, recompute=opts.recompute, weight_share=weight_share,
+                      states=unit_states(opts.schedule, opts.stages, opts.v, opts.m), signature=profile.signature,
+                      zero_policy=str(opts.zero), cuts=None if allowed is None else allowed.cuts,
+                      target=target_info(opts.target).key if opts.target else "")  # fmt: skip
 
-    request = CutRequest(stages=stages, v=v, m=m, schedule=schedule, limit=limit, limit_source=limit_source,
-                       recompute=recompute, weight_share=weight_share, states=unit_states(schedule, stages, v, m),
-                       signature=profile.signature, zero_policy=str(zero),
-                       cuts=None if allowed is None else allowed.cuts, target=target_info(target).key if target else "")  # fmt: skip
 
+def _engine_and_link(profile: Profile, opts: PartitionOptions) -> tuple[EngineCosts | None, float | None]:
+    """The engine's measured costs on this profile's host (None: the layers alone), and the link to price
+    sends at: the engine's measured one where the default 25 GB/s (a GPU's PCIe guess) was left."""
+    engine = opts.engine
     costs = engine if isinstance(engine, EngineCosts) else engine_costs(engine, profile.device.type)
     if costs is not None:
         costs = costs.on_host(profile.device.host_probe)  # the table's runtime seconds, on this profile's host
+    bandwidth = opts.bandwidth
     if costs is not None and costs.bandwidth is not None and bandwidth == DEFAULT_BANDWIDTH:
-        bandwidth = costs.bandwidth  # the engine's measured link, not a GPU's PCIe guess
+        bandwidth = costs.bandwidth
+    return costs, bandwidth
 
-    def attempt(z: int) -> Plan:
-        model = CostModel(profile, optimizer, bandwidth, schedule, m, dp=dp, zero=z, engine=costs)
-        return _partition_one(profile, model, request, boundaries=boundaries, stage_names=stage_names, method=method)
 
+def _fastest_zero(attempt: Callable[[int], Plan], opts: PartitionOptions, limit: int | None) -> Plan:
+    """The plan of each ZeRO stage to try (one unless zero="auto"), and the one kept: the fastest that
+    fits, the lowest stage on a tie (the least to gather); for a cut the user or a baseline fixed, the
+    lowest stage under which it fits, else the most sharded."""
+    zeros = opts.zero_stages
     plans: list[Plan] = []
     failure: InfeasibleMemoryError | None = None
     for z in zeros:
@@ -223,19 +206,31 @@ def partition(
             failure = e
     if not plans:
         assert failure is not None
-        raise with_zero_hint(failure, attempt, zeros, dp)
+        raise with_zero_hint(failure, attempt, zeros, opts.dp)
     if len(plans) == 1:
         return plans[0]
     fitting = [p for p in plans if limit is None or p.peak_memory <= limit]
-    if method == "autopipe" and boundaries is None and stage_names is None:
-        # the fastest step; on a tie the lowest stage (the least communication and state to gather)
+    if opts.method == "autopipe" and opts.boundaries is None and opts.stage_names is None:
         best = min(p.step_time for p in fitting or plans)
         return next(p for p in fitting or plans if p.step_time <= best * (1 + TIE))
-    # a cut the user or a baseline fixed: the lowest stage under which it fits, else the most sharded
     return fitting[0] if fitting else plans[-1]
 
 
-def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
+def _for_one_mode_engine(profile: Profile, opts: PartitionOptions) -> Plan:
+    """The plan for a target engine that applies one recompute mode to every stage: the fastest single
+    mode that fits, set against autopipe's own plan (any cut, each chunk its own mode), which says
+    what planning for the engine costs (``unrestricted_step_time``)."""
+    plan = _one_mode(profile, opts, target_info(opts.target).recompute)
+    if plan.method != "autopipe" or opts.cuts is not None:
+        return plan
+    try:
+        free = _partition(profile, replace(opts, target=None))
+    except InfeasibleMemoryError:
+        return plan
+    return replace(plan, unrestricted_step_time=free.step_time, unrestricted_boundaries=free.boundaries)
+
+
+def _one_mode(profile: Profile, opts: PartitionOptions, modes: Sequence[str]) -> Plan:
     """The plan of the recompute mode (one for every chunk) whose step is the least; the first on a tie
     (modes go none, selective, full). A mode the profile has no figures for is passed over. Raises the
     last refusal when no mode fits (a bad option fails in every mode alike)."""
@@ -243,7 +238,7 @@ def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
     failure: PartitionError | None = None
     for mode in modes:
         try:
-            plan = plan_with(mode)
+            plan = _partition(profile, replace(opts, recompute=mode))
         except PartitionError as e:  # no fit, or no figures for this mode
             failure = e
             continue
@@ -256,21 +251,20 @@ def _one_mode(modes: Sequence[str], plan_with) -> Plan:  # noqa: ANN001
 
 
 def compare_baselines(profile: Profile, plan: Plan) -> dict[str, Plan]:
-    """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth, optimizer and engine.
+    """The baselines' plans for the same profile, stages, schedule, micro-batches, bandwidth, optimizer and engine
+    (``PartitionOptions.of_plan``).
 
     A baseline that cannot be made (e.g. fewer layers than it needs) is left out; one that breaks the
     memory limit is kept (the report marks it), because that is exactly what the comparison shows.
     """
+    try:
+        same = PartitionOptions.of_plan(plan)
+    except AutopipeError:  # a plan whose options no longer stand: no baseline can be made under them
+        return {}
     out: dict[str, Plan] = {}
-    bandwidth = None if plan.bandwidth == float("inf") else plan.bandwidth
     for method in BASELINES:
         try:
-            out[method] = partition(
-                profile, plan.stages, microbatches=plan.microbatches, schedule=plan.schedule,
-                memory_limit=plan.memory_limit, virtual_stages=plan.virtual_stages, bandwidth=bandwidth,
-                method=method, weight_share=plan.weight_share, optimizer=plan.optimizer, recompute=plan.recompute,
-                dp=plan.dp, zero="auto" if plan.zero_policy == "auto" else plan.zero, engine=plan.engine or None,
-            )  # fmt: skip
+            out[method] = _partition(profile, replace(same, method=method))
         except AutopipeError:
             continue
     return out
@@ -295,21 +289,6 @@ def fits_memory(profile: Profile, stages: int, *, microbatches: int, schedule: s
                                                      states=states)  # fmt: skip
 
 
-def zero_choices(zero: int | str, dp: int) -> list[int]:
-    """The ZeRO stages to try: the one given, or all four for "auto" (only 0 without replicas)."""
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise PartitionError(f"dp={dp!r}: the data-parallel replicas must be a whole number >= 1.")
-    if isinstance(zero, str) and zero.strip().lower() == "auto":
-        return [0] if dp == 1 else list(ZERO_STAGES)
-    try:
-        z = int(zero)
-    except (TypeError, ValueError):
-        z = -1
-    if z not in ZERO_STAGES or isinstance(zero, bool) or (isinstance(zero, float) and zero != z):
-        raise PartitionError(f"zero={zero!r}; use a ZeRO stage 0, 1, 2 or 3, or 'auto'.")
-    return [z]
-
-
 def resolve_limit(profile: Profile, memory_limit: int | str | None) -> tuple[int | None, str]:
     """The per-device limit in bytes (None: unlimited) and where it came from ("given", "device", "").
 
@@ -327,75 +306,107 @@ def resolve_limit(profile: Profile, memory_limit: int | str | None) -> tuple[int
     return parse_size(memory_limit), "given"
 
 
-def _partition_one(profile: Profile, model: CostModel, req: CutRequest, *, boundaries: Sequence[int] | None,
-                   stage_names: Sequence[Sequence[str]] | None, method: str) -> Plan:
-    """The plan for one ZeRO stage (the model's): see partition()."""
-    n = len(profile.layers)
-    limit, k, states = req.limit, req.stages * req.v, req.states
-    # the runtime's own fixed terms first (reserve; on a GPU context, workspaces, NCCL, the
-    # allocator's slack), then each of a rank's v chunks gets a share of the rest
-    chunk_limit = None if limit is None else model.budget(limit, req.stages) // req.v
-    if chunk_limit is not None and chunk_limit <= 0:
+def _partition_one(profile: Profile, model: CostModel, req: CutRequest, opts: PartitionOptions) -> Plan:
+    """The plan for one ZeRO stage (the model's): the optimum, or the cut given (or a baseline's) with
+    the optimum's figures beside it. The optimum is solved for the cut given too, so a plan says how far
+    from the best it is; where nothing fits, that is an error only when no cut was given."""
+    chunk_limit = _chunk_limit(model, req)
+    allowed = model.allowed(req.recompute)
+    chosen, method = _fixed_cut(profile, model, req, opts)
+    best: StepSolution | None = None
+    try:
+        best = _solve(model, req, chunk_limit, allowed, req.cuts)
+    except NoCutFits:
+        if chosen is None:
+            raise _no_cut_fits(profile, model, req, chunk_limit) from None
+    if chosen is None:
+        assert best is not None
+        plan = _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
+        if req.cuts is not None:  # what the restriction costs: the best cut the engine cannot make
+            free = _solve(model, req, chunk_limit, allowed, None)
+            plan = replace(plan, unrestricted_step_time=free.step, unrestricted_boundaries=free.boundaries)
+        return plan
+    plan = _plan_of_cut(model, req, chosen, method, chunk_limit, allowed)
+    if best is not None:
+        opt = _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
+        plan = replace(plan, optimum_bottleneck_time=opt.bottleneck_time, optimum_step_time=opt.step_time,
+                       step_lower_bound=best.lower_bound)  # fmt: skip
+    return plan
+
+
+def _chunk_limit(model: CostModel, req: CutRequest) -> int | None:
+    """Bytes each chunk may hold (None: unlimited): the runtime's own fixed terms first (reserve; on a
+    GPU context, workspaces, NCCL, the allocator's slack), then each of a rank's v chunks a share of the rest."""
+    limit = req.limit
+    if limit is None:
+        return None
+    chunk_limit = model.budget(limit, req.stages) // req.v
+    if chunk_limit <= 0:
         fixed = limit - model.budget(limit, req.stages)
         raise InfeasibleMemoryError(
             f"a memory limit of {format_bytes(limit)} per device leaves nothing for the model: the runtime itself "
             f"holds {format_bytes(fixed)} per rank on this device (the profile's reserve, and on a GPU its context, "
             "workspaces and NCCL buffers). Raise the limit."
         )
-    allowed = model.allowed(req.recompute)
+    return chunk_limit
 
+
+def _fixed_cut(profile: Profile, model: CostModel, req: CutRequest,
+               opts: PartitionOptions) -> tuple[tuple[int, ...] | None, str]:  # fmt: skip
+    """The cut the options fix and the method to record: the user's (``manual``), a baseline's, or
+    (None, "autopipe") for the search. A fixed cut must keep to the cuts the target allows."""
     chosen: tuple[int, ...] | None = None
-    if boundaries is not None or stage_names is not None:
-        chosen = check_bounds(boundaries, n, k) if boundaries is not None else names_to_bounds(stage_names, model.names, k)
+    method = opts.method
+    n, k = len(profile.layers), req.stages * req.v
+    if opts.boundaries is not None or opts.stage_names is not None:
+        chosen = (check_bounds(opts.boundaries, n, k) if opts.boundaries is not None
+                  else names_to_bounds(opts.stage_names, model.names, k))  # type: ignore[arg-type]  # fmt: skip
         method = "manual"
     elif method != "autopipe":
         chosen = baseline(method, k, times=profile.times, params=model.params, names=model.names)
-
     if chosen is not None and req.cuts is not None:
         check_cut_allowed(chosen, req.cuts, model.names, req.target, method)
-    best: StepSolution | None = None
+    return chosen, method
 
-    def solve(cuts: tuple[int, ...] | None) -> StepSolution:
-        return solve_step(model.costs, req.schedule, ranks=req.stages, virtual=req.v, microbatches=req.m, states=states,
-                          limit=chunk_limit, modes=allowed, weight_share=req.weight_share, cuts=cuts)  # fmt: skip
 
-    try:
-        best = solve(req.cuts)
-    except NoCutFits:
-        if chosen is None:
-            what = (f"the {profile.device.name}'s {format_bytes(limit)} (its memory, the default limit)"
-                    if req.limit_source == "device" else f"{format_bytes(limit)} per device")  # fmt: skip
-            if req.cuts is not None:
-                raise explain_restricted(explain_infeasible(model, req, chunk_limit, what), req.target) from None
-            raise explain_infeasible(model, req, chunk_limit, what) from None
-    if chosen is None:
-        assert best is not None
-        plan = _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
-        if req.cuts is not None:  # what the restriction costs: the best cut the engine cannot make
-            free = solve(None)
-            plan = replace(plan, unrestricted_step_time=free.step, unrestricted_boundaries=free.boundaries)
-        return plan
+def _solve(model: CostModel, req: CutRequest, chunk_limit: int | None, allowed: Sequence[int],
+           cuts: tuple[int, ...] | None) -> StepSolution:  # fmt: skip
+    """The step solver on this request's shape (step_solver.solve_step), over ``cuts`` (None: any)."""
+    return solve_step(model.costs, req.schedule, ranks=req.stages, virtual=req.v, microbatches=req.m, states=req.states,
+                      limit=chunk_limit, modes=allowed, weight_share=req.weight_share, cuts=cuts)  # fmt: skip
+
+
+def _no_cut_fits(profile: Profile, model: CostModel, req: CutRequest, chunk_limit: int | None) -> InfeasibleMemoryError:
+    """Why no cut fits and what would (refusals.explain_infeasible), naming where the limit came from."""
+    limit = req.limit
+    assert limit is not None  # with no limit every cut fits
+    what = (f"the {profile.device.name}'s {format_bytes(limit)} (its memory, the default limit)"
+            if req.limit_source == "device" else f"{format_bytes(limit)} per device")  # fmt: skip
+    if req.cuts is not None:
+        return explain_restricted(explain_infeasible(model, req, chunk_limit, what), req.target)
+    return explain_infeasible(model, req, chunk_limit, what)
+
+
+def _plan_of_cut(model: CostModel, req: CutRequest, chosen: tuple[int, ...], method: str, chunk_limit: int | None,
+                 allowed: Sequence[int]) -> Plan:  # fmt: skip
+    """The plan of a fixed cut, each chunk in its fastest mode that fits. A manual chunk that fits in no
+    mode is refused (the user can move layers); a baseline's is kept in its fastest mode, over the
+    limit (the report marks it), because that is what the comparison shows."""
+    states = req.states
     units, waits = state_arrays(states)
-    modes = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), units[:, 0], chunk_limit, allowed,
-                                      waits[:, 0])  # fmt: skip
+    a, b = np.array(chosen[:-1]), np.array(chosen[1:])
+    modes = model.costs.fastest_modes(a, b, units[:, 0], chunk_limit, allowed, waits[:, 0])
     if method == "manual" and chunk_limit is not None and np.any(modes < 0):
         c = int(np.flatnonzero(modes < 0)[0])
-        a, b = chosen[c], chosen[c + 1]
-        need = min(chunk_need(model.costs, a, b, states[c], md) for md in allowed)
-        hint = recompute_hint(model, req.recompute, [(a, b, states[c])], chunk_limit)
+        lo, hi = chosen[c], chosen[c + 1]
+        need = min(chunk_need(model.costs, lo, hi, states[c], md) for md in allowed)
+        hint = recompute_hint(model, req.recompute, [(lo, hi, states[c])], chunk_limit)
         raise InfeasibleMemoryError(
-            f"your chunk {c} (layers {a}..{b - 1}) needs {format_bytes(need)}, more than the "
+            f"your chunk {c} (layers {lo}..{hi - 1}) needs {format_bytes(need)}, more than the "
             f"{format_bytes(chunk_limit)} it may use; move layers out of it, raise the memory limit{hint}."
         )
-    # A baseline that breaks the limit is still shown (marked over it), in its fastest allowed mode.
-    fastest = model.costs.fastest_modes(np.array(chosen[:-1]), np.array(chosen[1:]), units[:, 0], None, allowed,
-                                        waits[:, 0])  # fmt: skip
-    plan = _make_plan(model, req, chosen, method=method, modes=np.where(modes < 0, fastest, modes).tolist(), bound=None)
-    if best is not None:
-        opt = _make_plan(model, req, best.boundaries, method="autopipe", modes=best.modes, bound=best.lower_bound)
-        plan = replace(plan, optimum_bottleneck_time=opt.bottleneck_time, optimum_step_time=opt.step_time,
-                       step_lower_bound=best.lower_bound)  # fmt: skip
-    return plan
+    fastest = model.costs.fastest_modes(a, b, units[:, 0], None, allowed, waits[:, 0])
+    return _make_plan(model, req, chosen, method=method, modes=np.where(modes < 0, fastest, modes).tolist(), bound=None)
 
 
 def check_bounds(bounds: Sequence[int], n: int, k: int) -> tuple[int, ...]:
@@ -453,7 +464,7 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
                bound: float | None) -> Plan:
     """The Plan of cut ``bounds`` with chunk recompute ``modes``: each chunk's seconds and bytes, the ranks'
     memory and the simulated step."""
-    stages, v, m, schedule, states = req.stages, req.v, req.m, req.schedule, req.states
+    stages, v, m, schedule = req.stages, req.v, req.m, req.schedule
     c = model.costs
     a = np.asarray(bounds[:-1])
     b = np.asarray(bounds[1:])
@@ -463,25 +474,10 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
     comm = c.comm(a, b).tolist()
     times = c.time(a, b, md).tolist()
     extra = c.extra_of(a, b, md).tolist()
-    # each chunk in the state that is its peak for this cut and mode
-    units, waits = state_arrays(states)
-    per_state = c.memory(a, b, units[:, 0], md, waits[:, 0])  # (states, chunks)
-    peak_at = per_state.argmax(axis=0)
-    mems = [int(x) for x in per_state.max(axis=0)]
-    inflight = [int(units[p, 0, s]) for s, p in enumerate(peak_at)]
-    waiting = [int(waits[p, 0, s]) for s, p in enumerate(peak_at)]
+    mems, inflight, waiting = _chunk_peaks(model, req, a, b, md)
     pairs = list(zip(bounds, bounds[1:]))
     ranks = chunk_ranks(schedule, stages, v)
-    # The partitioner held each chunk at its own peak under the limit (their sum bounds the rank's).
-    # The plan predicts each rank at its heaviest joint state instead, where several chunks share a
-    # rank (interleaved, zbv): they do not peak together (schedules.rank_states). Until 2026-11-29
-    # the CPU's resident peak read at least the sum, but that was glibc's heap holes among sub-MiB
-    # activations; with them gone (devices.MMAP_THRESHOLD) the ranks held 0.84-0.92 of the sum.
-    names = [c.modes[int(x)] for x in md]
-    joint_in, joint_wait = charged_units(model.memory, bounds, schedule=schedule, stages=stages, virtual=v,
-                                         microbatches=m, inflight=inflight, waiting=waiting, recompute=names)  # fmt: skip
-    per_rank = rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=joint_in, microbatches=m,
-                           recompute=names, reserve=model.reserve, waiting=joint_wait, schedule=schedule)  # fmt: skip
+    per_rank = _rank_peaks(model, req, bounds, ranks, inflight, waiting, [c.modes[int(x)] for x in md])
     rank_mem = [r.total for r in per_rank]
     sim = simulate(schedule, forward=fwd, backward=bwd, comm=comm, ranks=stages, microbatches=m, weight_share=req.weight_share)
     # a CPU job's ranks beyond its cores share them: the step they run (the cut stays the dedicated optimum)
@@ -534,3 +530,32 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
         cores=cores,
         shared_step_time=shared,
     )
+
+
+def _chunk_peaks(model: CostModel, req: CutRequest, a: np.ndarray, b: np.ndarray,
+                 md: np.ndarray) -> tuple[list[int], list[int], list[int]]:  # fmt: skip
+    """Each chunk in the state that is its peak for this cut and mode: its bytes, the micro-batches it
+    then holds in flight, and those waiting for their weight pass (zbv)."""
+    units, waits = state_arrays(req.states)
+    per_state = model.costs.memory(a, b, units[:, 0], md, waits[:, 0])  # (states, chunks)
+    peak_at = per_state.argmax(axis=0)
+    mems = [int(x) for x in per_state.max(axis=0)]
+    inflight = [int(units[p, 0, s]) for s, p in enumerate(peak_at)]
+    waiting = [int(waits[p, 0, s]) for s, p in enumerate(peak_at)]
+    return mems, inflight, waiting
+
+
+def _rank_peaks(model: CostModel, req: CutRequest, bounds: Sequence[int], ranks: Sequence[int], inflight: list[int],
+                waiting: list[int], names: list[str]) -> list[RankMemory]:  # fmt: skip
+    """What each rank holds at its heaviest joint state (memory.rank_memory, term by term).
+
+    The partitioner held each chunk at its own peak under the limit (their sum bounds the rank's).
+    The plan predicts each rank at its heaviest joint state instead, where several chunks share a
+    rank (interleaved, zbv): they do not peak together (schedules.rank_states). Until 2026-11-29
+    the CPU's resident peak read at least the sum, but that was glibc's heap holes among sub-MiB
+    activations; with them gone (devices.MMAP_THRESHOLD) the ranks held 0.84-0.92 of the sum."""
+    stages, v, m, schedule = req.stages, req.v, req.m, req.schedule
+    joint_in, joint_wait = charged_units(model.memory, bounds, schedule=schedule, stages=stages, virtual=v,
+                                         microbatches=m, inflight=inflight, waiting=waiting, recompute=names)  # fmt: skip
+    return rank_memory(model.memory, bounds, stage_ranks=ranks, inflight=joint_in, microbatches=m,
+                       recompute=names, reserve=model.reserve, waiting=joint_wait, schedule=schedule)  # fmt: skip
