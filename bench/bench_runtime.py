@@ -55,12 +55,12 @@ def plans(folder: Path) -> dict:
 
 def run_plan(job: Path, name: str, plan) -> list[float]:
     from autopipe.job.script import write_train_script
+    from autopipe.job.settings import JobSettings
 
     run = job / name
     run.mkdir()
     plan.save(run / "plan.json")
-    write_train_script(run / "train.py", model=str(job / "gpt2-bench"), stages=2, microbatches=MICRO,
-                       schedule="1f1b", batch_size=ROWS, seq_len=SEQ)
+    write_train_script(run / "train.py", JobSettings(model=str(job / "gpt2-bench"), stages=2, microbatches=MICRO, schedule="1f1b", batch_size=ROWS, seq_len=SEQ))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(run / "train.py"),
            "--steps", str(STEPS), "--log-json", str(run / "log.json"), "--ckpt-dir", str(run / "ckpt")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

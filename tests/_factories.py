@@ -40,11 +40,11 @@ def tiny_gpt2_job(root: Path, *, layers: int, microbatches: int, rows: int, seq:
     from transformers import GPT2Config
 
     from autopipe.job.script import write_train_script
+    from autopipe.job.settings import JobSettings
 
     GPT2Config(
         architectures=["GPT2LMHeadModel"], n_layer=layers, n_embd=32, n_head=2, vocab_size=128, n_positions=seq,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
     ).save_pretrained(root / "tiny")
-    write_train_script(root / "train.py", model=str(root / "tiny"), stages=2, microbatches=microbatches,
-                       schedule="1f1b", batch_size=rows, seq_len=seq)  # fmt: skip
+    write_train_script(root / "train.py", JobSettings(model=str(root / "tiny"), stages=2, microbatches=microbatches, schedule="1f1b", batch_size=rows, seq_len=seq))  # fmt: skip
     return root / "tiny"

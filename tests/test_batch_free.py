@@ -369,6 +369,7 @@ def llama_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from transformers import LlamaConfig
 
     from autopipe.job.script import write_train_script
+    from autopipe.job.settings import JobSettings
 
     root = tmp_path_factory.mktemp("batch_free")
     LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -378,8 +379,7 @@ def llama_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     job = dict(model=str(root / "llama"), data=root / "tokens.bin", loss="auto", dropout=False, root=root)
     (root / "job").mkdir()
     for engine in ("torch", "deepspeed"):
-        write_train_script(root / "job" / f"train_{engine}.py", model=job["model"], stages=2, microbatches=MICRO,
-                           schedule="1f1b", batch_size=ROWS, seq_len=SEQ, engine=engine, data=str(job["data"]))
+        write_train_script(root / "job" / f"train_{engine}.py", JobSettings(model=job["model"], stages=2, microbatches=MICRO, schedule="1f1b", batch_size=ROWS, seq_len=SEQ, engine=engine, data=str(job["data"])))
     return job
 
 

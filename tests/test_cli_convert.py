@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 import autopipe.costs.profiler as profiler
 from autopipe.cli import app
+from autopipe.job.script import read_settings
 
 runner = CliRunner()
 
@@ -52,7 +53,7 @@ def test_convert_writes_the_job_folder(factory: str):
     plan = json.loads((job / "plan.json").read_text())
     # 2 stages of one chunk each, or two under the interleaved schedule or zbv (--schedule auto's choice)
     assert plan["kind"] == "autopipe.plan" and plan["stages"] == 2 and len(plan["boundaries"]) == 2 * plan["virtual_stages"] + 1
-    assert f"SCHEDULE = {plan['schedule']!r}" in (job / "train.py").read_text()
+    assert read_settings(job / "train.py")["schedule"] == plan["schedule"]
     assert plan["boundaries"][0] == 0 and plan["boundaries"][-1] == 6  # inp, 4 blocks, out
     profile = json.loads((job / "profile.json").read_text())
     assert profile["model"] == factory and len(profile["layers"]) == 6
@@ -276,9 +277,9 @@ def test_a_job_without_a_loss_is_refused_before_profiling(tmp_path: Path, monkey
     np.savez("good.npz", x=np.zeros((8, 16), np.float32), y=np.zeros(8, np.int64))
     result = _convert("logits.py:build", "--stages", "2", "--loss", "cross_entropy", "--data", "good.npz")
     assert result.exit_code == 0, result.output
-    script = Path("jobs/logits-build/train.py").read_text()
-    assert "LOSS = 'cross_entropy'" in script and f"DATA = {str(tmp_path / 'good.npz')!r}" in script
-    assert f"MODEL = {str(tmp_path / 'logits.py') + ':build'!r}" in script  # runs from any folder
+    script = read_settings("jobs/logits-build/train.py")
+    assert script["loss"] == "cross_entropy" and script["data"] == str(tmp_path / "good.npz")
+    assert script["model"] == str(tmp_path / "logits.py") + ":build"  # runs from any folder
 
 
 def test_deepspeed_job_gets_an_editable_ds_config_and_a_torchrun_launch(factory: str):

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from autopipe import Profile
 from autopipe.cli import app
 from autopipe.cluster.layouts import SearchResult
+from autopipe.job.script import read_settings
 from autopipe.planner.plan import Plan
 
 runner = CliRunner()
@@ -121,7 +122,7 @@ def test_convert_gpus_emits_the_best_layout(tmp_path, monkeypatch) -> None:
     launch = "torchrun --nproc-per-node 4 job/train.py"
     assert launch in result.output and launch in Path("job/README.md").read_text()
     assert SearchResult.load("job/plan.search.json").layouts[0].stages == stages
-    assert f"DP = {dp}" in Path("job/train.py").read_text()
+    assert read_settings("job/train.py")["dp"] == dp
     assert "Cluster search" in Path("job/report.html").read_text()
 
 

@@ -23,6 +23,7 @@ from _launch import Launcher
 
 from autopipe.graph.flattener import flatten
 from autopipe.job.script import write_train_script
+from autopipe.job.settings import JobSettings
 from autopipe.runtime import (
     JobData,
     ReferenceTrainer,
@@ -57,8 +58,7 @@ def _dropout_job(folder: Path) -> Path:
 
     GPT2Config(architectures=["GPT2LMHeadModel"], n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=SEQ,
                resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0).save_pretrained(folder / "m")
-    return write_train_script(folder / "train.py", model=str(folder / "m"), stages=2, microbatches=MICRO,
-                              schedule="1f1b", batch_size=ROWS, seq_len=SEQ)
+    return write_train_script(folder / "train.py", JobSettings(model=str(folder / "m"), stages=2, microbatches=MICRO, schedule="1f1b", batch_size=ROWS, seq_len=SEQ))
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +72,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     x = rng.standard_normal((40, 1, 8, 8)).astype(np.float32)
     np.savez(root / "images.npz", x=x, y=rng.integers(0, 10, 40))
     (root / "cnn").mkdir()
-    write_train_script(root / "cnn" / "train.py", model=f"{root / 'cnn.py'}:build", stages=2, microbatches=MICRO,
-                       schedule="1f1b", batch_size=ROWS, loss="cross_entropy")
+    write_train_script(root / "cnn" / "train.py", JobSettings(model=f"{root / 'cnn.py'}:build", stages=2, microbatches=MICRO, schedule="1f1b", batch_size=ROWS, loss="cross_entropy"))
     return root
 
 

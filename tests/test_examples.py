@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from autopipe.cli import app
+from autopipe.job.script import read_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +57,7 @@ def test_my_model_factory_converts(tmp_path: Path):
     plan = json.loads((tmp_path / "job/plan.json").read_text())
     assert plan["num_layers"] == 8 and plan["stages"] == 2
     assert len(plan["boundaries"]) == 2 * plan["virtual_stages"] + 1 and plan["schedule_policy"] == "auto"
-    assert f"SCHEDULE = {plan['schedule']!r}" in (tmp_path / "job/train.py").read_text()
+    assert read_settings(tmp_path / "job/train.py")["schedule"] == plan["schedule"]
     assert f"schedule {plan['schedule']}: predicted whole step" in result.output
     assert f"torchrun --nproc-per-node 2 {tmp_path / 'job'}/train.py" in result.output
 

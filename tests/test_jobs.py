@@ -23,6 +23,7 @@ from _launch import Launcher
 
 from autopipe.graph.flattener import flatten
 from autopipe.job.script import write_train_script
+from autopipe.job.settings import JobSettings
 from autopipe.runtime import (
     JobData,
     TrainConfig,
@@ -125,9 +126,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for name, job in out.items():
         (root / name / "job").mkdir(parents=True, exist_ok=True)
         for engine in ("torch", "deepspeed"):
-            write_train_script(root / name / "job" / f"train_{engine}.py", model=job["model"], stages=2, microbatches=MICRO,
-                               schedule="1f1b", batch_size=ROWS, seq_len=SEQ, engine=engine, loss=job["loss"],
-                               data=str(job["data"]))
+            write_train_script(root / name / "job" / f"train_{engine}.py", JobSettings(model=job["model"], stages=2, microbatches=MICRO, schedule="1f1b", batch_size=ROWS, seq_len=SEQ, engine=engine, loss=job["loss"], data=str(job["data"])))
         job["root"] = root / name
     return out
 
@@ -272,8 +271,9 @@ def test_deepspeed_resumes_and_exports_through_its_own_checkpoints(torchrun: Lau
                 num_key_value_heads=2, intermediate_size=48, vocab_size=128, max_position_embeddings=SEQ).save_pretrained(tmp_path / "llama")
     job = tmp_path / "job"
     job.mkdir()
-    write_train_script(job / "train.py", model=str(tmp_path / "llama"), stages=2, microbatches=MICRO, schedule="1f1b",
-                       batch_size=ROWS, seq_len=SEQ, engine="deepspeed")
+    write_train_script(job / "train.py", JobSettings(model=str(tmp_path / "llama"), stages=2, microbatches=MICRO,
+                                                     schedule="1f1b", batch_size=ROWS, seq_len=SEQ, engine="deepspeed"),
+                       zero=1)
     cfg = ds_config(TrainConfig(microbatches=MICRO), rows=ROWS, dp=1)
     cfg["zero_optimization"] = {"stage": 1}
     (job / "ds_config.json").write_text(json.dumps(cfg))  # the job's own: read without --deepspeed_config

@@ -9,7 +9,6 @@ momentum, Adafactor's factors) continues exactly.
 
 from __future__ import annotations
 
-import ast
 import json
 import shutil
 from pathlib import Path
@@ -21,6 +20,7 @@ from _launch import Launcher
 
 from autopipe.costs.layer_costs import Profile
 from autopipe.errors import AutopipeError
+from autopipe.job.script import read_settings
 from autopipe.planner.memory import layer_memory
 from autopipe.planner.partitioner import partition
 from autopipe.runtime import JobData, TrainConfig, build_reference, model_factory
@@ -95,12 +95,10 @@ def test_convert_writes_the_optimizer_into_the_job_and_the_plan_counts_its_state
     result = convert(str(tiny), stages=2, estimate=True, seq_len=SEQ, batch_size=ROWS, reserve=0, progress=False,
                      out=tmp_path / "job", optimizer="sgd", lr=0.05, momentum=0.8, weight_decay=0.0, warmup_steps=3,
                      lr_schedule="linear", grad_clip=0.5, memory_limit="none")
-    values = {t.id: ast.literal_eval(n.value) for n in ast.parse((tmp_path / "job" / "train.py").read_text()).body
-              if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()
-              and isinstance(n.value, (ast.Constant, ast.Tuple))}
-    assert {k: values[k] for k in ("OPTIMIZER", "LR", "MOMENTUM", "WEIGHT_DECAY", "WARMUP", "LR_SCHEDULE", "GRAD_CLIP")} \
-        == {"OPTIMIZER": "sgd", "LR": 0.05, "MOMENTUM": 0.8, "WEIGHT_DECAY": 0.0, "WARMUP": 3, "LR_SCHEDULE": "linear",
-            "GRAD_CLIP": 0.5}
+    values = read_settings(tmp_path / "job" / "train.py")
+    assert {k: values[k] for k in ("optimizer", "lr", "momentum", "weight_decay", "warmup", "lr_schedule", "grad_clip")} \
+        == {"optimizer": "sgd", "lr": 0.05, "momentum": 0.8, "weight_decay": 0.0, "warmup": 3, "lr_schedule": "linear",
+            "grad_clip": 0.5}
     assert result.plan.optimizer == "sgd-momentum"
     prof = Profile.from_costs([1.0] * 4, param_bytes=[1000, 2000, 3000, 4000])
     state = {o: sum(layer_memory(prof, o).optimizer) for o in ("adamw", "sgd-momentum", "sgd", "adafactor")}

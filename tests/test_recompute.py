@@ -299,12 +299,12 @@ def test_train_script_recompute_flag_trains_like_the_unpipelined_model(torchrun:
     of step 1 against the untouched model, which rank 1, holding neither end of the V, runs on the
     batch ranks 0 read), the log names the mode, losses equal plain training."""
     from autopipe.job.script import write_train_script
+    from autopipe.job.settings import JobSettings
     from autopipe.runtime import TokenData, TrainConfig, build_reference, model_factory
     from autopipe.runtime.checks.reference import ReferenceTrainer
 
     folder = _tiny_gpt2_folder(tmp_path, dropout=0.0)  # --verify compares with a reference: no dropout
-    write_train_script(tmp_path / "train.py", model=str(folder), stages=2, microbatches=MICRO, schedule="zbv",
-                       batch_size=PP_ROWS, seq_len=PP_SEQ)
+    write_train_script(tmp_path / "train.py", JobSettings(model=str(folder), stages=2, microbatches=MICRO, schedule="zbv", batch_size=PP_ROWS, seq_len=PP_SEQ))
     source = model_factory(str(folder), batch_size=PP_ROWS, seq_len=PP_SEQ)
     num_layers = len(build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1).seq.layers)
     (tmp_path / "plan.json").write_text(json.dumps({"boundaries": even_boundaries(num_layers, 4)}))  # a V: 2 chunks per rank

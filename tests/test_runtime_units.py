@@ -16,7 +16,8 @@ from torch import nn
 
 import autopipe
 from autopipe.errors import AutopipeError, PartitionError
-from autopipe.job.script import write_train_script
+from autopipe.job.script import read_settings, write_train_script
+from autopipe.job.settings import JobSettings
 from autopipe.planner.plan import load_plan
 from autopipe.planner.stage_plan import StagePlan, even_boundaries, schedule_name
 from autopipe.runtime import build_reference, build_stage
@@ -277,18 +278,19 @@ def test_token_data_is_a_function_of_seed_and_step(tmp_path: Path) -> None:
 @pytest.mark.slow  # runs train.py --help in a process
 def test_write_train_script_fills_settings_and_refuses_bad_ones(tmp_path: Path) -> None:
     """The script compiles, carries the job's settings at the top, and bad settings fail early."""
-    path = write_train_script(tmp_path, model="gpt2", stages=4, microbatches=8, schedule="1f1b",
-                              batch_size=2, seq_len=64, dtype="bf16", seed=3)
+    path = write_train_script(tmp_path, JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b", batch_size=2, seq_len=64, dtype="bf16", seed=3))
     text = path.read_text()
     assert path.name == "train.py"
-    for line in ["MODEL = 'gpt2'", "SCHEDULE = '1f1b'", "MICROBATCHES = 8", "SEQ_LEN = 64", "DTYPE = 'bf16'", "SEED = 3"]:
-        assert line in text
+    settings = read_settings(path)
+    assert {k: settings[k] for k in ("model", "schedule", "microbatches", "seq_len", "dtype", "seed")} == \
+        {"model": "gpt2", "schedule": "1f1b", "microbatches": 8, "seq_len": 64, "dtype": "bf16", "seed": 3}
+    assert "    microbatches: int = 8  # per step" in text  # its line, with its help
     help_out = subprocess.run([sys.executable, str(path), "--help"], check=False, capture_output=True, text=True, timeout=120)
     assert help_out.returncode == 0 and "--resume" in help_out.stdout and "--verify" in help_out.stdout
     with pytest.raises(PartitionError):
-        write_train_script(tmp_path, model="gpt2", stages=2, microbatches=4, schedule="nope")
+        write_train_script(tmp_path, JobSettings(model="gpt2", stages=2, microbatches=4, schedule="nope"))
     with pytest.raises(AutopipeError, match="engine"):
-        write_train_script(tmp_path, model="gpt2", stages=2, microbatches=4, schedule="1f1b", engine="megatron")
+        write_train_script(tmp_path, JobSettings(model="gpt2", stages=2, microbatches=4, schedule="1f1b", engine="megatron"))
 
 
 def test_stages_load_their_own_keys_from_safetensors(tmp_path: Path) -> None:
@@ -513,3 +515,21 @@ def test_steady_heap_stops_a_loop_of_steps_page_faulting_and_profiler_and_ranks_
     assert _heap("profile")[1:] == (True, False)
     assert _heap("dist")[1:] == (True, False)
     assert _heap("exact")[1:] == (False, True)
+
+
+def test_a_ds_config_whose_zero_stage_disagrees_with_train_py_is_one_line(tmp_path: Path) -> None:
+    """train.py's zero (the plan's, or --zero) and a ds_config's zero_optimization.stage must agree:
+    a ZeRO-1 file under a ZeRO-0 train.py is one line naming both, not a silent override."""
+    import json
+    from types import SimpleNamespace
+
+    from autopipe.runtime.deepspeed_engine.settings import ds_config, load_ds_config
+    from autopipe.runtime.training.optim import TrainConfig
+
+    cfg = ds_config(TrainConfig(microbatches=2), rows=1, dp=2)
+    cfg["zero_optimization"] = {"stage": 1}
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    with pytest.raises(AutopipeError, match=r"runs ZeRO stage 1 but train.py's zero is 0; make them agree \(--zero 1"):
+        load_ds_config(str(tmp_path / "ds.json"), TrainConfig(microbatches=2), SimpleNamespace(batch_size=1, zero=0), 2)
+    agreed, _ = load_ds_config(str(tmp_path / "ds.json"), TrainConfig(microbatches=2), SimpleNamespace(batch_size=1, zero=1), 2)
+    assert agreed["zero_optimization"]["stage"] == 1

@@ -33,6 +33,7 @@ from _factories import tiny_gpt2_job
 from _launch import Launcher, free_port
 
 from autopipe.job.script import write_train_script
+from autopipe.job.settings import JobSettings
 from autopipe.planner.stage_plan import even_boundaries
 from autopipe.runtime import (
     TokenData,
@@ -225,15 +226,14 @@ def test_the_job_takes_dp_and_zero_from_the_plan(tmp_path: Path) -> None:
     from autopipe.errors import AutopipeError
 
     plan = SimpleNamespace(dp=2, zero=3)
-    text = write_train_script(tmp_path / "a.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", plan=plan).read_text()
-    assert "DP = 2 " in text and "ZERO = 3 " in text
-    text = write_train_script(tmp_path / "b.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", plan=plan,
-                              zero=1).read_text()
-    assert "ZERO = 1 " in text
-    text = write_train_script(tmp_path / "c.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b").read_text()
-    assert "DP = 1 " in text and "ZERO = 0 " in text
+    text = write_train_script(tmp_path / "a.py", JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b"), plan).read_text()
+    assert "    dp: int = 2  #" in text and "    zero: int = 3  #" in text
+    text = write_train_script(tmp_path / "b.py", JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b"), plan, zero=1).read_text()
+    assert "    zero: int = 1  #" in text
+    text = write_train_script(tmp_path / "c.py", JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b")).read_text()
+    assert "    dp: int = 1  #" in text and "    zero: int = 0  #" in text
     with pytest.raises(AutopipeError, match="--zero 4"):
-        write_train_script(tmp_path / "d.py", model="gpt2", stages=4, microbatches=8, schedule="1f1b", zero=4)
+        write_train_script(tmp_path / "d.py", JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b"), zero=4)
 
 
 _UNUSED = """

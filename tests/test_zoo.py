@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 
 from autopipe.graph.flattener import flatten
 from autopipe.graph.sources import load_model
-from autopipe.job.script import write_train_script
+from autopipe.job.script import read_settings, write_train_script
+from autopipe.job.settings import JobSettings
 from autopipe.runtime import JobData, make_loss, model_factory
 from autopipe.runtime.data.batches import split_batch
 from autopipe.runtime.data.losses import model_loss
@@ -87,14 +88,13 @@ def make_job(root: Path, name: str) -> tuple[Path, int]:
         result = convert(spec, stages=2, microbatches=MICRO, loss=loss, out=job, repeats=1, warmup=0, progress=False,
                          reserve="0")
         rows = result.settings.batch_size
-        assert rows == 8 and "BATCH_SIZE = 8" in (job / "train.py").read_text()
+        assert rows == 8 and read_settings(job / "train.py")["batch_size"] == 8
         assert "micro-batch args[0] 8×3×32×32." in (job / "README.md").read_text()
         assert json.loads((job / "profile.json").read_text())["microbatch"] == {"args[0]": [8, 3, 32, 32]}
     else:
         rows = zoo.B if name not in ("resnet",) else 4
         job.mkdir()
-        write_train_script(job, model=spec, stages=2, microbatches=MICRO, schedule="1f1b", batch_size=rows,
-                           seq_len=SEQ, loss=loss)
+        write_train_script(job, JobSettings(model=spec, stages=2, microbatches=MICRO, schedule="1f1b", batch_size=rows, seq_len=SEQ, loss=loss))
     save_weights(untouched(name, None if name == "alexnet" else rows), job / "weights.safetensors")
     return job, rows
 
@@ -156,8 +156,7 @@ def test_permuted_channels_last_activations_cross_a_cut_on_deepspeed(torchrun: L
     job = root / "convnext-deepspeed"
     job.mkdir()
     spec = f"{ZOO_FILE}:convnext"
-    write_train_script(job, model=spec, stages=2, microbatches=MICRO, schedule="1f1b", batch_size=zoo.B, seq_len=SEQ,
-                       engine="deepspeed")
+    write_train_script(job, JobSettings(model=spec, stages=2, microbatches=MICRO, schedule="1f1b", batch_size=zoo.B, seq_len=SEQ, engine="deepspeed"))
     save_weights(untouched("convnext", zoo.B), job / "weights.safetensors")
     loss, grads, _ = train(torchrun, job, 2)
     ref = reference("convnext", spec, zoo.B, "auto")
@@ -206,8 +205,7 @@ def test_an_unexpected_error_in_a_layer_is_one_line_naming_stage_layer_and_opera
     naming the stage, the layer, the operation and its source line, with the path of a file holding
     the rank's full traceback and the AUTOPIPE_DEBUG=1 hint; no traceback on the screen."""
     (tmp_path / "net.py").write_text(FAILS_IN_TRAINING)
-    write_train_script(tmp_path, model=f"{tmp_path / 'net.py'}:build", stages=2, microbatches=2, schedule="1f1b",
-                       batch_size=2)
+    write_train_script(tmp_path, JobSettings(model=f"{tmp_path / 'net.py'}:build", stages=2, microbatches=2, schedule="1f1b", batch_size=2))
     proc = torchrun(tmp_path / "train.py", "--steps", 1, "--plan", "even", "--ckpt-dir", tmp_path / "ckpt", nproc=2,
                     cwd=tmp_path, check=False)
     out = proc.stdout + proc.stderr

@@ -173,4 +173,4 @@ def _write_train_script(job_dir: Path, settings: JobSettings, plan: Plan) -> Pat
     """train.py, from the runtime's template (autopipe.job.script) with this job's settings."""
     from .script import write_train_script
 
-    return write_train_script(job_dir / "train.py", plan=plan, **settings.script_settings())
+    return write_train_script(job_dir / "train.py", settings, plan)

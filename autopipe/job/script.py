@@ -1,16 +1,18 @@
 """Write a job's train.py: a short nanoGPT-style script over autopipe.runtime.
 
 The script is ``templates/train.py``, a Python file that reads (and runs) as it is. Two parts of it
-are the job's: the settings block between the ``# ---- settings`` and ``# ---- end of settings``
-lines, where each ``NAME = value`` line gets ``NAME = repr(the job's value)`` (its comment kept),
-and the module docstring, whose launch lines get the job's process counts (``$stages``,
-``$stages_x2``) and model (``$model``). Everything else is copied verbatim: building the stage, the
-engines, checkpoints live in the runtime, so the script stays readable and a person can edit it
-(another data loader, another loss) without touching autopipe.
+are the job's: its ``Settings`` dataclass, where each field line ``name: type = value  # help``
+gets the job's value (``repr``; its type and comment kept), and the module docstring, whose launch
+lines get the job's process counts (``$stages``, ``$stages_x2``) and model (``$model``). Each
+setting is declared once, there: the flag of its name defaults to it (``rt.parse_flags``).
+Everything else is copied verbatim: building the stage, the engines, checkpoints live in the
+runtime, so the script stays readable and a person can edit it (another data loader, another loss)
+without touching autopipe.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from importlib import resources
@@ -18,15 +20,17 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from ..choices import ENGINES, PRECISIONS, precision
+from ..choices import ENGINES
 from ..errors import AutopipeError
 from ..files import write_text_atomic
+from ..planner.plan import Plan
+from ..planner.stage_plan import StagePlan
+from .settings import JobSettings
 
-__all__ = ["render_train_script", "template_text", "write_train_script"]
+__all__ = ["read_settings", "render_train_script", "template_text", "write_train_script"]
 
-_BEGIN = "# ---- settings"
-_END = "# ---- end of settings"
-_SETTING = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]*) = (?P<value>.*?)(?P<comment>  # .*)?$")
+_CLASS = "class Settings:"
+_FIELD = re.compile(r"^    (?P<name>[a-z][a-z0-9_]*): (?P<type>[^=]+?) = (?P<value>.*?)(?P<comment>  # .*)?$")
 
 
 def template_text() -> str:
@@ -34,110 +38,112 @@ def template_text() -> str:
     return resources.files(__package__).joinpath("templates", "train.py").read_text(encoding="utf-8")
 
 
-def render_train_script(settings: dict[str, Any], launch: dict[str, Any], template: str | None = None) -> str:
-    """The template with ``settings`` (NAME -> value) in its settings block and ``launch``
+def render_train_script(settings: dict[str, Any], launch: dict[str, Any], template: str | None = None, *,
+                        choices: dict[str, tuple[str, ...]] | None = None) -> str:
+    """The template with ``settings`` (field name -> value) in its ``Settings`` class and ``launch``
     (``model``, ``stages``, ``stages_x2``) in its docstring.
 
-    Every settings-block name given must be in the block and every value one of ``settings`` is
-    written as its ``repr``; a line the block has and ``settings`` lacks is kept as written (``PLAN``).
+    Every name given must be a field of the class and every value one of ``settings`` is written as
+    its ``repr``; a field ``settings`` lacks keeps its line as written (``plan``, ``ckpt_dir``).
+    ``choices`` (field name -> values) writes that field's type as ``Literal[...]`` of them: the
+    flag's choices come from autopipe's own tables, not from a copy in the template.
 
     Example:
-        >>> text = render_train_script({"MODEL": "gpt2", "SEED": 7}, {"model": "gpt2", "stages": 4, "stages_x2": 8})
-        >>> [line for line in text.splitlines() if line.startswith(("MODEL =", "SEED ="))]
-        ["MODEL = 'gpt2'  # built-in name, HF folder or module:function", 'SEED = 7']
+        >>> text = render_train_script({"model": "gpt2", "seed": 7}, {"model": "gpt2", "stages": 4, "stages_x2": 8})
+        >>> [line.strip() for line in text.splitlines() if line.startswith(("    model:", "    seed:"))]
+        ["model: str = 'gpt2'  # built-in name, HF folder or module:function", "seed: int = 7  # the initial weights' and the synthetic data's"]
         >>> text.splitlines()[3].split("#")[0].strip()
         'torchrun --nproc-per-node 4 train.py'
     """
     text = template_text() if template is None else template
-    head, begin, rest = text.partition(_BEGIN)
-    block, end, tail = rest.partition(_END)
-    if not begin or not end:
-        raise AutopipeError(f"the train.py template has no settings block ({_BEGIN!r} ... {_END!r}).")
-    lines = block.split("\n")
+    head, begin, rest = text.partition(_CLASS)
+    if not begin:
+        raise AutopipeError(f"the train.py template has no {_CLASS!r}.")
+    body, _, tail = rest.partition("\n\n\n")  # the class ends at the first two blank lines
+    lines = body.split("\n")
     seen: set[str] = set()
-    for i, line in enumerate(lines[1:], start=1):  # lines[0] is the rest of the marker line
-        m = _SETTING.match(line)
-        if m and m["name"] in settings:
+    choices = choices or {}
+    for i, line in enumerate(lines):
+        m = _FIELD.match(line)
+        if m and m["name"] in {*settings, *choices}:
             seen.add(m["name"])
-            lines[i] = f"{m['name']} = {settings[m['name']]!r}{m['comment'] or ''}"
-    missing = sorted(set(settings) - seen)
+            kind = f"Literal[{', '.join(map(repr, choices[m['name']]))}]" if m["name"] in choices else m["type"]
+            value = repr(settings[m["name"]]) if m["name"] in settings else m["value"]
+            lines[i] = f"    {m['name']}: {kind} = {value}{m['comment'] or ''}"
+    missing = sorted({*settings, *choices} - seen)
     if missing:
-        raise AutopipeError(f"the train.py template's settings block has no {', '.join(missing)}.")
+        raise AutopipeError(f"the train.py template's Settings has no {', '.join(missing)}.")
     doc_end = head.index('"""', 3) if head.startswith('"""') else 0
     docstring = Template(head[:doc_end]).substitute(launch)  # a placeholder left unfilled is a KeyError: a bug here
-    return docstring + head[doc_end:] + begin + "\n".join(lines) + end + tail
+    return docstring + head[doc_end:] + begin + "\n".join(lines) + "\n\n\n" + tail
 
 
-def write_train_script(
-    path: str | os.PathLike[str],
-    *,
-    model: str,
-    stages: int,
-    microbatches: int,
-    schedule: str,
-    plan: Any = None,
-    batch_size: int = 1,
-    seq_len: int = 128,
-    dtype: str = "fp32",
-    engine: str = "torch",
-    seed: int = 0,
-    loss: str = "auto",
-    data: str | None = None,
-    dp: int | None = None,
-    zero: int | None = None,
-    optimizer: str = "adamw",
-    lr: float = 3e-4,
-    weight_decay: float = 0.1,
-    betas: tuple[float, float] = (0.9, 0.95),
-    momentum: float = 0.9,
-    warmup: int = 0,
-    lr_schedule: str = "cosine",
-    grad_clip: float = 1.0,
-    eval_data: str | None = None,
-    **unknown: Any,
-) -> Path:
-    """Write train.py at ``path`` (a file, or a folder to put train.py in).
+def write_train_script(path: str | os.PathLike[str], job: JobSettings, plan: Plan | StagePlan | None = None, *,
+                       dp: int | None = None, zero: int | None = None) -> Path:
+    """Write train.py for ``job`` at ``path`` (a file, or a folder to put train.py in).
 
-    ``plan`` is not embedded: the script reads plan.json beside it; its ``dp`` and ``zero`` (when it
-    has them) become the script's defaults unless ``dp`` / ``zero`` are given. A setting this function
-    does not know is refused (naming the one it was probably meant to be), not dropped.
+    ``plan`` is not embedded: the script reads plan.json beside it; its ``dp`` and ``zero`` become
+    the script's defaults unless ``dp`` / ``zero`` are given. The settings are checked now (an
+    unknown schedule, engine or optimizer setting is refused here, not at launch).
 
     Example:
         >>> import tempfile
-        >>> path = write_train_script(tempfile.mkdtemp(), model="gpt2", stages=4, microbatches=8, schedule="1f1b")
-        >>> path.name, "MICROBATCHES = 8" in path.read_text()
+        >>> job = JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b")
+        >>> path = write_train_script(tempfile.mkdtemp(), job)
+        >>> path.name, "    microbatches: int = 8  # per step; the gradients are their mean" in path.read_text()
         ('train.py', True)
     """
+    from ..choices import PRECISIONS, precision
     from ..planner.stage_plan import schedule_name
-    from ..runtime.training.optim import LR_SCHEDULES, OPTIMIZERS, TrainConfig
-    from ..runtime.training.optim import check_zero
-    from .settings import refuse_unknown
+    from ..runtime.training.optim import LR_SCHEDULES, OPTIMIZERS, TrainConfig, check_zero
 
-    known = ("model", "stages", "microbatches", "schedule", "plan", "batch_size", "seq_len", "dtype", "engine",
-             "seed", "loss", "data", "dp", "zero", "optimizer", "lr", "weight_decay", "betas", "momentum", "warmup",
-             "lr_schedule", "grad_clip", "eval_data")  # fmt: skip
-    refuse_unknown("train.py setting", unknown, known)
     # the optimizer's settings are checked now (a bad --lr in convert is refused before any work)
-    TrainConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay, betas=tuple(betas), momentum=momentum,
-                warmup=warmup, lr_schedule=lr_schedule, grad_clip=grad_clip)
+    TrainConfig(optimizer=job.optimizer, lr=job.lr, weight_decay=job.weight_decay, betas=tuple(job.betas),
+                momentum=job.momentum, warmup=job.warmup, lr_schedule=job.lr_schedule, grad_clip=job.grad_clip)
     target = Path(path)
     if target.is_dir():
         target = target / "train.py"
-    if engine not in ENGINES:
-        raise AutopipeError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}.")
-    schedule_name(schedule)  # refuse an unknown schedule now, not at launch
-    dp = int(dp if dp is not None else (getattr(plan, "dp", None) or 1))
-    zero = check_zero(zero if zero is not None else (getattr(plan, "zero", None) or 0))
+    if job.engine not in ENGINES:
+        raise AutopipeError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {job.engine!r}.")
+    schedule_name(job.schedule)  # refuse an unknown schedule now, not at launch
     settings = {
-        "MODEL": model, "SCHEDULE": schedule, "MICROBATCHES": microbatches, "BATCH_SIZE": batch_size,
-        "SEQ_LEN": seq_len, "DTYPE": precision(dtype), "DTYPES": tuple(PRECISIONS), "ENGINE": engine,
-        "ENGINES": tuple(ENGINES), "LOSS": loss, "DATA": data, "SEED": seed, "DP": dp, "ZERO": zero,
-        "OPTIMIZER": str(optimizer).lower(), "OPTIMIZERS": tuple(OPTIMIZERS), "LR": float(lr),
-        "WEIGHT_DECAY": float(weight_decay), "BETAS": tuple(float(b) for b in betas), "MOMENTUM": float(momentum),
-        "WARMUP": int(warmup), "LR_SCHEDULE": lr_schedule, "LR_SCHEDULES": tuple(LR_SCHEDULES),
-        "GRAD_CLIP": float(grad_clip), "EVAL_DATA": eval_data,
+        "model": job.model, "schedule": job.schedule, "microbatches": job.microbatches, "batch_size": job.batch_size,
+        "seq_len": job.seq_len, "dtype": precision(job.dtype), "engine": job.engine, "loss": job.loss,
+        "data": job.data, "seed": job.seed, "dp": int(dp if dp is not None else plan.dp if plan is not None else 1),
+        "zero": check_zero(zero if zero is not None else plan.zero if plan is not None else 0),
+        "optimizer": str(job.optimizer).lower(), "lr": float(job.lr), "weight_decay": float(job.weight_decay),
+        "betas": tuple(float(b) for b in job.betas), "momentum": float(job.momentum), "warmup": int(job.warmup),
+        "lr_schedule": job.lr_schedule, "grad_clip": float(job.grad_clip), "eval_data": job.eval_data,
     }  # fmt: skip
-    text = render_train_script(settings, {"model": model, "stages": stages, "stages_x2": 2 * stages})
+    tables = {"dtype": tuple(PRECISIONS), "engine": tuple(ENGINES), "optimizer": tuple(OPTIMIZERS),
+              "lr_schedule": tuple(LR_SCHEDULES)}
+    text = render_train_script(settings, {"model": job.model, "stages": job.stages, "stages_x2": 2 * job.stages},
+                               choices=tables)
     compile(text, str(target), "exec")  # a template bug must fail here, not on the cluster
     write_text_atomic(target, text)
     return target
+
+
+def read_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The values a train.py's ``Settings`` class declares (those written as literals: not ``plan``
+    or ``ckpt_dir``, which are paths beside the script), read from its text, nothing run.
+
+    Example:
+        >>> import tempfile
+        >>> job = JobSettings(model="gpt2", stages=2, microbatches=4, schedule="zbv")
+        >>> settings = read_settings(write_train_script(tempfile.mkdtemp(), job))
+        >>> settings["schedule"], settings["microbatches"], settings["dp"]
+        ('zbv', 4, 1)
+    """
+    tree = ast.parse(Path(path).read_text())
+    body = next((node.body for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Settings"), None)
+    if body is None:
+        raise AutopipeError(f"{path} has no Settings class; it is not a train.py autopipe wrote (or one from before it).")
+    out: dict[str, Any] = {}
+    for node in body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            try:
+                out[node.target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -238,6 +238,8 @@ class JobSettings:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def script_settings(self) -> Mapping[str, Any]:
-        """The settings train.py is written with: all but ``device`` (where the job was profiled)."""
-        return {k: v for k, v in self.to_dict().items() if k != "device"}
+    @classmethod
+    def from_options(cls, **options: Any) -> JobSettings:
+        """The record from keyword options, a misspelled one refused with the name it was meant to be."""
+        refuse_unknown("train.py setting", options, (f.name for f in fields(cls)))
+        return cls(**options)

@@ -1,190 +1,178 @@
-"""Pipeline-parallel training of $model, written by autopipe.
+"""Pipeline-parallel training of $model, written by `autopipe convert`.
 
-    autopipe run train.py                                    # one process per stage: one line on failure, logs kept
-    torchrun --nproc-per-node $stages train.py                     # the same under torchrun, its own output too
-    torchrun --nproc-per-node $stages_x2 train.py --dp 2              # x 2 data-parallel replicas
-    torchrun --nproc-per-node $stages_x2 train.py --dp 2 --zero 3     # ... with parameters, gradients, optimizer state sharded
-    torchrun --nproc-per-node $stages train.py --engine deepspeed  # DeepSpeed's PipelineModule instead
-    python train.py                                          # every stage in one process (debugging)
+    autopipe run . --steps 8          # $stages process(es), one per stage; one line on failure
+    torchrun --nproc-per-node $stages train.py                  # the same under torchrun
+    torchrun --nproc-per-node $stages_x2 train.py --dp 2 --zero 3   # x 2 replicas, sharded
+    torchrun --nproc-per-node $stages train.py --engine deepspeed  # DeepSpeed's PipelineModule
+    python train.py                   # every stage in one process (debugging)
 
-Each rank builds the model on the meta device, keeps only its own stage and gives just that stage
-real weights. `python train.py --help` lists the flags.
+Every setting below is also a flag of its name (`--batch-size 4`, `--verify`); `python train.py
+--help` lists them. Each rank builds the model on the meta device and gives real weights only to
+its own stage; the machinery is autopipe.runtime's, the loop is yours to edit.
 """
 
-import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, Optional
 
 import autopipe.runtime as rt
 
-# ---- settings (from `autopipe convert`; the flags below override them) --------------------------
-MODEL = 'gpt2'  # built-in name, HF folder or module:function
-PLAN = Path(__file__).with_name("plan.json")  # where to cut
-SCHEDULE = '1f1b'
-MICROBATCHES = 8
-BATCH_SIZE = 1  # rows per micro-batch
-SEQ_LEN = 128
-DTYPE = 'fp32'  # training precision, one of DTYPES: autocast over fp32 weights and AdamW state
-DTYPES = ('fp32', 'bf16', 'fp16')
-ENGINE = 'torch'  # one of ENGINES: torch.distributed.pipelining, or DeepSpeed's PipelineModule
-ENGINES = ('torch', 'deepspeed')
-LOSS = 'auto'  # auto | model (the model's own; model:PLACE picks one of its scalars) | cross_entropy | mse
-DATA = None  # token file, text, .npz/.pt with x and y, datasets files; None: synthetic
-SEED = 0
-DP = 1  # data-parallel replicas of each stage (the plan's)
-ZERO = 0  # ZeRO stage across them (the plan's): 0 replicate, 1 shard AdamW state, 2 + gradients, 3 + parameters
-OPTIMIZER = 'adamw'  # one of OPTIMIZERS: torch's AdamW, SGD (momentum) or Adafactor (factored state)
-OPTIMIZERS = ('adamw', 'sgd', 'adafactor')
-LR = 0.0003
-WEIGHT_DECAY = 0.1  # on matrices only
-BETAS = (0.9, 0.95)  # AdamW's
-MOMENTUM = 0.9  # SGD's
-WARMUP = 0  # steps of linear warmup
-LR_SCHEDULE = 'cosine'  # one of LR_SCHEDULES, after the warmup: to LR x 0.1 at the last step, or constant
-LR_SCHEDULES = ('cosine', 'linear', 'constant')
-GRAD_CLIP = 1.0  # global gradient-norm clip (0: off)
-EVAL_DATA = None  # held-out data, read like DATA; None: no evaluation
-# ---- end of settings -----------------------------------------------------------------------------
+HERE = Path(__file__).resolve().parent
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--steps", type=int, default=100)
-parser.add_argument("--seed", type=int, default=SEED)
-parser.add_argument("--optimizer", default=OPTIMIZER, choices=OPTIMIZERS)
-parser.add_argument("--lr", type=float, default=LR, help="peak learning rate")
-parser.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY, help="on matrices only")
-parser.add_argument("--betas", type=rt.float_pair, default=BETAS, help="AdamW's, like 0.9,0.95")
-parser.add_argument("--momentum", type=float, default=MOMENTUM, help="SGD's")
-parser.add_argument("--warmup", type=int, default=WARMUP, help="steps of linear warmup")
-parser.add_argument("--lr-schedule", default=LR_SCHEDULE, choices=LR_SCHEDULES,
-                    help="after the warmup: cosine or linear down to a tenth of --lr at the last step, or constant")
-parser.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="global gradient-norm clip (0: off)")
-parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
-parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="rows per micro-batch")
-parser.add_argument("--schedule", default=SCHEDULE, help="gpipe | 1f1b | interleaved1f1b | zbv | interleavedzb")
-parser.add_argument("--dtype", default=DTYPE, choices=DTYPES)
-parser.add_argument("--recompute", default="plan", choices=["plan", "none", "selective", "full"],
-                    help="activation recompute per chunk: the plan's choice, or one mode for every chunk")
-parser.add_argument("--dp", type=int, default=DP, help="data-parallel replicas (world size = dp x stages)")
-parser.add_argument("--zero", default=None, help="ZeRO stage over the replicas: 0 replicate, 1 shard optimizer state, "
-                    "2 and gradients, 3 and parameters (default: the plan's; on deepspeed: ds_config's, 0 or 1)")
-parser.add_argument("--plan", default=str(PLAN), help="plan.json; 'even' cuts the layers evenly")
-parser.add_argument("--loss", default=LOSS, help="auto | model (the model's own; model:PLACE picks one of "
-                    "several scalars it returns) | cross_entropy | mse (its output against the data's targets)")
-parser.add_argument("--data", default=DATA, help="token file (.bin/.npy/.pt), text, .npz/.pt with x and y, or "
-                    ".parquet/.jsonl/.arrow; default: synthetic")
-parser.add_argument("--eval-data", default=EVAL_DATA, help="held-out data (as --data) to evaluate on: loss, and "
-                    "perplexity or accuracy")
-parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
-parser.add_argument("--eval-steps", type=int, default=None, help="batches per evaluation (default: all of --eval-data)")
-parser.add_argument("--weights", default=None, help="safetensors file or HF folder to start from")
-parser.add_argument("--ckpt-dir", default=str(Path(__file__).with_name("checkpoints")),
-                    help="one run's checkpoints (a folder holding another run's is refused unless --resume)")
-parser.add_argument("--ckpt-every", type=int, default=0, help="save every N steps and at the last (0: no checkpoints)")
-parser.add_argument("--ckpt-keep", type=int, default=2, help="keep this run's newest N checkpoints (0: all)")
-parser.add_argument("--resume", nargs="?", const="must", default=None, choices=["must", "auto"],
-                    help="continue from the newest checkpoint in --ckpt-dir ('--resume auto': start afresh if there is none)")
-parser.add_argument("--export", default=None, help="write the final weights to this folder (model.safetensors)")
-parser.add_argument("--log-json", default=None, help="append one JSON line per step to this file")
-parser.add_argument("--tensorboard", nargs="?", const=str(Path(__file__).with_name("tensorboard")), default=None,
-                    help="write TensorBoard event files (to DIR; default: tensorboard/ beside train.py)")
-parser.add_argument("--wandb", default=None, metavar="PROJECT", help="log to Weights & Biases (pip install wandb)")
-parser.add_argument("--log-every", type=int, default=None,
-                    help="keep a line every N steps (default: 10 on a terminal, which shows a live line, else 1)")
-parser.add_argument("--verify", action="store_true", help="first compare one pipelined step with your model run untouched (outputs, loss, gradients)")
-parser.add_argument("--engine", default=ENGINE, choices=ENGINES)
-parser.add_argument("--deepspeed_config", default=None, help="--engine deepspeed: a ds_config.json (default: the job's)")
-parser.add_argument("--check", action="store_true",
-                    help="debug: refuse tensors off this rank's device at collectives and stages, and host syncs in the step (slow)")
-parser.add_argument("--exact-memory", action="store_true",
-                    help="CPU: keep freed memory so each step's peak counts the tensors, as the plan does (slower)")
-parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-args = rt.parse_flags(parser)  # a bad flag is one line from rank 0 (did you mean ...?); Ctrl-C says how to resume
-rt.check_ckpt_dir(args.ckpt_dir, resume=args.resume, saving=args.ckpt_every > 0)  # never into another run's folder
 
-# ---- model: a factory every rank calls on the meta device, and one micro-batch of example inputs --
-source = rt.model_factory(MODEL, batch_size=args.batch_size, seq_len=SEQ_LEN, seed=args.seed, loss=args.loss)
-weights = args.weights or source.weights
+@dataclass
+class Settings:
+    # ---- the model and its plan (from `autopipe convert`) -----------------------------------
+    model: str = 'gpt2'  # built-in name, HF folder or module:function
+    plan: str = str(HERE / "plan.json")  # where to cut; 'even' cuts the layers evenly
+    schedule: str = '1f1b'  # gpipe | 1f1b | interleaved1f1b | zbv | interleavedzb
+    microbatches: int = 8  # per step; the gradients are their mean
+    batch_size: int = 1  # rows per micro-batch
+    seq_len: int = 128
+    dtype: Literal['fp32', 'bf16', 'fp16'] = 'fp32'  # autocast over fp32 weights and state
+    recompute: Literal['plan', 'none', 'selective', 'full'] = 'plan'  # activation recompute per
+    # chunk: the plan's choice, or one mode for every chunk
+    engine: Literal['torch', 'deepspeed'] = 'torch'  # torch.distributed.pipelining, or DeepSpeed's
+    deepspeed_config: Optional[str] = None  # its ds_config.json (default: the job's)
+    dp: int = 1  # data-parallel replicas of each stage (world size = dp x stages)
+    zero: int = 0  # ZeRO stage over the replicas: 0 replicate, 1 shard optimizer state, 2 and
+    # gradients, 3 and parameters (on deepspeed 0 or 1)
+    # ---- what it trains on ------------------------------------------------------------------
+    loss: str = 'auto'  # auto | model (model:PLACE picks one of its scalars) | cross_entropy | mse
+    data: Optional[str] = None  # token file, text, .npz/.pt with x and y, or datasets files;
+    # None: synthetic
+    eval_data: Optional[str] = None  # held-out data, read like data: loss, perplexity or accuracy
+    eval_every: int = 0  # evaluate every N steps (0: at the end only)
+    eval_steps: Optional[int] = None  # batches per evaluation (default: all of eval_data)
+    seed: int = 0  # the initial weights' and the synthetic data's
+    # ---- how it is optimised ----------------------------------------------------------------
+    steps: int = 100
+    optimizer: Literal['adamw', 'sgd', 'adafactor'] = 'adamw'  # torch's AdamW, SGD or Adafactor
+    lr: float = 0.0003  # peak learning rate
+    weight_decay: float = 0.1  # on matrices only
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's, like 0.9,0.95
+    momentum: float = 0.9  # SGD's
+    warmup: int = 0  # steps of linear warmup
+    lr_schedule: Literal['cosine', 'linear', 'constant'] = 'cosine'  # after the warmup: to lr x 0.1
+    # at the last step, or constant
+    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
+    # ---- weights, checkpoints and logs ------------------------------------------------------
+    weights: Optional[str] = None  # safetensors file or HF folder to start from
+    ckpt_dir: str = str(HERE / "checkpoints")  # one run's checkpoints (another run's is refused)
+    ckpt_every: int = 0  # save every N steps and at the last (0: no checkpoints)
+    ckpt_keep: int = 2  # keep this run's newest N checkpoints (0: all)
+    resume: Optional[Literal['must', 'auto']] = rt.flag(None, bare='must')  # continue from the
+    # newest checkpoint in ckpt_dir ('--resume auto': start afresh if there is none)
+    export: Optional[str] = None  # write the final weights to this folder (model.safetensors)
+    log_json: Optional[str] = None  # append one JSON line per step to this file
+    tensorboard: Optional[str] = rt.flag(None, bare=str(HERE / "tensorboard"))  # TensorBoard event
+    # files to this folder (--tensorboard alone: tensorboard/ beside train.py)
+    wandb: Optional[str] = None  # log to this Weights & Biases project (pip install wandb)
+    log_every: Optional[int] = None  # keep a line every N steps (default: 10 on a terminal, else 1)
+    # ---- checks -----------------------------------------------------------------------------
+    verify: bool = False  # first compare one pipelined step with your model run untouched
+    check: bool = False  # debug: refuse tensors off the rank's device, and host syncs in a step
+    exact_memory: bool = False  # CPU: keep freed memory, so a step's peak counts what the plan does
+    local_rank: Optional[int] = rt.flag(None, hidden=True)  # set by the deepspeed launcher
+
+
+cfg = rt.parse_flags(Settings)  # a bad flag is one line from rank 0 (did you mean ...?)
+rt.check_ckpt_dir(cfg.ckpt_dir, resume=cfg.resume, saving=cfg.ckpt_every > 0)  # never another run's
+
+# ---- the model: a factory every rank calls on the meta device, and one micro-batch of inputs ----
+source = rt.model_factory(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+                          loss=cfg.loss)
 config = rt.TrainConfig(
-    steps=args.steps, microbatches=args.microbatches, optimizer=args.optimizer, lr=args.lr,
-    weight_decay=args.weight_decay, betas=args.betas, momentum=args.momentum, warmup=args.warmup,
-    lr_schedule=args.lr_schedule, grad_clip=args.grad_clip, dtype=args.dtype, seed=args.seed,
-    zero=rt.check_zero(ZERO if args.zero is None else args.zero),
+    steps=cfg.steps, microbatches=cfg.microbatches, optimizer=cfg.optimizer, lr=cfg.lr,
+    weight_decay=cfg.weight_decay, betas=cfg.betas, momentum=cfg.momentum, warmup=cfg.warmup,
+    lr_schedule=cfg.lr_schedule, grad_clip=cfg.grad_clip, dtype=cfg.dtype, seed=cfg.seed,
+    zero=rt.check_zero(cfg.zero),
 )
 
-# ---- this rank's stage, on either engine ---------------------------------------------------------
-if args.engine == "deepspeed":
-    # DeepSpeed's PipelineModule over the same layers, cut where the plan cuts; its engine steps, set by
-    # ds_config.json beside this file (ZeRO 0 or 1, AdamW's settings); its checkpoints are its own
-    trainer = rt.DeepSpeedTrainer(source, args.plan, config, args)
+# ---- this rank's stage, on either engine -------------------------------------------------------
+if cfg.engine == "deepspeed":
+    # DeepSpeed's PipelineModule over the same layers, cut where the plan cuts; its engine steps,
+    # set by ds_config.json beside this file (AdamW's settings, ZeRO 0 or 1); its own checkpoints
+    trainer = rt.DeepSpeedTrainer(source, cfg.plan, config, cfg)
     env, build, planned = trainer.env, trainer.build, None
     save_checkpoint, resume = rt.ds_save_checkpoint, rt.ds_resume
 else:
-    # the plan's placement numbers the ranks (which of them share a node): the groups are made by it
-    env = rt.init_dist(dp=args.dp, placement=rt.plan_placement(args.plan), check=args.check or None,
-                       exact_memory=args.exact_memory or None)
-    plan = env.pp_size if args.plan == "even" else rt.load_plan(args.plan)
-    rt.check_launch(plan, env.pp_size, env.dp_size, plan_path=args.plan)
+    # the plan's placement numbers the ranks (which of them share a node): the groups follow it
+    env = rt.init_dist(dp=cfg.dp, placement=rt.plan_placement(cfg.plan), check=cfg.check or None,
+                       exact_memory=cfg.exact_memory or None)
+    plan = env.pp_size if cfg.plan == "even" else rt.load_plan(cfg.plan)
+    rt.check_launch(plan, env.pp_size, env.dp_size, plan_path=cfg.plan)
     build = rt.build_stage(
         source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size,
-        schedule=args.schedule, seed=args.seed, weights=weights, device=env.device, recompute=args.recompute,
-        autocast=config.autocast_dtype,
+        schedule=cfg.schedule, seed=cfg.seed, weights=cfg.weights or source.weights,
+        device=env.device, recompute=cfg.recompute, autocast=config.autocast_dtype,
     )
     trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))
-    # the plan's predictions hold for the run it was made for: same schedule, micro-batches, batch, dtype
-    planned = rt.predictions(plan, schedule=args.schedule, microbatches=args.microbatches, pp_size=env.pp_size,
-                             dp=env.dp_size, zero=config.zero)
+    # the plan's predictions hold for the run it was made for: its schedule, micro-batches, layout
+    planned = rt.predictions(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
+                             pp_size=env.pp_size, dp=env.dp_size, zero=config.zero)
     save_checkpoint, resume = rt.save_checkpoint, rt.resume
-same_batch = args.batch_size == BATCH_SIZE and args.dtype == DTYPE
+as_planned = cfg.batch_size == Settings.batch_size and cfg.dtype == Settings.dtype
 
-# ---- data: each step's global batch is a function of the step; each replica reads its own rows ----
-data = rt.JobData(source, args.data, seq_len=SEQ_LEN, seed=args.seed, seq=build.seq)
-rows = args.batch_size * args.microbatches * env.dp_size
-log = rt.StepLogger(env.rank, json_path=args.log_json, predicted=planned if same_batch else None, unit=data.unit,
-                    steps=args.steps, flops_per_step=rt.step_flops(build.seq, source, microbatches=args.microbatches,
-                    replicas=env.dp_size) if env.rank == 0 else None, peak_flops=rt.world_peak_flops(env, args.dtype),
-                    tensorboard=args.tensorboard, wandb=args.wandb, run_config=vars(args), log_every=args.log_every)
+# ---- data: each step's global batch is a function of the step; each replica reads its own rows --
+data = rt.JobData(source, cfg.data, seq_len=cfg.seq_len, seed=cfg.seed, seq=build.seq)
+rows = cfg.batch_size * cfg.microbatches * env.dp_size
+flops = rt.step_flops(build.seq, source, microbatches=cfg.microbatches, replicas=env.dp_size) \
+    if env.rank == 0 else None
+log = rt.StepLogger(env.rank, json_path=cfg.log_json, predicted=planned if as_planned else None,
+                    unit=data.unit, steps=cfg.steps, flops_per_step=flops,
+                    peak_flops=rt.world_peak_flops(env, cfg.dtype), tensorboard=cfg.tensorboard,
+                    wandb=cfg.wandb, run_config=vars(cfg), log_every=cfg.log_every)
 zero = trainer.config.zero
-log.info(f"{MODEL}: {len(build.seq.layers)} layers, chunks {build.plan.boundaries} on {env.pp_size} "
-         f"stage(s) x {env.dp_size} replica(s), {build.plan.schedule} on {args.engine}, {args.microbatches} "
-         f"micro-batches, ZeRO {zero}{'' if env.dp_size > 1 or not zero else ' (one replica: nothing to shard)'}, "
-         f"recompute {' '.join(build.recompute)}, {rt.describe_optimizer(trainer.config)}, loss "
+log.info(f"{cfg.model}: {len(build.seq.layers)} layers, chunks {build.plan.boundaries} on "
+         f"{env.pp_size} stage(s) x {env.dp_size} replica(s), {build.plan.schedule} on "
+         f"{cfg.engine}, "
+         f"{cfg.microbatches} micro-batches, ZeRO {zero}"
+         f"{'' if env.dp_size > 1 or not zero else ' (one replica: nothing to shard)'}, recompute "
+         f"{' '.join(build.recompute)}, {rt.describe_optimizer(trainer.config)}, loss "
          f"{rt.loss_name(source.loss)}, data {data.state()['source']}")
 if (short := data.short_of(rows)) is not None:
     log.info(short)
 evaluate = None
-if args.eval_data is not None:
-    eval_data = rt.JobData(source, args.eval_data, seq_len=SEQ_LEN, seed=args.seed, seq=build.seq, shuffle=False,
-                           flag="--eval-data")
-    evaluate = rt.Evaluator(trainer, eval_data, rows=rows, steps=args.eval_steps, every=args.eval_every)
+if cfg.eval_data is not None:
+    eval_data = rt.JobData(source, cfg.eval_data, seq_len=cfg.seq_len, seed=cfg.seed, seq=build.seq,
+                           shuffle=False, flag="--eval-data")
+    evaluate = rt.Evaluator(trainer, eval_data, rows=rows, steps=cfg.eval_steps,
+                            every=cfg.eval_every)
     log.info(evaluate.describe())
 log.open()  # a missing tensorboard or wandb is said now, not after the first step
 
 
 def get_batch(step):
     # the first stage reads the inputs, the last one the targets; a middle stage reads nothing
-    return data.batch(step, rows, replica=env.dp_rank, replicas=env.dp_size, inputs=trainer.is_first,
-                      target=trainer.is_last)
+    return data.batch(step, rows, replica=env.dp_rank, replicas=env.dp_size,
+                      inputs=trainer.is_first, target=trainer.is_last)
 
 
-# ---- resume, verify, train, evaluate -----------------------------------------------------------------
-if args.resume and resume(trainer, args.ckpt_dir, mode=args.resume, steps=args.steps, data=data, say=log.info):
-    log.resumed(trainer.step_count)  # the steps a stopped run logged after its checkpoint are trained again
-if args.verify:
-    report = rt.verify_step(trainer, *get_batch(trainer.step_count))
-    log.info(f"verify: loss {report.loss:.6f} vs the untouched model's {report.reference_loss:.6f}, max output diff "
-             f"{report.max_output_diff:.1e}, max grad diff {report.max_grad_diff:.1e}: ok")
+# ---- resume, verify ----------------------------------------------------------------------------
+if cfg.resume and resume(trainer, cfg.ckpt_dir, mode=cfg.resume, steps=cfg.steps, data=data,
+                         say=log.info):
+    log.resumed(trainer.step_count)  # the steps a stopped run logged after its checkpoint run again
+if cfg.verify:
+    log.info(rt.verify_step(trainer, *get_batch(trainer.step_count)).line())  # or one line why not
 
-for step in range(trainer.step_count, args.steps):
+# ---- train: one optimizer step per batch -------------------------------------------------------
+for step in range(trainer.step_count, cfg.steps):
     batch_args, batch_kwargs, target = get_batch(step)
+    # every micro-batch forward and backward under the schedule, the gradients clipped to their
+    # global norm, the optimizer's update: Trainer.step runs forward_backward, clip_gradients and
+    # optimizer_step (autopipe/runtime/torch_engine/trainer.py); on DeepSpeed, its train_batch
     stats = trainer.step(batch_args, batch_kwargs, target)
-    evaluated = evaluate().fields() if evaluate is not None and evaluate.due(stats.step, args.steps) else {}
+    due = evaluate is not None and evaluate.due(stats.step, cfg.steps)
+    evaluated = evaluate().fields() if due else {}
     log.step(stats, **evaluated, **({"epoch": data.epoch(stats.step, rows)} if data.size else {}))
-    if args.ckpt_every and (stats.step % args.ckpt_every == 0 or stats.step == args.steps):
-        save_checkpoint(trainer, args.ckpt_dir, keep=args.ckpt_keep, data=data.state())
-if evaluate is not None and evaluate.last != trainer.step_count:  # --steps reached before this run began
+    if cfg.ckpt_every and (stats.step % cfg.ckpt_every == 0 or stats.step == cfg.steps):
+        save_checkpoint(trainer, cfg.ckpt_dir, keep=cfg.ckpt_keep, data=data.state())
+if evaluate is not None and evaluate.last != trainer.step_count:  # steps reached before this run
     log.eval(trainer.step_count, evaluate().fields())
 
-# ---- export: the final weights as one safetensors file ----------------------------------------------
-if args.export:
-    log.info(f"exported {rt.export_final(trainer, args.export, model_fn=source.factory)}")
+# ---- export: the final weights as one safetensors file -----------------------------------------
+if cfg.export:
+    log.info(f"exported {rt.export_final(trainer, cfg.export, model_fn=source.factory)}")
 log.close()
 env.close()

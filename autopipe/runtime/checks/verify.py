@@ -45,6 +45,11 @@ class VerifyReport:
     ok: bool
     max_output_diff: float = 0.0  # worst |pipeline - untouched| over the model's outputs
 
+    def line(self) -> str:
+        """What train.py prints of it."""
+        return (f"verify: loss {self.loss:.6f} vs the untouched model's {self.reference_loss:.6f}, max output "
+                f"diff {self.max_output_diff:.1e}, max grad diff {self.max_grad_diff:.1e}: {'ok' if self.ok else 'MISMATCH'}")
+
 
 def verify_step(
     trainer: Any,

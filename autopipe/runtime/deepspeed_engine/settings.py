@@ -76,10 +76,12 @@ def _optimizer_params(config: TrainConfig) -> dict[str, Any]:
 def load_ds_config(path: str | None, config: TrainConfig, args: Any, dp: int) -> tuple[dict[str, Any], TrainConfig]:
     """The ds_config to run with: ``--deepspeed_config``, else the job's ds_config.json, else made
     from the flags. The flags (batch size, micro-batches, lr, clip) override what the file says, as
-    they do for the torch engine; the file's optimizer settings and ZeRO stage are kept."""
+    they do for the torch engine; the file's optimizer settings are kept; its precision and ZeRO
+    stage must agree with train.py's (one line when they do not)."""
     from dataclasses import replace
 
     cfg = ds_config(config, rows=args.batch_size, dp=dp)
+    user: dict[str, Any] = {}
     if path is not None:
         try:
             user = json.loads(Path(path).read_text())
@@ -104,10 +106,15 @@ def load_ds_config(path: str | None, config: TrainConfig, args: Any, dp: int) ->
         raise AutopipeError("--dtype fp16 on --engine deepspeed: use bf16 (autocast, fp32 weights), or fp16 on --engine torch.")
     cfg.pop("bf16", None)
     cfg.pop("fp16", None)
-    if getattr(args, "zero", None) is not None:  # --zero given: it wins over the file's stage
+    if getattr(args, "zero", None) is not None:  # train.py's zero (the plan's, or --zero): the file must agree
         from ..training.optim import check_zero
 
-        cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": check_zero(args.zero)}
+        zero = check_zero(args.zero)
+        given = (user.get("zero_optimization") or {}).get("stage") if path is not None else None
+        if given is not None and int(given) != zero:
+            raise AutopipeError(f"{path} runs ZeRO stage {given} but train.py's zero is {zero}; make them agree "
+                                f"(--zero {given}, or the file's zero_optimization.stage).")
+        cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": zero}
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
     if stage >= 1:
         cfg["zero_allow_untested_optimizer"] = True  # autopipe's AdamW (autopipe.runtime.deepspeed_engine.trainer clips in it) is a client optimizer

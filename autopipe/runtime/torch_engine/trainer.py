@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,16 @@ from .zero import (
 )
 
 __all__ = ["Trainer"]
+
+
+@dataclass
+class _Pending:
+    """The step in flight between ``forward_backward``, ``clip_gradients`` and ``optimizer_step``."""
+
+    started: float  # perf_counter at forward_backward
+    tokens: int  # the whole world's tokens (or samples) in this step
+    loss: torch.Tensor | None = None  # this rank's loss share on the device (last stage only)
+    stats: dict[str, Any] | None = None  # the host read clip_gradients made
 
 
 class Trainer:
@@ -118,6 +129,7 @@ class Trainer:
             preallocate_(self.optimizer)
         self.scheduler = make_lr_scheduler(self.optimizer, config)
         self.step_count = 0
+        self._pending: _Pending | None = None  # the step between its phases
         self._run_clock = Stopwatch(env.device)
         env.peak.rebase(_held_bytes(build, self.optimizer))
 
@@ -126,11 +138,25 @@ class Trainer:
     ) -> StepStats:
         """Train on one batch (this replica's share): the model's own arguments, plus a target when
         a user loss_fn needs one. Every rank calls it with the same batch (only the first and last
-        chunks read it); host tensors are copied to the rank's device here."""
-        env, comm = self.env, self.env.comm
-        t0 = time.perf_counter()
+        chunks read it); host tensors are copied to the rank's device here.
+
+        The three phases, each callable on its own from a training loop of your own:
+        ``forward_backward``, ``clip_gradients``, ``optimizer_step``.
+        """
+        self.forward_backward(args, kwargs, target)
+        self.clip_gradients()
+        return self.optimizer_step()
+
+    def forward_backward(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: torch.Tensor | None = None
+    ) -> None:
+        """The schedule: every micro-batch of this replica's share forward and backward through the
+        pipeline. After each stage's last backward its gradients are the micro-batches' mean,
+        reduced over the replicas. Nothing is read back to the host."""
+        env = self.env
+        self._pending = _Pending(time.perf_counter(), batch_tokens(args, kwargs) * env.dp_size)
         env.peak.reset()
-        with comm.step():
+        with env.comm.step():
             self._run_clock.reset()
             self._run_clock.start()
             inputs = None
@@ -145,7 +171,16 @@ class Trainer:
                     raise
                 raise explained from None
             self._run_clock.stop()
+        self._pending.loss = loss
 
+    def clip_gradients(self) -> float:
+        """Tied gradients summed over the stages holding a copy, fp16's loss scale taken out, the
+        global gradient norm (every stage, each tied tensor once), then the step's one host read
+        (loss, norm, times, gathered from every rank) and the clip to ``config.grad_clip``.
+        Returns the norm; inf or nan is an fp16 overflow, and ``optimizer_step`` then skips."""
+        pending = self._pending_for("clip_gradients", after="forward_backward")
+        env, comm = self.env, self.env.comm
+        with comm.step():
             params = list(self.params.values())
             self.build.fold_alias_grads_()  # before unscaling: alias leaves hold scaled gradients too
             if self.scaler.enabled:
@@ -154,11 +189,17 @@ class Trainer:
                         local(p.grad).div_(self.scaler.scale)
             sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups, comm)
             norm = global_grad_norm(self.params, self._counted_elsewhere, self._norm_group, comm)
-            stats = self._gather(loss, norm)
+            pending.stats = self._gather(pending.loss, norm)
             # an inf/nan anywhere makes the global norm inf/nan: fp16 then skips the update
-            finite = stats["finite"]
-            if finite:
+            if pending.stats["finite"]:
                 clip_grads_(params, norm, self.config.grad_clip)
+        return float(pending.stats["grad_norm"])
+
+    def optimizer_step(self) -> StepStats:
+        """The optimizer's update (skipped after an fp16 overflow) and the LR schedule's step; the
+        gradients are zeroed, kept allocated. Returns what the whole step did."""
+        pending = self._pending_for("optimizer_step", after="clip_gradients")
+        stats, finite = pending.stats, pending.stats["finite"]
         lr = self.optimizer.param_groups[0]["lr"]
         if finite:
             self.optimizer.step()
@@ -167,23 +208,31 @@ class Trainer:
         self.scaler.update(finite)
         self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
         self.step_count += 1
-        total = time.perf_counter() - t0
-        tokens = batch_tokens(args, kwargs) * env.dp_size
-        first = env.pipeline_ranks(0)  # replica 0's stages, whichever way the placement numbers them
+        self._pending = None
+        total = time.perf_counter() - pending.started
+        first = self.env.pipeline_ranks(0)  # replica 0's stages, whichever way the placement numbers them
         return StepStats(
             step=self.step_count,
             loss=stats["loss"],
             lr=lr,
             grad_norm=stats["grad_norm"],
             step_time=max(stats["step_times"]),
-            tokens_per_s=tokens / total if total > 0 else 0.0,
+            tokens_per_s=pending.tokens / total if total > 0 else 0.0,
             stage_times=[stats["step_times"][r] for r in first],
             forward_times=[stats["forward_times"][r] for r in first],
             skipped=not finite,
             loss_scale=self.scaler.scale,
             peak_memory=[stats["peak_memory"][r] for r in first],
-            memory_exact=env.peak.exact,
+            memory_exact=self.env.peak.exact,
         )
+
+    def _pending_for(self, phase: str, *, after: str) -> _Pending:
+        """The step in flight, once the phase before ``phase`` has run (else one line saying the order)."""
+        pending = self._pending
+        if pending is None or (after == "clip_gradients" and pending.stats is None):
+            raise AutopipeError(f"trainer.{phase}() runs after trainer.{after}() in each step: forward_backward, "
+                                "clip_gradients, optimizer_step (or trainer.step, which runs the three).")
+        return pending
 
     def evaluate(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, target: torch.Tensor | None = None,
                  labels: torch.Tensor | None = None) -> torch.Tensor:
