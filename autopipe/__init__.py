@@ -5,6 +5,7 @@
     prof = autopipe.profile(seq, example_args, example_kwargs)    # Profile
     plan = autopipe.partition(prof, stages=4)                     # Plan
     stages = seq.split(plan)                                      # one nn.Module per stage
+    pipe = autopipe.pipeline("my_model.py:build", "plan.json")    # this rank's, for a loop of your own
 
 One folder per pass, each importing only the folders beneath it:
 
@@ -36,8 +37,10 @@ _NAMES = {
     "DeviceInfo": "costs.layer_costs",
     "partition": "planner.partitioner",
     "Plan": "planner.plan",
+    "pipeline": "runtime.api.pipeline",
+    "Pipeline": "runtime.api.pipeline",
 }
 __getattr__ = lazy_exports(__name__, _NAMES, globals())
 
-__all__ = ["AutopipeError", "DeviceInfo", "LayerCost", "LayerSequence", "Plan", "Profile",
-           "flatten", "partition", "profile"]
+__all__ = ["AutopipeError", "DeviceInfo", "LayerCost", "LayerSequence", "Pipeline", "Plan", "Profile",
+           "flatten", "partition", "pipeline", "profile"]

@@ -12,6 +12,7 @@ chunk, the schedule, the world's layout and what the plan promised. The rooms, l
     torch_engine/     torch.distributed.pipelining's schedules, DDP/FSDP2/ZeRO, the Trainer
     deepspeed_engine/ DeepSpeed's PipelineModule over the same layers, DeepSpeedTrainer
     checks/           the untouched model (--verify), plain training of the same layers, the reserve probe
+    api/              pipeline(model, plan): this rank's Pipeline, for a training loop of your own
 
     env = init_dist(dp=1)
     source = model_factory("gpt2", batch_size=2, seq_len=128)
@@ -89,6 +90,8 @@ _LAZY = {
     "step_flops": "logs.flops",
     "world_peak_flops": "logs.flops",
     "Evaluator": "training.evaluate",
+    "Pipeline": "api.pipeline",
+    "pipeline": "api.pipeline",
     "EvalResult": "training.evaluate",
 }
 
@@ -153,6 +156,8 @@ __all__ = [
     "step_flops",
     "world_peak_flops",
     "Evaluator",
+    "Pipeline",
+    "pipeline",
     "EvalResult",
 ]
 
