@@ -30,12 +30,8 @@ from autopipe.runtime import (
     model_factory,
 )
 from autopipe.runtime.checkpoints.exports import checkpoint_params, export
-from autopipe.runtime.checkpoints.store import (
-    CheckpointFolderError,
-    check_ckpt_dir,
-    claim_ckpt_dir,
-    save_checkpoint,
-)
+from autopipe.runtime.checkpoints.folders import CheckpointFolderError, check_ckpt_dir, claim_ckpt_dir
+from autopipe.runtime.checkpoints.store import save_checkpoint
 from autopipe.runtime.checks.reference import ReferenceTrainer
 
 MICRO, ROWS, SEQ = 2, 2, 16

@@ -21,7 +21,7 @@ from autopipe.job.settings import JobSettings
 from autopipe.planner.plan import load_plan
 from autopipe.planner.stage_plan import StagePlan, even_boundaries, schedule_name
 from autopipe.runtime import build_reference, build_stage
-from autopipe.runtime.checkpoints.store import latest_checkpoint
+from autopipe.runtime.checkpoints.folders import latest_checkpoint
 from autopipe.runtime.data.sources import TokenData
 from autopipe.runtime.stage.weights import init_weights_, materialize_
 

@@ -137,7 +137,7 @@ def _check_destination(s: ConvertSettings, model: str) -> Path:
     check_source(model)
     job_dir = Path(s.out) if s.out is not None else default_job_dir(model)
     check_job_dir(job_dir, force=s.force)
-    from ..runtime.data.sources import check_data_path
+    from ..runtime.data.files import check_data_path
 
     for flag, given in (("--data", s.data), ("--eval-data", s.eval_data)):
         if given is not None:

@@ -69,6 +69,19 @@ def _processes(script: Path, flags: Sequence[str]) -> int:
     return (plan.stages or plan.num_chunks) * replicas
 
 
+def _preflight(script: Path, flags: Sequence[str], processes: int) -> None:
+    """train.py's own first checks (its flags, its checkpoint folder, --resume, the plan against the
+    process count, the data files: ``rt.preflight``), run here on its Settings before launching;
+    a train.py without a Settings class (written before it) checks them itself."""
+    from ..runtime.process.flags import read_flags
+    from ..runtime.training.preflight import preflight
+    from .script import load_settings
+
+    settings = load_settings(script)
+    if settings is not None:
+        preflight(read_flags(settings, list(flags)), world=processes)
+
+
 def _flag(flags: Sequence[str], name: str) -> str | None:
     """The value of ``name`` in ``flags`` (``--dp 2`` or ``--dp=2``), the last one given, or None."""
     value = None
@@ -85,15 +98,16 @@ def run_job(job: str | os.PathLike[str], flags: Sequence[str] = (), *, nproc: in
             err: TextIO | None = None) -> int:
     """Launch ``job``'s train.py with ``flags`` on this host (see the module docstring); returns the
     exit status (0, 1, or 130 after Ctrl-C)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    script = job_script(job)
+    n = nproc or _processes(script, flags)
+    _preflight(script, flags, n)  # a mistake that needs no model: said now, before any process starts
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from ..runtime.process.launch import RUN_COMMAND
 
-    out, err = out or sys.stdout, err or sys.stderr
-    script = job_script(job)
-    n = nproc or _processes(script, flags)
     logs = Path(log_dir) if log_dir is not None else script.parent / "logs" / time.strftime("%Y%m%d-%H%M%S")
     logs.mkdir(parents=True, exist_ok=True)
     quiet = _launcher_log(logs / "launcher.log")

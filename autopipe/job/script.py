@@ -27,7 +27,7 @@ from ..planner.plan import Plan
 from ..planner.stage_plan import StagePlan
 from .settings import JobSettings
 
-__all__ = ["read_settings", "render_train_script", "template_text", "write_train_script"]
+__all__ = ["load_settings", "read_settings", "render_train_script", "template_text", "write_train_script"]
 
 _CLASS = "class Settings:"
 _FIELD = re.compile(r"^    (?P<name>[a-z][a-z0-9_]*): (?P<type>[^=]+?) = (?P<value>.*?)(?P<comment>  # .*)?$")
@@ -147,3 +147,24 @@ def read_settings(path: str | os.PathLike[str]) -> dict[str, Any]:
             except ValueError:
                 continue
     return out
+
+
+def load_settings(path: str | os.PathLike[str]) -> type | None:
+    """The ``Settings`` dataclass of the train.py at ``path``, made by running only its imports, its
+    top-level assignments before the class (``HERE``) and the class itself: nothing of the job runs.
+    None for a train.py without one (written before it)."""
+    import sys
+    import types
+
+    path = Path(path)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    at = next((i for i, node in enumerate(tree.body) if isinstance(node, ast.ClassDef) and node.name == "Settings"), None)
+    if at is None:
+        return None
+    kept = [node for node in tree.body[:at] if isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign))]
+    module = types.ModuleType(f"_autopipe_settings_of_{abs(hash(str(path.resolve())))}")
+    module.__file__ = str(path)
+    sys.modules[module.__name__] = module  # dataclasses and typing read the class's module
+    code = compile(ast.Module(body=[*kept, tree.body[at]], type_ignores=[]), str(path), "exec", dont_inherit=True)
+    exec(code, module.__dict__)
+    return module.Settings

@@ -77,7 +77,9 @@ class Settings:
 
 
 cfg = rt.parse_flags(Settings)  # a bad flag is one line from rank 0 (did you mean ...?)
-rt.check_ckpt_dir(cfg.ckpt_dir, resume=cfg.resume, saving=cfg.ckpt_every > 0)  # never another run's
+# what needs no model, said at once: another run's checkpoint folder, --resume with nothing to
+# resume, a plan the processes launched do not fit, a data file that is not there
+plan = rt.preflight(cfg)  # the plan's StagePlan (None: 'even')
 
 # ---- the model: a factory every rank calls on the meta device, and one micro-batch of inputs ----
 source = rt.model_factory(cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
@@ -98,12 +100,12 @@ if cfg.engine == "deepspeed":
     save_checkpoint, resume = rt.ds_save_checkpoint, rt.ds_resume
 else:
     # the plan's placement numbers the ranks (which of them share a node): the groups follow it
-    env = rt.init_dist(dp=cfg.dp, placement=rt.plan_placement(cfg.plan), check=cfg.check or None,
+    placement = plan.placement if plan is not None else "pipeline-inner"
+    env = rt.init_dist(dp=cfg.dp, placement=placement, check=cfg.check or None,
                        exact_memory=cfg.exact_memory or None)
-    plan = env.pp_size if cfg.plan == "even" else rt.load_plan(cfg.plan)
-    rt.check_launch(plan, env.pp_size, env.dp_size, plan_path=cfg.plan)
+    cut = plan if plan is not None else env.pp_size  # 'even': as many chunks as pipeline ranks
     build = rt.build_stage(
-        source.factory, source.args, source.kwargs, plan, pp_rank=env.pp_rank, pp_size=env.pp_size,
+        source.factory, source.args, source.kwargs, cut, pp_rank=env.pp_rank, pp_size=env.pp_size,
         schedule=cfg.schedule, seed=cfg.seed, weights=cfg.weights or source.weights,
         device=env.device, recompute=cfg.recompute, autocast=config.autocast_dtype,
     )

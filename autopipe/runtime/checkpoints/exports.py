@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ...choices import world_rank
-from .store import read_meta
+from .folders import read_meta
 
 __all__ = ["checkpoint_params", "export", "export_final", "write_stage_weights"]
 

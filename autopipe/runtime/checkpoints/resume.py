@@ -22,13 +22,8 @@ def resume(trainer: Any, ckpt_dir: str | os.PathLike[str], *, mode: str, steps: 
 
     Returns the checkpoint, or None when ``mode`` is "auto" and there is none.
     """
-    from ..checkpoints.store import (
-        check_shared_folder,
-        claim_ckpt_dir,
-        latest_checkpoint,
-        load_checkpoint,
-        read_meta,
-    )
+    from .folders import claim_ckpt_dir, latest_checkpoint, read_meta
+    from .store import check_shared_folder, load_checkpoint
 
     if getattr(trainer, "env", None) is not None:  # else each node would find its own newest checkpoint
         check_shared_folder(trainer.env, ckpt_dir)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import time
@@ -44,56 +43,10 @@ from typing import Any
 import torch
 
 from ...choices import world_rank
-from ...errors import AutopipeError, RecordError
+from ...errors import AutopipeError
+from .folders import check_ckpt_dir, checkpoint_dirs, read_meta
 
-__all__ = ["CheckpointFolderError", "check_ckpt_dir", "check_shared_folder", "claim_ckpt_dir", "latest_checkpoint", "load_checkpoint", "materialize_state_", "read_meta", "save_checkpoint", "saved_steps"]
-
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointFolderError(AutopipeError):
-    """The checkpoint folder holds another run's checkpoints."""
-
-
-_CLAIMED: set[str] = set()  # checkpoint folders this process saves into: empty, or resumed from
-
-
-def saved_steps(root: str | os.PathLike[str]) -> list[Path]:
-    """The complete checkpoints under ``root``, oldest first: autopipe's (``meta.json`` written last)
-    and DeepSpeed's (its ``step_N`` tags, each with its model states)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)
-             and ((p / "meta.json").is_file() or any(p.glob("*model_states.pt")))]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
-
-
-def claim_ckpt_dir(root: str | os.PathLike[str]) -> None:
-    """Mark ``root`` as this run's: it resumed from the checkpoints there (``resume`` calls it)."""
-    _CLAIMED.add(os.path.abspath(root))
-
-
-def check_ckpt_dir(root: str | os.PathLike[str], *, resume: Any = None, saving: bool = True) -> None:
-    """Refuse, in one line, a run that would save into a folder holding another run's checkpoints.
-
-    Called by every rank at the start of train.py (all see the same folder), and by the first save.
-    With ``resume`` the checkpoints there are this run's own past; a run that saves nothing
-    (``saving`` False) touches nothing.
-    """
-    key = os.path.abspath(root)
-    if resume or not saving or key in _CLAIMED:
-        return
-    existing = saved_steps(root)
-    if existing:
-        steps = [int(_STEP_DIR.match(p.name).group(1)) for p in existing]  # type: ignore[union-attr]
-        held = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]} ({len(steps)} checkpoints)"
-        raise CheckpointFolderError(
-            f"checkpoint folder {root} holds another run's checkpoints ({held}); nothing was written. "
-            "Continue that run with --resume, or save this one elsewhere with --ckpt-dir DIR."
-        )
-    _CLAIMED.add(key)
-
+__all__ = ["check_shared_folder", "load_checkpoint", "materialize_state_", "save_checkpoint"]
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -167,7 +120,7 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
             os.replace(tmp, final)
         _fsync_dir(root)
         if keep > 0:  # this run's older checkpoints (the folder holds no other run's); never the new one
-            for stale in _step_dirs(root)[:-keep]:
+            for stale in checkpoint_dirs(root)[:-keep]:
                 if stale != final:
                     shutil.rmtree(stale, ignore_errors=True)
     env.barrier()
@@ -241,27 +194,6 @@ def _ranges(ranks: list[int]) -> str:
         if r is not None:
             start = prev = r
     return ", ".join(parts)
-
-
-def _step_dirs(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint folder under ``root`` (None if there is none)."""
-    dirs = _step_dirs(Path(root))
-    return dirs[-1] if dirs else None
-
-
-def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    p = Path(path) / "meta.json"
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise RecordError(f"{p} is missing or unreadable ({e}); the checkpoint is incomplete.") from e
 
 
 def load_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> int:

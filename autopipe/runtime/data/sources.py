@@ -35,16 +35,13 @@ import numpy as np
 import torch
 
 from ...errors import AutopipeError
+from .files import DataError, check_data_path
 from ..stage.weights import module_seed
 
 __all__ = ["DataError", "SampleData", "TokenData", "TokenStream", "open_data", "epoch_order"]
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 DATASET_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow")
-
-
-class DataError(AutopipeError):
-    """--data does not exist, is empty, or does not fit the model's inputs."""
 
 
 class TokenData:
@@ -247,13 +244,6 @@ def _torch_load(path: Path) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise DataError(f"{path} could not be read as a torch file ({type(e).__name__}: {str(e).splitlines()[0]}).") from None
-
-
-def check_data_path(path: Path, *, flag: str = "--data") -> None:
-    if not path.exists():
-        raise DataError(f"{flag} {str(path)!r} does not exist.")
-    if path.is_file() and path.stat().st_size == 0:
-        raise DataError(f"{flag} {str(path)!r} is empty.")
 
 
 def samples_from_mapping(path: Path, loaders: dict[str, Any], lengths: dict[str, int]) -> SampleData:

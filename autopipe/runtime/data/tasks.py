@@ -112,7 +112,7 @@ class JobData:
         if data is not None:
             from pathlib import Path
 
-            from .sources import check_data_path
+            from .files import check_data_path
 
             check_data_path(Path(data), flag=flag)  # named by its flag: --data, or --eval-data
             opened = open_data(data, tokenizer_dir=source.tokenizer_dir)

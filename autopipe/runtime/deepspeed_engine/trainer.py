@@ -337,7 +337,7 @@ def ds_save_checkpoint(trainer: DeepSpeedTrainer, root: str | os.PathLike[str], 
     """DeepSpeed's own checkpoint of this step under ``root/step_N`` (collective), the newest ``keep``
     of this run kept; a folder holding another run's checkpoints is refused first (``check_ckpt_dir``).
     The final weights for ``--export`` come from ``rt.export_final``, not from here."""
-    from ..checkpoints.store import check_ckpt_dir
+    from ..checkpoints.folders import check_ckpt_dir
 
     check_ckpt_dir(root)
     step = trainer.step_count
@@ -358,7 +358,7 @@ def ds_resume(trainer: DeepSpeedTrainer, ckpt_dir: str | os.PathLike[str], *, mo
     """``--resume`` through DeepSpeed's ``load_checkpoint`` (``mode`` "must" or "auto"): the newest
     tag under ``ckpt_dir``, or None when ``mode`` is "auto" and there is none."""
     from ..checkpoints.resume import ResumeError
-    from ..checkpoints.store import claim_ckpt_dir
+    from ..checkpoints.folders import claim_ckpt_dir
 
     root = Path(ckpt_dir)
     tags = _ds_tags(root)

@@ -35,7 +35,7 @@ from typing import Any, Literal, TypeVar, Union
 
 from ...errors import AutopipeError
 
-__all__ = ["FlagError", "flag", "float_pair", "parse_flags", "settings_parser", "suggest_flag"]
+__all__ = ["FlagError", "flag", "float_pair", "parse_flags", "read_flags", "settings_parser", "suggest_flag"]
 
 T = TypeVar("T")
 
@@ -69,6 +69,15 @@ def parse_flags(settings: type[T] | argparse.ArgumentParser, argv: list[str] | N
     from .lifecycle import one_line_errors
 
     one_line_errors()
+    args = read_flags(settings, argv)
+    if getattr(args, "ckpt_dir", None) is not None:
+        one_line_errors(args.ckpt_dir)
+    return args
+
+
+def read_flags(settings: type[T] | argparse.ArgumentParser, argv: list[str] | None = None) -> Any:
+    """``parse_flags`` without installing anything: a bad flag raises :class:`FlagError` (what
+    ``autopipe run`` checks before it launches a process)."""
     parser = settings if isinstance(settings, argparse.ArgumentParser) else settings_parser(settings)
 
     def error(message: str) -> Any:
@@ -82,8 +91,6 @@ def parse_flags(settings: type[T] | argparse.ArgumentParser, argv: list[str] | N
         if flags:
             raise FlagError(f"unknown flag {flags[0].split('=', 1)[0]}; {suggest_flag(flags[0], known)}")
         raise FlagError(f"unexpected argument {unknown[0]!r}: train.py takes flags only (python train.py --help).")
-    if getattr(args, "ckpt_dir", None) is not None:
-        one_line_errors(args.ckpt_dir)
     if isinstance(settings, argparse.ArgumentParser):
         return args
     return settings(**vars(args))

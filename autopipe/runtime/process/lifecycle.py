@@ -211,7 +211,7 @@ def _leave_word(message: str) -> None:
 
 def _say_interrupted() -> None:
     """Rank 0's line on Ctrl-C: the newest checkpoint and the command that resumes from it."""
-    from ..checkpoints.store import latest_checkpoint
+    from ..checkpoints.folders import latest_checkpoint
 
     folder = _INSTALLED.get("ckpt_dir")
     last = latest_checkpoint(folder) if folder is not None else None

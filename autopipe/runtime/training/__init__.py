@@ -27,6 +27,7 @@ _NAMES = {
     "optimizer_options": "optim",
     "param_groups": "optim",
     "preallocate_": "optim",
+    "preflight": "preflight",
 }
 __all__ = sorted(_NAMES)
 __getattr__ = lazy_exports(__name__, _NAMES, globals())

@@ -1,0 +1,56 @@
+"""What a run can be refused for before any model is built: checked in the first second.
+
+Building the model (on the meta device) and tracing it takes seconds to minutes; importing torch
+alone a second or two. A mistake that needs no model (a checkpoint folder holding another run's,
+``--resume`` with nothing to resume, a plan whose stage count the processes launched do not fit,
+a data file that is not there) is said first, in one line, from rank 0: ``preflight`` runs
+before any of that, and imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ...errors import AutopipeError
+from ...planner.plan import load_plan
+from ...planner.stage_plan import StagePlan
+from ..checkpoints.folders import check_ckpt_dir, latest_checkpoint, saved_steps
+from ..checkpoints.resume import ResumeError
+from ..data.files import check_data_path
+from ..process.lifecycle import check_launch
+
+__all__ = ["preflight"]
+
+
+def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
+    """Refuse, in one line, what a train.py run can be refused for without its model; returns the
+    plan it read (None for ``plan = 'even'``).
+
+    ``settings`` is train.py's (its ``Settings``): ``ckpt_dir``, ``ckpt_every``, ``resume``,
+    ``plan``, ``dp``, ``engine``, ``data``, ``eval_data``. ``world``: the processes launched
+    (default torchrun's ``WORLD_SIZE``; one when run with plain python); ``autopipe run`` asks
+    before it launches them.
+    """
+    check_ckpt_dir(settings.ckpt_dir, resume=settings.resume, saving=settings.ckpt_every > 0)
+    if settings.resume == "must" and not _has_checkpoint(Path(settings.ckpt_dir), settings.engine):
+        raise ResumeError(f"--resume: no checkpoint in {settings.ckpt_dir}; check --ckpt-dir, or use --resume auto to "
+                          "start afresh when there is none.")
+    for flag, value in (("--data", settings.data), ("--eval-data", settings.eval_data)):
+        if value is not None:  # every source a job reads is a file; synthetic data is None
+            check_data_path(Path(value), flag=flag)
+    plan = None if str(settings.plan) == "even" else load_plan(settings.plan)
+    world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    dp = int(settings.dp)
+    if dp < 1 or world % dp:
+        raise AutopipeError(f"world size {world} is not a multiple of --dp {dp}; launch dp x stages processes.")
+    if plan is not None:
+        check_launch(plan, world // dp, dp, plan_path=str(settings.plan))
+    return plan
+
+
+def _has_checkpoint(root: Path, engine: str) -> bool:
+    """Whether ``root`` holds a checkpoint the engine resumes from (DeepSpeed's tags are its own)."""
+    return bool(saved_steps(root)) if engine == "deepspeed" else latest_checkpoint(root) is not None
+
