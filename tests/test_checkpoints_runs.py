@@ -53,7 +53,7 @@ def test_a_save_never_removes_the_newest_and_refuses_another_run_s_folder(tmp_pa
     """In one process: a folder with another run's checkpoints is refused by save_checkpoint itself
     (what an older train.py calls), nothing written; a folder resumed from is this run's; --ckpt-keep 1
     keeps exactly the checkpoint just written, also when an older run's is numbered higher."""
-    import autopipe.runtime.checkpoints.store as checkpoint
+    import autopipe.runtime.checkpoints.folders as checkpoint
 
     trainer = _trainer()
     x, y = torch.randn(8, 8), torch.randn(8, 1)
