@@ -84,7 +84,8 @@ def profile(
 
     Args:
         seq: a LayerSequence from :func:`autopipe.flatten`.
-        example_args, example_kwargs: one micro-batch, as the model takes it.
+        example_args: one micro-batch's positional inputs, as the model takes them.
+        example_kwargs: its keyword inputs.
         device: where to measure (default: where the layers are; they must have been traced there).
             With ``estimate=True``, the device to estimate for: ``cpu`` (probed), ``cuda``, ``a100``,
             ``h100``, ``h200``.
@@ -99,7 +100,8 @@ def profile(
             optimizer state are fp32. Estimating (no autocast on meta tensors), the layers run in
             their own dtype (convert the model to 16 bits first for 16-bit activations) and the
             weight copies are added from the parameters each matmul-like operator reads.
-        warmup, repeats: untimed and timed runs per measured layer.
+        warmup: untimed runs per measured layer.
+        repeats: timed runs per measured layer.
         threads: CPU threads to time with (default: torch's current setting), fixed for the run.
         progress: show a progress bar on stderr.
 
@@ -114,7 +116,7 @@ def profile(
     The model's weights, gradients, buffers (BatchNorm running statistics), training flags and RNG
     state are the same afterwards.
 
-    Example:
+    Examples:
         >>> import torch, autopipe
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         >>> x = torch.randn(4, 8)

@@ -56,8 +56,9 @@ def flatten(
 
     Args:
         model: any nn.Module, on a real device or on ``meta``. It is not modified.
-        example_args / example_kwargs: inputs of the micro-batch shape; the sequence is specialised
-            to these shapes (as a pipeline engine's fixed micro-batch is).
+        example_args: positional inputs of the micro-batch shape; the sequence is specialised to
+            these shapes (as a pipeline engine's fixed micro-batch is).
+        example_kwargs: keyword inputs, likewise.
         granularity: ``"block"`` cuts at repeated blocks (``h.N``, ``layers.N``); ``"leaf"`` at every
             module call that holds parameters.
         blocks_per_layer: coarser layers: this many consecutive blocks per layer.
@@ -78,7 +79,7 @@ def flatten(
     bf16 job on an H200 with transformers 5.17: 1.48, ten times what bf16 moves the untouched
     model by itself). Ops outside such regions trace the same either way.
 
-    Example:
+    Examples:
         >>> import torch, autopipe
         >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         >>> seq = autopipe.flatten(m, (torch.randn(2, 8),))

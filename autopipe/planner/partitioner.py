@@ -78,13 +78,15 @@ def partition(
 ) -> Plan:
     """Cut a profiled layer sequence into pipeline stages so the schedule's step is as short as possible.
 
+    The keyword options (``microbatches``, ``schedule``, ``memory_limit``, ``optimizer``,
+    ``virtual_stages``, ``bandwidth``, ``boundaries``, ``stage_names``, ``method``, ``weight_share``,
+    ``recompute``, ``dp``, ``zero``, ``cuts``, ``target``, ``engine``) are each a field of
+    :class:`~autopipe.planner.options.PartitionOptions`, documented there, with the same defaults
+    (the schedule 1f1b, the device's memory, 25 GB/s, recompute auto, ...).
+
     Args:
         profile: per-layer costs (``autopipe.profile`` or ``Profile.from_costs``).
         stages: pipeline ranks S.
-        microbatches, schedule, memory_limit, optimizer, virtual_stages, bandwidth, boundaries,
-            stage_names, method, weight_share, recompute, dp, zero, cuts, target, engine: the options,
-            each a field of :class:`~autopipe.planner.options.PartitionOptions`, documented there, with
-            the same defaults (the schedule 1f1b, the device's memory, 25 GB/s, recompute auto, ...).
         options: the same as one record, instead of ``stages`` and the keywords (not beside them).
 
     Returns:

@@ -262,7 +262,8 @@ def build_stage(
 
     Args:
         model_fn: builds the model; called under ``torch.device("meta")``.
-        example_args / example_kwargs: one micro-batch of inputs (any device; only shapes are used).
+        example_args: one micro-batch of positional inputs (any device; only shapes are used).
+        example_kwargs: its keyword inputs.
         plan: the record the runtime runs (``load_plan``, ``Plan.stage_plan()``), a ``Plan`` (read
             as its ``stage_plan()``), a list of S·v + 1 layer indices, or a number of chunks to cut
             evenly.
