@@ -44,6 +44,7 @@ def convert_command(
     bandwidth_inter: Annotated[Optional[str], typer.Option("--bandwidth-inter", help="Bytes/s per device between nodes, like 50GB (default per known GPU).")] = None,
     estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: cost layers from FLOPs and bytes on the meta device.")] = False,
     engine: Annotated[str, typer.Option(help="torch (torch.distributed.pipelining), deepspeed, or auto (the faster of those that can run the options, by each engine's measured overheads).")] = "torch",
+    ds_config: Annotated[Optional[Path], typer.Option("--ds-config", help="With --engine deepspeed: your own ds_config.json; its ZeRO stage, bf16, clip and batch keys are planned with, and the job's ds_config.json is it with the plan's pipeline keys.")] = None,
     for_target: Annotated[Optional[str], typer.Option("--for", help="Plan for the trainer you run: torchtitan, megatron, deepspeed or fqns (cut only between whole modules, only what it runs); the job folder then holds its export too.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Job folder (default jobs/<model name>).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the job files of an existing folder.")] = False,
@@ -77,7 +78,7 @@ def convert_command(
         target=for_target, device=device, estimate=estimate, memory_limit=memory_limit, reserve=reserve, repeats=repeats,
         out=out, force=force, eval_data=eval_data, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
         betas=_pair("--betas", betas), momentum=momentum, warmup_steps=warmup, lr_schedule=lr_schedule,
-        grad_clip=grad_clip,
+        grad_clip=grad_clip, ds_config=ds_config,
     )  # fmt: skip
 
     def say(name: str) -> None:

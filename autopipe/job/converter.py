@@ -94,6 +94,10 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
             meant); nothing is written then.
     """
     s = _settings(settings, options)
+    if s.ds_config is not None:  # the user's DeepSpeed settings are what the plan is made for
+        from .ds_config import apply_ds_config, read_ds_config
+
+        s = apply_ds_config(s, read_ds_config(s.ds_config), str(s.ds_config))
     job_dir = _check_destination(s, model)
     passes = _Passes(on_pass)
     with passes("load"):
@@ -115,6 +119,7 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
             batch_size=batch_size, seq_len=s.seq_len, dtype=s.dtype, engine=_job_engine(s, plan), device=s.device, seed=s.seed,
             loss=s.loss, data=os.path.abspath(s.data) if s.data is not None else None,
             eval_data=os.path.abspath(s.eval_data) if s.eval_data is not None else None, **s.optimizer_settings(),
+            ds_config=os.path.abspath(s.ds_config) if s.ds_config is not None else None,
         )  # fmt: skip
         job = emit(job_dir, settings=job_settings, profile=prof, plan=plan, baselines=baselines, force=s.force,
                    search=found)

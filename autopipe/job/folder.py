@@ -166,7 +166,12 @@ def _ds_config(settings: JobSettings, plan: Plan) -> str:
                          zero=plan.zero, optimizer=settings.optimizer, lr=settings.lr,
                          weight_decay=settings.weight_decay, betas=tuple(settings.betas), momentum=settings.momentum,
                          warmup=settings.warmup, lr_schedule=settings.lr_schedule, grad_clip=settings.grad_clip)
-    return json.dumps(ds_config(config, rows=settings.batch_size, dp=1), indent=2) + "\n"
+    made = ds_config(config, rows=settings.batch_size, dp=1)
+    if settings.ds_config is not None:  # the user's own config, with the plan's pipeline keys over it
+        from .ds_config import merge_ds_config, read_ds_config
+
+        made = merge_ds_config(read_ds_config(settings.ds_config), made)
+    return json.dumps(made, indent=2) + "\n"
 
 
 def _write_train_script(job_dir: Path, settings: JobSettings, plan: Plan) -> Path:

@@ -102,6 +102,9 @@ class ConvertSettings:
     repeats: int = 5  # timed runs per measured layer
     warmup: int = 2  # untimed runs per measured layer
     progress: bool = True  # show the profiler's progress
+    # ---- DeepSpeed ----
+    ds_config: str | os.PathLike[str] | None = None  # your ds_config.json (--engine deepspeed): its ZeRO stage, bf16,
+    # clip and batch keys are what the plan is made for; the job's ds_config.json is it with the plan's pipeline keys
     # ---- where the job goes ----
     out: str | os.PathLike[str] | None = None  # the job folder; default jobs/<model name>
     force: bool = False  # replace the job files of an existing folder (other files stay)
@@ -234,6 +237,7 @@ class JobSettings:
     warmup: int = 0
     lr_schedule: str = "cosine"
     grad_clip: float = 1.0
+    ds_config: str | None = None  # the user's own DeepSpeed config the job's ds_config.json merges (absolute path)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
