@@ -1,4 +1,5 @@
-"""Where models come from: a built-in name, a local HuggingFace folder, or a Python factory.
+"""Where models come from: a built-in name, a local HuggingFace folder, a Python factory, or torchtitan's
+registry (``torchtitan:llama3:8B``, autopipe.graph.titan_models).
 
 Nothing is downloaded: built-ins are HuggingFace configs with random initialisation.
 
@@ -32,6 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import ModelNotFoundError
+from .titan_models import is_titan_spec, load_titan, parse_titan_spec
 
 __all__ = ["ModelSpec", "load_model", "BUILTINS", "builtin_names", "check_source"]
 
@@ -45,7 +47,7 @@ class ModelSpec:
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
     task: str = "custom"  # causal-lm | masked-lm | seq2seq | sequence-classification | image-classification | custom
-    source: str = "builtin"  # builtin | folder | factory
+    source: str = "builtin"  # builtin | folder | factory | torchtitan
     vocab_size: int = 0  # for synthetic token data; 0 when not a language model
     batch_size: int = 1
     seq_len: int = 0
@@ -135,6 +137,8 @@ def load_model(
     path = Path(spec)
     if path.is_dir():
         return _from_folder(path, device, batch_size or 1, seq_len, dropout, weights)
+    if is_titan_spec(spec):  # torchtitan:MODULE:FLAVOR, torchtitan's own registry (graph/titan_models.py)
+        return load_titan(spec, device, batch_size or 1, seq_len, seed)
     if ":" in spec:
         return _from_factory(spec, device, batch_size, seq_len)
     raise ModelNotFoundError(
@@ -156,6 +160,9 @@ def check_source(spec: str) -> None:
         Did you mean gpt2?
     """
     if spec in BUILTINS or Path(spec).is_dir():
+        return
+    if is_titan_spec(spec):
+        parse_titan_spec(spec)  # its shape; the registry is imported when it is built
         return
     if ":" not in spec:
         raise ModelNotFoundError(
