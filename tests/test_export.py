@@ -1,15 +1,16 @@
 """`autopipe export` and plans made for an engine: each file says exactly what the plan says.
 
-- torchtitan: the TOML parses, and its parts hold every module of the plan's chunks once, in order;
-- Megatron-Core: the layout string, expanded by its documented grammar (a parser written here: commas
-  are cosmetic, ``(...)*n`` repeats a group, ``x*n`` a symbol, ``|`` splits stages, stage i runs on
-  rank i % pp as virtual stage i // pp), gives the plan's decoder layers per stage and virtual stage;
+- torchtitan: the form the release reads (0.2's TOML parses, 0.3's module is Python) with every module
+  of the plan's chunks once, in order, in torchtitan's names (torchtitan itself reads them in
+  tests/test_export_torchtitan.py and tests/test_export_titan022.py);
+- Megatron-Core: the flags (Megatron-Core's own layout parser reads them in tests/test_export_megatron.py);
 - DeepSpeed: the file imports nothing from autopipe and its parts are the plan's boundaries;
 - a plan an engine cannot run is refused in one line that says which and what would work.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import tomllib
 from dataclasses import replace
@@ -41,48 +42,6 @@ def _profile(names: list[str], times: list[float] | None = None, tied: dict[int,
     return Profile(layers=layers, signature="sig", model="")
 
 
-# ---- Megatron-Core's layout grammar, parsed here --------------------------------------------------
-
-def expand_layout(text: str) -> list[str]:
-    """The stages of a ``--pipeline-model-parallel-layout`` string, each a string of E/t/m/L symbols."""
-    s = text.replace(",", "")
-    out, i = "", 0
-    while i < len(s):  # "(body)*n": the body n times (groups do not nest)
-        if s[i] == "(":
-            close = s.index(")", i)
-            j = close + 2
-            assert s[close + 1] == "*", text
-            k = j
-            while k < len(s) and s[k].isdigit():
-                k += 1
-            out += s[i + 1 : close] * int(s[j:k])
-            i = k
-        else:
-            out += s[i]
-            i += 1
-    flat, i = "", 0
-    while i < len(out):  # "x*n": the symbol n times
-        if i + 1 < len(out) and out[i + 1] == "*":
-            k = i + 2
-            while k < len(out) and out[k].isdigit():
-                k += 1
-            flat += out[i] * int(out[i + 2 : k])
-            i = k
-        else:
-            flat += out[i]
-            i += 1
-    stages = flat.split("|")
-    assert all(set(st) <= set("EtmL") for st in stages), text
-    return stages
-
-
-def test_the_grammar_parser_reads_megatrons_own_example() -> None:
-    """DeepSeek-V3's PP16 x VPP2 example from Megatron-Core's documentation."""
-    stages = expand_layout("Et*3|(tt|)*29,m|L")
-    assert len(stages) == 32 and stages[0] == "Ettt" and stages[1:30] == ["tt"] * 29 and stages[30:] == ["m", "L"]
-    assert expand_layout("E||t|L") == ["E", "", "t", "L"]
-
-
 def _flags(text: str) -> dict[str, str]:
     out = {}
     for line in text.splitlines():
@@ -93,61 +52,76 @@ def _flags(text: str) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("prof,stages,schedule", [(LLAMA, 4, "1f1b"), (LLAMA, 4, "interleaved1f1b"), (GPT2, 4, "1f1b"),
-                                                  (LLAMA, 8, "interleaved1f1b"), (GPT2, 2, "interleaved1f1b")])
-def test_megatron_layout_expands_to_the_plans_layers(prof: Profile, stages: int, schedule: str) -> None:
-    """Per stage and virtual stage, the expanded layout holds the plan's decoder layers; E first, L last."""
-    plan = partition(prof, stages, schedule=schedule, target="megatron", memory_limit=None)
-    flags = _flags(export_plan(plan, prof, "megatron").text)
-    pp = int(flags["--pipeline-model-parallel-size"])
-    layout = expand_layout(flags["--pipeline-model-parallel-layout"])
-    assert pp == plan.stages and len(layout) == plan.num_chunks and len(layout) // pp == plan.virtual_stages
-    blocks = [sum(1 for i in plan.layers_of(c) if prof.layers[i].name.rpartition(".")[2].isdigit())
-              for c in range(plan.num_chunks)]
-    assert [st.count("t") for st in layout] == blocks
-    assert int(flags["--num-layers"]) == sum(blocks) == sum(1 for layer in prof.layers if layer.name[-1].isdigit())
-    for i, st in enumerate(layout):  # Megatron: stage i is rank i % pp, virtual stage i // pp (the plan's chunk i)
-        assert plan.stage_ranks[i] == i % pp
-        assert ("E" in st) == (i == 0) and ("L" in st) == (i == len(layout) - 1)
-    assert ("--untie-embeddings-and-output-weights" in flags) == (prof is LLAMA)
-    assert int(flags["--global-batch-size"]) == plan.microbatches * int(flags["--micro-batch-size"])
-
-
-def test_megatron_layout_groups_runs_of_equal_stages() -> None:
-    """Equal stages in a row are written as a group, and still expand to the plan."""
-    plan = partition(LLAMA, 8, schedule="interleaved1f1b", target="megatron", memory_limit=None)
-    text = _flags(export_plan(plan, LLAMA, "megatron").text)["--pipeline-model-parallel-layout"]
-    assert "(" in text and len(text) < 40, text
-
-
 # ---- torchtitan ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("schedule,name", [("1f1b", "1F1B"), ("gpipe", "GPipe"), ("interleaved1f1b", "Interleaved1F1B"),
                                            ("zbv", "ZBVZeroBubble")])
-def test_torchtitan_toml_holds_every_module_of_each_chunk_once(schedule: str, name: str) -> None:
-    """The TOML parses; one part per virtual stage, in model order, holding exactly its chunk's modules."""
+def test_torchtitan_02_toml_holds_every_module_of_each_chunk_once(schedule: str, name: str) -> None:
+    """0.2's TOML parses; one part per virtual stage, in model order, holding exactly its chunk's modules
+    in the names of torchtitan's HuggingFace backend (a HuggingFace Llama), rotary_emb in each."""
     plan = partition(LLAMA, 4, schedule=schedule, target="torchtitan", memory_limit=None)
-    out = export_plan(plan, LLAMA, "torchtitan")
+    out = export_plan(plan, LLAMA, "torchtitan@0.2", path="pp.toml")
     cfg = tomllib.loads(out.text)
     par = cfg["parallelism"]
     assert par["pipeline_parallel_degree"] == 4 and par["pipeline_parallel_schedule"] == name
     assert par["pipeline_parallel_microbatch_size"] == 1
     assert cfg["training"]["local_batch_size"] == plan.microbatches  # micro-batches = local batch / micro-batch size
+    assert cfg["activation_checkpoint"] == {"mode": "none"}  # written although none: 0.2's default is selective
+    assert cfg["model"] == {"name": "transformers_modeling_backend", "flavor": "full"}
     parts = par["module_fqns_per_model_part"]
     assert len(parts) == plan.num_chunks
+    rename = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}
     for c, part in enumerate(parts):
-        mods = [m for m in part if m != "model.rotary_emb" or c == 0]
-        want = [u for i in plan.layers_of(c) for u in layer_units(LLAMA.layers[i].name)]
-        assert mods == want
+        want = [rename.get(u, u.removeprefix("model.")) for i in plan.layers_of(c) for u in layer_units(LLAMA.layers[i].name)
+                if u != "model.rotary_emb"]
+        assert [m for m in part if m != "rotary_emb"] == want and part.count("rotary_emb") == 1
     assert "--parallelism.pipeline_parallel_schedule " + name in out.overrides
+    assert out.args[-2:] == ("--activation_checkpoint.mode", "none") and out.filename == "pp.toml"
 
 
-def test_torchtitan_data_parallel_and_recompute() -> None:
-    """Replicas map to torchtitan's degrees (FSDP for ZeRO 3), one recompute mode to activation_checkpoint."""
+def test_torchtitan_03_module_sets_the_plan_on_the_models_config_function() -> None:
+    """0.3's module: the HF backend's config function, every field, and recompute none said explicitly."""
     plan = partition(LLAMA, 4, target="torchtitan", dp=2, zero=3, recompute="full", memory_limit=None)
-    cfg = tomllib.loads(export_plan(plan, LLAMA, "torchtitan").text)
-    assert cfg["parallelism"]["data_parallel_shard_degree"] == 2 and cfg["parallelism"]["data_parallel_replicate_degree"] == 1
-    assert cfg["activation_checkpoint"]["mode"] == "full"
+    out = export_plan(plan, LLAMA, "torchtitan@0.3")
+    tree = ast.parse(out.text)  # torchtitan itself reads it in tests/test_export_torchtitan.py
+    assert [f.name for f in tree.body if isinstance(f, ast.FunctionDef)] == ["autopipe_plan"]
+    assert "transformers_modeling_backend_full as base_config" in out.text
+    assert "cfg.parallelism.data_parallel_shard_degree = 2" in out.text and "FullAC.Config()" in out.text
+    assert out.args[-1] == "activation-checkpoint:full" and "--training.disable_cuda_graphs" in out.args
+    assert out.filename == "autopipe_plan.py" and "--module autopipe_plan --config autopipe_plan" in out.command
+    assert any("hf_model" in step for step in out.todo)  # a built-in has no folder: the user names the model
+
+
+def test_the_torchtitan_release_decides_the_form_and_a_wrong_one_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed 0.2.x -> TOML; none installed -> 0.3; 0.4 or a version on another engine refused; a
+    file name the release cannot read refused, naming the one it can."""
+    from autopipe.job.export import titan_names
+
+    plan = partition(LLAMA, 2, target="torchtitan", memory_limit=None)
+    monkeypatch.setattr(titan_names, "installed_titan", lambda: "0.2.2")
+    assert export_plan(plan, LLAMA, "torchtitan").suffix == ".toml"
+    monkeypatch.setattr(titan_names, "installed_titan", lambda: None)
+    assert export_plan(plan, LLAMA, "torchtitan").version == "0.3"
+    for target, says in [("torchtitan@0.4", "writes torchtitan 0.2's TOML and 0.3's config function"),
+                         ("megatron@0.16", "only torchtitan takes a version")]:
+        with pytest.raises(ExportError) as e:
+            export_plan(plan, LLAMA, target)
+        assert says in _one_line(e)
+    with pytest.raises(ExportError) as e:
+        export_plan(plan, LLAMA, "torchtitan@0.3", path="pp.toml")
+    assert "reads no TOML" in _one_line(e) and "torchtitan@0.2" in str(e.value)
+    with pytest.raises(ExportError) as e:
+        export_plan(plan, LLAMA, "torchtitan@0.3", path="export.torchtitan.py")
+    assert "like one, e.g. autopipe_plan.py" in _one_line(e)
+
+
+def test_a_module_torchtitans_splitter_would_drop_is_refused() -> None:
+    """GPT-2's transformer.h.3 is two levels down: torchtitan would keep nothing of it, so say so."""
+    prof = _profile(["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f", "lm_head"])
+    plan = partition(prof, 2, target="torchtitan", bandwidth=None)
+    with pytest.raises(ExportError) as e:
+        export_plan(plan, prof, "torchtitan")
+    assert "would silently drop transformer.wte" in _one_line(e) and "--to fqns or deepspeed" in str(e.value)
 
 
 def test_with_the_model_every_stage_gets_the_rotary_embedding_and_no_dropout() -> None:
@@ -286,8 +260,7 @@ def test_allowed_cuts_per_target() -> None:
     assert layer_units("transformer.h.0..transformer.h.2") == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
     two = ["wte, wpe", "h.0..h.1", "h.2..h.3", "ln_f", "lm_head"]  # two blocks per layer: four decoder layers
     plan = partition(_profile(two), 2, target="megatron", bandwidth=None)
-    layout = expand_layout(_flags(export_plan(plan, _profile(two), "megatron").text)["--pipeline-model-parallel-layout"])
-    assert sum(st.count("t") for st in layout) == 4
+    assert _flags(export_plan(plan, _profile(two), "megatron").text)["--num-layers"] == "4"  # Megatron reads it: test_export_megatron
 
 
 def test_torchtitans_default_split_is_its_formula() -> None:

@@ -17,9 +17,9 @@ runner = CliRunner()
 
 
 @pytest.mark.slow
-def test_convert_for_torchtitan_cuts_between_modules_and_writes_its_toml(tmp_path: Path) -> None:
+def test_convert_for_torchtitan_cuts_between_modules_and_writes_its_config(tmp_path: Path) -> None:
     """A Llama job planned for torchtitan: every cut at a module boundary, the plan says its target,
-    and export.torchtitan.toml names each stage's modules."""
+    and the installed torchtitan's config (0.3: the module autopipe_plan.py) names each stage's modules."""
     out = tmp_path / "job"
     result = runner.invoke(app, ["convert", "llama-tiny", "--stages", "2", "--estimate", "--device", "h100",
                                  "--seq-len", "32", "--for", "torchtitan", "--out", str(out)])
@@ -29,9 +29,10 @@ def test_convert_for_torchtitan_cuts_between_modules_and_writes_its_toml(tmp_pat
     names = [layer["name"] for layer in profile["layers"]]
     assert plan["target"] == "torchtitan"
     assert set(plan["boundaries"][1:-1]) <= set(module_cuts(names))
-    toml = (out / "export.torchtitan.toml").read_text()
-    assert "[parallelism]" in toml and "module_fqns_per_model_part" in toml
-    assert "export.torchtitan.toml" in result.output
+    text = (out / "autopipe_plan.py").read_text()
+    assert "def autopipe_plan():" in text and "cfg.parallelism.module_fqns_per_model_part" in text
+    assert '"layers.0"' in text and "model.layers" not in text  # torchtitan's HuggingFace backend's names
+    assert "autopipe_plan.py" in result.output
 
 
 def test_an_unknown_target_is_refused_before_any_work() -> None:

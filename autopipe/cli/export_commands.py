@@ -16,7 +16,7 @@ __all__ = ["export_command"]
 @handle_errors
 def export_command(
     plan: Annotated[Path, typer.Argument(help="A plan.json (from `autopipe plan --for ...`), or a job folder holding one.")],
-    to: Annotated[str, typer.Option("--to", help="torchtitan ([parallelism] TOML), megatron (layout flags), deepspeed (a PipelineModule file) or fqns (module names per stage, JSON).")],
+    to: Annotated[str, typer.Option("--to", help="torchtitan (the installed release's form, else 0.3's config function; torchtitan@0.2 for 0.2's TOML), megatron (layout flags), deepspeed (a PipelineModule file) or fqns (module names per stage, JSON).")],
     out: Annotated[Optional[Path], typer.Option(help="Write the file here (default: print it).")] = None,
     profile: Annotated[Optional[Path], typer.Option(help="The profile the plan was made from (default: profile.json beside the plan).")] = None,
     model: Annotated[Optional[str], typer.Option(help="The model, to check the module names (default: the profile's model, built on the meta device).")] = None,
@@ -28,10 +28,10 @@ def export_command(
     from ..errors import AutopipeError
     from ..files import write_text_atomic
     from ..job.export import export_plan
+    from ..job.export.exporter import split_target
     from ..planner.plan import Plan
-    from ..planner.targets import target_info
 
-    target = target_info(to)
+    split_target(to)  # an unknown engine or a stray version fails before any file is read
     plan_path = plan / "plan.json" if plan.is_dir() else plan
     if out is not None and out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it, or choose another --out.")
@@ -40,15 +40,19 @@ def export_command(
         raise AutopipeError(f"no profile beside {plan_path}; give the one it was planned from with --profile.")
     the_plan, prof = Plan.load(plan_path), Profile.load(prof_path)
     built = None if no_model else _build(model or prof.model, prof, given=model is not None)
-    result = export_plan(the_plan, prof, target.key, model=built)
+    result = export_plan(the_plan, prof, to, model=built, path=out)
     if out is not None:
         write_text_atomic(out, result.text)
     else:
         typer.echo(result.text, nl=False)
     say = err_console if out is None else console  # the file on stdout stays clean to pipe
     if result.overrides:
-        say.print(f"torchtitan command-line overrides (the module lists stay in the TOML):\n{result.overrides}",
-                  highlight=False, soft_wrap=True)  # fmt: skip
+        say.print(f"torchtitan {result.version} command-line overrides (the same plan on top of your own config):\n"
+                  f"{result.overrides}", highlight=False, soft_wrap=True)  # fmt: skip
+    if result.command:
+        say.print(f"run it:\n{result.command}", highlight=False, soft_wrap=True)
+    for step in result.todo:
+        say.print(f"[yellow]to do:[/] {step}", highlight=False, soft_wrap=True)
     line = f"predicted step {result.step_time * 1e3:.3f} ms"
     if result.default_step_time is not None:
         diff = result.default_step_time / result.step_time - 1 if result.step_time > 0 else 0.0

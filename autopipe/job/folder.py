@@ -136,11 +136,13 @@ def emit(
             names = (*names, "plan.search.json")
             search.save(str(staging / "plan.search.json"))
         if plan.target:  # planned for another trainer: what it reads, beside the plan (autopipe export)
-            from .export import export_plan
+            from .export import default_filename, export_plan
 
-            exported = export_plan(plan, profile, plan.target)
-            names = (*names, f"export.{plan.target}{exported.suffix}")
-            write_text_atomic(staging / names[-1], exported.text)
+            # the engine's own file name: torchtitan 0.3 imports it as a module (--module autopipe_plan)
+            name = default_filename(plan.target)
+            exported = export_plan(plan, profile, plan.target, path=path / name)
+            names = (*names, name)
+            write_text_atomic(staging / name, exported.text)
         if settings.engine == "deepspeed":  # DeepSpeed's own settings file, for the user to edit
             names = (*names, "ds_config.json")
             write_text_atomic(staging / "ds_config.json", _ds_config(settings, plan))

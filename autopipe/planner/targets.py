@@ -233,8 +233,9 @@ def allowed_cuts(names: Sequence[str], target: str, tied: Sequence[Sequence[int]
                 if inside:
                     cuts -= inside
                     reasons.append(f"{t.name} does not tie weights across stages, so layers {lo}..{hi} "
-                                   "(sharing a tied tensor) stay on one stage: untie them in the model, or plan for "
-                                   "megatron or deepspeed, which tie across stages")
+                                   "(sharing a tied tensor) stay on one stage: untie them in the model (tie_word_embeddings=false; "
+                                   "torchtitan:...,enable_weight_tying=false), or plan for megatron or deepspeed, which "
+                                   "tie across stages")
     if t.key == "megatron":
         stack = decoder_stack(names)
         layout = {stack.first, *range(stack.first + 1, stack.end), stack.end} - {n}

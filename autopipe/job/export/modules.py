@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ...costs.layer_costs import Profile
-from ...costs.rescale import profiled_microbatch
+from ...costs.rescale import profiled_microbatch, tokens_per_sample
 from ...errors import ExportError, StaleProfileError
 from ...planner.plan import Plan
 from ...planner.targets import (
@@ -56,6 +56,7 @@ class StageModules:
     units: tuple[tuple[str, ...], ...] = ()  # per flattened layer: the modules it runs
     step_time: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    seq_len: int = 0  # tokens per sample the profile was taken at (0: not a token model)
 
 
 def model_units(model: Any) -> tuple[dict[str, bool], dict[str, list[str]]]:
@@ -99,7 +100,8 @@ def _why_not(plan: Plan, names: Sequence[str], target: str, tied: list[list[int]
                 chunks = sorted({chunk_of[u] for u in users})
                 raise ExportError(f"layers {', '.join(names[u] for u in users)} share a tied tensor but sit on chunks "
                                   f"{', '.join(map(str, chunks))}, and {t.name} does not tie weights across stages; untie "
-                                  "them in the model (e.g. tie_word_embeddings=false), or export --to megatron or deepspeed.")
+                                  "them in the model (tie_word_embeddings=false; torchtitan:...,enable_weight_tying=false), or "
+                                  "export --to megatron or deepspeed.")
         part = "embedding (E)" if b < decoder_stack(names).first else "final norm, output layer and loss (L)"
         raise ExportError(f"chunk {c} starts at layer {b} ({names[b]}), inside Megatron-Core's {part}; plan with "
                           "--for megatron (cuts before a decoder layer or before L only).")
@@ -157,7 +159,7 @@ def stage_modules(plan: Plan, profile: Profile, target: str, model: Any = None) 
         dp=plan.dp, zero=plan.zero, recompute=modes[0], chunk_ranks=plan.stage_ranks,
         layers=tuple((a, b) for a, b in zip(plan.boundaries, plan.boundaries[1:])), modules=tuple(modules),
         every_stage=tuple(every), tied=tuple(groups), names=tuple(names), units=tuple(tuple(u) for u in units),
-        step_time=plan.step_time, notes=tuple(notes),
+        step_time=plan.step_time, notes=tuple(notes), seq_len=tokens_per_sample(profile) or 0,
     )  # fmt: skip
 
 
