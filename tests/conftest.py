@@ -41,3 +41,25 @@ def _no_engine_table(request, monkeypatch, tmp_path_factory) -> None:
     from autopipe.costs import engines
 
     monkeypatch.setattr(engines, "TABLE", tmp_path_factory.getbasetemp() / "no-engine-table.json")
+
+
+# torchtitan 0.2 (its last TOML release) beside the 0.3 the test extra installs: pip puts the release alone,
+# without its dependencies (0.3's serve it), in a folder of pytest's cache, once; a test runs it in a
+# subprocess with that folder first on PYTHONPATH, so the two versions never meet in one interpreter.
+TITAN_TOML_RELEASE = "0.2.2"
+
+
+@pytest.fixture(scope="session")
+def titan022(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder holding torchtitan 0.2.2 alone, to put first on PYTHONPATH (installed by pip on first use)."""
+    import subprocess
+
+    cache = getattr(request.config, "cache", None)
+    where = (cache.mkdir(f"torchtitan-{TITAN_TOML_RELEASE}") if cache is not None
+             else tmp_path_factory.mktemp(f"torchtitan-{TITAN_TOML_RELEASE}"))  # fmt: skip
+    done = where / ".installed"
+    if not done.is_file():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(where),
+                        f"torchtitan=={TITAN_TOML_RELEASE}"], check=True, timeout=300)  # fmt: skip
+        done.write_text(TITAN_TOML_RELEASE)
+    return str(where)
