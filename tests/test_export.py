@@ -343,10 +343,3 @@ def test_names_that_are_not_the_models_modules_are_refused() -> None:
         stage_modules(partition(LLAMA, 2, target="fqns", memory_limit=None), LLAMA, "fqns", gpt)
     assert "model.embed_tokens, which is not a module of the model" in _one_line(e)
 
-
-def test_megatrons_interleaved_schedule_needs_whole_groups_of_microbatches() -> None:
-    """Megatron-Core raises for a last group of fewer than pp micro-batches; the export says what to plan."""
-    plan = partition(LLAMA, 4, schedule="interleaved1f1b", microbatches=6, memory_limit=None)
-    with pytest.raises(ExportError) as e:
-        export_plan(plan, LLAMA, "megatron")
-    assert "groups of the pipeline size (4)" in _one_line(e) and "--microbatches 8" in str(e.value)

@@ -25,7 +25,7 @@ def _is_autopipe_report(path: Path) -> bool:
 @app.command("convert")
 @handle_errors
 def convert_command(
-    model: Annotated[str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, or module:function / file.py:function.")],
+    model: Annotated[str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, module:function / file.py:function, or torchtitan's torchtitan:MODULE:FLAVOR (torchtitan:llama3:8B).")],
     stages: Annotated[Optional[int], typer.Option("--stages", "-s", help="Pipeline stages (one process each); or --gpus to search the layout.")] = None,
     microbatches: Annotated[Optional[int], typer.Option(help="Micro-batches per step (default 2 x stages).")] = None,
     schedule: Annotated[str, typer.Option(help="auto (plan every schedule the engine runs, keep the fastest predicted step), gpipe, 1f1b, interleaved1f1b or zbv.")] = "auto",

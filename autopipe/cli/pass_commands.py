@@ -12,7 +12,7 @@ from .app import app, console, err_console, handle_errors, zero_option
 # ---- inspect (issue 2) -------------------------------------------------------------------------
 
 ModelArg = Annotated[
-    str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, or module:function / file.py:function.")
+    str, typer.Argument(help="A built-in name (gpt2, llama-7b, ...), a HuggingFace folder, module:function / file.py:function, or torchtitan's torchtitan:MODULE:FLAVOR (torchtitan:llama3:8B).")
 ]
 
 
@@ -65,7 +65,7 @@ def inspect_command(
 @app.command("profile")
 @handle_errors
 def profile_command(
-    model: Annotated[str, typer.Argument(help="A built-in name (gpt2), a HuggingFace folder, or module:function.")],
+    model: Annotated[str, typer.Argument(help="A built-in name (gpt2), a HuggingFace folder, module:function, or torchtitan:MODULE:FLAVOR (torchtitan:llama3:8B).")],
     device: Annotated[str, typer.Option(help="Measure on cpu or cuda; with --estimate: cpu, cuda, a100, h100, h200.")] = "cpu",
     estimate: Annotated[bool, typer.Option("--estimate", help="Run nothing: FLOPs and bytes on meta tensors, priced by a roofline.")] = False,
     batch_size: Annotated[Optional[int], typer.Option(help="Micro-batch size (default: the model's own).")] = None,

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-from ...errors import ExportError
 from ...planner.targets import decoder_stack
 from .modules import StageModules
 
@@ -55,12 +54,6 @@ def megatron_layout(symbols: list[tuple[int, int, int]]) -> str:
 
 def megatron_args(sm: StageModules) -> list[str]:
     """The command-line flags (pretrain_gpt.py's) for this plan."""
-    m, pp = sm.microbatches, sm.stages
-    if sm.virtual_stages > 1 and (m < pp or m % pp):
-        # its interleaved schedule runs groups of pp micro-batches per virtual stage and raises for a short last group
-        up = -(-m // pp) * pp
-        raise ExportError(f"Megatron-Core's interleaved schedule runs micro-batches in groups of the pipeline size ({pp}), "
-                          f"and {m} leave a group of {m % pp or m}; plan with --microbatches {up} (a multiple of {pp}).")
     symbols = megatron_stage_symbols(sm)
     decoder = sum(t for _, t, _ in symbols)
     flags = [
