@@ -155,3 +155,17 @@ def test_a_tied_qwen3_is_refused_in_one_line_as_torchtitan_refuses_it() -> None:
     config = titan_model_config(parse_titan_spec("torchtitan:qwen3:debugmodel"))
     with pytest.raises(NotImplementedError, match="Weight tying"):
         config.update_from_config(config=SimpleNamespace(parallelism=ParallelismConfig(pipeline_parallel_degree=2)))
+
+
+@pytest.mark.parametrize("layers,chunks", [(6, 2), (6, 4), (8, 3), (32, 4), (32, 8), (26, 4), (61, 16)])
+def test_the_default_split_priced_beside_the_plan_is_torchtitans_own(layers: int, chunks: int) -> None:
+    """default_cut("torchtitan") gives each chunk the modules torchtitan's generate_llm_fqn_per_model_part does."""
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+    from autopipe.planner.targets import default_cut
+
+    names = ["tok_embeddings", *(f"layers.{i}" for i in range(layers)), "norm", "lm_head"]
+    bounds, _ = default_cut("torchtitan", names, [1.0] * len(names), chunks)
+    ours = [names[a:b] for a, b in zip(bounds, bounds[1:])]
+    theirs = _generate_llm_fqn_per_model_part(chunks, layers, 1, 1)
+    assert ours == theirs
