@@ -24,7 +24,7 @@ import importlib.util
 import inspect
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -33,30 +33,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import ModelNotFoundError
+from .model_spec import ModelSpec
 from .titan_models import is_titan_spec, load_titan, parse_titan_spec
 
 __all__ = ["ModelSpec", "load_model", "BUILTINS", "builtin_names", "check_source"]
-
-
-@dataclass
-class ModelSpec:
-    """A model with example inputs of the micro-batch shape, and what it is."""
-
-    name: str
-    model: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    task: str = "custom"  # causal-lm | masked-lm | seq2seq | sequence-classification | image-classification | custom
-    source: str = "builtin"  # builtin | folder | factory | torchtitan
-    vocab_size: int = 0  # for synthetic token data; 0 when not a language model
-    batch_size: int = 1
-    seq_len: int = 0
-    loss: Any = None  # a factory's loss(outputs, target), if it gave one
-    data: Any = None  # a factory's training data, if it gave some
-
-    def __iter__(self) -> Iterator[Any]:
-        """``model, args, kwargs = load_model(...)`` unpacks what flatten takes."""
-        return iter((self.model, self.args, self.kwargs))
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ def titan_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def load_titan(spec: str, device: torch.device, batch_size: int, seq_len: int, seed: int = 0) -> Any:
     """The model of ``spec`` on ``device`` (meta: no weights; else torchtitan's own initialisation,
     seeded) with example token ids of ``(batch_size, seq_len)`` and torchtitan's loss."""
-    from .sources import ModelSpec
+    from .model_spec import ModelSpec
 
     tm = parse_titan_spec(spec)
     config = titan_model_config(tm)
