@@ -30,7 +30,7 @@ BASE = ("errors", "units", "files", "choices", "lazy")
 FLOORS = {"base": 0, "graph": 1, "costs": 2, "planner": 3, "cluster": 4, "runtime": 4, "report": 5, "job": 6, "cli": 7}
 # plain numbers in, plain numbers out: these never import torch, not even inside a function
 TORCH_FREE = ("autopipe.planner", "autopipe.cluster", "autopipe.costs.layer_costs", "autopipe.costs.rescale",
-              "autopipe.costs.gpu_memory",
+              "autopipe.costs.gpu_memory", "autopipe.costs.noise",
               *(f"autopipe.{name}" for name in BASE))
 
 

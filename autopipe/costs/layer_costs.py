@@ -159,6 +159,13 @@ class Profile:
     # What the profiler noticed that makes its figures doubtful (identical layers that disagreed,
     # timings that stayed noisy): said wherever the profile is shown.
     warnings: tuple[str, ...] = ()
+    # How disturbed the timings were, in figures (autopipe.costs.noise judges them; 0: not measured,
+    # estimated, or a profile made before these fields): the whole model's runs' interquartile range
+    # over their median (autopipe.costs.in_model); the largest ratio between identical layers timed
+    # twice (the profiler then keeps the faster); the host's 1-minute load average when profiling ended.
+    timing_spread: float = 0.0
+    twin_ratio: float = 0.0
+    host_load: float = 0.0
     schema: int = PROFILE_SCHEMA
 
     def __post_init__(self) -> None:
@@ -167,7 +174,7 @@ class Profile:
         _check_layers(self.layers)
         for label, value in (("input_bytes", self.input_bytes), ("reserve_bytes", self.reserve_bytes)):
             _check_number(value, f"profile {label}", integer=True)
-        for label in ("sequence_forward_time", "sequence_backward_time"):
+        for label in ("sequence_forward_time", "sequence_backward_time", "timing_spread", "twin_ratio", "host_load"):
             _check_number(getattr(self, label), f"profile {label}")
         for name, size in self.tied_static_bytes.items():
             _check_number(size, f"tied_static_bytes[{name!r}]", integer=True)

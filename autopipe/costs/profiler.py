@@ -13,6 +13,7 @@ shapes) are timed once. ``estimate=True`` runs nothing real and prices each laye
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -194,6 +195,10 @@ def profile(
         tied_grad_time=tied_time,
         sequence_forward_time=sum(sequence.forward) if sequence is not None else 0.0,
         sequence_backward_time=sum(sequence.backward) if sequence is not None else 0.0,
+        # how disturbed the timings were, in figures (autopipe.costs.noise says so beside each predicted step)
+        timing_spread=sequence.spread / sequence.total if sequence is not None and sequence.total > 0 else 0.0,
+        twin_ratio=walk.twin_ratio,
+        host_load=0.0 if estimate else _load_average(),
     )
 
 
@@ -261,6 +266,7 @@ class _Walk:
         self.ledgers = {mode: Ledger(n, as_tuple(first_input)) for mode in RECOMPUTE_MODES}
         self.costs: list[dict[str, Any]] = []
         self.warnings: list[str] = []
+        self.twin_ratio = 0.0  # the largest ratio between identical layers timed twice (_check_twin)
         self.measured: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.first_named: dict[tuple[Any, ...], str] = {}
         # identical layers are timed once; the last of each kind is timed again to check that figure
@@ -321,6 +327,9 @@ class _Walk:
         run = self.run
         with run.autocast():
             check = time_layer(work, x, device=run.device, warmup=run.warmup, repeats=run.repeats)
+        first, again = timing["forward_time"] + timing["backward_time"], check.forward + check.backward
+        if min(first, again) > 0:
+            self.twin_ratio = max(self.twin_ratio, max(first, again) / min(first, again))
         note = _disagreement(self.first_named[key], timing, name, check)
         if not note:
             return
@@ -484,6 +493,15 @@ def _noisy(layers: Sequence[LayerCost]) -> list[str]:
     return [f"timings of {len(bad)} layer(s) stayed noisy after {MAX_REPEAT_FACTOR}x the repeats (interquartile "
             f"range up to {worst[0]:.0%} of the median, at {worst[1]}): other work was running; profile again on "
             "a quiet machine, or with more --repeats."]
+
+
+def _load_average() -> float:
+    """The host's 1-minute load average now (0 where the platform has none): what ran beside the
+    profile's last minute, its own threads included (autopipe.costs.noise takes them off)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return 0.0
 
 
 def _autocast_dtype(

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from ..costs.engines import EngineCosts
 from ..costs.layer_costs import Profile
+from ..costs.noise import noise_note
 from ..errors import PartitionError
 from .chunk_costs import ChunkCosts
 from .memory import holds_sends, layer_memory, tensor_budget
@@ -134,6 +135,7 @@ class CostModel:
             first_backward=first,
         )
         self.reserve = profile.reserve_bytes
+        self.noise = noise_note(profile)  # said beside every step predicted from this profile (Plan.profile_noise)
         self.params = [l.params or l.param_bytes for l in layers]
         self.param_counts = [l.params or l.param_bytes // 4 for l in layers]  # fp32 where only bytes are known
         self.tied = tied

@@ -529,6 +529,7 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
         step_overhead=model.after_schedule(bounds, ranks, stages),
         cores=cores,
         shared_step_time=shared,
+        profile_noise=model.noise,
     )
 
 
