@@ -115,9 +115,9 @@ def test_the_whole_model_runs_one_and_a_half_times_the_layers_repeats(monkeypatc
     asked: list[tuple[int, int]] = []
     original = profiler.time_in_model
 
-    def counting(layers, x, *, device, warmup, repeats):  # noqa: ANN001, ANN202
+    def counting(layers, x, *, device, warmup, repeats, on_run=None):  # noqa: ANN001, ANN202
         asked.append((warmup, repeats))
-        return original(layers, x, device=device, warmup=warmup, repeats=repeats)
+        return original(layers, x, device=device, warmup=warmup, repeats=repeats, on_run=on_run)
 
     monkeypatch.setattr(profiler, "time_in_model", counting)
     seq = autopipe.flatten(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), (torch.randn(2, 8),))

@@ -36,6 +36,8 @@ def test_the_cpu_reserve_is_measured_once_then_read_from_the_cache(monkeypatch: 
     assert 0 <= first < 64 * MIB and first == probe["reserve_bytes"], first
     cache = Path(os.environ["AUTOPIPE_CACHE"]) / "reserve.json"
     assert first in json.loads(cache.read_text()).values()
+    # and beside it the most a rank held beyond its prediction, never under the ranks' mean: memory advice's figure
+    assert mod.rank_excess("cpu") == probe["excess_bytes"] >= first
 
     def no_probe(device: str, **kwargs: object):  # noqa: ANN202
         raise AssertionError("measured again despite the cache")
@@ -66,9 +68,9 @@ def test_each_precision_and_architecture_has_a_reserve_of_its_own(monkeypatch: p
     monkeypatch.setenv("AUTOPIPE_CACHE", str(tmp_path))  # a cache of its own: other tests fill the session's
     asked: list[tuple[str, str]] = []
 
-    def fake_probe(device: str, *, dtype: str = "fp32", config: object = None) -> dict[str, int]:
+    def fake_probe(device: str, *, dtype: str = "fp32", config: object = None, progress: object = False) -> dict[str, int]:
         asked.append((dtype, getattr(config, "model_type", "gpt2")))
-        return {"reserve_bytes": len(asked) * MIB}
+        return {"reserve_bytes": len(asked) * MIB, "excess_bytes": 2 * len(asked) * MIB}
 
     monkeypatch.setattr("autopipe.runtime.checks.reserve.measure_reserve", fake_probe)
     llama = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1376,

@@ -4,7 +4,7 @@ imports only downward through the floors, no torch where the planner and the sea
 The floors, lowest first; a module imports its own floor or a lower one, never a higher one nor a
 floor beside it (cluster and runtime share a height and neither imports the other):
 
-    base (errors, units, files, choices, lazy) < graph < costs < planner < cluster | runtime < report < job < cli
+    base (errors, units, files, choices, lazy, progress) < graph < costs < planner < cluster | runtime < report < job < cli
 
 ``autopipe/__init__.py`` is the public face: it imports base modules and names any floor lazily
 (``lazy_exports``). Every import counts, at module level or inside a function, and so does a name a
@@ -26,11 +26,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "autopipe"
 
-BASE = ("errors", "units", "files", "choices", "lazy")
+BASE = ("errors", "units", "files", "choices", "lazy", "progress")
 FLOORS = {"base": 0, "graph": 1, "costs": 2, "planner": 3, "cluster": 4, "runtime": 4, "report": 5, "job": 6, "cli": 7}
 # plain numbers in, plain numbers out: these never import torch, not even inside a function
 TORCH_FREE = ("autopipe.planner", "autopipe.cluster", "autopipe.costs.layer_costs", "autopipe.costs.rescale",
-              "autopipe.costs.gpu_memory",
+              "autopipe.costs.gpu_memory", "autopipe.costs.noise",
               *(f"autopipe.{name}" for name in BASE))
 
 

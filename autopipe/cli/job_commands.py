@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..report.predicted import step_text
 from ..report.tables import limit_phrase, recompute_phrase, sharding_phrase, stage_table
 from .app import app, console, err_console, handle_errors, zero_option
 
@@ -65,7 +66,7 @@ def convert_command(
     """Trace, profile and partition MODEL; write a job folder with train.py and report.html."""
     from ..job.converter import convert
     from ..job.settings import ConvertSettings
-    from ..units import format_bytes, format_time, parse_bandwidth
+    from ..units import format_bytes, parse_bandwidth
 
     if zero is None:  # the search chooses the stage unless told; one fixed cut replicates (ZeRO 0)
         zero = "auto" if gpus is not None and engine == "torch" else "0"
@@ -109,8 +110,8 @@ def convert_command(
         gain = best[1].step_time / plan.step_time - 1
         versus = f"; best baseline ({best[0]}) {gain:+.1%}" if abs(gain) >= 0.0005 else f"; best baseline ({best[0]}) equal"
     how = "measured on" if prof.mode == "measured" else "estimated for"
-    simulated = f"simulated for {plan.engine}, + {format_time(plan.step_overhead)} after the schedule" if plan.engine else "simulated"
-    console.print(f"{how} {prof.device.name}: step {format_time(plan.total_step_time)} ({simulated}), bubble {plan.bubble_fraction:.0%}, "
+    # the one predicted step (Plan.predicted_step), in the words the README, the report and the step log use
+    console.print(f"{how} {prof.device.name}: step {step_text(plan)}, bubble {plan.bubble_fraction:.0%}, "
                   f"balance {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}{limit_phrase(plan)}"
                   f"{sharding_phrase(plan)}{recompute_phrase(plan)}{versus}", highlight=False, soft_wrap=True)
     for choice in (result.engine_choice, result.schedule_choice):
@@ -120,12 +121,12 @@ def convert_command(
     written = ", ".join(p.name for p in result.job.files)  # the job's files, train.sbatch and the like included
     console.print(f"wrote {result.job.job_dir}/ ({written}) in {took:.1f} s", highlight=False, soft_wrap=True)
     console.print("launch:", highlight=False)
-    console.print(f"  {result.job.launch}", style="bold", highlight=False, soft_wrap=True)
-    if plan.nodes == 1:  # one host: the launcher that keeps each rank's log and shows one line on failure
-        import shlex
-
-        console.print(f"  or: autopipe run {shlex.quote(str(result.job.job_dir))}   (rank 0's output only; every "
-                      "rank's log kept)", highlight=False, soft_wrap=True)
+    if result.job.first_run:  # one host: a short first run under the launcher that keeps each rank's log
+        console.print(f"  {result.job.first_run}", style="bold", highlight=False, soft_wrap=True)
+        console.print(f"  or: {result.job.launch}   (torch's launcher itself; train.py's default is 100 steps)",
+                      highlight=False, soft_wrap=True)
+    else:
+        console.print(f"  {result.job.launch}", style="bold", highlight=False, soft_wrap=True)
 
 
 def _pair(flag: str, text: str) -> tuple[float, float]:

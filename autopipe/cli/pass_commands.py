@@ -109,14 +109,14 @@ def profile_command(
         args, kwargs = tree_map(lambda v: v.to(target) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
                                 (args, kwargs))
     from ..costs.devices import slow_16bit_cpu_note
-    from ..runtime.checks.reserve import reserve_for
+    from ..runtime.checks.reserve import excess_for, reserve_for
 
     emulated = slow_16bit_cpu_note(autocast or dtype or "fp32") if device == "cpu" and not estimate else None
     if emulated and not json_output:  # before the profile it warns of, which may take many minutes
         err_console.print(f"[yellow]warning:[/] {emulated}", highlight=False, soft_wrap=True)
     # measured before the model is on the GPU: a probe beside it would compete with it for memory
     reserve_bytes = reserve_for(device, estimate=estimate, given=reserve, dtype=precision(autocast) if autocast else "fp32",
-                                config=getattr(m, "config", None))  # fmt: skip
+                                config=getattr(m, "config", None), progress=not json_output)  # fmt: skip
     if not estimate and device != "cpu":
         # Trace where it will be measured: traced graphs keep their device.
         m = m.to(device)
@@ -126,7 +126,10 @@ def profile_command(
     prof = profile(seq, args, kwargs, device=device, estimate=estimate, dtype=dtype,
                    mixed_precision=mixed_precision, autocast=autocast, optimizer=optimizer, repeats=repeats, warmup=warmup,
                    progress=not json_output, reserve=reserve_bytes)
-    prof = dataclasses.replace(prof, model=model)
+    # a CPU rank's most beyond its predicted tensors, from the reserve's probe: the memory advice's figure
+    excess = excess_for(device, estimate=estimate, given=reserve, dtype=precision(autocast) if autocast else "fp32",
+                        config=getattr(m, "config", None)) or 0  # fmt: skip
+    prof = dataclasses.replace(prof, model=model, rank_excess_bytes=excess)
     prof.save(out)
     if json_output:
         typer.echo(json.dumps(prof.to_dict(), indent=1))
@@ -289,7 +292,7 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
                           parse_bandwidth(bandwidth_inter) if bandwidth_inter else None)  # fmt: skip
     result = search(prof, cluster, global_batch=global_batch, memory_limit=memory_limit, optimizer=optimizer,
                     recompute=recompute, zeros=ZERO_STAGES if z == "auto" else (int(z),), top=max(top, 1),
-                    target=target)  # fmt: skip
+                    target=target, progress=not json_output)  # fmt: skip
     assert result.plan is not None
     if out is not None:
         result.plan.save(out)

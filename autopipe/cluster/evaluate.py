@@ -8,6 +8,7 @@ from typing import Sequence
 
 from ..costs.layer_costs import Profile
 from ..costs.rescale import scale_microbatch, tokens_per_sample
+from ..planner.cost_model import limit_reserve
 from ..planner.memory import LayerMemory, charged_units, layer_memory, rank_memory, tensor_budget
 from ..planner.options import PartitionOptions
 from ..planner.partitioner import fits_memory, partition, resolve_limit
@@ -48,7 +49,7 @@ class SearchBounds:
             return True
         static, acts, lm = self._memory(x.dp, x.zero)
         least = min(inflight_counts(x.schedule, x.stages, x.virtual_stages, x.microbatches))
-        chunk = tensor_budget(lm, self.limit, stages=x.stages, reserve=self.profile.reserve_bytes) // x.virtual_stages
+        chunk = tensor_budget(lm, self.limit, stages=x.stages, reserve=limit_reserve(self.profile)) // x.virtual_stages
         return chunk > 0 and static + least * acts * scale <= x.stages * x.virtual_stages * chunk
 
     def throughput(self, x: Layout, scale: float) -> float:
@@ -156,8 +157,8 @@ def _peak_if_fits(prof: Profile, free: Plan, x: Layout, optimizer: str | None, l
     peak = max(r.total for r in ranks)
     if limit is None:
         return peak
-    if x.virtual_stages == 1:
-        return peak if peak <= limit else None
+    if x.virtual_stages == 1:  # on a CPU a rank may hold more beyond its tensors than the reserve: the limit counts it
+        return peak if peak - prof.reserve_bytes + limit_reserve(prof) <= limit else None
     chunks = rank_memory(lm, free.boundaries, stage_ranks=tuple(range(free.num_chunks)), **common)  # type: ignore[arg-type]
-    share = tensor_budget(lm, limit, stages=x.stages, reserve=prof.reserve_bytes) // x.virtual_stages
+    share = tensor_budget(lm, limit, stages=x.stages, reserve=limit_reserve(prof)) // x.virtual_stages
     return peak if all(c.tensors <= share for c in chunks) else None

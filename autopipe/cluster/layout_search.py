@@ -48,8 +48,10 @@ from ..choices import ZERO_STAGES
 from ..costs.layer_costs import Profile
 from ..costs.rescale import profiled_microbatch, scale_microbatch
 from ..errors import AutopipeError, InfeasibleMemoryError
+from ..planner.cost_model import cpu_rank_excess
 from ..planner.partitioner import fits_memory, resolve_limit
 from ..planner.targets import restricted_cuts, target_info
+from ..progress import Progress, progress_for
 from ..units import format_bytes
 from .evaluate import SearchBounds, evaluate
 from .layouts import SEARCH_SCHEDULES, Layout, SearchResult, enumerate_layouts
@@ -67,13 +69,14 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
            optimizer: str | None = None, recompute: str = "auto", zeros: Sequence[int] = ZERO_STAGES,
            schedules: Sequence[tuple[str, int]] = SEARCH_SCHEDULES, microbatch_sizes: Sequence[int] | None = None,
            top: int = 3, prune: bool = True, weight_share: float | None = None,
-           target: str | None = None) -> SearchResult:  # fmt: skip
+           target: str | None = None, progress: bool | Progress = False) -> SearchResult:  # fmt: skip
     """The layouts of ``cluster`` for ``global_batch`` samples per step, best predicted throughput first.
 
     ``prune=False`` solves every layout (what the tests compare the pruned search with). Raises
     InfeasibleMemoryError, with what would fit in one line (autopipe.cluster.layout_search), when none fits.
     ``target``: only layouts that engine runs (its schedules, virtual stages, ZeRO stages), each cut
-    where it can (autopipe.planner.targets).
+    where it can (autopipe.planner.targets). ``progress``: how the layouts solved are shown
+    (autopipe.progress: the caller's display; the search itself prints nothing).
 
     Example:
         >>> from autopipe.cluster.topology import cluster_for
@@ -109,26 +112,29 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     found: list[Layout] = []
     cache: dict = {}
     solved = infeasible = pruned_bound = 0
-    for i, x in enumerate(todo):
-        if prune and len(found) >= top:
-            kth = sorted(found, key=_rank)[top - 1].throughput or 0.0
-            if x.bound < kth * (1 - 1e-12):  # sorted by bound: none after it can beat the top ones either
-                pruned_bound = len(todo) - i
-                break
-        solved += 1
-        if limit is not None and not fits_memory(
-                scale_microbatch(profile, x.microbatch_size), x.stages, microbatches=x.microbatches,
-                schedule=x.schedule, virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
-                recompute=recompute, dp=x.dp, zero=x.zero, cuts=cuts):  # fmt: skip
-            infeasible += 1  # no cut fits: known from one reachability, no solve (or explanation) needed
-            continue
-        try:
-            done, _ = evaluate(profile, cluster, x, memory_limit=limit, optimizer=optimizer, recompute=recompute,
-                               weight_share=weight_share, cache=cache, target=target)  # fmt: skip
-        except InfeasibleMemoryError:
-            infeasible += 1
-            continue
-        found.append(done)
+    with progress_for(progress).phase("search", total=len(todo), unit="layouts solved") as phase:
+        for i, x in enumerate(todo):
+            if prune and len(found) >= top:
+                kth = sorted(found, key=_rank)[top - 1].throughput or 0.0
+                if x.bound < kth * (1 - 1e-12):  # sorted by bound: none after it can beat the top ones either
+                    pruned_bound = len(todo) - i
+                    phase.finish(f"the other {pruned_bound} cannot beat the best {top}")
+                    break
+            solved += 1
+            phase.advance(what=x.label)
+            if limit is not None and not fits_memory(
+                    scale_microbatch(profile, x.microbatch_size), x.stages, microbatches=x.microbatches,
+                    schedule=x.schedule, virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
+                    recompute=recompute, dp=x.dp, zero=x.zero, cuts=cuts):  # fmt: skip
+                infeasible += 1  # no cut fits: known from one reachability, no solve (or explanation) needed
+                continue
+            try:
+                done, _ = evaluate(profile, cluster, x, memory_limit=limit, optimizer=optimizer, recompute=recompute,
+                                   weight_share=weight_share, cache=cache, target=target)  # fmt: skip
+            except InfeasibleMemoryError:
+                infeasible += 1
+                continue
+            found.append(done)
     found.sort(key=_rank)
     if not found:
         raise InfeasibleMemoryError(why_nothing_fits(profile, cluster, global_batch=global_batch, limit=limit,
@@ -208,5 +214,9 @@ def why_nothing_fits(profile: Profile, cluster: Cluster, *, global_batch: int, l
         if least is None or (done.peak_memory or 0) < (least.peak_memory or 0):
             least = done
     if least is not None:
-        hints.append(f"{format_bytes(least.peak_memory or 0)} per device would fit ({least.label}, full recompute)")
+        # on a CPU a rank was measured holding more beyond its tensors than the (mean) reserve the peak counts
+        excess = max(0, (cpu_rank_excess(profile) or 0) - profile.reserve_bytes)
+        more = ", and what a CPU rank was measured holding beyond its tensors here" if excess else ""
+        hints.append(f"{format_bytes((least.peak_memory or 0) + excess)} per device would fit ({least.label}, full "
+                     f"recompute{more})")
     return f"{head}: {'; '.join(hints) or 'nothing tried fits'}."

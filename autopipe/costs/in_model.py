@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -92,7 +92,7 @@ def _fresh(value: Value, given: set[int]) -> list[Tensor]:
 
 
 def time_in_model(layers: Sequence[nn.Module], x: Value, *, device: torch.device, warmup: int,
-                  repeats: int) -> InModelTiming:
+                  repeats: int, on_run: Callable[[int], None] | None = None) -> InModelTiming:
     """Seconds of each layer's forward and backward inside the whole model on one micro-batch (the
     module docstring) over ``repeats`` runs after ``warmup``, and more runs (up to
     ``MAX_REPEAT_FACTOR`` times as many) while the whole model's interquartile range stays above
@@ -104,7 +104,9 @@ def time_in_model(layers: Sequence[nn.Module], x: Value, *, device: torch.device
     cores: 0.54, 1.19 and 6.68 s for the same GPT-2 step), and other work only ever adds time; a
     layer's runs last milliseconds, and most meet none. Why not the least: the machine has fast
     moments too, and the least over more runs catches more of them (a job's step is a median over
-    its steps); the least spans give each layer's share, the quartile the whole."""
+    its steps); the least spans give each layer's share, the quartile the whole.
+
+    ``on_run`` is called with the count of runs done (warm-up included) after each: progress."""
     params = list(dict.fromkeys(p for layer in layers for p in layer.parameters() if p.requires_grad))
     targets = params + [t for t in as_tuple(x) if isinstance(t, Tensor) and t.requires_grad]
     n = len(layers)
@@ -147,6 +149,8 @@ def time_in_model(layers: Sequence[nn.Module], x: Value, *, device: torch.device
                 h.remove()
             marks.sync()
             y = outs = grads = None  # free this run's graph before the next forward
+            if on_run is not None:
+                on_run(run + 1)
             if run < warmup:
                 continue
             # the backward runs from the last layer to the first: layer i's ends where its input's

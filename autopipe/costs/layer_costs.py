@@ -152,6 +152,10 @@ class Profile:
     # Bytes the training runtime holds on this device beyond the model's tensors (allocator, process
     # group, traced graph), measured once per device; part of every rank's predicted peak.
     reserve_bytes: int = 0
+    # On a CPU, the most a rank of the reserve's probe held beyond the memory model's prediction for it
+    # (autopipe.runtime.checks.reserve: the reserve is the ranks' mean, so a rank may hold this much
+    # more); what memory advice sets beside the tensors. 0: not measured (given, estimated, a GPU).
+    rank_excess_bytes: int = 0
     # The whole model's forward and backward seconds per micro-batch, measured after the layers with
     # each layer's span marked (autopipe.costs.in_model; 0: not measured): the layers' times add up to them.
     sequence_forward_time: float = 0.0
@@ -159,15 +163,23 @@ class Profile:
     # What the profiler noticed that makes its figures doubtful (identical layers that disagreed,
     # timings that stayed noisy): said wherever the profile is shown.
     warnings: tuple[str, ...] = ()
+    # How disturbed the timings were, in figures (autopipe.costs.noise judges them; 0: not measured,
+    # estimated, or a profile made before these fields): the whole model's runs' interquartile range
+    # over their median (autopipe.costs.in_model); the largest ratio between identical layers timed
+    # twice (the profiler then keeps the faster); the host's 1-minute load average when profiling ended.
+    timing_spread: float = 0.0
+    twin_ratio: float = 0.0
+    host_load: float = 0.0
     schema: int = PROFILE_SCHEMA
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "warnings", tuple(self.warnings))
         _check_layers(self.layers)
-        for label, value in (("input_bytes", self.input_bytes), ("reserve_bytes", self.reserve_bytes)):
+        for label, value in (("input_bytes", self.input_bytes), ("reserve_bytes", self.reserve_bytes),
+                             ("rank_excess_bytes", self.rank_excess_bytes)):
             _check_number(value, f"profile {label}", integer=True)
-        for label in ("sequence_forward_time", "sequence_backward_time"):
+        for label in ("sequence_forward_time", "sequence_backward_time", "timing_spread", "twin_ratio", "host_load"):
             _check_number(getattr(self, label), f"profile {label}")
         for name, size in self.tied_static_bytes.items():
             _check_number(size, f"tied_static_bytes[{name!r}]", integer=True)

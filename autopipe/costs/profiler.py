@@ -13,25 +13,18 @@ shapes) are timed once. ``estimate=True`` runs nothing real and prices each laye
 from __future__ import annotations
 
 import contextlib
-import sys
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from ..choices import RECOMPUTE_MODES
 from ..errors import AutopipeError, StaleProfileError
+from ..progress import Progress, progress_for
 from .accounting import (
     Ledger,
     ParamSizer,
@@ -78,7 +71,7 @@ def profile(
     repeats: int = 10,
     estimate: bool = False,
     threads: int | None = None,
-    progress: bool = True,
+    progress: bool | Progress = True,
 ) -> Profile:
     """Measure (or estimate) what each layer of ``seq`` costs per micro-batch.
 
@@ -103,7 +96,8 @@ def profile(
         warmup: untimed runs per measured layer.
         repeats: timed runs per measured layer.
         threads: CPU threads to time with (default: torch's current setting), fixed for the run.
-        progress: show a progress bar on stderr.
+        progress: show progress on stderr (a live bar on a terminal, a plain line per phase
+            elsewhere: autopipe.progress), or report it to the ``Progress`` given; False: quiet.
 
         reserve: bytes the training runtime holds per rank on this device beyond the model's tensors,
             kept in the profile for the memory model (``autopipe.runtime.checks.reserve.runtime_reserve`` measures
@@ -140,27 +134,28 @@ def profile(
         steady_heap()  # as every CPU rank of a job runs (autopipe.runtime.process.distenv): one allocator state timed
     if run.device.type == "cpu" and threads:
         torch.set_num_threads(threads)
+    shown = progress_for(progress)
+    weights = _layer_work(infos)
+    verb = "estimated" if estimate else "measured"
     try:
-        with StateGuard(layers), _progress_bar(progress, len(layers)) as bar, run.no_data():
+        with StateGuard(layers), run.no_data():
             x = _to(x, run.device, estimate=estimate)
             first = x
             walk = _Walk(run, infos, x)
-            task = bar.add_task("profile", total=len(layers))
-            for i, layer in enumerate(layers):
-                bar.update(task, description=f"{'estimate' if estimate else 'measure'} {walk.name(i)}")
-                try:
-                    x = walk.layer(i, layer, x)
-                except RuntimeError as e:
-                    if not is_device_error(e):
-                        raise
-                    raise _device_failed(e, walk.name(i), run.device) from e
-                bar.advance(task)
+            with shown.phase("profile", total=len(layers), unit=f"layers {verb}", total_work=sum(weights)) as phase:
+                for i, layer in enumerate(layers):
+                    try:
+                        x = walk.layer(i, layer, x)
+                    except RuntimeError as e:
+                        if not is_device_error(e):
+                            raise
+                        raise _device_failed(e, walk.name(i), run.device) from e
+                    phase.advance(work=weights[i], what=walk.name(i))
             layer_costs = walk.results()
             tied_time = _tied_grad_time(seq, layers, run.device, run.spec, repeats, estimate)
             sequence = None
             if not estimate:
-                bar.update(task, description="measure the whole model")
-                sequence = _whole_model(layers, first, run, walk.warnings)
+                sequence = _whole_model(layers, first, run, walk.warnings, shown)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -196,6 +191,10 @@ def profile(
         tied_grad_time=tied_time,
         sequence_forward_time=sum(sequence.forward) if sequence is not None else 0.0,
         sequence_backward_time=sum(sequence.backward) if sequence is not None else 0.0,
+        # how disturbed the timings were, in figures (autopipe.costs.noise says so beside each predicted step)
+        timing_spread=sequence.spread / sequence.total if sequence is not None and sequence.total > 0 else 0.0,
+        twin_ratio=walk.twin_ratio,
+        host_load=0.0 if estimate else _load_average(),
     )
 
 
@@ -263,6 +262,7 @@ class _Walk:
         self.ledgers = {mode: Ledger(n, as_tuple(first_input)) for mode in RECOMPUTE_MODES}
         self.costs: list[dict[str, Any]] = []
         self.warnings: list[str] = []
+        self.twin_ratio = 0.0  # the largest ratio between identical layers timed twice (_check_twin)
         self.measured: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.first_named: dict[tuple[Any, ...], str] = {}
         # identical layers are timed once; the last of each kind is timed again to check that figure
@@ -323,6 +323,9 @@ class _Walk:
         run = self.run
         with run.autocast():
             check = time_layer(work, x, device=run.device, warmup=run.warmup, repeats=run.repeats)
+        first, again = timing["forward_time"] + timing["backward_time"], check.forward + check.backward
+        if min(first, again) > 0:
+            self.twin_ratio = max(self.twin_ratio, max(first, again) / min(first, again))
         note = _disagreement(self.first_named[key], timing, name, check)
         if not note:
             return
@@ -365,7 +368,8 @@ def _cost_layer(work: nn.Module, x: Value, run: _Run) -> dict[str, Any]:
                 hold_change={m: d for m, d in hold.items() if d is not None})
 
 
-def _whole_model(layers: list[nn.Module], x: Value, run: _Run, warnings: list[str]) -> InModelTiming | None:
+def _whole_model(layers: list[nn.Module], x: Value, run: _Run, warnings: list[str],
+                 shown: Progress) -> InModelTiming | None:  # fmt: skip
     """Each layer's forward and backward inside the whole model on one micro-batch (autopipe.costs.in_model),
     the buffers put back after; None (and a warning) where the device cannot hold it all at once."""
     snapshots = [StateGuard.snapshot_buffers(layer) for layer in layers]
@@ -377,7 +381,14 @@ def _whole_model(layers: list[nn.Module], x: Value, run: _Run, warnings: list[st
             # runs, and eight profiles of a 6 x 256 GPT-2 on this CPU planned its 2-stage 1F1B step with
             # a 2.6% coefficient of variation from 5 runs, 1.9% from 15 (a Llama: 2.5%, 1.2%;
             # bench/results/profile-draws.md). A run is one micro-batch's forward + backward.
-            return time_in_model(layers, x, device=run.device, warmup=1, repeats=max(3, run.repeats + run.repeats // 2))
+            repeats = max(3, run.repeats + run.repeats // 2)
+            with shown.phase("profile: the whole model", total=1 + repeats, unit="runs") as phase:
+                def ran(count: int) -> None:
+                    if count > (phase.total or 0):  # noisy runs: time_in_model takes more, up to its cap
+                        phase.extend(count)
+                    phase.set(count)
+
+                return time_in_model(layers, x, device=run.device, warmup=1, repeats=repeats, on_run=ran)
     except RuntimeError as e:
         if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)):
             raise
@@ -488,6 +499,15 @@ def _noisy(layers: Sequence[LayerCost]) -> list[str]:
             "a quiet machine, or with more --repeats."]
 
 
+def _load_average() -> float:
+    """The host's 1-minute load average now (0 where the platform has none): what ran beside the
+    profile's last minute, its own threads included (autopipe.costs.noise takes them off)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return 0.0
+
+
 def _autocast_dtype(
     autocast: str | torch.dtype | None, mixed: bool, model_dtype: torch.dtype, estimate: bool
 ) -> torch.dtype | None:
@@ -586,13 +606,22 @@ def _microbatch(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> dict[s
     return shapes
 
 
-def _progress_bar(enabled: bool, total: int) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(file=sys.stderr),
-        transient=True,
-        disable=not enabled,
-    )
+# What a layer weighs in the profile's time left: the first of a kind of identical layers is timed
+# (forward and backward, each recompute mode, the zero-bubble split), the last of a kind timed once
+# more (a check: about half of that), the others reuse the first's figures and only run once.
+_FIRST, _CHECKED, _REUSED = 1.0, 0.5, 0.05
+
+
+def _layer_work(infos: Sequence[Any]) -> list[float]:
+    """Each layer's share of the profile's work, for the ETA (identical layers share a structure key)."""
+    seen: set[str] = set()
+    last = {info.structure: info.index for info in infos if info is not None and info.structure}
+    work = []
+    for i, info in enumerate(infos):
+        key = info.structure if info is not None else ""
+        if not key or key not in seen:
+            work.append(_FIRST)
+        else:
+            work.append(_CHECKED if last.get(key) == i else _REUSED)
+        seen.add(key)
+    return work

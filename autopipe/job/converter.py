@@ -235,14 +235,23 @@ def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profi
                    warmup=s.warmup, autocast=PRECISIONS[s.dtype] if s.dtype != "fp32" else None,
                    progress=s.progress, reserve=_reserve(loaded.spec, s) if loaded.reserve is None else loaded.reserve,
                    optimizer=s.optimizer_state)  # fmt: skip
-    return replace(prof, model=model)
+    return replace(prof, model=model, rank_excess_bytes=_excess(loaded.spec, s))
 
 
 def _reserve(spec: Any, s: ConvertSettings) -> int:
     from ..runtime.checks.reserve import reserve_for
 
     return reserve_for(s.device, estimate=s.estimate, given=s.reserve, dtype=s.dtype,
-                       config=getattr(spec.model, "config", None))
+                       config=getattr(spec.model, "config", None), progress=s.progress)
+
+
+def _excess(spec: Any, s: ConvertSettings) -> int:
+    """What a CPU rank may hold beyond its predicted tensors, from the reserve's probe (measured with
+    the reserve: the memory advice sets it beside the tensors); 0 where not measured."""
+    from ..runtime.checks.reserve import excess_for
+
+    return excess_for(s.device, estimate=s.estimate, given=s.reserve, dtype=s.dtype,
+                      config=getattr(spec.model, "config", None)) or 0
 
 
 def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, Any, Any]:
@@ -298,7 +307,8 @@ def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
         zeros, schedules = tuple(z for z in zeros if z <= 1), (("1f1b", 1),)
     # the layout search costs the layers alone (no engine terms); auto then trains on torch
     found = search(prof, cluster, global_batch=s.global_batch, memory_limit=s.memory_limit, recompute=s.recompute,
-                   zeros=zeros, schedules=schedules, target=s.target, optimizer=s.optimizer_state)  # fmt: skip
+                   zeros=zeros, schedules=schedules, target=s.target, optimizer=s.optimizer_state,
+                   progress=s.progress)  # fmt: skip
     return scale_microbatch(prof, found.best.microbatch_size), found.plan, found
 
 

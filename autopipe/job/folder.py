@@ -40,7 +40,7 @@ from ..errors import AutopipeError
 from ..files import write_text_atomic
 from ..planner.plan import Plan
 from ..report.page import write_report
-from .launch import launch_command, sbatch_script
+from .launch import first_run_command, launch_command, sbatch_script
 from .readme import job_readme
 from .settings import JobSettings
 
@@ -55,11 +55,14 @@ class JobExistsError(AutopipeError):
 
 @dataclass(frozen=True)
 class JobFiles:
-    """What emit wrote, and the command that launches it."""
+    """What emit wrote, and the commands that launch it."""
 
     job_dir: Path
     files: tuple[Path, ...]
-    launch: str
+    launch: str  # the torchrun line (on several nodes, the one each node runs)
+    # the first command to try (launch.first_run_command: a handful of steps under `autopipe run`);
+    # "" when the plan spans several nodes, which `autopipe run` (one host) does not launch
+    first_run: str = ""
 
 
 def check_job_dir(job_dir: str | os.PathLike[str], *, force: bool = False) -> Path:
@@ -126,7 +129,8 @@ def emit(
         write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model, search=search)
         dp, nodes = plan.dp, plan.nodes
         launch = launch_command(path, settings, dp, nodes)
-        write_text_atomic(staging / "README.md", job_readme(settings, profile, plan, launch))
+        first = first_run_command(path) if nodes == 1 else ""
+        write_text_atomic(staging / "README.md", job_readme(settings, profile, plan, launch, first_run=first))
         names = JOB_FILES
         if nodes > 1:  # the same job under SLURM, one torchrun per node
             names = (*names, "train.sbatch")
@@ -154,7 +158,7 @@ def emit(
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return JobFiles(path, tuple(path / name for name in names), launch)
+    return JobFiles(path, tuple(path / name for name in names), launch, first)
 
 
 def _ds_config(settings: JobSettings, plan: Plan) -> str:

@@ -24,9 +24,13 @@ from pathlib import Path
 from ..errors import AutopipeError
 from .settings import JobSettings
 
-__all__ = ["RDZV_PORT", "launch_command", "sbatch_script"]
+__all__ = ["FIRST_STEPS", "RDZV_PORT", "first_run_command", "launch_command", "sbatch_script"]
 
 RDZV_PORT = 29500  # torchrun's default master port; MASTER_PORT in the environment overrides it in train.sbatch
+# Steps of the first run convert suggests: a handful, so that it ends in about a minute where train.py's
+# default 100 steps took 8-40 minutes for GPT-2 on 2 CPU cores (issue 41), and past the first step
+# (which also builds the schedule) so the log shows steady steps beside the plan's.
+FIRST_STEPS = 8
 
 
 def _per_node(settings: JobSettings, dp: int, nodes: int) -> int:
@@ -48,6 +52,17 @@ def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings, dp: i
         return f"torchrun --nproc-per-node {per} {script}"
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per} --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
             f"--master-port {RDZV_PORT} {script}")
+
+
+def first_run_command(job_dir: str | os.PathLike[str], steps: int = FIRST_STEPS) -> str:
+    """The first command to try a one-host job with: ``autopipe run JOB --steps N``, torch's
+    launcher under autopipe's (rank 0's output on the terminal, every rank's log kept, a failure
+    in one line), a handful of steps.
+
+    >>> first_run_command("jobs/gpt2")
+    'autopipe run jobs/gpt2 --steps 8'
+    """
+    return f"autopipe run {shlex.quote(str(job_dir))} --steps {int(steps)}"
 
 
 def sbatch_script(job_dir: str | os.PathLike[str], settings: JobSettings, *, dp: int, nodes: int,

@@ -6,7 +6,9 @@ import shlex
 
 from ..costs.layer_costs import Profile
 from ..planner.plan import Plan
+from ..report.predicted import step_text
 from ..units import format_bytes, format_microbatch, format_time
+from .launch import FIRST_STEPS
 from .settings import JobSettings
 
 __all__ = ["job_readme"]
@@ -17,8 +19,19 @@ def _data_line(settings: JobSettings) -> str:
     return f"{data}, loss `{settings.loss}`"
 
 
-def job_readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str) -> str:
-    """The README's markdown for ``plan`` of ``profile``, launched by ``launch``."""
+def _launch_lines(launch: str, first_run: str, plan: Plan) -> str:
+    """The commands, the first to try first: ``autopipe run JOB --steps N`` (one host), then torchrun."""
+    if not first_run:
+        return f"    {launch}\n"
+    return (f"A first run of {FIRST_STEPS} steps (about {format_time(FIRST_STEPS * plan.predicted_step)} by the plan's "
+            f"step, after a start-up); rank 0's output on the terminal, every rank's log kept:\n\n    {first_run}\n\n"
+            f"or torch's launcher itself (every flag after train.py reaches it; `--steps 100` is its default):\n\n"
+            f"    {launch}\n")
+
+
+def job_readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str, *, first_run: str = "") -> str:
+    """The README's markdown for ``plan`` of ``profile``, launched by ``launch`` (the torchrun line),
+    with ``first_run`` (``autopipe run JOB --steps N``) as the command to try first where given."""
     rows = []
     for c in range(plan.num_chunks):
         a, b = plan.boundaries[c], plan.boundaries[c + 1]
@@ -43,16 +56,14 @@ micro-batch {format_microbatch(profile.microbatch)}. {plan.stages} stages, sched
 
 ## Launch
 
-The model is rebuilt from `{settings.model}` on every rank; the job trains on {_data_line(settings)}:
-
-    {launch}
-{where}
+The model is rebuilt from `{settings.model}` on every rank; the job trains on {_data_line(settings)}.
+{_launch_lines(launch, first_run, plan)}{where}
 `python {shlex.quote(shlex.split(launch)[-1])} --help` lists the training options; one process (`python train.py`)
 runs every stage in turn, for debugging.
 
 ## The plan
 
-Predicted step time {format_time(plan.total_step_time)} (simulated{_engine_words(plan)}), bubble {plan.bubble_fraction:.0%},
+Predicted step time {step_text(plan)}, bubble {plan.bubble_fraction:.0%},
 slowest stage / mean {plan.balance:.2f}, peak memory {format_bytes(plan.peak_memory)}.
 
 | stage | rank | layers | time per micro-batch | memory |
@@ -78,12 +89,3 @@ def _schedule_words(plan: Plan) -> str:
            if plan.schedule_margin > 0 else "the fastest")
     return f"\nThe schedule is {how} predicted whole step of those planned (`--schedule auto`): {steps}."
 
-
-def _engine_words(plan: Plan) -> str:
-    """How the step was costed: for which engine, and what follows the schedule."""
-    shared = (f"; its {plan.world} ranks share {plan.cores} CPU cores, {format_time(plan.step_time)} with a core each"
-              if plan.shared_step_time is not None else "")  # fmt: skip
-    if not plan.engine:
-        return shared
-    return (f" for {plan.engine}: the schedule {format_time(plan.schedule_step_time)}, then norm and optimizer "
-            f"{format_time(plan.total_step_time - plan.schedule_step_time)}{shared}")

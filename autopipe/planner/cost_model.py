@@ -13,6 +13,7 @@ from typing import Sequence
 
 from ..costs.engines import EngineCosts
 from ..costs.layer_costs import Profile
+from ..costs.noise import noise_note
 from ..errors import PartitionError
 from .chunk_costs import ChunkCosts
 from .memory import holds_sends, layer_memory, tensor_budget
@@ -134,6 +135,10 @@ class CostModel:
             first_backward=first,
         )
         self.reserve = profile.reserve_bytes
+        # what a CPU rank was measured holding beyond its tensors (refusals.held_beside): None off a CPU
+        self.rank_excess = cpu_rank_excess(profile)
+        self.limit_reserve = limit_reserve(profile)  # what a memory limit leaves a rank beyond its tensors
+        self.noise = noise_note(profile)  # said beside every step predicted from this profile (Plan.profile_noise)
         self.params = [l.params or l.param_bytes for l in layers]
         self.param_counts = [l.params or l.param_bytes // 4 for l in layers]  # fp32 where only bytes are known
         self.tied = tied
@@ -162,8 +167,9 @@ class CostModel:
 
     def budget(self, limit: int, stages: int) -> int:
         """What a rank's tensors may use of ``limit`` (``memory.tensor_budget``): the limit less
-        the GPU's fixed terms and the reserve, less the allocator's slack."""
-        return tensor_budget(self.memory, limit, stages=stages, reserve=self.reserve)
+        the GPU's fixed terms and the reserve (on a CPU, what a rank was measured holding beyond its
+        tensors where more: ``limit_reserve``), less the allocator's slack."""
+        return tensor_budget(self.memory, limit, stages=stages, reserve=self.limit_reserve)
 
     def allowed(self, recompute: str) -> tuple[int, ...]:
         """Indices (into costs.modes) of the modes a chunk may use under a recompute policy."""
@@ -177,6 +183,24 @@ class CostModel:
                 "measures selective recompute."
             )
         return (modes.index(recompute),)
+
+
+def cpu_rank_excess(profile: Profile) -> int | None:
+    """For the ranks of a CPU job (a measured or estimated CPU profile, not plain numbers), the most
+    one was measured holding beyond its tensors (``Profile.rank_excess_bytes``; 0: not measured);
+    None for any other profile, whose advice counts the reserve alone."""
+    if profile.device.type != "cpu" or profile.mode == "given":
+        return None
+    return profile.rank_excess_bytes
+
+
+def limit_reserve(profile: Profile) -> int:
+    """What a memory limit must leave a rank beyond its tensors: the reserve, or for a CPU job's ranks
+    the most one was measured holding beyond them where that is more (``cpu_rank_excess``). A limit is
+    a ceiling every rank must stay under, and the reserve is the probe's ranks' mean: a CPU plan cut
+    under a limit of tensors + reserve ran its ranks at several times it (issue 41). The prediction
+    (``rank_memory``) keeps the mean. Equal to the reserve for every profile before the excess was kept."""
+    return max(profile.reserve_bytes, cpu_rank_excess(profile) or 0)
 
 
 def recompute_times(profile: Profile) -> dict[str, list[float]]:

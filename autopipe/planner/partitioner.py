@@ -44,7 +44,7 @@ from .cost_model import CostModel, CutRequest, unit_states
 from .memory import RankMemory, charged_units, rank_memory
 from .options import DEFAULT_BANDWIDTH, PartitionOptions, zero_choices
 from .plan import Plan
-from .refusals import chunk_need, explain_infeasible, recompute_hint, with_zero_hint
+from .refusals import chunk_need, explain_infeasible, fits_sentence, recompute_hint, with_zero_hint
 from .schedules import check_weight_share, chunk_ranks, shared_step, simulate
 from .step_bound import fits
 from .step_solver import TIE, NoCutFits, StepSolution, solve_step
@@ -345,10 +345,13 @@ def _chunk_limit(model: CostModel, req: CutRequest) -> int | None:
     chunk_limit = model.budget(limit, req.stages) // req.v
     if chunk_limit <= 0:
         fixed = limit - model.budget(limit, req.stages)
+        what = ("what a CPU rank was measured holding beyond its tensors here, above the profile's reserve"
+                if model.limit_reserve > model.reserve else
+                "the profile's reserve, and on a GPU its context, workspaces and NCCL buffers")
         raise InfeasibleMemoryError(
             f"a memory limit of {format_bytes(limit)} per device leaves nothing for the model: the runtime itself "
-            f"holds {format_bytes(fixed)} per rank on this device (the profile's reserve, and on a GPU its context, "
-            "workspaces and NCCL buffers). Raise the limit."
+            f"holds {format_bytes(fixed)} per rank on this device ({what}); {fits_sentence(model, req)}. "
+            "Raise the limit."
         )
     return chunk_limit
 
@@ -531,6 +534,7 @@ def _make_plan(model: CostModel, req: CutRequest, bounds: Sequence[int], *, meth
         step_overhead=model.after_schedule(bounds, ranks, stages),
         cores=cores,
         shared_step_time=shared,
+        profile_noise=model.noise,
     )
 
 

@@ -128,6 +128,10 @@ class Plan:
     # step_time stays the dedicated simulation, which the cut is solved for.
     cores: int = 0
     shared_step_time: float | None = None
+    # What made the profile's times doubtful, in a few words (autopipe.costs.noise.noise_note: the runs'
+    # spread, identical layers apart, the host's load); "" for a quiet profile and in older plans.
+    # Said beside ``predicted_step`` wherever it is shown, the step log included.
+    profile_noise: str = ""
     schema: int = PLAN_SCHEMA
 
     def __post_init__(self) -> None:
@@ -147,6 +151,15 @@ class Plan:
         shared cores every rank runs its optimizer at once, so it stretches by ranks over cores)."""
         share = self.world / self.cores if self.shared_step_time is not None and self.cores else 1.0
         return self.schedule_step_time + self.step_overhead * max(1.0, share)
+
+    @property
+    def predicted_step(self) -> float:
+        """The step this plan predicts: the one figure convert prints, the job's README and report.html
+        show and the step log sets beside each measured step (``StagePlan.step_time``). It is the whole
+        step as the job runs it, ``total_step_time``: the schedule on the cores the ranks share (a CPU
+        job with more ranks than cores) and what follows the schedule (norm, optimizer step). The
+        dedicated ``step_time`` is what the cut is solved for, not a promise."""
+        return self.total_step_time
 
     @property
     def num_chunks(self) -> int:
@@ -217,7 +230,8 @@ class Plan:
                          chunk_ranks=self.stage_ranks, microbatches=self.microbatches,
                          recompute=self.stage_recompute, placement=self.placement, dp=self.dp, zero=self.zero,
                          trace_device=self.trace_device, gpus_per_node=self.gpus_per_node,
-                         step_time=self.step_time, rank_memory=self.rank_memory)
+                         step_time=self.predicted_step, rank_memory=self.rank_memory,
+                         step_noise=self.profile_noise)
 
     def simulate(self, schedule: str | None = None, microbatches: int | None = None) -> Simulation:
         """Simulate one training step of this cut under ``schedule`` (default: the plan's own).
@@ -340,6 +354,8 @@ def _check_plan(plan: Plan) -> None:
     number(plan.cores, "cores", whole=True)
     if plan.shared_step_time is not None:
         number(plan.shared_step_time, "shared_step_time")
+    if not isinstance(plan.profile_noise, str):
+        raise RecordError(f"plan profile_noise is {plan.profile_noise!r}, but must be text; {again}")
     if plan.schedule_policy not in ("", "auto") or not isinstance(plan.schedule_steps, dict):
         raise RecordError(f"plan schedule_policy is {plan.schedule_policy!r}, but must be 'auto' or ''; {again}")
     for name, step in plan.schedule_steps.items():

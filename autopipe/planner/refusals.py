@@ -16,7 +16,8 @@ from .plan import Plan
 from .schedules import check_schedule
 from .step_bound import fits, least_memory
 
-__all__ = ["device_limit", "explain_infeasible", "chunk_need", "limit_text", "recompute_hint", "with_zero_hint"]
+__all__ = ["device_limit", "explain_infeasible", "chunk_need", "fits_sentence", "held_beside", "limit_text",
+           "recompute_hint", "with_zero_hint"]
 
 
 def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | None, what: str) -> InfeasibleMemoryError:
@@ -34,9 +35,7 @@ def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | Non
     head = f"no cut into {where} fits {what}"
     worst = int(np.argmax(alone))
     need = least_memory(c, stages * v, modes=allowed, states=states) * v
-    fits_text = (f"--memory-limit {limit_text(device_limit(model, need // v, v))} fits {stages} stages "
-                 f"({format_bytes(need)} of tensors per device, and the {format_bytes(model.reserve)} the runtime "
-                 "holds beside them)")
+    fits_text = fits_sentence(model, req)
     if alone[worst] > chunk_limit:
         # name a limit that fits the stages asked for, not only the layer's own bound (a user who
         # tried that bound was refused again)
@@ -74,11 +73,43 @@ def explain_infeasible(model: CostModel, req: CutRequest, chunk_limit: int | Non
     )
 
 
+def fits_sentence(model: CostModel, req: CutRequest) -> str:
+    """``--memory-limit X fits S stages (what X is made of)``: the least limit under which a cut of
+    ``req``'s stages fits, as a person types it, with what a rank holds beside its tensors."""
+    v = req.v
+    need = least_memory(model.costs, req.stages * v, modes=model.allowed(req.recompute), states=req.states) * v
+    return (f"--memory-limit {limit_text(device_limit(model, need // v, v))} fits {req.stages} stages "
+            f"({format_bytes(need)} of tensors per device, and {held_beside(model)[1]})")
+
+
 def device_limit(model: CostModel, chunk_bytes: int, v: int) -> int:
     """The smallest ``--memory-limit`` under which each of a rank's ``v`` chunks may hold
     ``chunk_bytes``: the partitioner gives each chunk ``(limit - reserve) // v``, the runtime's
-    reserve (what a rank holds beyond its tensors: never below it) coming first."""
-    return chunk_bytes * v + model.reserve
+    reserve (what a rank holds beyond its tensors: never below it) coming first; on a CPU what a
+    rank was measured holding beyond its tensors where it is more (``cost_model.limit_reserve``)."""
+    return chunk_bytes * v + held_beside(model)[0]
+
+
+def held_beside(model: CostModel) -> tuple[int, str]:
+    """Bytes a suggested limit leaves a rank beyond its tensors, and the words for them.
+
+    The reserve is the probe's ranks' mean (autopipe.runtime.checks.reserve), so on a CPU one rank
+    holds more: a 6-layer MLP's plan of 0.2 MiB a rank, suggested 1.11 MiB, ran at 2-7 MiB (issue 41).
+    A CPU profile carries the most a probe rank held beyond its prediction (``rank_excess_bytes``);
+    without it (a reserve given, an older profile) the advice says what it cannot promise. On a CPU a
+    rank's resident memory under the job's default allocator also keeps its heap's free blocks,
+    which no plan predicts (``train.py --exact-memory`` measures without them): said too.
+    """
+    if model.rank_excess is None:
+        return model.reserve, f"the {format_bytes(model.reserve)} the runtime holds beside them"
+    heap = ("; as train.py --exact-memory measures a CPU rank: by default its heap also keeps freed blocks, "
+            "which no plan predicts")
+    if model.rank_excess > 0:
+        held = model.limit_reserve  # the partitioner leaves a rank as much (CostModel.budget)
+        return held, f"the {format_bytes(held)} a CPU rank was measured holding beyond its tensors here{heap}"
+    return model.reserve, (f"the {format_bytes(model.reserve)} reserve; what a CPU rank holds beyond that was not "
+                           "measured for this profile (--reserve given, or an older profile), so a run may hold more: "
+                           f"its resident memory is not predicted beyond the tensors and reserve{heap}")
 
 
 def limit_text(n: int) -> str:

@@ -108,10 +108,12 @@ class StagePlan:
     zero: int = 0  # the ZeRO stage they shard with
     trace_device: str = ""  # the device type the plan's layers were traced for; "": not recorded
     gpus_per_node: int = 0  # devices per node the world is laid out on; 0: one node
-    # What the plan promised for the run it was made for (None / (): a hand-written cut): the
-    # simulated step in seconds and each pipeline rank's peak memory in bytes.
+    # What the plan promised for the run it was made for (None / (): a hand-written cut): the whole
+    # step in seconds (``Plan.predicted_step``), each pipeline rank's peak memory in bytes, and what
+    # made the profile behind the step doubtful ("" when nothing did: ``Plan.profile_noise``).
     step_time: float | None = None
     rank_memory: tuple[int, ...] = ()
+    step_noise: str = ""
 
     def __post_init__(self) -> None:
         cuts = tuple(int(b) for b in self.boundaries)

@@ -1,7 +1,8 @@
 """A training run's step log (``train.py --log-json``) read back and set beside its plan's predictions.
 
-The plan predicts a step time (simulated) and each pipeline rank's peak memory; the step log
-measures both every step. ``compare`` reduces a log to what a prediction is judged by: the median
+The plan predicts a step time (its whole step, ``Plan.predicted_step``) and each pipeline rank's
+peak memory; the step log measures both every step (the whole step as ``whole_step_time``; a log
+written before that field has the schedule's ``step_time`` only, which then stands in). ``compare`` reduces a log to what a prediction is judged by: the median
 step time and each rank's largest peak, over the steps after warm-up (the first step also pays
 for the schedule's shape exchange and the optimizer's state allocation), with the spread of the
 step times so a person can see how noisy the machine was.
@@ -12,7 +13,7 @@ Example (a log of 3 steps, as ``train.py --log-json log.json`` writes it, for a 
     >>> from autopipe.planner import partition
     >>> plan = partition(Profile.from_costs([0.01, 0.04, 0.04, 0.03], param_bytes=[4 << 20, 8 << 20, 8 << 20, 4 << 20]),
     ...                  2, microbatches=4)
-    >>> round(plan.step_time, 2), [m >> 20 for m in plan.rank_memory]  # seconds; MiB per rank
+    >>> round(plan.predicted_step, 2), [m >> 20 for m in plan.rank_memory]  # seconds; MiB per rank
     (0.33, [48, 48])
     >>> steps = [(1, 0.9, [30, 30]), (2, 0.34, [49, 46]), (3, 0.345, [47.5, 46.6])]  # seconds, MiB per rank
     >>> with open("log.json", "w") as f:
@@ -89,7 +90,8 @@ def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Co
     has more). Per-rank peaks are the maximum over the kept steps: the plan promises a ceiling; 0
     where the run did not measure what the plan counts (a CPU job without ``--exact-memory``)."""
     kept = records[warmup:] if len(records) > warmup else records
-    times = [float(r["step_time"]) for r in kept]
+    # the whole step, as StepStats.whole_step takes it: never under the slowest rank's schedule
+    times = [max(float(r.get("whole_step_time") or 0.0), float(r["step_time"])) for r in kept]
     q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [times[0]] * 3
     ranks = len(plan.rank_memory)
     peaks = [0] * ranks
@@ -100,7 +102,7 @@ def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Co
             peaks[i] = max(peaks[i], int(m))
     return Comparison(
         steps=len(kept),
-        predicted_step_time=plan.schedule_step_time,
+        predicted_step_time=plan.predicted_step,
         measured_step_time=statistics.median(times),
         step_time_spread=q[2] - q[0],
         predicted_memory=tuple(int(m) for m in plan.rank_memory),

@@ -10,6 +10,7 @@ from ..choices import RECOMPUTE_MODES
 from ..costs.layer_costs import Profile
 from ..planner.plan import Plan
 from ..units import format_bytes, format_time, shorten
+from .predicted import step_text
 
 __all__ = ["plan_table", "compare_table", "plan_summary", "profile_table", "restriction_phrase", "stage_table"]
 
@@ -83,6 +84,9 @@ def plan_summary(plan: Plan) -> str:
         f"{plan.schedule} step with {plan.microbatches} micro-batches {_ms(plan.step_time)} ms "
         f"(bubble {plan.bubble_fraction:.1%})"
     )
+    if plan.predicted_step != plan.step_time or plan.profile_noise:
+        # the schedule's step above is what the cut is solved for; the job's promise counts more (report.predicted)
+        line += f"; predicted step {step_text(plan)}"
     if plan.optimum_step_time is not None:
         line += f"; autopipe's step {_ms(plan.optimum_step_time)} ms"
     if plan.step_lower_bound is not None:

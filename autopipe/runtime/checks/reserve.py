@@ -33,7 +33,16 @@ exact-memory threshold at 64 KiB (``devices.MMAP_THRESHOLD``, 2026-11-29) the sa
 0.2 MiB (GPT-2 fp32) and 3.6 MiB (Llama fp32): the reserve is now what a CPU rank holds outside its
 tensors, and may be 0.
 
-The figure is cached per device, thread count, torch version, precision and architecture in
+The reserve is a mean, and its ranks fall either side of it: on this CPU the GPT-2 probe's first
+rank held 4.5 MB under its predicted tensors and its second 4.7 MB over (a reserve of 0.1 MB), and a
+6-layer MLP's ranks of 0.2 MiB of tensors peaked at 2-3.6 MiB. Memory advice (``--memory-limit X
+fits``) must name a limit every rank fits, so the probe also keeps the most any of its ranks held
+beyond its prediction (``rank_excess``, cached beside the reserve): the advice sets that beside the
+tensors on a CPU (autopipe.planner.refusals). Neither figure counts the free blocks glibc's heap
+keeps under a job's default settings (``devices.steady_heap``; the probe measures as ``train.py
+--exact-memory`` does): the advice says so.
+
+The figures are cached per device, thread count, torch version, precision and architecture in
 ``$AUTOPIPE_CACHE`` (default ``~/.cache/autopipe/reserve.json``). An estimate for a named GPU
 (``--estimate --device h100``) carries no reserve: the device table's terms stand for the GPU.
 
@@ -54,14 +63,19 @@ import json
 import os
 import statistics
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from ...choices import PRECISIONS
 from ...errors import AutopipeError
+from ...progress import Phase, Progress, progress_for
 from ..process.launch import run_local_workers
 
-__all__ = ["holds_gpu_memory", "measure_reserve", "probe_config", "reserve_for", "runtime_reserve"]
+__all__ = ["excess_for", "holds_gpu_memory", "measure_reserve", "probe_config", "rank_excess", "reserve_for",
+           "runtime_reserve"]
 
 _ROWS, _SEQ, _MICRO, _STEPS = 4, 128, 4, 10
 # the probe reads each rank's peak from this step on, as a long run holds it: under a 1 MiB mmap
@@ -152,10 +166,12 @@ def _arch(config: Any) -> str:
     return str(config.model_type) if config is not None and probe_config(config) is not None else "gpt2"
 
 
-def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = None, refresh: bool = False) -> int:
+def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = None, refresh: bool = False,
+                    progress: bool | Progress = False) -> int:
     """This machine's reserve for ``device`` (cpu or cuda) when training ``dtype`` (fp32, or bf16/fp16
     under autocast with fp32 master weights) a model of ``config``'s architecture (a HuggingFace
-    config; None for the GPT-2 probe): cached, else measured by the probe."""
+    config; None for the GPT-2 probe): cached, else measured by the probe (its phases shown as
+    ``progress`` says: autopipe.progress)."""
     if device not in ("cpu", "cuda"):
         raise AutopipeError(f"the runtime reserve is measured on cpu or cuda, not {device!r}.")
     if dtype not in PRECISIONS:
@@ -169,13 +185,17 @@ def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
             cache = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             cache = {}
-    if key in cache and not refresh:
+    # a CPU figure cached before the probe kept its ranks' excess is measured again, once: the memory
+    # advice needs both (module docstring)
+    if key in cache and not refresh and (device != "cpu" or _excess_key(key) in cache):
         return int(cache[key])
-    measured = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None)
+    measured = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None, progress=progress)
     value = int(measured["reserve_bytes"])
+    _EXCESS[key] = int(measured["excess_bytes"])  # this process's, cached or not (rank_excess)
     if not measured.get("clean", True):
         return value  # polluted (module docstring): good for this run, measured again next time
     cache[key] = value
+    cache[_excess_key(key)] = int(measured["excess_bytes"])
     try:
         from ...files import write_text_atomic
 
@@ -185,8 +205,43 @@ def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
     return value
 
 
+# figures the probe measured in this process, cached or not: key -> excess bytes
+_EXCESS: dict[str, int] = {}
+
+
+def _excess_key(key: str) -> str:
+    return f"{key}|excess"
+
+
+def rank_excess(device: str = "cpu", *, dtype: str = "fp32", config: Any = None) -> int | None:
+    """The most a rank of this machine's reserve probe held beyond the memory model's prediction for
+    it (bytes, the module docstring), as measured with the reserve; None where it never was (a cache
+    from before the figure: ``python -m autopipe.runtime.checks.reserve --device cpu --refresh``).
+    Measures nothing itself."""
+    key = _key(device, dtype, _arch(config))
+    if key in _EXCESS:
+        return _EXCESS[key]
+    try:
+        cache = json.loads(_cache_file().read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = cache.get(_excess_key(key)) if isinstance(cache, dict) else None
+    return int(value) if isinstance(value, int) else None
+
+
+def excess_for(device: str, *, estimate: bool, given: str | int | None = None, dtype: str = "fp32",
+               config: Any = None) -> int | None:
+    """What a CPU profile's memory advice sets beside the tensors (``Profile.rank_excess_bytes``):
+    ``rank_excess`` where the reserve was measured on this CPU (call after ``reserve_for``: an
+    estimate for ``cpu`` trains here too); None where it was given, or for a GPU (whose CUDA memory
+    model has its own terms)."""
+    if given is not None or device != "cpu":
+        return None
+    return rank_excess("cpu", dtype=dtype, config=config)
+
+
 def reserve_for(device: str, *, estimate: bool, given: str | int | None = None, dtype: str = "fp32",
-                config: Any = None) -> int:
+                config: Any = None, progress: bool | Progress = False) -> int:
     """The reserve a profile for ``device`` should carry: ``given`` (a size like 80MiB, or 0) if set;
     estimating for a named GPU, none (the device table's CUDA memory model stands for it); else this
     machine's for training ``dtype`` a model of ``config``'s architecture, measured once (cpu or
@@ -197,7 +252,7 @@ def reserve_for(device: str, *, estimate: bool, given: str | int | None = None, 
         return 0 if str(given).strip().lower() in ("0", "none") else parse_size(given)
     if estimate and device not in ("cpu", "cuda"):
         return 0
-    return runtime_reserve("cuda" if device.startswith("cuda") else "cpu", dtype=dtype, config=config)
+    return runtime_reserve("cuda" if device.startswith("cuda") else "cpu", dtype=dtype, config=config, progress=progress)
 
 
 def holds_gpu_memory() -> bool:
@@ -208,11 +263,13 @@ def holds_gpu_memory() -> bool:
     return bool(torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0)
 
 
-def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = None) -> dict[str, int]:
+def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = None,
+                    progress: bool | Progress = False) -> dict[str, int]:
     """Run the probe: profile and cut the probe model (``config``'s architecture shrunk by
     ``probe_config``, else a small GPT-2) here, in the mode ``dtype`` trains in; train it under
     torchrun in fresh processes; compare each rank's measured peak with the memory model's prediction.
-    ``clean`` (0 or 1) says whether the figure may be cached (module docstring)."""
+    ``clean`` (0 or 1) says whether the figure may be cached (module docstring). ``progress``: how its
+    two phases (profiling the probe, training it) are shown (autopipe.progress)."""
     import torch
     from transformers import GPT2Config
 
@@ -228,36 +285,70 @@ def measure_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
     ranks = 1 if device == "cuda" or not receives_integers() else 2
     beside = holds_gpu_memory() if device == "cuda" else False
     small = probe_config(config) if config is not None else None
+    shown = progress_for(progress)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        if small is not None:
-            small.save_pretrained(root / "model")
-        else:
-            GPT2Config(architectures=["GPT2LMHeadModel"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                       use_cache=False, **_PROBE).save_pretrained(root / "model")  # fmt: skip
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # as each rank runs
-        try:
-            spec = load_model(str(root / "model"), device=device, batch_size=_ROWS, seq_len=_SEQ, dropout=0.0)
-            autocast = None if dtype == "fp32" else PRECISIONS[dtype]  # fp32: no autocast
-            seq = flatten(spec.model, spec.args, spec.kwargs, validate=False, autocast=autocast)
-            prof = profile(seq, spec.args, spec.kwargs, repeats=1, warmup=0, progress=False, reserve=0,
-                           autocast=autocast)  # fmt: skip
-        finally:
-            torch.set_num_threads(threads)
-        del seq, spec
-        plan = partition(prof, stages=ranks, microbatches=_MICRO, schedule="1f1b")
-        plan.save(root / "plan.json")
-        predicted = rank_memory(prof, plan.boundaries, stage_ranks=plan.stage_ranks, inflight=plan.stage_inflight,
-                                microbatches=plan.microbatches, reserve=0)  # fmt: skip
-        run_local_workers("autopipe.runtime.checks.reserve", ranks, [str(root), "--dtype", dtype], timeout=600,
-                          failure=f"measuring the runtime reserve on {device} failed")
+        with shown.phase(f"reserve: profile a probe model for {device}"):
+            if small is not None:
+                small.save_pretrained(root / "model")
+            else:
+                GPT2Config(architectures=["GPT2LMHeadModel"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           use_cache=False, **_PROBE).save_pretrained(root / "model")  # fmt: skip
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # as each rank runs
+            try:
+                spec = load_model(str(root / "model"), device=device, batch_size=_ROWS, seq_len=_SEQ, dropout=0.0)
+                autocast = None if dtype == "fp32" else PRECISIONS[dtype]  # fp32: no autocast
+                seq = flatten(spec.model, spec.args, spec.kwargs, validate=False, autocast=autocast)
+                prof = profile(seq, spec.args, spec.kwargs, repeats=1, warmup=0, progress=False, reserve=0,
+                               autocast=autocast)  # fmt: skip
+            finally:
+                torch.set_num_threads(threads)
+            del seq, spec
+            plan = partition(prof, stages=ranks, microbatches=_MICRO, schedule="1f1b")
+            plan.save(root / "plan.json")
+            predicted = rank_memory(prof, plan.boundaries, stage_ranks=plan.stage_ranks, inflight=plan.stage_inflight,
+                                    microbatches=plan.microbatches, reserve=0)  # fmt: skip
+        with shown.phase(f"reserve: train the probe on {ranks} rank(s)", total=_STEPS, unit="steps") as steps, \
+                _watching(root, ranks, steps):
+            run_local_workers("autopipe.runtime.checks.reserve", ranks, [str(root), "--dtype", dtype], timeout=600,
+                              failure=f"measuring the runtime reserve on {device} failed")
         readings = [json.loads((root / f"peak{r}.json").read_text()) for r in range(ranks)]
     measured = [int(r["peak"]) for r in readings]
     gaps = [m - p.total for m, p in zip(measured, predicted)]
     clean = all(r["outside_known"] for r in readings) and not beside
     return {"measured_bytes": max(measured), "model_bytes": max(p.total for p in predicted),
-            "reserve_bytes": max(0, int(statistics.mean(gaps))), "clean": int(clean)}  # fmt: skip
+            "reserve_bytes": max(0, int(statistics.mean(gaps))), "excess_bytes": max(0, max(gaps)),
+            "clean": int(clean)}  # fmt: skip
+
+
+@contextmanager
+def _watching(root: Path, ranks: int, phase: Phase) -> Iterator[None]:
+    """While the probe's ranks train: their slowest rank's step count, read every half second from the
+    files each writes after a step, set on ``phase`` (the ranks run in processes of their own)."""
+    def steps() -> int:
+        done = []
+        for r in range(ranks):
+            try:
+                done.append(int((root / f"step{r}").read_text() or 0))
+            except (OSError, ValueError):
+                done.append(0)
+        return min(done)
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            phase.set(steps())
+
+    thread = threading.Thread(target=watch, name="reserve-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        phase.set(steps())
 
 
 def _worker(root: Path, dtype: str) -> None:
@@ -289,6 +380,7 @@ def _worker(root: Path, dtype: str) -> None:
             whole = env.peak.read()  # after the step returned: its optimizer step included
             if step >= _SETTLED:  # not the first steps': shapes inferred, allocations still finding their places
                 peak = max(peak, whole)
+            (root / f"step{env.rank}").write_text(str(step + 1))  # for the asking process's progress (_watching)
         reading = {"peak": peak, "outside_known": env.peak.outside_known}
         (root / f"peak{env.rank}.json").write_text(json.dumps(reading))
     finally:
@@ -312,8 +404,10 @@ def main() -> None:
         from ...graph.sources import load_model
 
         config = getattr(load_model(opts.model, device="meta", batch_size=1, seq_len=_SEQ).model, "config", None)
-    print(json.dumps({"reserve_bytes": runtime_reserve(opts.device, dtype=opts.dtype, config=config,
-                                                       refresh=opts.refresh)}))  # fmt: skip
+    # progress on stderr; the figures on stdout, as JSON
+    reserve = runtime_reserve(opts.device, dtype=opts.dtype, config=config, refresh=opts.refresh, progress=True)
+    print(json.dumps({"reserve_bytes": reserve,
+                      "rank_excess_bytes": rank_excess(opts.device, dtype=opts.dtype, config=config)}))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ line is live: redrawn in place every step, kept every ``log_every`` steps (defau
 output is a file, so a log keeps every step).
 
 When the run is the one its plan was made for (same schedule, micro-batches, batch size), the plan's
-predictions are logged beside the measurements: the simulated step time against the measured one,
-and each pipeline rank's predicted peak memory against its measured peak (see
-:mod:`autopipe.runtime.logs.peak`), so a person sees at once how far the plan is off.
+predictions are logged beside the measurements: its whole step (``Plan.predicted_step``, the figure
+convert printed) against the measured whole step, and each pipeline rank's predicted peak memory
+against its measured peak (see :mod:`autopipe.runtime.logs.peak`), so a person sees at once how far
+the plan is off; where the profile behind the plan was noisy, the line says so beside the figure.
 
 The record behind the line goes to every sink asked for (``autopipe.runtime.logs.sinks``): ``--log-json``,
 ``--tensorboard``, ``--wandb``.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import AutopipeError
+from ...units import format_time
 from ...planner.stage_plan import StagePlan
 
 __all__ = ["Predictions", "StepLogger", "StepStats", "format_eta", "predictions"]
@@ -37,8 +39,9 @@ __all__ = ["Predictions", "StepLogger", "StepStats", "format_eta", "predictions"
 class Predictions:
     """What the plan promised for this run."""
 
-    step_time: float  # seconds, simulated
+    step_time: float  # seconds: the whole step, as Plan.predicted_step
     rank_memory: tuple[int, ...]  # bytes per pipeline rank
+    noise: str = ""  # what made the profile behind step_time doubtful (Plan.profile_noise); "": nothing
 
 
 def predictions(plan: StagePlan | int | None, *, schedule: str, microbatches: int, pp_size: int, dp: int = 1,
@@ -54,7 +57,7 @@ def predictions(plan: StagePlan | int | None, *, schedule: str, microbatches: in
         return None
     if not same or plan.step_time is None:
         return None
-    return Predictions(float(plan.step_time), plan.rank_memory)
+    return Predictions(float(plan.step_time), plan.rank_memory, plan.step_noise)
 
 
 def _mib(n: float) -> str:
@@ -86,7 +89,7 @@ class StepLogger:
     """Prints each step on rank 0 and hands its record to the sinks (see the module docstring).
 
     Each record is ``StepStats.to_dict()`` plus the plan's predictions (``predicted_step_time``,
-    ``predicted_peak_memory``) when given, the progress figures (``eta_s``; ``model_flops_per_s``
+    ``predicted_peak_memory``, and ``predicted_step_noise`` after a noisy profile) when given, the progress figures (``eta_s``; ``model_flops_per_s``
     and ``mfu`` when the FLOPs are known), plus whatever ``extra`` the caller adds (``epoch``,
     ``eval_loss`` ...).
 
@@ -133,6 +136,7 @@ class StepLogger:
         self._resumed: int | None = None
         self._live: Any = None
         self._intervals: deque[float] = deque(maxlen=50)  # seconds between the last steps
+        self._noted = False  # the noisy profile's note is said once, before the first step's line
         self._last: float | None = None
         if rank == 0 and not quiet:
             if console is None:
@@ -191,6 +195,8 @@ class StepLogger:
         if pred is not None:
             record["predicted_step_time"] = pred.step_time
             record["predicted_peak_memory"] = list(pred.rank_memory)
+            if pred.noise:
+                record["predicted_step_noise"] = pred.noise
         if self.steps is not None:
             record["eta_s"] = max(0, self.steps - stats.step) * pace
         if self.flops_per_step and stats.step_time > 0:
@@ -201,6 +207,10 @@ class StepLogger:
             sink.write(record)
         if self.console is None:
             return
+        if pred is not None and pred.noise and not self._noted:
+            self._noted = True
+            self._print(f"[yellow]note:[/] the plan's step ({format_time(pred.step_time)}) comes from a noisy profile "
+                        f"({pred.noise}); profile again on a quiet machine for a firmer figure.")
         line = self._line(stats, record)
         last = self.steps is not None and stats.step >= self.steps
         if stats.step % self.log_every == 0 or last or "eval_loss" in record or not self.live:
@@ -248,9 +258,10 @@ class StepLogger:
         pred = self.predicted
         stages = " ".join(f"{t * 1000:.0f}" for t in stats.stage_times)
         skipped = " [yellow]skipped (fp16 overflow)[/]" if stats.skipped else ""
-        step = f"{stats.step_time * 1000:.0f} ms"
+        step = f"{stats.whole_step * 1000:.0f} ms"
         if pred is not None and pred.step_time > 0:
-            step += f" (plan {pred.step_time * 1000:.0f})"
+            # the plan's figure as convert, the README and the report print it (units.format_time)
+            step += f" (plan {format_time(pred.step_time)}{', noisy profile' if pred.noise else ''})"
         memory = ""
         if getattr(stats, "peak_memory", None) and any(stats.peak_memory):
             memory = "  mem(MiB) " + " ".join(_mib(m) for m in stats.peak_memory)
@@ -291,7 +302,7 @@ class StepStats:
     loss: float  # mean over micro-batches and replicas
     lr: float
     grad_norm: float
-    step_time: float  # seconds, slowest rank
+    step_time: float  # seconds, slowest rank: the schedule (on DeepSpeed, its train_batch: the whole step)
     tokens_per_s: float  # whole world
     stage_times: list[float] = field(default_factory=list)  # per pipeline rank: step wall time
     forward_times: list[float] = field(default_factory=list)  # per pipeline rank: time in forward
@@ -303,6 +314,15 @@ class StepStats:
     # whether peak_memory counts what the plan counts (autopipe.runtime.logs.peak: a CPU rank only with
     # train.py --exact-memory); else it is the resident peak of glibc's heap, with its free blocks
     memory_exact: bool = True
+    # seconds of the whole step on rank 0: the schedule, the norm, the optimizer step, what the runtime
+    # does between (what Plan.predicted_step predicts); 0: not measured apart (step_time is the whole)
+    whole_step_time: float = 0.0
+
+    @property
+    def whole_step(self) -> float:
+        """The whole step's seconds: what the plan's predicted step is set beside. Never under the
+        slowest rank's schedule (rank 0's clock starts at its own first op; a first step's ranks start apart)."""
+        return max(self.whole_step_time, self.step_time)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -224,6 +224,7 @@ class Trainer:
             loss_scale=self.scaler.scale,
             peak_memory=[stats["peak_memory"][r] for r in first],
             memory_exact=self.env.peak.exact,
+            whole_step_time=total,  # what the plan's predicted step predicts (Plan.predicted_step)
         )
 
     def _pending_for(self, phase: str, *, after: str) -> _Pending:
