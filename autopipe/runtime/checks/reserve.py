@@ -191,11 +191,11 @@ def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
         return int(cache[key])
     measured = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None, progress=progress)
     value = int(measured["reserve_bytes"])
-    _EXCESS[key] = int(measured["excess_bytes"])  # this process's, cached or not (rank_excess)
+    _EXCESS[key] = int(measured.get("excess_bytes", 0))  # this process's, cached or not (rank_excess); a GPU's: 0
     if not measured.get("clean", True):
         return value  # polluted (module docstring): good for this run, measured again next time
     cache[key] = value
-    cache[_excess_key(key)] = int(measured["excess_bytes"])
+    cache[_excess_key(key)] = int(measured.get("excess_bytes", 0))
     try:
         from ...files import write_text_atomic
 
