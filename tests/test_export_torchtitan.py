@@ -67,7 +67,10 @@ def _check_parts(split: dict[int, list], plan: object, want: list[list[str]], un
 
 def test_a_huggingface_llama_splits_as_planned_on_torchtitans_hf_backend(tmp_path: Path) -> None:
     """The HF backend's names, its config function with hf_model = the folder, its split: the plan's chunks."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+    untouched = (PreTrainedModel._init_weights, PreTrainedModel._initialize_weights,
+                 LlamaForCausalLM.__init__)  # fmt: skip
 
     folder = tmp_path / "tiny-llama"
     LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -90,6 +93,12 @@ def test_a_huggingface_llama_splits_as_planned_on_torchtitans_hf_backend(tmp_pat
 
     raw = [_split_module(model, list(m)) for m in out.modules.modules]
     assert sum(p.numel() for c in raw for p in c.parameters()) < kept / 2
+    # the backend's patches to transformers are undone: later tests' references init as HF does
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    assert (PreTrainedModel._init_weights, PreTrainedModel._initialize_weights,
+            LlamaForCausalLM.__init__) == untouched  # fmt: skip
+    assert LlamaDecoderLayer.__init__.__qualname__ == "LlamaDecoderLayer.__init__"
 
 
 def test_torchtitans_llama3_splits_as_planned_and_its_parts_give_the_models_logits(tmp_path: Path) -> None:
