@@ -191,7 +191,7 @@ def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
         return int(cache[key])
     measured = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None, progress=progress)
     value = int(measured["reserve_bytes"])
-    _EXCESS[key] = int(measured.get("excess_bytes", 0))  # this process's, cached or not (rank_excess); a GPU's: 0
+    _EXCESS[(str(path), key)] = int(measured.get("excess_bytes", 0))  # this process's, cached or not; a GPU's: 0
     if not measured.get("clean", True):
         return value  # polluted (module docstring): good for this run, measured again next time
     cache[key] = value
@@ -205,8 +205,9 @@ def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
     return value
 
 
-# figures the probe measured in this process, cached or not: key -> excess bytes
-_EXCESS: dict[str, int] = {}
+# figures the probe measured in this process, cached or not: (cache file, key) -> excess bytes; the
+# file is part of the key so that a process switching caches (AUTOPIPE_CACHE) never reads another's
+_EXCESS: dict[tuple[str, str], int] = {}
 
 
 def _excess_key(key: str) -> str:
@@ -219,8 +220,8 @@ def rank_excess(device: str = "cpu", *, dtype: str = "fp32", config: Any = None)
     from before the figure: ``python -m autopipe.runtime.checks.reserve --device cpu --refresh``).
     Measures nothing itself."""
     key = _key(device, dtype, _arch(config))
-    if key in _EXCESS:
-        return _EXCESS[key]
+    if (str(_cache_file()), key) in _EXCESS:
+        return _EXCESS[(str(_cache_file()), key)]
     try:
         cache = json.loads(_cache_file().read_text())
     except (OSError, json.JSONDecodeError):
