@@ -220,8 +220,9 @@ def rank_excess(device: str = "cpu", *, dtype: str = "fp32", config: Any = None)
     from before the figure: ``python -m autopipe.runtime.checks.reserve --device cpu --refresh``).
     Measures nothing itself."""
     key = _key(device, dtype, _arch(config))
-    if (str(_cache_file()), key) in _EXCESS:
-        return _EXCESS[(str(_cache_file()), key)]
+    slot = (str(_cache_file()), key)
+    if slot in _EXCESS:
+        return _EXCESS[slot]
     try:
         cache = json.loads(_cache_file().read_text())
     except (OSError, json.JSONDecodeError):
