@@ -38,6 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from _forkserver import ForkedRank, can_fork, spawn
 from torch.distributed import TCPStore
 
 __all__ = ["GRACE_S", "RankRun", "rank_environ", "run_ranks"]
@@ -71,21 +72,26 @@ class RankRun:
 
 
 def run_ranks(argv: Sequence[str], *, nproc: int, cwd: Path, env: Mapping[str, str], timeout: float,
-              kill_tree: Callable[[int], None]) -> RankRun:
+              kill_tree: Callable[[int], None], fresh: bool = False) -> RankRun:
     """Run ``argv`` as ranks 0..nproc-1 and wait for all of them (see the module docstring);
-    ``kill_tree(pid)`` SIGKILLs a rank and every process under it."""
+    ``kill_tree(pid)`` SIGKILLs a rank and every process under it. A ``python script`` rank is forked
+    from an interpreter that has imported torch already (tests/_forkserver.py) unless ``fresh``."""
     run_id = f"tests-{uuid.uuid4().hex[:12]}"
     # the ranks' store, on a port the OS picks, for as long as any rank may use it
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
     port = store.port
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         out, err = (open(Path(logs) / name, "ab+") for name in ("stdout", "stderr"))  # O_APPEND: whole writes
-        procs: list[subprocess.Popen] = []
+        procs: list[subprocess.Popen | ForkedRank] = []
+        forked = not fresh and can_fork(argv, env)
         try:
             for rank in range(nproc):
-                procs.append(subprocess.Popen(
-                    list(argv), cwd=cwd, env=rank_environ(env, rank=rank, world=nproc, port=port, run_id=run_id),
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True))
+                rank_env = rank_environ(env, rank=rank, world=nproc, port=port, run_id=run_id)
+                if forked:
+                    procs.append(spawn(argv, rank=rank, cwd=cwd, env=rank_env, stdout=out.name, stderr=err.name))
+                    continue
+                procs.append(subprocess.Popen(list(argv), cwd=cwd, env=rank_env, stdin=subprocess.DEVNULL, stdout=out,
+                                              stderr=err, start_new_session=True))  # fmt: skip
             returncode, timed_out = _supervise(procs, time.monotonic() + timeout, kill_tree)
         except BaseException:  # Ctrl-C in pytest, or a rank that could not start: none is left running
             for p in procs:
@@ -99,7 +105,7 @@ def run_ranks(argv: Sequence[str], *, nproc: int, cwd: Path, env: Mapping[str, s
     return RankRun(returncode, text[0], text[1], timed_out)
 
 
-def _supervise(procs: list[subprocess.Popen], deadline: float,
+def _supervise(procs: list[subprocess.Popen | ForkedRank], deadline: float,
                kill_tree: Callable[[int], None]) -> tuple[int, bool]:
     """Wait for every rank; after the first failure stop the others as torchrun does. Returns the
     first failed rank's status (the lowest rank of those found failed together) and whether the
@@ -128,7 +134,7 @@ def _supervise(procs: list[subprocess.Popen], deadline: float,
         time.sleep(POLL_S)
 
 
-def _kill_all(procs: list[subprocess.Popen], kill_tree: Callable[[int], None]) -> None:
+def _kill_all(procs: list[subprocess.Popen | ForkedRank], kill_tree: Callable[[int], None]) -> None:
     for p in procs:
         if p.poll() is None:
             kill_tree(p.pid)

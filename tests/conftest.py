@@ -7,6 +7,10 @@ import torch
 # Tests build small models; one thread keeps runs repeatable and leaves a core for the rest.
 torch.set_num_threads(1)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# A pytest-xdist worker starts with COLUMNS=80 in its environment where the run itself has none; rich
+# reads it once, when autopipe.cli's console is made, which then ignores the COLUMNS a test gives the CLI.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _launch import Launcher  # noqa: E402  (tests/ is put on sys.path just above)
@@ -58,8 +62,12 @@ def titan022(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     where = (cache.mkdir(f"torchtitan-{TITAN_TOML_RELEASE}") if cache is not None
              else tmp_path_factory.mktemp(f"torchtitan-{TITAN_TOML_RELEASE}"))  # fmt: skip
     done = where / ".installed"
-    if not done.is_file():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(where),
-                        f"torchtitan=={TITAN_TOML_RELEASE}"], check=True, timeout=300)  # fmt: skip
-        done.write_text(TITAN_TOML_RELEASE)
+    import fcntl
+
+    with open(str(where) + ".lock", "w") as lock:  # two pytest workers (xdist) may ask at once: one installs
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target",
+                            str(where), f"torchtitan=={TITAN_TOML_RELEASE}"], check=True, timeout=300)  # fmt: skip
+            done.write_text(TITAN_TOML_RELEASE)
     return str(where)

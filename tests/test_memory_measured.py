@@ -45,7 +45,9 @@ def _run(torchrun: Launcher, root: Path, folder: Path, prof, plan, name: str):
                            seq_len=SEQ, dtype="fp32")  # fmt: skip
     job = emit(root / name, settings=settings, profile=prof, plan=plan, baselines={})
     log = root / f"{name}.json"
-    torchrun(job.job_dir / "train.py", "--steps", STEPS, "--log-json", log, "--exact-memory", nproc=2, cwd=job.job_dir)
+    # fresh ranks: a forked rank starts on the fork server's heap, not the one a run measures from
+    torchrun(job.job_dir / "train.py", "--steps", STEPS, "--log-json", log, "--exact-memory", nproc=2, cwd=job.job_dir,
+             fresh=True)
     return compare(plan, read_step_log(log), warmup=1)
 
 
