@@ -68,10 +68,11 @@ def test_convert_writes_the_job_folder(factory: str):
 def test_convert_estimate_and_options_reach_the_plan(factory: str):
     """--estimate builds on meta; --out, --microbatches, --schedule and --memory-limit reach plan.json."""
     result = _convert(factory, "--stages", "3", "--estimate", "--microbatches", "4", "--schedule", "gpipe",
-                      "--memory-limit", "1GiB", "--out", "elsewhere/job")
+                      "--memory-limit", "1GiB", "--reserve", "8MiB", "--out", "elsewhere/job")  # (no probe: test_reserve)
     assert result.exit_code == 0, result.output
     plan = json.loads(Path("elsewhere/job/plan.json").read_text())
     assert (plan["microbatches"], plan["schedule"], plan["memory_limit"]) == (4, "gpipe", 2**30)
+    assert json.loads(Path("elsewhere/job/profile.json").read_text())["reserve_bytes"] == 8 * 2**20
     assert json.loads(Path("elsewhere/job/profile.json").read_text())["mode"] == "estimated"
     assert "torchrun --nproc-per-node 3 elsewhere/job/train.py" in result.output
 

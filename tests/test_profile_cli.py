@@ -39,10 +39,12 @@ def test_cli_never_overwrites_without_force(tmp_path: Path) -> None:
     """An existing --out is kept and the command exits 1 with one line, unless --force."""
     out = tmp_path / "p.json"
     out.write_text("precious")
-    result = runner.invoke(app, ["profile", "llama-tiny", "--estimate", "--seq-len", "8", "--out", str(out)])
+    # --reserve given: this is about --force, not the reserve probe (tests/test_reserve.py), 22 s of processes
+    cmd = ["profile", "llama-tiny", "--estimate", "--seq-len", "8", "--reserve", "8MiB", "--out", str(out)]
+    result = runner.invoke(app, cmd)
     assert result.exit_code == 1 and "--force" in result.output
     assert out.read_text() == "precious"
-    forced = runner.invoke(app, ["profile", "llama-tiny", "--estimate", "--seq-len", "8", "--out", str(out), "--force"])
+    forced = runner.invoke(app, [*cmd, "--force"])
     assert forced.exit_code == 0, forced.output
     assert Profile.load(out).mode == "estimated"
 

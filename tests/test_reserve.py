@@ -14,6 +14,7 @@ from autopipe.runtime.checks.reserve import reserve_for, runtime_reserve
 MIB = 2**20
 
 
+@pytest.mark.slow  # the probe trains a 2-process pipeline
 def test_the_cpu_reserve_is_measured_once_then_read_from_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """First call: a probe pipeline measures each rank's peak against the memory model's prediction
     (the reserve is what it holds beyond, a few MiB on a CPU since the exact-memory heap keeps no

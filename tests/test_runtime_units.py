@@ -500,6 +500,7 @@ def _heap(which: str) -> tuple[int, bool, bool]:
     return int(faults), steady == "True", kept == "True"
 
 
+@pytest.mark.slow  # six fresh processes
 def test_steady_heap_stops_a_loop_of_steps_page_faulting_and_profiler_and_ranks_set_it() -> None:
     """Under ``steady_heap`` a loop that makes and frees a step's large tensors reuses their pages:
     no page faults after the first steps, in every fresh process. Under glibc's own settings the
