@@ -23,6 +23,7 @@ from ..errors import TraceError, TraceMismatchError
 from .attention import simplify_attention
 from .batch_free import BatchFreeValue, batch_free_nodes, computed_in_layer, crossing_values, recipe
 from .cut_policy import Segment, group_blocks, is_glue, module_stack, segment
+from .gradients import check_gradients
 from .rng import RngState
 from .sequence import (
     IOSpec,
@@ -95,7 +96,9 @@ def flatten(
     traced_for = trace_device(model, device_type)
     amp = _training_autocast(traced_for, autocast)
     with amp:
-        ep, notes = trace_with_notes(model, args, kwargs, device_type=traced_for)
+        ep, notes, lost = trace_with_notes(model, args, kwargs, device_type=traced_for)
+    # before cutting, on the whole graph: a gradient the trace lost is an error, never a note
+    check_gradients(model, ep, args, kwargs, lost)
     seq = _flatten_program(model, ep, args, kwargs, granularity, blocks_per_layer, name)
     seq.notes.extend(notes)
     seq.trace_device = traced_for

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..errors import InputMismatchError, TraceError
+from .opaque import opaque_functions
 
 __all__ = ["trace", "trace_device", "trace_with_notes"]
 
@@ -54,8 +55,9 @@ def trace(
 
 def trace_with_notes(
     model: nn.Module, example_args: Any, example_kwargs: dict[str, Any] | None = None, *, device_type: str | None = None
-) -> tuple[torch.export.ExportedProgram, list[str]]:
-    """:func:`trace`, plus caveats seen while tracing (custom autograd Functions).
+) -> tuple[torch.export.ExportedProgram, list[str], set[str]]:
+    """:func:`trace`, plus caveats seen while tracing (custom autograd Functions), and the names of the
+    custom autograd Functions traced forward-only (torch could not keep them opaque: autopipe/graph/opaque.py).
 
     A model on the meta device is traced as if it were on ``device_type`` (see :func:`trace_device`).
     """
@@ -65,17 +67,16 @@ def trace_with_notes(
     log = Path(tempfile.gettempdir()) / f"autopipe-trace-{type(model).__name__}-{os.getpid()}.log"
     fake = trace_device(model, device_type)
     try:
-        with _watch_custom_functions() as seen, _torch_log_to(log), _as_device(model, fake) as to_fake:
+        with opaque_functions() as (kept, lost), _torch_log_to(log), _as_device(model, fake) as to_fake:
             ep = torch.export.export(model, to_fake(args), to_fake(kwargs), strict=False)
     except Exception as e:  # torch raises many kinds here; all become one readable TraceError
         where = f" torch's log of the failed trace (its FX graph): {log}." if log.is_file() else ""
         raise TraceError(_explain(model, e) + where) from e
-    notes = [
-        f"custom autograd.Function {name}: export keeps only its forward, so the flattened model "
-        "differentiates the forward's ops instead of its hand-written backward (gradients may differ slightly, ~1e-8)"
-        for name in sorted(seen)
-    ]
-    return ep, notes
+    notes = [f"custom autograd.Function {name}: kept as one opaque call, so its own backward runs; a cut never "
+             "falls inside it" for name in kept if name not in lost]
+    notes += [f"custom autograd.Function {name}: torch could not keep it opaque, so the flattened model "
+              "differentiates the forward's ops instead of its hand-written backward" for name in sorted(lost)]
+    return ep, notes, lost
 
 
 def trace_device(model: nn.Module, device_type: str | None = None) -> str:
@@ -139,24 +140,6 @@ def _as_device(model: nn.Module, device_type: str) -> Iterator[Any]:
     finally:
         for table, attr, t in slots:
             table[attr] = t
-
-
-@contextlib.contextmanager
-def _watch_custom_functions() -> Iterator[set[str]]:
-    """Record user-defined autograd.Function subclasses applied during the trace (BLOOM's GeLU)."""
-    seen: set[str] = set()
-    original = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
-
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not cls.__module__.startswith("torch"):
-            seen.add(f"{cls.__module__}.{cls.__qualname__}")
-        return original(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
-    try:
-        yield seen
-    finally:
-        torch.autograd.Function.apply = classmethod(original)  # type: ignore[assignment,method-assign]
 
 
 @contextlib.contextmanager

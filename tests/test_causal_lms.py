@@ -1,0 +1,64 @@
+"""The causal LMs of the installed transformers train as themselves: flattened, then 1, 2 and 3 stages of
+the sequence give the untouched model's outputs (its own loss among them) and every parameter gradient.
+
+FAST is a sample by layer kind (dense, MoE, Mamba and hybrid, sliding window, encoder-decoder, a
+custom autograd.Function); SLOW the rest of the architectures measured exact so far (tests/causal_lms.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from causal_lms import LEAF, build
+from test_flatten import _assert_same, _even, _run, _run_stages
+
+import autopipe
+from autopipe.errors import TraceMismatchError
+from autopipe.graph.gradients import check_gradients
+
+FAST = ["apertus", "bamba", "bart", "bert", "bloom", "cohere2", "diffllama", "dots1", "exaone_moe", "falcon_mamba",
+        "gemma3", "jamba", "llama", "mixtral", "reformer"]
+SLOW = ["afmoe", "apertus1p5_text", "arcee", "aria_text", "bailing_hybrid", "beam", "bert-generation", "big_bird",
+        "bigbird_pegasus", "biogpt", "bitnet", "blenderbot", "blenderbot-small", "camembert", "codegen", "cohere",
+        "cohere2_moe", "cpmant", "ctrl", "cwm", "data2vec-text", "deepseek_v4", "doge", "dory", "electra", "ernie",
+        "ernie4_5", "exaone", "exaone4", "falcon", "flex_olmo", "flint"]
+
+
+@pytest.mark.parametrize("name", [*FAST, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW)])
+def test_causal_lm_flattens_and_splits_into_the_untouched_model(name: str) -> None:
+    """The sequence and its 2- and 3-stage splits: the model's outputs (loss included) and every gradient at 1e-5."""
+    model, args, kwargs = build(name)
+    ref = _run(model, lambda: model(*args, **kwargs))
+    assert getattr(model(*args, **kwargs), "loss", None) is not None, f"{name}: no loss of its own"
+    seq = autopipe.flatten(model, args, kwargs, granularity="leaf" if name in LEAF else "block")
+    _assert_same(ref, _run(model, lambda: seq(*args, **kwargs)), f"{name} 1 stage")
+    for stages in (2, 3):
+        parts = seq.split(_even(len(seq), stages))
+        _assert_same(ref, _run(model, lambda: _run_stages(parts, args, kwargs)), f"{name} {stages} stages")
+
+
+def test_reformer_reversible_layers_run_their_own_backward() -> None:
+    """Reformer's reversible stack is one opaque call (a note says so), so the sequence's loss gives a
+    gradient to every parameter the untouched model's loss does, those of the reversible layers included."""
+    model, args, kwargs = build("reformer")
+    seq = autopipe.flatten(model, args, kwargs)
+    assert any("_ReversibleFunction: kept as one opaque call" in note for note in seq.notes), seq.notes
+    trained = []
+    for run in (model, seq):
+        model.zero_grad(set_to_none=True)
+        run(*args, **kwargs).loss.backward()
+        trained.append({n for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad(set_to_none=True)
+    assert trained[1] == trained[0] and any(".encoder.layers." in n for n in trained[0])
+
+
+def test_a_trace_that_lost_the_backward_is_one_line_naming_the_parameters() -> None:
+    """torch.export's own forward-only trace of Reformer leaves its loss connected to no parameter of the
+    reversible stack: the check refuses it in one line naming the parameters and the Function."""
+    model, args, kwargs = build("reformer")
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    with pytest.raises(TraceMismatchError, match=r"gives no gradient to \d+ parameters the eager model trains "
+                                                 r"\(.*\): they are computed inside custom autograd.Function "
+                                                 r"_ReversibleFunction") as err:
+        check_gradients(model, ep, args, kwargs, {"_ReversibleFunction"})
+    assert "\n" not in str(err.value)
