@@ -62,3 +62,17 @@ def test_a_trace_that_lost_the_backward_is_one_line_naming_the_parameters() -> N
                                                  r"_ReversibleFunction") as err:
         check_gradients(model, ep, args, kwargs, {"_ReversibleFunction"})
     assert "\n" not in str(err.value)
+
+
+def test_gemma3n_is_refused_in_one_line_naming_the_tensor_its_forward_makes() -> None:
+    """Gemma3n's decoder layer computes with ``torch.tensor(0.0)`` made inside forward (its AltUp's
+    softplus), which torch.export itself cannot keep ("fake tensor in the exported program constant's
+    list"): the error says that, where, and what to change, in one line, not torch's text."""
+    from autopipe.errors import TraceError
+
+    model, args, kwargs = build("gemma3n_text")
+    with pytest.raises(TraceError, match=r"could not trace Gemma3nForCausalLM: the forward of module 'model\.layers\.0' "
+                                         r"\(Gemma3nTextDecoderLayer\) makes a tensor from Python values .*"
+                                         r"\(register_buffer") as err:
+        autopipe.flatten(model, args, kwargs)
+    assert "\n" not in str(err.value) and "file an issue" not in str(err.value)

@@ -14,6 +14,7 @@ import io
 import linecache
 import logging
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -209,6 +210,9 @@ def _check_signature(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
 def _explain(model: nn.Module, exc: BaseException) -> str:
     """One paragraph: what failed, where (module + source line), and what to try."""
+    made = _made_in_forward(model, exc)
+    if made:
+        return made
     reason = _first_line(exc)
     where = _user_frame(model, exc)
     hint = _hint(exc)
@@ -217,6 +221,26 @@ def _explain(model: nn.Module, exc: BaseException) -> str:
         hint = ("That is LayerDrop, which skips layers at random: no fixed pipeline can run it. This transformers "
                 "draws even with layerdrop 0; upgrade transformers (5.24 skips the draw there) and keep layerdrop 0.")
     return f"could not trace {type(model).__name__}: {reason}{where}. {hint}"
+
+
+def _made_in_forward(model: nn.Module, exc: BaseException) -> str:
+    """torch.export's "fake tensor in the exported program constant's list", said as its cause: a
+    tensor the forward makes from Python values (``torch.tensor(0.0)`` in Gemma3n's attention), then
+    computes with, which export lifts as a constant ``<module>.lifted_tensor_N`` it cannot keep."""
+    text = str(exc)
+    if "fake tensor in the exported program constant" not in text:
+        return ""
+    found = re.search(r"model attribute: ([\w.]*?)\.?lifted_tensor_\d+", text)
+    path = found.group(1) if found else ""
+    try:
+        kind = f" ({type(model.get_submodule(path)).__name__})" if path else ""
+    except AttributeError:
+        kind = ""
+    where = f"module '{path}'{kind}" if path else "the model"
+    return (f"could not trace {type(model).__name__}: the forward of {where} makes a tensor from Python values "
+            "(torch.tensor(...) inside forward) and computes with it, which torch.export cannot keep as a constant. "
+            "Make it a buffer in __init__ (register_buffer(..., persistent=False)) or compute it with Python math; "
+            "AUTOPIPE_DEBUG=1 shows the full traceback.")
 
 
 def _first_line(exc: BaseException) -> str:
