@@ -1,6 +1,7 @@
 """Models nobody on this team wrote train as themselves: 2 processes == 1 process == the untouched model.
 
-Each model of tests/zoo.py (HF MoE decoders with their default experts kernels, Gemma, Whisper, a
+Each model of tests/zoo.py (HF MoE decoders with their default experts kernels, Jamba's hybrid
+Mamba/attention, DeepSeek-V3's latent attention, Gemma, Whisper, a
 nanoGPT-style model returning ``(logits, loss)``, a litgpt-style GPT with rotary caches as
 non-persistent buffers, CNNs with BatchNorm and with ConvNeXt's permuted channels-last blocks,
 AlexNet with the factory's micro-batch) is written as a job of 2 stages and trained one step, at the

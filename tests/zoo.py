@@ -57,6 +57,30 @@ def qwen3_moe(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
                     mlp_only_layers=[])
 
 
+def jamba(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
+    """Jamba: Mamba layers (torch's own scan, no CUDA kernels) and an attention layer, MoE on every other
+    layer, the router's auxiliary loss in its loss: the hybrid Mamba/attention kind of decoder."""
+    return _decoder("JambaConfig", "JambaForCausalLM", batch_size, intermediate_size=48, num_experts=4,
+                    num_experts_per_tok=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
+                    expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+                    use_mamba_kernels=False, output_router_logits=True, router_aux_loss_coef=0.1)
+
+
+def deepseek_v3(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
+    """DeepSeek-V3: multi-head latent attention (low-rank q and kv, a rope part of each head), a dense first
+    layer, then routed experts in groups plus a shared expert: the MLA kind of decoder."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                           num_key_value_heads=4, max_position_embeddings=32, intermediate_size=48,
+                                           moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+                                           n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                                           q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                           v_head_dim=8, head_dim=8)  # fmt: skip
+    ids = _ids(batch_size)
+    return transformers.DeepseekV3ForCausalLM(config), (ids,), {"labels": ids}
+
+
 def llama(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
     return _decoder("LlamaConfig", "LlamaForCausalLM", batch_size, intermediate_size=48)
 
@@ -323,7 +347,7 @@ def alexnet() -> tuple[nn.Module, tuple]:
 
 
 ZOO = {
-    "llama": llama, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gemma": gemma, "gemma3": gemma3,
+    "llama": llama, "jamba": jamba, "deepseek_v3": deepseek_v3, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gemma": gemma, "gemma3": gemma3,
     "whisper": whisper, "nanogpt": nanogpt, "litgpt": litgpt, "resnet": resnet, "convnext": convnext,
     "alexnet": alexnet,
 }
