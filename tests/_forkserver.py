@@ -109,7 +109,7 @@ def _child(req: dict, base_path: list[str], runpy) -> None:  # noqa: ANN001
         extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [os.path.dirname(script), *[os.path.abspath(p) for p in extra],
                        *[p for p in base_path[1:] if p not in extra]]
-        sys.argv = [req["argv"][0], *req["argv"][1:]]
+        sys.argv = list(req["argv"])
         if any((Path(p) / "sitecustomize.py").is_file() for p in extra):
             import sitecustomize  # noqa: F401  (as site.py would at a fresh start)
         if "numpy" in sys.modules:  # a fresh process draws numpy's global seed from the OS
@@ -217,18 +217,31 @@ def _at_start(env: Mapping[str, str]) -> dict[str, str]:
             if k.startswith(_AT_START) and not k.startswith(_PER_RUN) and k != "PYTHONPATH"}
 
 
+def _key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """Which servers serve ``env``: those started with the same variables read at start."""
+    return tuple(sorted(_at_start(env).items()))
+
+
+def _own_sitecustomize(env: Mapping[str, str]) -> bool:
+    """Whether ``env``'s PYTHONPATH brings a sitecustomize (a test's probe) where the interpreter, and so
+    every server started from it, already imported one: the child could not import the request's."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return "sitecustomize" in sys.modules and any((Path(p) / "sitecustomize.py").is_file() for p in paths)
+
+
 def can_fork(argv: Sequence[str], env: Mapping[str, str]) -> bool:
     """Whether ``argv`` (``python script ...``) may run as a child of a fork server: a Python script,
-    forking not switched off, a POSIX system."""
+    forking not switched off, a POSIX system, no hash seed or sitecustomize of its own to start with,
+    and a start environment served (or room for one more)."""
     return (hasattr(os, "fork") and _DISABLED not in os.environ and len(argv) >= 2 and argv[0] == sys.executable
-            and str(argv[1]).endswith(".py") and "PYTHONHASHSEED" not in env
-            and (tuple(sorted(_at_start(env).items())) in _SERVERS or len(_SERVERS) < _MAX_KINDS))  # fmt: skip
+            and str(argv[1]).endswith(".py") and "PYTHONHASHSEED" not in env and not _own_sitecustomize(env)
+            and (_key(env) in _SERVERS or len(_SERVERS) < _MAX_KINDS))  # fmt: skip
 
 
 def spawn(argv: Sequence[str], *, rank: int, cwd: Path, env: Mapping[str, str], stdout: str, stderr: str) -> ForkedRank:
     """Fork ``python argv[1:]`` for ``rank`` from the server whose start environment matches ``env``
     (started on first use; two per environment, alternating by rank: the hash seeds differ)."""
-    key = tuple(sorted(_at_start(env).items()))
+    key = _key(env)
     servers = _SERVERS.get(key)
     if servers is None:
         start_env = {**os.environ, **_at_start(env)}
