@@ -40,16 +40,22 @@ ZERO_STAGES = (0, 1, 2, 3)
 PLACEMENTS = ("pipeline-inner", "replica-inner")
 
 
-def world_rank(dp_rank: int, pp_rank: int, *, dp: int, pp: int, placement: str = "pipeline-inner") -> int:
-    """The world rank of replica ``dp_rank``'s stage ``pp_rank`` under ``placement``.
+def world_rank(
+    dp_rank: int, pp_rank: int, *, dp: int, pp: int, placement: str = "pipeline-inner", tp: int = 1, tp_rank: int = 0
+) -> int:
+    """The world rank of replica ``dp_rank``'s stage ``pp_rank`` (its tensor-parallel rank ``tp_rank``
+    of ``tp``) under ``placement``. Tensor parallelism is innermost: a stage's tp ranks are consecutive,
+    so they share a node (its fast links carry tp's per-layer collectives).
 
     >>> world_rank(1, 2, dp=2, pp=4), world_rank(1, 2, dp=2, pp=4, placement="replica-inner")
     (6, 5)
+    >>> world_rank(1, 2, dp=2, pp=4, tp=2, tp_rank=1)
+    13
     """
     if placement == "pipeline-inner":
-        return dp_rank * pp + pp_rank
+        return (dp_rank * pp + pp_rank) * tp + tp_rank
     if placement == "replica-inner":
-        return pp_rank * dp + dp_rank
+        return (pp_rank * dp + dp_rank) * tp + tp_rank
     raise AutopipeError(f"unknown placement {placement!r}; use one of {', '.join(PLACEMENTS)}.")
 
 

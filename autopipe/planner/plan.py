@@ -95,6 +95,12 @@ class Plan:
     # How the world's stages x dp ranks are numbered (autopipe.choices.PLACEMENTS): the runtime builds
     # its process groups so, and the cluster search priced its links so. "pipeline-inner" in older plans.
     placement: str = "pipeline-inner"
+    # Tensor-parallel degree inside each stage (world = stages x dp x tp; tp ranks are innermost, so a
+    # tp group is tp consecutive ranks inside one node) and whether its norms and dropouts run
+    # sequence-parallel (activations between the tp regions sharded on the sequence). 1 / False in
+    # plans before these fields: every stage on one device per replica.
+    tp: int = 1
+    sequence_parallel: bool = False
     # Devices per node the world is laid out on (the search's cluster, or convert --gpus-per-node);
     # 0: not given, one node. The job's launch lines (and its sbatch script) follow it.
     gpus_per_node: int = 0
@@ -167,8 +173,8 @@ class Plan:
 
     @property
     def world(self) -> int:
-        """Processes the plan runs on: stages x data-parallel replicas."""
-        return self.stages * self.dp
+        """Processes the plan runs on: stages x data-parallel replicas x tensor-parallel degree."""
+        return self.stages * self.dp * self.tp
 
     @property
     def nodes(self) -> int:
@@ -328,13 +334,18 @@ def _check_plan(plan: Plan) -> None:
     for f in ("bottleneck_time", "peak_memory", "step_time", "weight_share"):
         number(getattr(plan, f), f, whole=f == "peak_memory")
     number(plan.dp, "dp", whole=True, least=1)
+    number(plan.tp, "tp", whole=True, least=1)
+    if not isinstance(plan.sequence_parallel, bool):
+        raise RecordError(f"plan sequence_parallel is {plan.sequence_parallel!r}, but must be true or false; {again}")
+    if plan.sequence_parallel and plan.tp == 1:
+        raise RecordError(f"plan sequence_parallel is true with tp 1 (nothing to shard over); {again}")
     if plan.zero not in (0, 1, 2, 3) or isinstance(plan.zero, bool):
         raise RecordError(f"plan zero is {plan.zero!r}, but must be a ZeRO stage 0, 1, 2 or 3; {again}")
     if plan.placement not in PLACEMENTS:
         raise RecordError(f"plan placement is {plan.placement!r}, but must be one of {', '.join(PLACEMENTS)}; {again}")
     number(plan.gpus_per_node, "gpus_per_node", whole=True)
     if plan.nodes > 1 and plan.world % plan.gpus_per_node:
-        raise RecordError(f"plan world of {plan.world} ranks (stages x dp) is not a whole number of nodes of "
+        raise RecordError(f"plan world of {plan.world} ranks (stages x dp x tp) is not a whole number of nodes of "
                           f"{plan.gpus_per_node} (gpus_per_node); {again}")
     number(plan.bubble_fraction, "bubble_fraction", least=-1e-9)  # 1 - busy/step: rounding may dip below 0
     for f in ("memory_limit", "step_lower_bound", "optimum_bottleneck_time", "optimum_step_time"):
