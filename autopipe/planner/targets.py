@@ -49,6 +49,7 @@ class Target:
     what_zero: str  # how the engine shards, for the refusal
     recompute: tuple[str, ...] = ("none", "selective", "full")  # the modes it applies (to every stage alike)
     per_stage_recompute: bool = False  # whether stages may recompute differently
+    tensor_parallel: bool = True  # whether it splits each stage's layers over a tensor-parallel group
 
     def schedule_name(self, schedule: str) -> str:
         return self.schedules[schedule]
@@ -69,7 +70,7 @@ TARGETS: dict[str, Target] = {
     "deepspeed": Target(
         "deepspeed", "DeepSpeed",
         {"1f1b": "TrainSchedule (1F1B)"},
-        1, (0, 1), True, "runs ZeRO 0 or 1 with its pipeline engine", ("none", "full"),
+        1, (0, 1), True, "runs ZeRO 0 or 1 with its pipeline engine", ("none", "full"), tensor_parallel=False,
     ),
     "fqns": Target(
         "fqns", "module names (fqns)",
@@ -88,10 +89,14 @@ def target_info(target: str) -> Target:
 
 
 def check_target(target: str, *, schedule: str, virtual_stages: int, zero: int = 0, dp: int = 1,
-                 recompute: Sequence[str] = ()) -> None:  # fmt: skip
+                 recompute: Sequence[str] = (), tp: int = 1) -> None:  # fmt: skip
     """Raise ExportError (one line: what the engine lacks, what would work) when ``target`` cannot run
-    this schedule, these virtual stages, this ZeRO stage or these per-chunk recompute modes."""
+    this schedule, these virtual stages, this ZeRO stage, these per-chunk recompute modes or tensor
+    parallelism of degree ``tp``."""
     t = target_info(target)
+    if tp > 1 and not t.tensor_parallel:
+        raise ExportError(f"{t.name}'s pipeline engine takes no tensor parallelism, but the plan splits each stage over "
+                          f"{tp} GPUs; plan with --tp 1, or export --to torchtitan or megatron.")
     if schedule not in t.schedules:
         have = ", ".join(t.schedules)
         raise ExportError(f"{t.name} has no {schedule} schedule; plan with --schedule {have.replace(', ', ' or ')}.")

@@ -29,7 +29,7 @@ class Command:
 
 
 def _ranks(sm: StageModules) -> int:
-    return sm.stages * sm.dp
+    return sm.stages * sm.dp * sm.tp
 
 
 def check_titan_path(path: Path, v: TitanVersion) -> None:

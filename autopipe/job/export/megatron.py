@@ -57,12 +57,15 @@ def megatron_args(sm: StageModules) -> list[str]:
     symbols = megatron_stage_symbols(sm)
     decoder = sum(t for _, t, _ in symbols)
     flags = [
+        f"--tensor-model-parallel-size {sm.tp}",
         f"--pipeline-model-parallel-size {sm.stages}",
         f"--pipeline-model-parallel-layout \"{megatron_layout(symbols)}\"",
         f"--num-layers {decoder}",
         f"--micro-batch-size {sm.microbatch_size}",
         f"--global-batch-size {sm.microbatch_size * sm.microbatches * sm.dp}",
     ]
+    if sm.sequence_parallel:
+        flags.append("--sequence-parallel")
     if not sm.tied:
         flags.append("--untie-embeddings-and-output-weights")
     if sm.dp > 1 and sm.zero in (1, 2):

@@ -57,6 +57,8 @@ class StageModules:
     step_time: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
     seq_len: int = 0  # tokens per sample the profile was taken at (0: not a token model)
+    tp: int = 1  # tensor-parallel degree inside each stage (Plan.tp)
+    sequence_parallel: bool = False  # norms and dropouts sequence-parallel between the tp regions
 
 
 def model_units(model: Any) -> tuple[dict[str, bool], dict[str, list[str]]]:
@@ -119,7 +121,7 @@ def stage_modules(plan: Plan, profile: Profile, target: str, model: Any = None) 
     names = [layer.name or f"layer{i}" for i, layer in enumerate(profile.layers)]
     modes = plan.stage_recompute or ("none",) * plan.num_chunks
     check_target(t.key, schedule=plan.schedule, virtual_stages=plan.virtual_stages, zero=plan.zero, dp=plan.dp,
-                 recompute=modes)  # fmt: skip
+                 recompute=modes, tp=plan.tp)  # fmt: skip
     chunk_of = [c for c in range(plan.num_chunks) for _ in plan.layers_of(c)]
     tied = tied_users(profile)
     _why_not(plan, names, t.key, tied, chunk_of)
@@ -160,6 +162,7 @@ def stage_modules(plan: Plan, profile: Profile, target: str, model: Any = None) 
         layers=tuple((a, b) for a, b in zip(plan.boundaries, plan.boundaries[1:])), modules=tuple(modules),
         every_stage=tuple(every), tied=tuple(groups), names=tuple(names), units=tuple(tuple(u) for u in units),
         step_time=plan.step_time, notes=tuple(notes), seq_len=tokens_per_sample(profile) or 0,
+        tp=plan.tp, sequence_parallel=plan.sequence_parallel,
     )  # fmt: skip
 
 

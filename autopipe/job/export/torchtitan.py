@@ -13,7 +13,9 @@ Both ways the recompute mode is written even when it is "none": torchtitan's def
 so a config without it would recompute what the plan did not price. The micro-batch count is
 ``training.local_batch_size / pipeline_parallel_microbatch_size`` in both releases. Data parallelism is
 ``data_parallel_replicate_degree`` (ZeRO 0) or ``data_parallel_shard_degree`` (FSDP2: ZeRO 3, or 2 with
-``fsdp_reshard_after_forward = "never"``).
+``fsdp_reshard_after_forward = "never"``). Tensor parallelism is ``tensor_parallel_degree`` (the plan's
+tp, always written) and, where tp > 1, ``enable_sequence_parallel`` as the plan priced it (torchtitan's
+default is on).
 """
 
 from __future__ import annotations
@@ -80,7 +82,10 @@ def torchtitan_settings(sm: StageModules, parts: TitanParts, v: TitanVersion) ->
         "pipeline_parallel_microbatch_size": sm.microbatch_size,
         "data_parallel_replicate_degree": sm.dp if sm.zero == 0 else 1,
         "data_parallel_shard_degree": sm.dp if sm.zero in (2, 3) else 1,
+        "tensor_parallel_degree": sm.tp,
     }
+    if sm.tp > 1:  # torchtitan's default is sequence parallel on; the plan priced one or the other
+        parallelism["enable_sequence_parallel"] = sm.sequence_parallel
     if sm.dp > 1 and sm.zero == 2:  # FSDP2 keeping the parameters gathered between forward and backward
         parallelism["fsdp_reshard_after_forward"] = "never"
     parallelism["module_fqns_per_model_part"] = [list(p) for p in parts.parts]
@@ -97,6 +102,7 @@ def _summary(sm: StageModules, v: TitanVersion) -> str:
             + (f" x {sm.virtual_stages} virtual stages" if sm.virtual_stages > 1 else "")
             + f", {sm.microbatches} micro-batches of {sm.microbatch_size}"
             + (f", {sm.dp} data-parallel replicas" if sm.dp > 1 else "")
+            + (f", tensor parallel {sm.tp}" + (" (sequence parallel)" if sm.sequence_parallel else "") if sm.tp > 1 else "")
             + f"; predicted step {sm.step_time * 1e3:.3f} ms")
 
 
@@ -173,6 +179,8 @@ def torchtitan_overrides(sm: StageModules, parts: TitanParts, v: TitanVersion) -
                 args += [flag, *(",".join(p) for p in parts.parts)]
             elif value is True:
                 args.append(flag)
+            elif value is False:  # tyro's negation of a boolean field
+                args.append(f"--{section}.no_{key}")
             else:
                 args += [flag, str(value)]
     return args + ([f"--activation_checkpoint.mode", mode] if v.toml else [f"activation-checkpoint:{mode}"])
