@@ -44,6 +44,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "reformer": dict(is_decoder=True, num_attention_heads=2, attention_head_size=16, feed_forward_size=32,
                      axial_pos_embds=False, attn_layers=["local", "lsh"], local_attn_chunk_length=4,
                      lsh_attn_chunk_length=4, num_buckets=2),
+    # latent attention needs a key/value head per query head; a few zero-computation experts beside the 4 routed
+    "longcat_flash": dict(num_key_value_heads=4, expert_ffn_hidden_size=24, zero_expert_num=2),
 }
 # flattened at leaf granularity: fewer than 3 blocks at block granularity (Reformer's reversible stack is one call)
 LEAF = {"reformer"}

@@ -2,7 +2,7 @@
 the sequence give the untouched model's outputs (its own loss among them) and every parameter gradient.
 
 FAST is a sample by layer kind (dense, MoE, Mamba and hybrid, sliding window, encoder-decoder, a
-custom autograd.Function); SLOW the rest of the architectures measured exact so far (tests/causal_lms.py).
+custom autograd.Function, an expert loop traced batched); SLOW the rest of the architectures measured exact so far (tests/causal_lms.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from autopipe.errors import TraceMismatchError
 from autopipe.graph.gradients import check_gradients
 
 FAST = ["apertus", "bamba", "bart", "bert", "bloom", "cohere2", "diffllama", "dots1", "exaone_moe", "falcon_mamba",
-        "gemma3", "jamba", "llama", "mixtral", "reformer"]
+        "gemma3", "jamba", "llama", "longcat_flash", "mixtral", "reformer"]
 SLOW = ["afmoe", "apertus1p5_text", "arcee", "aria_text", "bailing_hybrid", "beam", "bert-generation", "big_bird",
         "bigbird_pegasus", "biogpt", "bitnet", "blenderbot", "blenderbot-small", "camembert", "codegen", "cohere",
         "cohere2_moe", "cpmant", "ctrl", "cwm", "data2vec-text", "deepseek_v4", "doge", "dory", "electra", "ernie",
@@ -76,3 +76,16 @@ def test_gemma3n_is_refused_in_one_line_naming_the_tensor_its_forward_makes() ->
                                          r"\(register_buffer") as err:
         autopipe.flatten(model, args, kwargs)
     assert "\n" not in str(err.value) and "file an issue" not in str(err.value)
+
+
+def test_longcat_flashs_expert_loop_traces_batched_and_leaves_the_model_as_it_was() -> None:
+    """LongcatFlash's experts loop over the experts the router chose (a data-dependent count torch.export
+    cannot trace): the trace runs the same arithmetic batched, says so in a note, and the model keeps its
+    own forward afterwards; the sweep above checks the outputs and every gradient against it."""
+    model, args, kwargs = build("longcat_flash")
+    seq = autopipe.flatten(model, args, kwargs)
+    assert any(n.startswith("LongcatFlashExperts: its loop over the routed experts traced") for n in seq.notes)
+    experts = [m for m in model.modules() if type(m).__name__ == "LongcatFlashExperts"]
+    assert experts and all("forward" not in m.__dict__ for m in experts)
+    with pytest.raises(Exception, match="GuardOnDataDependentSymNode|data-dependent"):  # what torch alone does
+        torch.export.export(model, args, kwargs, strict=False)

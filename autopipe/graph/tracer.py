@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..errors import InputMismatchError, TraceError
+from .expert_loops import batched_expert_loops
 from .opaque import opaque_functions
 
 __all__ = ["trace", "trace_device", "trace_with_notes"]
@@ -68,7 +69,8 @@ def trace_with_notes(
     log = Path(tempfile.gettempdir()) / f"autopipe-trace-{type(model).__name__}-{os.getpid()}.log"
     fake = trace_device(model, device_type)
     try:
-        with opaque_functions() as (kept, lost), _torch_log_to(log), _as_device(model, fake) as to_fake:
+        with (opaque_functions() as (kept, lost), batched_expert_loops(model) as batched, _torch_log_to(log),
+              _as_device(model, fake) as to_fake):
             ep = torch.export.export(model, to_fake(args), to_fake(kwargs), strict=False)
     except Exception as e:  # torch raises many kinds here; all become one readable TraceError
         where = f" torch's log of the failed trace (its FX graph): {log}." if log.is_file() else ""
@@ -77,6 +79,8 @@ def trace_with_notes(
              "falls inside it" for name in kept if name not in lost]
     notes += [f"custom autograd.Function {name}: torch could not keep it opaque, so the flattened model "
               "differentiates the forward's ops instead of its hand-written backward" for name in sorted(lost)]
+    notes += [f"{name}: its loop over the routed experts traced as the same arithmetic batched "
+              "(autopipe/graph/expert_loops.py)" for name in batched]
     return ep, notes, lost
 
 
