@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from causal_lms import LEAF, build
 from test_flatten import _assert_same, _even, _run, _run_stages
 
@@ -89,3 +90,35 @@ def test_longcat_flashs_expert_loop_traces_batched_and_leaves_the_model_as_it_wa
     assert experts and all("forward" not in m.__dict__ for m in experts)
     with pytest.raises(Exception, match="GuardOnDataDependentSymNode|data-dependent"):  # what torch alone does
         torch.export.export(model, args, kwargs, strict=False)
+
+
+def test_a_gradient_carried_by_an_in_place_write_is_not_taken_for_a_lost_one() -> None:
+    """RWKV's recurrence writes each step into a preallocated tensor (``out[:, t] = ...``), a gradient path
+    with no data edge in the graph: the graph walk misses it, the graph's own backward does not, so the
+    model flattens (it was refused as "no gradient to 8 parameters" before) and trains as itself."""
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.step = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(x)
+            for t in range(x.shape[1]):
+                out[:, t] = self.step(x[:, t])
+            return out.sum()
+
+    model = Recurrent()
+    x = torch.randn(2, 3, 4)
+    ep = torch.export.export(model, (x,), strict=False)
+    from autopipe.graph.gradients import unreached_parameters
+
+    assert unreached_parameters(ep) == ["step.bias", "step.weight"]  # the walk alone would refuse it
+    check_gradients(model, ep, (x,), {})  # the graph's backward says otherwise: no error
+    seq = autopipe.flatten(model, (x,))
+    for run in (model, seq):
+        model.zero_grad(set_to_none=True)
+        run(x).backward()
+        if run is model:
+            want = model.step.weight.grad.clone()
+    torch.testing.assert_close(model.step.weight.grad, want, rtol=0, atol=1e-6)
