@@ -17,6 +17,9 @@ column/row pairs and torch's DTensor ``ColwiseParallel`` / ``RowwiseParallel`` s
 - a colwise matmul none of whose sharded descendants reaches a rowwise one (an output layer's
   logits: HF's ``colwise_gather_output``) gathers its output whole: only the matmul divides.
 
+A vocabulary the degree does not divide is taken as padded to a multiple of it (Megatron-LM's
+``--make-vocab-size-divisible-by``), so it sets no divisor.
+
 Seconds of the divided ops over all the layer's seconds are its split shares (forward; backward by
 the same rules on the backward's ops, which start from the forward's sharded tensors: an input
 gradient of a rowwise matmul is sharded, a colwise one's is a partial sum, the one all-reduce the
@@ -192,8 +195,10 @@ def tp_shape(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str) -> TpS
     col_inputs = {ops[i].x: ops[i].x_bytes for i in mms if role[i] == "col"}
     ar_bwd = tuple(col_inputs.values()) if outs and targets else ()
     gather = tuple(ops[i].out_bytes for i in sorted(gathered))
-    dims = [ops[i].features[1] for i in mms if role[i] == "col"] + [ops[i].features[0] for i in mms if role[i] == "row"]
-    dims += [ops[i].features[0] for i in mms if role[i] == "emb"]
+    # vocabularies (an embedding's rows, gathered logits) are left out: padded to a multiple of the
+    # degree, as Megatron-LM pads them (--make-vocab-size-divisible-by)
+    dims = [ops[i].features[1] for i in mms if role[i] == "col" and i not in gathered]
+    dims += [ops[i].features[0] for i in mms if role[i] == "row"]
     dims += [h for op in ops for h in op.heads]
     dims += [op.split_heads for op in ops if op.split_heads and any(k in sharded for k in op.ins)]
     divisor = 0
