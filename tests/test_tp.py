@@ -243,3 +243,29 @@ def test_bad_tp_is_one_line(llama: Profile, tmp_path, args, expected) -> None:
     lines = [line for line in out.splitlines() if line.strip()]
     assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error:"), out
     assert expected in lines[0]
+
+
+def test_recompute_floor_holds_on_a_traced_llama(llama: Profile) -> None:
+    """The bound with the recompute every cut needs (evaluate.SearchBounds.throughput_with_recompute)
+    never falls below a solved layout's throughput, under a limit that forces recompute, at tp 1 and 2."""
+    cluster = Cluster(gpus=4, gpus_per_node=4, intra=450e9, inter=50e9)
+    plain, full = [], []
+    for x in enumerate_layouts(len(llama.layers), cluster, 8):
+        plain.append(evaluate(llama, cluster, x, memory_limit=None, recompute="none")[0].peak_memory or 0)
+        full.append(evaluate(llama, cluster, x, memory_limit=None, recompute="full")[0].peak_memory or 0)
+    limit = (min(plain) + min(full)) // 2  # below every layout's peak without recompute, above some with it
+    checked = recomputed = 0
+    for t in (1, 2):
+        sample = Layout(1, 1, 1, 1, "1f1b", 1, 0, "pipeline-inner", tp=t)
+        prof_t, cluster_t = tp_view(llama, cluster, sample)
+        bounds = SearchBounds(prof_t, None, limit, cluster_t)
+        for x in enumerate_layouts(len(llama.layers), cluster, 8, tp=t):
+            try:
+                done, _ = evaluate(llama, cluster, x, memory_limit=limit)
+            except InfeasibleMemoryError:
+                continue
+            checked += 1
+            recomputed += any(m != "none" for m in done.recompute)
+            scale = x.microbatch_size / B  # the profile's own micro-batch is B samples
+            assert done.throughput <= bounds.throughput_with_recompute(x, scale) * (1 + 1e-9), x
+    assert checked and recomputed

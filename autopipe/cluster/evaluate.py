@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+import numpy as np
+
 from ..costs.layer_costs import Profile
 from ..costs.rescale import scale_microbatch, tokens_per_sample
 from ..costs.tp import at_tp
-from ..planner.cost_model import limit_reserve
+from ..planner.cost_model import limit_reserve, recompute_times
 from ..planner.memory import LayerMemory, charged_units, layer_memory, rank_memory, tensor_budget
 from ..planner.options import PartitionOptions
 from ..planner.partitioner import fits_memory, partition, resolve_limit
@@ -25,8 +27,11 @@ __all__ = ["SearchBounds", "evaluate", "step_bound", "tp_view"]
 class SearchBounds:
     """The cheap bounds of the module docstring for one profile (at its own micro-batch size)."""
 
-    def __init__(self, profile: Profile, optimizer: str | None, limit: int | None, cluster: Cluster) -> None:
+    def __init__(self, profile: Profile, optimizer: str | None, limit: int | None, cluster: Cluster,
+                 recompute: str = "auto") -> None:  # fmt: skip
         self.profile, self.optimizer, self.limit, self.cluster = profile, optimizer, limit, cluster
+        self.recompute = recompute
+        self._extra = recompute_times(profile)
         self.work = sum(profile.times)
         base = layer_memory(profile, optimizer)
         # a tied tensor's repeats may all sit on one rank: leave them out of what must be reduced
@@ -76,6 +81,61 @@ class SearchBounds:
             fill = sum((s - 1 - j) * times[j] for j in range(min(s - 1, len(times))))
         return x.global_batch / step_bound(x, (self.work + comm) * scale, self.grads, self.weights, self.cluster,
                                            fill=fill * scale)  # fmt: skip
+
+
+    def recompute_floor(self, x: Layout, scale: float) -> float:
+        """The least recompute seconds per micro-batch that any cut of ``x`` needs to fit: min over
+        cuts of Σ_chunks the cheapest allowed mode under which the chunk fits its share of the
+        budget, holding its schedule's in-flight micro-batches (schedules.inflight_counts). The bytes
+        are the memory model's less what only adds (tied repeats, transients, waiting units, the ZeRO
+        buckets), so a chunk refused here is refused there: a lower bound, O(K·L²) with numpy.
+        Under zbv (whose units count the weight pass's waiting ones apart) every chunk is charged the
+        fewest any chunk holds, as the memory bound does; inf: no cut fits."""
+        if self.limit is None:
+            return 0.0
+        _static, _acts, lm = self._memory(x.dp, x.zero)
+        modes = [m for m in lm.activations if self.recompute in ("auto", m)]
+        if not modes:
+            return 0.0
+        k, v = x.stages * x.virtual_stages, x.virtual_stages
+        budget = tensor_budget(lm, self.limit, stages=x.stages, reserve=limit_reserve(self.profile)) // v
+        held = inflight_counts(x.schedule, x.stages, v, x.microbatches)
+        if x.schedule == "zbv":
+            held = [min(held)] * len(held)
+        tied = np.zeros(len(lm.static))
+        for size, users, *_ in lm.tied:  # as if every tied tensor were free: never above the model's bytes
+            for i in users:
+                tied[i] += size
+        static = np.concatenate([[0.0], np.cumsum(np.maximum(np.asarray(lm.static, float) - tied, 0.0))])
+        sab = static[None, :] - static[:, None]
+        upper = np.triu(np.ones_like(sab, dtype=bool), 1)  # a < b
+        acts = {m: np.concatenate([[0.0], np.cumsum(np.asarray(lm.activations[m], float))]) for m in modes}
+        extra = {m: np.concatenate([[0.0], np.cumsum(np.asarray(self._extra.get(m, [0.0] * len(lm.static)), float))])
+                 for m in modes if m != "none"}  # fmt: skip
+        mode_pairs = [(acts[m][None, :] - acts[m][:, None], 0.0 if m == "none" else extra[m][None, :] - extra[m][:, None])
+                      for m in modes]  # fmt: skip
+        best = np.full(len(static), np.inf)
+        best[0] = 0.0
+        cache: dict[int, np.ndarray] = {}
+        for c in range(k):
+            units = held[c]
+            if units not in cache:
+                e = np.full(sab.shape, np.inf)
+                for aab, eab in mode_pairs:
+                    ok = upper & (sab + units * scale * aab <= budget)
+                    e = np.where(ok, np.minimum(e, eab * scale if isinstance(eab, np.ndarray) else 0.0), e)
+                cache[units] = e
+            best = np.min(best[:, None] + cache[units], axis=0)
+        return float(best[-1])
+
+    def throughput_with_recompute(self, x: Layout, scale: float) -> float:
+        """The throughput bound with the recompute any cut needs added to the ranks' chains (0 where
+        nothing fits: no cut of x fits, so nothing there can beat anything)."""
+        floor = self.recompute_floor(x, scale)
+        if not np.isfinite(floor):
+            return 0.0
+        base = x.global_batch / self.throughput(x, scale)
+        return x.global_batch / (base + x.microbatches * floor / x.stages)
 
 
 def step_bound(x: Layout, work: float, grads: float, weights: float, cluster: Cluster, *, fill: float = 0.0) -> float:

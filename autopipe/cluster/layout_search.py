@@ -103,7 +103,7 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     for t in degrees:
         sample = Layout(1, 1, 1, 1, "1f1b", 1, 0, "pipeline-inner", tp=t, sequence_parallel=sequence_parallel and t > 1)
         prof_t, cluster_t = tp_view(profile, cluster, sample)
-        bounds = SearchBounds(prof_t, optimizer, limit, cluster_t)
+        bounds = SearchBounds(prof_t, optimizer, limit, cluster_t, recompute)
         views[t] = (prof_t, bounds, {})
         for x in enumerate_layouts(most, cluster, global_batch, schedules=schedules, zeros=zeros,
                                    microbatch_sizes=microbatch_sizes, tp=t, sequence_parallel=sequence_parallel):  # fmt: skip
@@ -124,15 +124,20 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     solved = infeasible = pruned_bound = 0
     with progress_for(progress).phase("search", total=len(todo), unit="layouts solved") as phase:
         for i, x in enumerate(todo):
+            prof_t, bounds, cache = views[x.tp]
+            scale = x.microbatch_size / profile_mb
             if prune and len(found) >= top:
                 kth = sorted(found, key=_rank)[top - 1].throughput or 0.0
                 if x.bound < kth * (1 - 1e-12):  # sorted by bound: none after it can beat the top ones either
-                    pruned_bound = len(todo) - i
-                    phase.finish(f"the other {pruned_bound} cannot beat the best {top}")
+                    pruned_bound += len(todo) - i
+                    phase.finish(f"the other {len(todo) - i} cannot beat the best {top}")
                     break
+                # the tighter bound, with the recompute every cut needs to fit (method, step 2)
+                if bounds.throughput_with_recompute(x, scale) < kth * (1 - 1e-12):
+                    pruned_bound += 1
+                    continue
             solved += 1
             phase.advance(what=x.label)
-            prof_t, _bounds, cache = views[x.tp]
             if limit is not None and not fits_memory(
                     scale_microbatch(prof_t, x.microbatch_size), x.stages, microbatches=x.microbatches,
                     schedule=x.schedule, virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
