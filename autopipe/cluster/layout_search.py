@@ -29,6 +29,20 @@ Method: branch and bound over the enumerated layouts.
    (c − 1)/(M − 1), so ``+ (c − 1)/(M − 1)·Σ_r reduce_r``. Every schedule: ``step >= (M·Σt +
    Σ_r reduce_r)/S``, the mean of the ranks' chains plus their reductions. Send/recv and recompute
    only add, so both hold for every cut; Σ_r reduce_r is at least the reduction of the whole model.
+   Each chunk's F and B also carry its cuts' send/recv (planner.chunk_costs), so the K − 1 cuts add
+   at least 4 one-way sends of the K − 1 smallest cut tensors per micro-batch to Σt. With v > 1
+   (interleaved 1F1B, zbv) rank r's first op waits for micro-batch 0's forward through chunks
+   0..r−1, and under interleaved 1F1B its last op (chunk r's last backward) is followed by the
+   backwards of chunks r−1..0: summed over the ranks, chunk c < S − 1 counts S − 1 − c times, at
+   least the smallest layers' times in that order (rearrangement), added to the ranks' chains.
+   At solve time a tighter bound is tried first: the least recompute seconds that any cut needs to
+   fit (min over cuts, by an O(K·L²) DP, of each chunk's cheapest allowed mode under which its share
+   of the budget holds its in-flight micro-batches), times M over S, added to the chains; a layout
+   it refutes is skipped unsolved (counted with the bound's prunes).
+   Tensor parallelism (``tps``): each degree t is searched over the profile one tp rank sees
+   (autopipe.costs.tp.at_tp: its compute divided as it shards, its collectives over the node's
+   link) and the cluster of its tp groups (topology.tp_cluster), with bounds of its own; every
+   degree's layouts go into the one list below, so the best found at one degree prunes the others.
 3. Solve in order of the bound's throughput, best first; stop when the next layout's bound cannot
    beat the ``top``-th best solved (ties are solved, not pruned). The bounds only ever overstate
    throughput, so the best ``top`` layouts are exactly those of solving every layout.
