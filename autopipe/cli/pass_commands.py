@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -172,8 +172,11 @@ def plan_command(
     out: Annotated[Optional[Path], typer.Option(help="Save the plan JSON here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan (and comparison) as JSON.")] = False,
+    tp: Annotated[Optional[str], typer.Option("--tp", help="Tensor-parallel degree inside each stage (world = stages x dp x tp; dividing a node's devices): a number; with --gpus also auto (1, 2, 4, 8: the default there) or a list like 1,8.")] = None,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="With tp > 1: norms, dropouts and the activations between the tp regions sharded on the sequence (Megatron's sequence parallelism).")] = False,
 ) -> None:
     """Cut a profiled model into pipeline stages for the shortest simulated step under the memory limit."""
+    import dataclasses
     import json
 
     from ..choices import precision
@@ -199,7 +202,8 @@ def plan_command(
         return _plan_search(profile, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
                             bandwidth_intra=bandwidth_intra, bandwidth_inter=bandwidth_inter, memory_limit=memory_limit,
                             optimizer=optimizer, recompute=recompute, zero=zero, top=top, out=out, force=force,
-                            json_output=json_output, target=for_target)
+                            json_output=json_output, target=for_target, tp=tp or "auto",
+                            sequence_parallel=sequence_parallel)  # fmt: skip
     if stages is None:
         raise PartitionError("give --stages N (the cut for N stages) or --gpus N (search the whole layout).")
     zero = zero or "0"
@@ -215,6 +219,10 @@ def plan_command(
         names = [[n.strip() for n in part.split(",") if n.strip()] for part in stage_names.split(";")]
     key = check_engine(engine) if engine is not None else None  # a bad name fails before the profile is read
     prof = Profile.load(profile)
+    degree = _tp_fixed(tp)
+    if degree > 1 or sequence_parallel:
+        prof = _at_tp(prof, degree, sequence_parallel, gpus=stages * dp * degree, gpus_per_node=gpus_per_node,
+                      bandwidth_intra=bandwidth_intra)  # fmt: skip
     options = dict(microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
                    optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw, recompute=recompute,
                    dp=dp, zero=zero_option(zero))  # fmt: skip
@@ -240,6 +248,9 @@ def plan_command(
         names = ["autopipe"] + [b for b in BASELINES] + ([plan.method] if plan.method not in ("autopipe", *BASELINES) else [])
         others = [plan if m == plan.method else partition(prof, stages, method=m, engine=plan.engine or None, **same)  # type: ignore[arg-type]
                   for m in names]
+    if degree > 1:
+        plan = dataclasses.replace(plan, tp=degree, sequence_parallel=sequence_parallel)
+        others = [dataclasses.replace(p, tp=degree, sequence_parallel=sequence_parallel) for p in others]
     if out is not None:
         plan.save(out)
     if json_output:
@@ -264,10 +275,55 @@ def plan_command(
         console.print(f"saved {out}", highlight=False)
 
 
+def _tp_degrees(text: str) -> list[int] | None:
+    """--tp: 'auto' -> None (every degree that divides the node), '8' or '1,8' -> the degrees; else one line."""
+    from ..errors import PartitionError
+
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        out = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        out = []
+    if not out or any(t < 1 for t in out):
+        raise PartitionError(f"--tp {text!r}: give a degree like 8, a list like 1,8, or auto.")
+    return out
+
+
+def _tp_fixed(text: Optional[str]) -> int:
+    """--tp without --gpus: one degree."""
+    from ..errors import PartitionError
+
+    if text is None:
+        return 1
+    degrees = _tp_degrees(text)
+    if degrees is None or len(degrees) != 1:
+        raise PartitionError(f"--tp {text}: with --stages give one degree (auto and lists are searched with --gpus).")
+    return degrees[0]
+
+
+def _at_tp(prof: Any, degree: int, sequence_parallel: bool, *, gpus: int, gpus_per_node: Optional[int],
+           bandwidth_intra: Optional[str]) -> Any:  # fmt: skip
+    """The profile one rank of a tp group of ``degree`` sees, its collectives over the node's link."""
+    from ..cluster.topology import cluster_for, tp_cluster
+    from ..costs.tp import at_tp
+    from ..errors import PartitionError
+    from ..units import parse_bandwidth
+
+    if sequence_parallel and degree == 1:
+        raise PartitionError("--sequence-parallel needs --tp 2 or more (it shards what tp leaves whole).")
+    name = prof.device.name if prof.device.type != "cpu" else "cpu"
+    cluster = cluster_for(name, gpus, gpus_per_node, parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
+                          1.0)  # fmt: skip
+    tp_cluster(cluster, degree)  # one line when the degree does not divide a node
+    return at_tp(prof, degree, sequence_parallel=sequence_parallel, bandwidth=cluster.intra)
+
+
 def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], global_batch: Optional[int],
                  bandwidth_intra: Optional[str], bandwidth_inter: Optional[str], memory_limit: str,
                  optimizer: Optional[str], recompute: str, zero: Optional[str], top: int, out: Optional[Path],
-                 force: bool, json_output: bool, target: Optional[str] = None) -> None:  # fmt: skip
+                 force: bool, json_output: bool, target: Optional[str] = None, tp: str = "auto",
+                 sequence_parallel: bool = False) -> None:  # fmt: skip
     """`autopipe plan --gpus N`: search the layouts, print the best few, save the best plan (and the layouts)."""
     import json
 
@@ -276,6 +332,7 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
     from ..cluster.layouts import search_path
     from ..cluster.topology import cluster_for
     from ..costs.layer_costs import Profile
+    from ..costs.tp import tp_degrees_for
     from ..errors import PartitionError
     from ..report.search_tables import search_summary, search_table
     from ..report.tables import plan_summary, plan_table
@@ -290,9 +347,15 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
     cluster = cluster_for(prof.device.name if prof.device.type != "cpu" else "cpu", gpus, gpus_per_node,
                           parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
                           parse_bandwidth(bandwidth_inter) if bandwidth_inter else None)  # fmt: skip
+    degrees = _tp_degrees(tp)
+    if degrees is None:  # auto: every degree dividing a node's devices that the profile can be split at
+        degrees = tp_degrees_for(prof, cluster.gpus_per_node) or [1]
+    if sequence_parallel and degrees == [1]:
+        raise PartitionError("--sequence-parallel needs a tp of 2 or more among --tp's degrees.")
     result = search(prof, cluster, global_batch=global_batch, memory_limit=memory_limit, optimizer=optimizer,
                     recompute=recompute, zeros=ZERO_STAGES if z == "auto" else (int(z),), top=max(top, 1),
-                    target=target, progress=not json_output)  # fmt: skip
+                    target=target, progress=not json_output, tps=degrees,
+                    sequence_parallel=sequence_parallel)  # fmt: skip
     assert result.plan is not None
     if out is not None:
         result.plan.save(out)

@@ -6,9 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+import numpy as np
+
 from ..costs.layer_costs import Profile
 from ..costs.rescale import scale_microbatch, tokens_per_sample
-from ..planner.cost_model import limit_reserve
+from ..costs.tp import at_tp
+from ..planner.cost_model import limit_reserve, recompute_times
 from ..planner.memory import LayerMemory, charged_units, layer_memory, rank_memory, tensor_budget
 from ..planner.options import PartitionOptions
 from ..planner.partitioner import fits_memory, partition, resolve_limit
@@ -16,22 +19,32 @@ from ..planner.plan import Plan
 from ..planner.schedules import chunk_ranks, inflight_counts
 from ..planner.targets import restricted_cuts
 from .layouts import Layout
-from .topology import Cluster, dp_reduce_time, place
+from .topology import Cluster, dp_reduce_time, place, tp_cluster
 
-__all__ = ["SearchBounds", "evaluate", "step_bound"]
+__all__ = ["SearchBounds", "evaluate", "step_bound", "tp_view"]
 
 
 class SearchBounds:
     """The cheap bounds of the module docstring for one profile (at its own micro-batch size)."""
 
-    def __init__(self, profile: Profile, optimizer: str | None, limit: int | None, cluster: Cluster) -> None:
+    def __init__(self, profile: Profile, optimizer: str | None, limit: int | None, cluster: Cluster,
+                 recompute: str = "auto") -> None:  # fmt: skip
         self.profile, self.optimizer, self.limit, self.cluster = profile, optimizer, limit, cluster
+        self.recompute = recompute
+        self._extra = recompute_times(profile)
         self.work = sum(profile.times)
         base = layer_memory(profile, optimizer)
         # a tied tensor's repeats may all sit on one rank: leave them out of what must be reduced
         self.grads = sum(base.gradients) - sum((len(u) - 1) * tg for _s, u, _w, tg, *_ in base.tied)
         self.weights = sum(base.weights) - sum((len(u) - 1) * tw for _s, u, tw, *_ in base.tied)
         self._static: dict[tuple[int, int], tuple[int, int, LayerMemory]] = {}
+        # what every cut's pipeline pays beyond the layers (module docstring of layout_search, step 2):
+        # the smallest cut bytes, ascending, and the layer times, ascending, for the fill of v > 1
+        self.cut_bytes = sorted(l.output_bytes for l in profile.layers[:-1])
+        # layer 0's backward may run shorter as the first chunk's (no input gradient): its forward alone
+        fb = [l.forward_time + l.forward_gap for l in profile.layers]
+        self.fill_fb = sorted([fb[0]] + [l.time for l in profile.layers[1:]])
+        self.fill_f = sorted(fb)
 
     def _memory(self, dp: int, zero: int) -> tuple[int, int, LayerMemory]:
         """(static bytes of the whole model, least activation bytes per micro-batch, the per-layer
@@ -53,21 +66,102 @@ class SearchBounds:
         return chunk > 0 and static + least * acts * scale <= x.stages * x.virtual_stages * chunk
 
     def throughput(self, x: Layout, scale: float) -> float:
-        return x.global_batch / step_bound(x, self.work * scale, self.grads, self.weights, self.cluster)
+        k, s = x.stages * x.virtual_stages, x.stages
+        p2p = place(self.cluster, stages=s, dp=x.dp, order=x.placement).p2p_bandwidth
+        # every chunk's F and B each carry its cuts' send/recv (planner.chunk_costs: comm_in + comm_out),
+        # so the K - 1 cuts add 4 one-way sends per micro-batch at least: the K - 1 smallest
+        comm = 0.0 if s == 1 else 4.0 * sum(self.cut_bytes[: k - 1]) / p2p
+        fill = 0.0
+        if x.virtual_stages > 1 and s > 1:
+            # rank r's first op waits for micro-batch 0's forward through chunks 0..r-1 (each on another
+            # rank, each of one layer at least); under interleaved 1F1B its last op (chunk r's last
+            # backward) is followed by the backwards of chunks r-1..0. Summed over r, chunk c < S - 1
+            # counts S - 1 - c times: at least the smallest layers, the smallest the most often
+            times = self.fill_fb if x.schedule == "interleaved1f1b" else self.fill_f
+            fill = sum((s - 1 - j) * times[j] for j in range(min(s - 1, len(times))))
+        return x.global_batch / step_bound(x, (self.work + comm) * scale, self.grads, self.weights, self.cluster,
+                                           fill=fill * scale)  # fmt: skip
 
 
-def step_bound(x: Layout, work: float, grads: float, weights: float, cluster: Cluster) -> float:
+    def recompute_floor(self, x: Layout, scale: float) -> float:
+        """The least recompute seconds per micro-batch that any cut of ``x`` needs to fit: min over
+        cuts of Σ_chunks the cheapest allowed mode under which the chunk fits its share of the
+        budget, holding its schedule's in-flight micro-batches (schedules.inflight_counts). The bytes
+        are the memory model's less what only adds (tied repeats, transients, waiting units, the ZeRO
+        buckets), so a chunk refused here is refused there: a lower bound, O(K·L²) with numpy.
+        Under zbv (whose units count the weight pass's waiting ones apart) every chunk is charged the
+        fewest any chunk holds, as the memory bound does; inf: no cut fits."""
+        if self.limit is None:
+            return 0.0
+        _static, _acts, lm = self._memory(x.dp, x.zero)
+        modes = [m for m in lm.activations if self.recompute in ("auto", m)]
+        if not modes:
+            return 0.0
+        k, v = x.stages * x.virtual_stages, x.virtual_stages
+        budget = tensor_budget(lm, self.limit, stages=x.stages, reserve=limit_reserve(self.profile)) // v
+        held = inflight_counts(x.schedule, x.stages, v, x.microbatches)
+        if x.schedule == "zbv":
+            held = [min(held)] * len(held)
+        tied = np.zeros(len(lm.static))
+        for size, users, *_ in lm.tied:  # as if every tied tensor were free: never above the model's bytes
+            for i in users:
+                tied[i] += size
+        static = np.concatenate([[0.0], np.cumsum(np.maximum(np.asarray(lm.static, float) - tied, 0.0))])
+        sab = static[None, :] - static[:, None]
+        upper = np.triu(np.ones_like(sab, dtype=bool), 1)  # a < b
+        acts = {m: np.concatenate([[0.0], np.cumsum(np.asarray(lm.activations[m], float))]) for m in modes}
+        extra = {m: np.concatenate([[0.0], np.cumsum(np.asarray(self._extra.get(m, [0.0] * len(lm.static)), float))])
+                 for m in modes if m != "none"}  # fmt: skip
+        mode_pairs = [(acts[m][None, :] - acts[m][:, None], 0.0 if m == "none" else extra[m][None, :] - extra[m][:, None])
+                      for m in modes]  # fmt: skip
+        best = np.full(len(static), np.inf)
+        best[0] = 0.0
+        cache: dict[int, np.ndarray] = {}
+        for c in range(k):
+            units = held[c]
+            if units not in cache:
+                e = np.full(sab.shape, np.inf)
+                for aab, eab in mode_pairs:
+                    ok = upper & (sab + units * scale * aab <= budget)
+                    e = np.where(ok, np.minimum(e, eab * scale if isinstance(eab, np.ndarray) else 0.0), e)
+                cache[units] = e
+            best = np.min(best[:, None] + cache[units], axis=0)
+        return float(best[-1])
+
+    def throughput_with_recompute(self, x: Layout, scale: float) -> float:
+        """The throughput bound with the recompute any cut needs added to the ranks' chains (0 where
+        nothing fits: no cut of x fits, so nothing there can beat anything)."""
+        floor = self.recompute_floor(x, scale)
+        if not np.isfinite(floor):
+            return 0.0
+        base = x.global_batch / self.throughput(x, scale)
+        return x.global_batch / (base + x.microbatches * floor / x.stages)
+
+
+def step_bound(x: Layout, work: float, grads: float, weights: float, cluster: Cluster, *, fill: float = 0.0) -> float:
     """A lower bound on the step of every cut of layout ``x`` (module docstring, step 2): ``work`` is
-    one micro-batch's forward + backward seconds through the whole model."""
+    one micro-batch's forward + backward seconds through the whole model (its least send/recv
+    included), ``fill`` (v > 1) the ranks' summed waits before their first op and after their last."""
     bw = place(cluster, stages=x.stages, dp=x.dp, order=x.placement).dp_bandwidth
     m, s = x.microbatches, x.stages
     reduce = dp_reduce_time(grads, weights, x.dp, bw, x.zero)
     chains = (m * work + reduce) / s
     if x.virtual_stages > 1:
-        return chains
+        return chains + fill / s
     c = 1.0 / (1.0 - (1.0 - 1.0 / m) ** s)
     # the weights' smallest, (c - 1)/(M - 1) on stage 0, times every rank's reduction after its last op
     return max(chains, c * work + (0.0 if m == 1 else (c - 1.0) / (m - 1) * reduce))
+
+
+def tp_view(profile: Profile, cluster: Cluster, x: Layout) -> tuple[Profile, Cluster]:
+    """The profile one tp rank of layout ``x`` sees (costs.tp.at_tp, its collectives over the node's
+    link) and the cluster of its tp groups (topology.tp_cluster): what the pipeline and the replicas
+    are solved on. tp 1: both as they are. The profile is taken to tp before any micro-batch
+    rescaling, so every bound and solve of the search prices the same figures."""
+    if x.tp == 1:
+        return profile, cluster
+    return (at_tp(profile, x.tp, sequence_parallel=x.sequence_parallel, bandwidth=cluster.intra),
+            tp_cluster(cluster, x.tp))
 
 
 def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int | str | None = "device",
@@ -83,6 +177,8 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
     layout's memory, chunk by chunk as partition requires, it is this layout's optimum too and no
     further solve is needed. The Plan is then None (``partition`` gives it again when wanted).
     """
+    whole = cluster
+    profile, cluster = tp_view(profile, cluster, x)
     prof = scale_microbatch(profile, x.microbatch_size)
     p = place(cluster, stages=x.stages, dp=x.dp, order=x.placement)
     bw = None if x.stages == 1 else p.p2p_bandwidth
@@ -112,7 +208,8 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
         plan = source = partition(prof, options=replace(unlimited, memory_limit=memory_limit, dp=x.dp, zero=x.zero,
                                                         method=method, boundaries=boundaries))  # fmt: skip
         # the links were priced for this numbering of the ranks on these nodes: the job must run it
-        plan = replace(plan, placement=x.placement, gpus_per_node=cluster.gpus_per_node)
+        plan = replace(plan, placement=x.placement, gpus_per_node=whole.gpus_per_node, tp=x.tp,
+                       sequence_parallel=x.sequence_parallel)  # fmt: skip
         peak = plan.peak_memory
     assert peak is not None
     sim, cut, modes, rec = source.simulate(), source.boundaries, source.stage_recompute, source.stage_recompute_time

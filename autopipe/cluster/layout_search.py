@@ -29,6 +29,20 @@ Method: branch and bound over the enumerated layouts.
    (c − 1)/(M − 1), so ``+ (c − 1)/(M − 1)·Σ_r reduce_r``. Every schedule: ``step >= (M·Σt +
    Σ_r reduce_r)/S``, the mean of the ranks' chains plus their reductions. Send/recv and recompute
    only add, so both hold for every cut; Σ_r reduce_r is at least the reduction of the whole model.
+   Each chunk's F and B also carry its cuts' send/recv (planner.chunk_costs), so the K − 1 cuts add
+   at least 4 one-way sends of the K − 1 smallest cut tensors per micro-batch to Σt. With v > 1
+   (interleaved 1F1B, zbv) rank r's first op waits for micro-batch 0's forward through chunks
+   0..r−1, and under interleaved 1F1B its last op (chunk r's last backward) is followed by the
+   backwards of chunks r−1..0: summed over the ranks, chunk c < S − 1 counts S − 1 − c times, at
+   least the smallest layers' times in that order (rearrangement), added to the ranks' chains.
+   At solve time a tighter bound is tried first: the least recompute seconds that any cut needs to
+   fit (min over cuts, by an O(K·L²) DP, of each chunk's cheapest allowed mode under which its share
+   of the budget holds its in-flight micro-batches), times M over S, added to the chains; a layout
+   it refutes is skipped unsolved (counted with the bound's prunes).
+   Tensor parallelism (``tps``): each degree t is searched over the profile one tp rank sees
+   (autopipe.costs.tp.at_tp: its compute divided as it shards, its collectives over the node's
+   link) and the cluster of its tp groups (topology.tp_cluster), with bounds of its own; every
+   degree's layouts go into the one list below, so the best found at one degree prunes the others.
 3. Solve in order of the bound's throughput, best first; stop when the next layout's bound cannot
    beat the ``top``-th best solved (ties are solved, not pruned). The bounds only ever overstate
    throughput, so the best ``top`` layouts are exactly those of solving every layout.
@@ -53,9 +67,10 @@ from ..planner.partitioner import fits_memory, resolve_limit
 from ..planner.targets import restricted_cuts, target_info
 from ..progress import Progress, progress_for
 from ..units import format_bytes
-from .evaluate import SearchBounds, evaluate
+from ..costs.tp import check_tp
+from .evaluate import SearchBounds, evaluate, tp_view
 from .layouts import SEARCH_SCHEDULES, Layout, SearchResult, enumerate_layouts
-from .topology import Cluster
+from .topology import Cluster, tp_cluster
 
 __all__ = ["search", "target_layouts", "why_nothing_fits"]
 
@@ -69,7 +84,8 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
            optimizer: str | None = None, recompute: str = "auto", zeros: Sequence[int] = ZERO_STAGES,
            schedules: Sequence[tuple[str, int]] = SEARCH_SCHEDULES, microbatch_sizes: Sequence[int] | None = None,
            top: int = 3, prune: bool = True, weight_share: float | None = None,
-           target: str | None = None, progress: bool | Progress = False) -> SearchResult:  # fmt: skip
+           target: str | None = None, progress: bool | Progress = False, tps: Sequence[int] = (1,),
+           sequence_parallel: bool = False) -> SearchResult:  # fmt: skip
     """The layouts of ``cluster`` for ``global_batch`` samples per step, best predicted throughput first.
 
     ``prune=False`` solves every layout (what the tests compare the pruned search with). Raises
@@ -88,42 +104,56 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     clock = time.perf_counter()
     limit, _ = resolve_limit(profile, memory_limit)
     profile_mb = profiled_microbatch(profile)
-    bounds = SearchBounds(profile, optimizer, limit, cluster)
+    degrees = _tp_degrees(profile, cluster, tps)
     todo, considered, pruned_memory, dominated = [], 0, 0, 0
     cuts, most = None, len(profile.layers)
     if target is not None:
         schedules, zeros, cuts = target_layouts(profile, target, schedules, zeros)
         most = len(cuts) + 1
-    for x in enumerate_layouts(most, cluster, global_batch, schedules=schedules, zeros=zeros,
-                               microbatch_sizes=microbatch_sizes):  # fmt: skip
-        considered += 1
-        # ZeRO 3 holds what 2 holds under a pipeline (autopipe.planner.memory), so partition gives it the same
-        # cut, and it gathers the weights twice: never faster. (ZeRO 0 against 1 is no such case: a
-        # different limit can give a cut of the same pipeline step whose ranks reduce at other times.)
-        if prune and x.dp > 1 and x.zero == 3 and 2 in zeros:
-            dominated += 1
-            continue
-        scale = x.microbatch_size / profile_mb
-        if prune and not bounds.fits(x, scale):
-            pruned_memory += 1
-            continue
-        todo.append(replace(x, bound=bounds.throughput(x, scale)))
+    # one view per tp degree (the profile a tp rank sees, the cluster of its groups), its bounds and its
+    # cut cache: every degree's layouts go into one list, best bound first, so a good layout at one
+    # degree prunes the others' too
+    views: dict[int, tuple[Profile, SearchBounds, dict]] = {}
+    for t in degrees:
+        sample = Layout(1, 1, 1, 1, "1f1b", 1, 0, "pipeline-inner", tp=t, sequence_parallel=sequence_parallel and t > 1)
+        prof_t, cluster_t = tp_view(profile, cluster, sample)
+        bounds = SearchBounds(prof_t, optimizer, limit, cluster_t, recompute)
+        views[t] = (prof_t, bounds, {})
+        for x in enumerate_layouts(most, cluster, global_batch, schedules=schedules, zeros=zeros,
+                                   microbatch_sizes=microbatch_sizes, tp=t, sequence_parallel=sequence_parallel):  # fmt: skip
+            considered += 1
+            # ZeRO 3 holds what 2 holds under a pipeline (autopipe.planner.memory), so partition gives it the same
+            # cut, and it gathers the weights twice: never faster. (ZeRO 0 against 1 is no such case: a
+            # different limit can give a cut of the same pipeline step whose ranks reduce at other times.)
+            if prune and x.dp > 1 and x.zero == 3 and 2 in zeros:
+                dominated += 1
+                continue
+            scale = x.microbatch_size / profile_mb
+            if prune and not bounds.fits(x, scale):
+                pruned_memory += 1
+                continue
+            todo.append(replace(x, bound=bounds.throughput(x, scale)))
     todo.sort(key=lambda x: (-x.bound, x.key()))
     found: list[Layout] = []
-    cache: dict = {}
     solved = infeasible = pruned_bound = 0
     with progress_for(progress).phase("search", total=len(todo), unit="layouts solved") as phase:
         for i, x in enumerate(todo):
+            prof_t, bounds, cache = views[x.tp]
+            scale = x.microbatch_size / profile_mb
             if prune and len(found) >= top:
                 kth = sorted(found, key=_rank)[top - 1].throughput or 0.0
                 if x.bound < kth * (1 - 1e-12):  # sorted by bound: none after it can beat the top ones either
-                    pruned_bound = len(todo) - i
-                    phase.finish(f"the other {pruned_bound} cannot beat the best {top}")
+                    pruned_bound += len(todo) - i
+                    phase.finish(f"the other {len(todo) - i} cannot beat the best {top}")
                     break
+                # the tighter bound, with the recompute every cut needs to fit (method, step 2)
+                if bounds.throughput_with_recompute(x, scale) < kth * (1 - 1e-12):
+                    pruned_bound += 1
+                    continue
             solved += 1
             phase.advance(what=x.label)
             if limit is not None and not fits_memory(
-                    scale_microbatch(profile, x.microbatch_size), x.stages, microbatches=x.microbatches,
+                    scale_microbatch(prof_t, x.microbatch_size), x.stages, microbatches=x.microbatches,
                     schedule=x.schedule, virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
                     recompute=recompute, dp=x.dp, zero=x.zero, cuts=cuts):  # fmt: skip
                 infeasible += 1  # no cut fits: known from one reachability, no solve (or explanation) needed
@@ -138,7 +168,8 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     found.sort(key=_rank)
     if not found:
         raise InfeasibleMemoryError(why_nothing_fits(profile, cluster, global_batch=global_batch, limit=limit,
-                                                     optimizer=optimizer, recompute=recompute, zeros=zeros))  # fmt: skip
+                                                     optimizer=optimizer, recompute=recompute, zeros=zeros,
+                                                     tps=degrees, sequence_parallel=sequence_parallel))  # fmt: skip
     # the best layout's Plan, with its own limit, replicas and ZeRO stage (the job's plan.json)
     best, plan = evaluate(profile, cluster, found[0], memory_limit=limit, optimizer=optimizer, recompute=recompute,
                           weight_share=weight_share, target=target)  # fmt: skip
@@ -171,8 +202,21 @@ def target_layouts(profile: Profile, target: str, schedules: Sequence[tuple[str,
     return kept, zs, cutset.cuts
 
 
+def _tp_degrees(profile: Profile, cluster: Cluster, tps: Sequence[int]) -> list[int]:
+    """The asked tp degrees, each checked: dividing a node's devices and the profile's sharded dimensions."""
+    out = []
+    for t in dict.fromkeys(tps):
+        tp_cluster(cluster, t)  # one line when t does not divide the node
+        check_tp(profile, t)
+        out.append(t)
+    if not out:
+        raise AutopipeError("no tensor-parallel degree to search; give --tp auto, a number, or a list like 1,8.")
+    return out
+
+
 def why_nothing_fits(profile: Profile, cluster: Cluster, *, global_batch: int, limit: int | None,
-                     optimizer: str | None, recompute: str, zeros: Sequence[int]) -> str:  # fmt: skip
+                     optimizer: str | None, recompute: str, zeros: Sequence[int], tps: Sequence[int] = (1,),
+                     sequence_parallel: bool = False) -> str:  # fmt: skip
     """One line: no layout fits; then what would (recompute auto, ZeRO, more devices, more memory)."""
     head = (f"no layout of {cluster.gpus} devices fits {format_bytes(limit) if limit else 'the memory'} per device "
             f"for a global batch of {global_batch}")  # fmt: skip
@@ -185,7 +229,8 @@ def why_nothing_fits(profile: Profile, cluster: Cluster, *, global_batch: int, l
 
     def feasible(c: Cluster, **kw) -> bool:  # type: ignore[no-untyped-def]
         opts = dict(global_batch=global_batch, memory_limit=limit, optimizer=optimizer, recompute=recompute,
-                    zeros=zeros, schedules=(("1f1b", 1),), microbatch_sizes=(1,), top=1)  # fmt: skip
+                    zeros=zeros, schedules=(("1f1b", 1),), microbatch_sizes=(1,), top=1, tps=tps,
+                    sequence_parallel=sequence_parallel)  # fmt: skip
         try:
             search(profile, c, **{**opts, **kw})  # type: ignore[arg-type]
         except AutopipeError:

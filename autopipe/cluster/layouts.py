@@ -14,7 +14,7 @@ from ..choices import ZERO_STAGES
 from ..files import check_header, read_json, write_json_atomic
 from ..planner.plan import Plan
 from ..planner.schedules import check_schedule
-from .topology import Cluster, placements
+from .topology import Cluster, placements, tp_cluster
 
 __all__ = ["Layout", "SearchResult", "SEARCH_SCHEDULES", "enumerate_layouts", "search_path"]
 
@@ -51,6 +51,13 @@ class Layout:
     ideal_time: float | None = None  # M × the mean rank's compute: no bubble, no communication
     recompute_time: float | None = None  # M × the mean rank's recompute seconds
     p2p_time: float | None = None  # M × the mean rank's send/recv seconds
+    # tensor-parallel degree inside each stage (devices = stages × dp × tp; tp innermost, in one node)
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.stages * self.dp * self.tp
 
     @property
     def global_batch(self) -> int:
@@ -58,14 +65,15 @@ class Layout:
 
     @property
     def label(self) -> str:
-        """'8 stages × 8 replicas, 2×16 micro-batches, 1f1b, ZeRO 1' (v shown when > 1)."""
+        """'tp 2 × 8 stages × 8 replicas, 2×16 micro-batches, 1f1b, ZeRO 1' (v when > 1, tp when > 1, SP when on)."""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return (f"{self.stages} stage{'s' if self.stages > 1 else ''} × {self.dp} replica{'s' if self.dp > 1 else ''}, {self.microbatches} micro-batches of {self.microbatch_size}, "
+        tp = f"tp {self.tp}{' SP' if self.sequence_parallel else ''} × " if self.tp > 1 else ""
+        return (f"{tp}{self.stages} stage{'s' if self.stages > 1 else ''} × {self.dp} replica{'s' if self.dp > 1 else ''}, {self.microbatches} micro-batches of {self.microbatch_size}, "
                 f"{self.schedule}{v}, ZeRO {self.zero}")  # fmt: skip
 
     def key(self) -> tuple:
         return (self.stages, self.dp, self.microbatch_size, self.microbatches, self.schedule, self.virtual_stages,
-                self.zero, self.placement)  # fmt: skip
+                self.zero, self.placement, self.tp, self.sequence_parallel)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -124,10 +132,14 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(num_layers: int, cluster: Cluster, global_batch: int, *,
                       schedules: Sequence[tuple[str, int]] = SEARCH_SCHEDULES,
-                      zeros: Sequence[int] = ZERO_STAGES, microbatch_sizes: Sequence[int] | None = None) -> Iterator[Layout]:  # fmt: skip
-    """Every layout of the cluster for the global batch (unsolved); see the module docstring."""
-    for s in _divisors(cluster.gpus):
-        r = cluster.gpus // s
+                      zeros: Sequence[int] = ZERO_STAGES, microbatch_sizes: Sequence[int] | None = None,
+                      tp: int = 1, sequence_parallel: bool = False) -> Iterator[Layout]:  # fmt: skip
+    """Every layout of the cluster for the global batch (unsolved) at tensor-parallel degree ``tp``
+    (its groups of tp devices placed as the cluster search's ranks: topology.tp_cluster); see the
+    module docstring."""
+    groups = tp_cluster(cluster, tp)
+    for s in _divisors(groups.gpus):
+        r = groups.gpus // s
         if s > num_layers or global_batch % r:
             continue
         per_replica = global_batch // r
@@ -140,5 +152,6 @@ def enumerate_layouts(num_layers: int, cluster: Cluster, global_batch: int, *,
                     continue
                 check_schedule(schedule, s, v, m)
                 for z in zeros if r > 1 else (0,):
-                    for p in placements(cluster, stages=s, dp=r):
-                        yield Layout(s, r, b, m, schedule, v, z, p.order, p.p2p_link, p.dp_link)
+                    for p in placements(groups, stages=s, dp=r):
+                        yield Layout(s, r, b, m, schedule, v, z, p.order, p.p2p_link, p.dp_link, tp=tp,
+                                     sequence_parallel=sequence_parallel and tp > 1)  # fmt: skip

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from ..choices import PLACEMENTS
 from ..errors import PartitionError
 
-__all__ = ["Cluster", "Placement", "LINKS", "PLACEMENTS", "cluster_for", "place", "placements",
+__all__ = ["Cluster", "Placement", "tp_cluster", "LINKS", "PLACEMENTS", "cluster_for", "place", "placements",
            "all_reduce_time", "reduce_scatter_time", "all_gather_time", "dp_reduce_time"]  # fmt: skip
 
 # (intra-node, inter-node) bytes/s per device and direction, and devices per node, of known parts.
@@ -96,6 +96,19 @@ def cluster_for(device: str, gpus: int, gpus_per_node: int | None = None, intra:
     if not (c.intra > 0 and c.inter > 0):
         raise PartitionError(f"bandwidths must be > 0 bytes/s, got intra {c.intra} and inter {c.inter}.")
     return c
+
+
+def tp_cluster(cluster: Cluster, tp: int) -> Cluster:
+    """The cluster as the pipeline and the replicas see it under tensor parallelism ``tp``: each tp
+    group (tp consecutive ranks of one node, autopipe.choices.world_rank) is one member, a node
+    holds gpus_per_node / tp of them, and each link keeps its per-device bandwidth (every tp rank
+    sends its own share over its own link, in parallel). tp 1 is the cluster itself."""
+    if tp == 1:
+        return cluster
+    if tp < 1 or cluster.gpus_per_node % tp:
+        raise PartitionError(f"--tp {tp} does not divide the node's {cluster.gpus_per_node} devices; use a tp that "
+                             f"divides {cluster.gpus_per_node} (tp ranks share a node's fast links).")
+    return Cluster(cluster.gpus // tp, cluster.gpus_per_node // tp, cluster.intra, cluster.inter)
 
 
 def _one_node(stride: int, count: int, per_node: int) -> bool:

@@ -15,7 +15,7 @@ from ..choices import RECOMPUTE_MODES
 from ..errors import RecordError
 from ..files import check_header, read_json, write_json_atomic
 
-__all__ = ["LayerCost", "RecomputeCost", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "optimizer_state_factor"]
+__all__ = ["LayerCost", "RecomputeCost", "TpShape", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "optimizer_state_factor"]
 
 PROFILE_SCHEMA = 1
 
@@ -32,6 +32,35 @@ class RecomputeCost:
 
     activation_bytes: int  # saved for backward per micro-batch under this mode (replaces LayerCost's)
     extra_backward_time: float  # seconds the recomputation adds to the layer's backward
+
+
+@dataclass(frozen=True)
+class TpShape:
+    """What tensor parallelism divides in one layer, per micro-batch at the profiled size.
+
+    Found on the traced layer (autopipe.costs.tp_shape: the matmuls over a parameter weight, colwise
+    when their input is replicated, rowwise when it is a colwise output's sharded descendant, and the
+    ops between them on sharded data); priced at a degree by autopipe.costs.tp (no torch). Shares are
+    of this layer's own figures, so the record is independent of the device the times came from.
+    """
+
+    split_forward: float = 0.0  # share of the forward's seconds in ops over sharded data (divided by tp)
+    split_backward: float = 0.0  # the same share of the backward's seconds
+    param_share: float = 0.0  # share of the parameter bytes in sharded weights (and so of grads, optimizer state)
+    activation_share: float = 0.0  # share of the bytes kept for backward that are sharded intermediates
+    # bytes of each collective tp adds: an all-reduce after each rowwise matmul (and the vocab-sharded
+    # embedding) in forward; one per distinct colwise input in backward; an all-gather of each colwise
+    # output that no rowwise matmul consumes (an output layer's logits, gathered whole)
+    allreduce_forward: tuple[int, ...] = ()
+    allreduce_backward: tuple[int, ...] = ()
+    gather_forward: tuple[int, ...] = ()
+    divisor: int = 0  # a degree must divide it (sharded features, attention heads); 0: nothing to shard
+    source: str = "traced"
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the layer has a colwise→rowwise region (what sequence parallelism extends)."""
+        return bool(self.allreduce_forward) and bool(self.allreduce_backward)
 
 
 @dataclass(frozen=True)
@@ -73,6 +102,8 @@ class LayerCost:
     # signed seconds per micro-batch, part of ``time`` and of every plan's stage times. 0: not measured.
     forward_gap: float = 0.0
     backward_gap: float = 0.0
+    # What tensor parallelism divides in this layer (None: not found, as in profiles made before it)
+    tp: TpShape | None = None
 
     @property
     def time(self) -> float:
@@ -278,6 +309,11 @@ class Profile:
             ld = {k: v for k, v in ld.items() if k in layer_names}
             ld["tied"] = tuple(ld.get("tied", ()))
             ld["recompute"] = {m: RecomputeCost(**rc) for m, rc in (ld.get("recompute") or {}).items()}
+            if ld.get("tp") is not None:
+                tp = {k: v for k, v in ld["tp"].items() if k in _TP_FIELDS}
+                for k in ("allreduce_forward", "allreduce_backward", "gather_forward"):
+                    tp[k] = tuple(int(b) for b in tp.get(k, ()))
+                ld["tp"] = TpShape(**tp)
             layers.append(LayerCost(**ld))
         device = DeviceInfo(**d.pop("device"))
         known = {f.name for f in fields(cls)}
@@ -294,6 +330,7 @@ class Profile:
         return replace(self, layers=tuple(layers))
 
 
+_TP_FIELDS = {f.name for f in fields(TpShape)}
 _TIMES = ("forward_time", "backward_time", "forward_spread", "backward_spread", "flops", "backward_input_time",
           "backward_weight_time")
 _BYTES = ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_forward_bytes",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -34,6 +34,7 @@ from .accounting import (
 )
 from .devices import describe_device, device_spec, dtype_name, slow_16bit_cpu_note, steady_heap
 from .estimate import data_free, estimate_layer, meta_copy
+from .tp_shape import layer_tp_shape
 from .in_model import InModelTiming, charge_in_model, time_in_model
 from .layer_costs import LayerCost, Profile, optimizer_state_factor
 from .measure import (
@@ -299,7 +300,12 @@ class _Walk:
                 del kept
         if run.amp is not None and run.estimate:
             # no autocast on meta: add the 16-bit weight copies a real run would keep
-            self.ledgers["none"].bytes[i] += autocast_weight_bytes(work, x, run.amp)
+            copies, kept = autocast_weight_bytes(work, x, run.amp), self.ledgers["none"].bytes[i]
+            self.ledgers["none"].bytes[i] += copies
+            shape = timing.get("tp")
+            if shape is not None and copies and source != "reused":  # the sharded weights' copies are sharded too
+                share = (shape.activation_share * kept + shape.param_share * copies) / (kept + copies)
+                timing["tp"] = replace(shape, activation_share=share)
         if key is not None:
             self.first_named.setdefault(key, name)
             if source == "reused" and not run.estimate and self.last_of.get(structure) == i:
@@ -355,17 +361,34 @@ def _cost_layer(work: nn.Module, x: Value, run: _Run) -> dict[str, Any]:
         # differed by a third from the CPU run's (untraced), so estimates charge selective's kept bytes.
         hold = {mode: weight_hold_change(work, x, mode=mode) for mode in ("none", "full")}
         return dict(forward_time=est.forward_time, backward_time=est.backward_time, flops=est.forward_flops,
-                    recompute_time=est.recompute_time, hold_change={m: d for m, d in hold.items() if d is not None})
+                    recompute_time=est.recompute_time, hold_change={m: d for m, d in hold.items() if d is not None},
+                    tp=layer_tp_shape(work, x, spec=run.spec, dtype=dtype))
     t = time_layer(work, x, device=device, warmup=warmup, repeats=repeats)
     # what recomputation adds to the backward, timed beside a plain backward (measure.recompute_extras)
     extra = recompute_extras(work, x, RECOMPUTE_MODES[1:], device=device, warmup=warmup, repeats=repeats)
     split = time_split(work, x, device=device, warmup=warmup, repeats=repeats) or (0.0, 0.0)
     # what a unit waiting for its weight pass holds beyond its forward's bytes, per mode (zbv's memory)
     hold = {mode: weight_hold_change(work, x, mode=mode) for mode in RECOMPUTE_MODES}
-    return dict(forward_time=t.forward, backward_time=t.backward,
+    return dict(forward_time=t.forward, backward_time=t.backward, tp=_measured_tp_shape(work, x, run),
                 forward_spread=t.forward_spread, backward_spread=t.backward_spread, recompute_time=extra,
                 backward_input_time=split[0], backward_weight_time=split[1],
                 hold_change={m: d for m, d in hold.items() if d is not None})
+
+
+def _measured_tp_shape(work: nn.Module, x: Value, run: _Run) -> Any:
+    """A measured layer's TpShape: the same data-free trace (autopipe.costs.tp_shape) on fake copies of
+    the layer and its input, in the dtype autocast runs the matmuls in, priced by the H100 roofline
+    (only its shares are kept; the layer's own measured seconds are what they divide)."""
+    spec = device_spec("h100", "bfloat16")
+    dtype = run.amp or run.dtype
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = meta_copy(work, dtype=dtype, device=run.device)
+            fx = tuple(data_free(t, run.device, dtype) if isinstance(t, torch.Tensor) else t for t in as_tuple(x))
+            fx = fx[0] if not isinstance(x, tuple) else fx
+            return layer_tp_shape(fake, fx, spec=spec, dtype=dtype_name(dtype))
+    except Exception:  # noqa: BLE001  (no shape: the layer is priced replicated at every degree)
+        return None
 
 
 def _whole_model(layers: list[nn.Module], x: Value, run: _Run, warnings: list[str],

@@ -25,12 +25,13 @@ def search_table(result: SearchResult, top: int | None = None) -> Table:
     """One row per layout, best first: its shape, links, predicted throughput, step, peak and the why."""
     table = Table(title=f"best layouts of {result.gpus} devices ({result.gpus_per_node} per node), "
                         f"global batch {result.global_batch}", title_justify="left")  # fmt: skip
-    for col in ("#", "layout", "placement", "throughput", "step", "peak memory", "recompute", "against #1"):
-        table.add_column(col, justify="right" if col in ("#", "step", "peak memory") else "left")
+    for col in ("#", "tp", "layout", "placement", "throughput", "step", "peak memory", "recompute", "against #1"):
+        table.add_column(col, justify="right" if col in ("#", "tp", "step", "peak memory") else "left")
     best = result.layouts[0]
     for i, x in enumerate(result.layouts[: top or result.top]):
         modes = sorted(set(x.recompute) - {"none"})
-        table.add_row(str(i + 1), x.label, _links(x), rate(x), f"{(x.step_time or 0) * 1e3:.1f} ms",
+        tp = f"{x.tp}{' SP' if x.sequence_parallel else ''}"
+        table.add_row(str(i + 1), tp, x.label, _links(x), rate(x), f"{(x.step_time or 0) * 1e3:.1f} ms",
                       format_bytes(x.peak_memory or 0), ", ".join(modes) or "none",
                       "best" if i == 0 else why_behind(x, best))  # fmt: skip
     return table

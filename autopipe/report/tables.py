@@ -92,6 +92,8 @@ def plan_summary(plan: Plan) -> str:
     if plan.step_lower_bound is not None:
         gap = plan.step_gap or 0.0
         line += f"; step lower bound {_ms(plan.step_lower_bound)} ms, " + ("optimal" if gap == 0 else f"gap {gap:.2%}")
+    if plan.tp > 1:  # the figures above are one tp rank's (autopipe.costs.tp.at_tp)
+        line += f"; tensor-parallel {plan.tp}{' with sequence parallelism' if plan.sequence_parallel else ''} in each stage"
     return line + restriction_phrase(plan)
 
 

@@ -1,0 +1,236 @@
+"""Tensor parallelism priced per layer: the profile one tp rank sees at degree t. No torch.
+
+Each layer's :class:`~autopipe.costs.layer_costs.TpShape` (found on the traced layer by
+autopipe.costs.tp_shape) says which share of it tensor parallelism divides and which collectives it
+adds. :func:`at_tp` turns a Profile into the profile of one rank of a tp group of ``t`` (Megatron's
+scheme, as torch's DTensor colwise/rowwise pairs run it), so ``partition`` and the cluster search
+run unchanged on it and the plan records ``tp=t``. Every figure below is per micro-batch.
+
+Compute. A layer's forward seconds ``f`` split into ``f·σ_f`` over sharded data (the matmuls over
+sharded weights and the ops on their sharded outputs: attention heads, the MLP's activation) and
+the rest ``f·(1−σ_f)`` (norms, residual adds, rotary tables, softmax outside heads)::
+
+    f_t = f·σ_f / t + f·(1−σ_f)·ρ          ρ = 1/t under sequence parallelism in a layer with a
+                                            colwise→rowwise pair, else 1
+
+and the backward alike with its share σ_b. Parameters are sharded by the same division, so a
+measured matmul's time is divided exactly t ways: the FLOPs divide; a launch overhead per op does
+not, which this leaves out (a small tp rank's matmuls run below the roofline's peak: an optimistic
+estimate at t = 8 of small models, stated in bench/results/search.md).
+
+Collectives (Megatron-LM, Shoeybi et al. 2019, §3: "two all-reduces in the forward and two in the
+backward" per transformer block). Forward: one all-reduce of the activation (b·s·h·bytes) after each
+rowwise matmul (and after a vocab-sharded embedding); backward: one all-reduce of the input gradient
+per distinct colwise input (the gradient of a replicated input is a partial sum on each rank); a
+colwise output no rowwise matmul consumes (the logits of ``colwise_gather_output``) is all-gathered
+whole in forward, its backward a local split. Each is a ring over the t ranks of one node::
+
+    all_reduce(B) = 2(t−1)/t · B / bw + α        all_gather(B) = (t−1)/t · B / bw + α
+
+with bw the node's link (bytes/s per device, one way: autopipe/cluster/topology.py's LINKS) and α a
+per-collective latency. Under sequence parallelism each all-reduce becomes a reduce-scatter plus an
+all-gather of the same tensor: the same 2(t−1)/t·B bytes per link, two latencies. The collectives
+sit on the layer's critical path (the next op needs their result), so they are added to the layer's
+forward and backward seconds; the zero-bubble split charges the backward's to the input-gradient pass.
+
+Memory. Parameters, gradients and optimizer state: ``p_t = p·(π/t + 1−π)`` with π the sharded
+weights' share. Activations kept for backward: ``a_t = a·(κ/t + 1−κ)`` with κ the sharded
+intermediates' share (the replicated ones — each block's input, the norms' outputs — are whole on
+every rank); under sequence parallelism the replicated ones are sharded on the sequence too,
+``a_t = a/t``. Full recompute keeps only the layer's input (replicated, or sequence-sharded under
+SP); its extra backward is the forward again, collectives included; selective recompute re-runs
+only the attention core, which is sharded by heads (÷t). The tensor leaving a layer (what crosses a
+pipeline cut) is whole on every tp rank, or 1/t of it under SP. Tied parameters divide as the
+layers holding them do.
+
+t = 1 returns the profile itself (the same object): today's numbers, exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from ..errors import PartitionError
+from .layer_costs import LayerCost, Profile, RecomputeCost, TpShape
+
+__all__ = ["TP_DEGREES", "TP_LATENCY", "TpTerms", "at_tp", "tp_terms", "tp_degrees_for", "check_tp",
+           "ring_all_reduce", "ring_all_gather"]  # fmt: skip
+
+TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+# Per-collective latency: NCCL's intra-node ring over NVLink reaches its bus bandwidth from about a
+# megabyte; below that a collective costs ~10 µs (nccl-tests all_reduce_perf on DGX H100, 8 GPUs).
+TP_LATENCY = 10e-6
+
+
+def ring_all_reduce(nbytes: float, t: int, bandwidth: float, latency: float = TP_LATENCY) -> float:
+    """``2(t−1)/t · B / bw + α`` seconds; 0 for one rank."""
+    return 0.0 if t <= 1 else 2.0 * (t - 1) / t * nbytes / bandwidth + latency
+
+
+def ring_all_gather(nbytes: float, t: int, bandwidth: float, latency: float = TP_LATENCY) -> float:
+    """``(t−1)/t · B / bw + α`` seconds for gathering a whole tensor of ``B`` bytes; 0 for one rank."""
+    return 0.0 if t <= 1 else (t - 1) / t * nbytes / bandwidth + latency
+
+
+@dataclass(frozen=True)
+class TpTerms:
+    """One layer's predicted terms at degree t, per micro-batch (what a measured tp run is held to)."""
+
+    index: int
+    name: str
+    forward_compute: float  # seconds, collectives left out
+    backward_compute: float
+    forward_collective: float  # seconds of the collectives tp adds
+    backward_collective: float
+    forward_bytes: int  # bytes of the whole tensors those collectives reduce or gather
+    backward_bytes: int
+    forward_collectives: int  # how many
+    backward_collectives: int
+    param_bytes: int  # per tp rank
+    activation_bytes: int
+
+
+def check_tp(profile: Profile, t: int) -> None:
+    """Refuse a degree the profile cannot be split at: t < 1, no tp shapes recorded, or a layer whose
+    sharded dimensions (features, attention heads) t does not divide. One line, what to do."""
+    if not isinstance(t, int) or t < 1:
+        raise PartitionError(f"tensor-parallel degree {t!r}: use a whole number >= 1 (1, 2, 4 or 8).")
+    if t == 1:
+        return
+    if not any(l.tp is not None for l in profile.layers):
+        raise PartitionError(f"tp {t}: this profile records no tensor-parallel shapes (made before they were, or "
+                             "from plain numbers); profile the model again with this version, or use --tp 1.")
+    for l in profile.layers:
+        if l.tp is not None and l.tp.divisor and l.tp.divisor % t:
+            raise PartitionError(f"tp {t} does not divide layer {l.index} ({l.name})'s sharded dimensions "
+                                 f"({l.tp.divisor} features/heads); use a tp that divides {l.tp.divisor}.")
+
+
+def tp_degrees_for(profile: Profile, gpus_per_node: int, degrees: Sequence[int] = TP_DEGREES) -> list[int]:
+    """The degrees of ``degrees`` that divide a node's devices and every layer's sharded dimensions."""
+    out = []
+    for t in degrees:
+        if gpus_per_node % t:
+            continue
+        try:
+            check_tp(profile, t)
+        except PartitionError:
+            continue
+        out.append(t)
+    return out
+
+
+def _factors(shape: TpShape | None, t: int, sp: bool) -> tuple[float, float, float, float, float]:
+    """(forward, backward, param, activation, replicated-activation) multipliers of one layer at t."""
+    if shape is None or t == 1 or not shape.divisor:
+        return 1.0, 1.0, 1.0, 1.0, 1.0
+    rho = 1.0 / t if sp and shape.pairs else 1.0
+    fwd = shape.split_forward / t + (1.0 - shape.split_forward) * rho
+    bwd = shape.split_backward / t + (1.0 - shape.split_backward) * rho
+    par = shape.param_share / t + (1.0 - shape.param_share)
+    act = 1.0 / t if sp and shape.pairs else shape.activation_share / t + (1.0 - shape.activation_share)
+    return fwd, bwd, par, act, rho
+
+
+def _collectives(shape: TpShape | None, t: int, sp: bool, bw: float, lat: float) -> tuple[float, float, int, int, int, int]:
+    """(forward s, backward s, forward bytes, backward bytes, forward count, backward count)."""
+    if shape is None or t == 1:
+        return 0.0, 0.0, 0, 0, 0, 0
+    per = 2 if sp else 1  # reduce-scatter + all-gather instead of one all-reduce: same bytes, two latencies
+    fwd = sum(ring_all_reduce(b, t, bw, per * lat) for b in shape.allreduce_forward)
+    fwd += sum(ring_all_gather(b, t, bw, lat) for b in shape.gather_forward)
+    bwd = sum(ring_all_reduce(b, t, bw, per * lat) for b in shape.allreduce_backward)
+    fb = sum(shape.allreduce_forward) + sum(shape.gather_forward)
+    return (fwd, bwd, fb, sum(shape.allreduce_backward),
+            per * len(shape.allreduce_forward) + len(shape.gather_forward), per * len(shape.allreduce_backward))
+
+
+def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: float) -> LayerCost:
+    kf, kb, kp, ka, rho = _factors(l.tp, t, sp)
+    cf, cb, *_ = _collectives(l.tp, t, sp, bw, lat)
+
+    def b(x: int, k: float) -> int:
+        return int(round(x * k))
+
+    rec = {}
+    for mode, r in l.recompute.items():
+        if mode == "full":  # the input alone is kept; the forward runs again, its collectives too
+            rec[mode] = RecomputeCost(b(r.activation_bytes, rho), r.extra_backward_time * kf + cf)
+        else:  # selective: the attention core again, sharded by heads
+            sel = 1.0 / t if l.tp is not None and l.tp.divisor else 1.0
+            rec[mode] = RecomputeCost(b(r.activation_bytes, ka), r.extra_backward_time * sel)
+    hold = {m: b(v, rho if m == "full" else ka) for m, v in l.weight_hold_bytes.items()}
+    split = l.split_timed
+    return replace(
+        l, forward_time=l.forward_time * kf + cf, backward_time=l.backward_time * kb + cb,
+        forward_gap=l.forward_gap * kf, backward_gap=l.backward_gap * kb,
+        forward_spread=l.forward_spread * kf, backward_spread=l.backward_spread * kb,
+        backward_input_time=l.backward_input_time * kb + (cb if split else 0.0),
+        backward_weight_time=l.backward_weight_time * kb,
+        params=b(l.params, kp), param_bytes=b(l.param_bytes, kp), grad_bytes=b(l.grad_bytes, kp),
+        optimizer_bytes=b(l.optimizer_bytes, kp), activation_bytes=b(l.activation_bytes, ka),
+        peak_forward_bytes=b(l.peak_forward_bytes, ka), peak_backward_bytes=b(l.peak_backward_bytes, ka),
+        output_bytes=b(l.output_bytes, 1.0 / t if sp else 1.0), flops=l.flops * kf,
+        recompute=rec, weight_hold_bytes=hold,
+    )  # fmt: skip
+
+
+_CACHE: dict[tuple, tuple[Profile, Profile]] = {}
+
+
+def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidth: float,
+          latency: float = TP_LATENCY) -> Profile:  # fmt: skip
+    """The profile one rank of a tp group of ``t`` sees (the module docstring's formulas), its
+    collectives over ``bandwidth`` bytes/s per device (the node's link). t = 1 is ``profile`` itself.
+
+    Example:
+        >>> from autopipe.costs.layer_costs import LayerCost, TpShape
+        >>> shape = TpShape(split_forward=0.8, split_backward=0.8, param_share=1.0, activation_share=0.5,
+        ...                 allreduce_forward=(100,), allreduce_backward=(100,), divisor=64)
+        >>> l = LayerCost(0, forward_time=1.0, backward_time=2.0, param_bytes=40, activation_bytes=80, tp=shape)
+        >>> q = at_tp(Profile(layers=(l,)), 2, bandwidth=100.0, latency=0.0).layers[0]
+        >>> round(q.forward_time, 6), round(q.backward_time, 6), q.param_bytes, q.activation_bytes
+        (1.6, 2.2, 20, 60)
+    """
+    check_tp(profile, t)
+    if t == 1:
+        return profile
+    if sequence_parallel and not any(l.tp is not None and l.tp.pairs for l in profile.layers):
+        raise PartitionError("sequence parallelism needs a layer with a colwise→rowwise pair; this profile has none.")
+    key = (id(profile), t, sequence_parallel, bandwidth, latency)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    layers = tuple(_layer(l, t, sequence_parallel, bandwidth, latency) for l in profile.layers)
+    tied_k: dict[str, float] = {}
+    for l in profile.layers:
+        kp = _factors(l.tp, t, sequence_parallel)[2]
+        for name in l.tied:
+            tied_k[name] = min(tied_k.get(name, 1.0), kp)
+    out = replace(
+        profile, layers=layers,
+        tied_static_bytes={n: int(round(v * tied_k.get(n, 1.0))) for n, v in profile.tied_static_bytes.items()},
+        tied_grad_time={n: v * tied_k.get(n, 1.0) for n, v in profile.tied_grad_time.items()},
+        input_bytes=int(round(profile.input_bytes / t)) if sequence_parallel else profile.input_bytes,
+        sequence_forward_time=0.0, sequence_backward_time=0.0,
+    )  # fmt: skip
+    if len(_CACHE) > 64:
+        _CACHE.clear()
+    _CACHE[key] = (profile, out)
+    return out
+
+
+def tp_terms(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidth: float,
+             latency: float = TP_LATENCY) -> list[TpTerms]:  # fmt: skip
+    """Per layer, the predicted forward/backward compute and collective seconds and bytes at degree t
+    (what a bench holds a measured tp run's per-layer figures to). The sums of compute + collective
+    are :func:`at_tp`'s forward and backward times."""
+    check_tp(profile, t)
+    out = []
+    for l in profile.layers:
+        kf, kb, kp, ka, _ = _factors(l.tp, t, sequence_parallel)
+        cf, cb, fb, bb, nf, nb = _collectives(l.tp, t, sequence_parallel, bandwidth, latency)
+        out.append(TpTerms(l.index, l.name, (l.forward_time + l.forward_gap) * kf, (l.backward_time + l.backward_gap) * kb,
+                           cf, cb, fb, bb, nf, nb, int(round(l.param_bytes * kp)), int(round(l.activation_bytes * ka))))  # fmt: skip
+    return out
