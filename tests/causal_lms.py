@@ -46,6 +46,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                      lsh_attn_chunk_length=4, num_buckets=2),
     # latent attention needs a key/value head per query head; a few zero-computation experts beside the 4 routed
     "longcat_flash": dict(num_key_value_heads=4, expert_ffn_hidden_size=24, zero_expert_num=2),
+    **{name: dict(num_key_value_heads=4) for name in ("axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+                                                      "dots3_note", "dots3_note_text", "glm4_moe_lite", "glm_moe_dsa", "minicpm3", "sarvam_mla", "youtu")},
+    "falcon_h1": dict(mamba_d_ssm=64),  # its Mamba width: mamba_n_heads x mamba_d_head
+    "ernie4_5_moe": dict(moe_k=2),
+    "mamba2": dict(head_dim=16),  # num_heads x head_dim = expand x hidden
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),  # one layer of each kind  # its top-k field (num_experts_per_tok is an alias it does not take)
 }
 # flattened at leaf granularity: fewer than 3 blocks at block granularity (Reformer's reversible stack is one call)
 LEAF = {"reformer"}
