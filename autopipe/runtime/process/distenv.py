@@ -239,6 +239,8 @@ def init_dist(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bind
             )
     world = dist.get_world_size()
+    if world == 1:  # one process runs every stage, whole (as it runs any plan's stages in turn)
+        tp = 1
     check_tp(tp, world, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if dp < 1 or world % (dp * tp):
         raise AutopipeError(

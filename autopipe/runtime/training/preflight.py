@@ -43,7 +43,7 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
     plan = None if str(settings.plan) == "even" else load_plan(settings.plan)
     world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
     dp = int(settings.dp)
-    tp = int(getattr(settings, "tp", 1) or 1)
+    tp = int(getattr(settings, "tp", 1) or 1) if world > 1 else 1  # one process runs the plan whole
     if tp > 1 and settings.engine == "deepspeed":
         raise AutopipeError(f"--tp {tp} on DeepSpeed: its PipelineModule runs no tensor parallelism here; use "
                             "--engine torch for --tp, or --tp 1.")

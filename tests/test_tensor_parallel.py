@@ -1,0 +1,253 @@
+"""Tensor parallelism inside pipeline stages (autopipe.runtime.stage.tensor_parallel), against the untouched model.
+
+Each job of tests/tp_models.py (a Llama with HuggingFace's tp_plan, a GPT-2 whose plan is derived
+from its Conv1D graph with its embedding tied to its head, a Qwen3-MoE decoder whose expert blocks
+run replicated) is trained one step on tp 2 x 2 stages = 4 gloo processes at the model's own weights.
+The reference is the untouched HuggingFace model on the job's rows, micro-batch by micro-batch: the
+first-step loss, every parameter's gradient before the update (AdamW would hide a constant scale),
+and every weight after one AdamW step must equal it. Also: the (dp, pp, tp) rank layout on fake
+process groups of large worlds, the tp plan, and the one-line refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import tp_models
+from _launch import Launcher
+from safetensors.torch import save_file
+
+from autopipe.errors import AutopipeError
+from autopipe.graph.flattener import flatten
+from autopipe.graph.sources import load_model
+from autopipe.job.script import write_train_script
+from autopipe.job.settings import JobSettings
+from autopipe.runtime import JobData, make_loss, model_factory
+from autopipe.runtime.data.batches import split_batch
+from autopipe.runtime.data.losses import model_loss
+
+MODELS = Path(tp_models.__file__).resolve()
+PROBES = Path(__file__).parent / "probes"
+MICRO, SEQ, ROWS, LR = 2, tp_models.T, tp_models.B, 1e-3
+TOL = 1e-5
+FIGURES: dict[str, dict] = {}
+
+
+def untouched(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return getattr(tp_models, name)(ROWS)[0].train()
+
+
+def reference(name: str, dp: int = 1) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The untouched model's first-step loss, gradients, and weights after one AdamW step as the job
+    takes it (lr 1e-3, betas 0.9/0.95, decay 0.1 on matrices, no clip), on the job's rows."""
+    spec = f"{MODELS}:{name}"
+    source = model_factory(spec, batch_size=ROWS, seq_len=SEQ, loss="auto")
+    shapes = load_model(spec, device="meta", batch_size=ROWS, seq_len=SEQ)
+    seq = flatten(shapes.model, shapes.args, shapes.kwargs)
+    args, kwargs, _ = JobData(source, None, seq_len=SEQ, seed=0, seq=seq).batch(0, ROWS * MICRO * dp)
+    model = untouched(name)
+    total, parts = 0.0, MICRO * dp
+    for a, k in split_batch(args, kwargs, parts):
+        value = model_loss(model(*a, **k))
+        (value / parts).backward()
+        total += float(value.detach()) / parts
+    named = dict(model.named_parameters(remove_duplicate=False))
+    grads = {n: p.grad for n, p in named.items() if p.grad is not None}  # tied names share one (AdamW leaves .grad)
+    unique = dict(model.named_parameters())
+    decay = [p for _, p in sorted(unique.items()) if p.dim() >= 2]
+    rest = [p for _, p in sorted(unique.items()) if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=LR,
+                            betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    opt.step()
+    weights = {n: p.detach().clone() for n, p in named.items()}
+    return total, grads, weights
+
+
+def make_job(root: Path, name: str, tp: int = 2) -> Path:
+    job = root / f"{name}_tp{tp}"
+    job.mkdir()
+    write_train_script(job, JobSettings(model=f"{MODELS}:{name}", stages=2, microbatches=MICRO, schedule="1f1b",
+                                        batch_size=ROWS, seq_len=SEQ, loss="auto"), tp=tp)
+    save_file({k: v.detach().clone().contiguous() for k, v in untouched(name).state_dict().items()},
+              str(job / "weights.safetensors"))
+    return job
+
+
+def train(torchrun: Launcher, job: Path, nproc: int, *flags: str, tag: str = "run") -> tuple[float, dict, dict, str]:
+    run = job / tag
+    run.mkdir()
+    proc = torchrun(job / "train.py", "--steps", 1, "--lr", LR, "--grad-clip", 0, "--weights", job / "weights.safetensors",
+                    "--plan", "even", "--log-json", run / "log.json", *flags, nproc=nproc, cwd=run,
+                    env={"AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_WEIGHTS": str(run)}, pythonpath=[PROBES],
+                    timeout=600)
+    (step,) = [json.loads(line) for line in (run / "log.json").read_text().splitlines()]
+    grads: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for rank in range(nproc):
+        for n, g in torch.load(run / f"grads_rank{rank}.pt", weights_only=True).items():
+            if n in grads:  # every tp rank saves the same whole gradient
+                torch.testing.assert_close(g, grads[n], atol=0, rtol=0, msg=f"tp ranks disagree on {n}'s gradient")
+            grads[n] = g
+        weights.update(torch.load(run / f"weights_rank{rank}_step1.pt", weights_only=True))
+    return step["loss"], grads, weights, proc.stdout
+
+
+def compare(name: str, got: tuple[float, dict, dict], ref: tuple[float, dict, dict]) -> dict[str, float]:
+    loss, grads, weights = got
+    ref_loss, ref_grads, ref_weights = ref
+    assert loss == pytest.approx(ref_loss, abs=TOL, rel=TOL), f"{name}: loss {loss} vs the untouched model's {ref_loss}"
+    covered = {n for n in ref_grads if n in grads}
+    # a tied tensor is saved by one of its names: every other name of it shares the reference's grad
+    missing = [n for n in ref_grads if n not in grads and not any(ref_grads[n] is ref_grads[m] for m in covered)]
+    assert covered and not missing, f"{name}: gradients missing for {missing}"
+    worst_g = worst_w = 0.0
+    for n in covered:
+        torch.testing.assert_close(grads[n], ref_grads[n], atol=TOL, rtol=TOL, msg=f"{name}: gradient of {n}")
+        worst_g = max(worst_g, float((grads[n] - ref_grads[n]).abs().max()))
+    for n, w in weights.items():
+        torch.testing.assert_close(w, ref_weights[n], atol=TOL, rtol=TOL, msg=f"{name}: weight {n} after one step")
+        worst_w = max(worst_w, float((w - ref_weights[n]).abs().max()))
+    assert set(weights) <= set(ref_weights) and weights, f"{name}: weights {set(weights) - set(ref_weights)}"
+    return {"loss_diff": abs(loss - ref_loss), "max_grad_diff": worst_g, "max_weight_diff": worst_w}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3_moe"])
+def test_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path, name: str) -> None:
+    """tp 2 x 2 stages on 4 processes: loss, every gradient and every weight after one AdamW step
+    equal the untouched HuggingFace model's (1e-5); the log names the layers that run replicated."""
+    job = make_job(root, name)
+    ref = reference(name)
+    t0 = time.perf_counter()
+    loss, grads, weights, out = train(torchrun, job, 4)
+    figures = compare(name, (loss, grads, weights), ref)
+    assert "x tp 2" in out, out[-2000:]
+    if name == "qwen3_moe":  # its decoder blocks hold the experts' custom grouped matmul: replicated, said once
+        assert "run replicated" in out and "model.layers.0" in out, out[-3000:]
+    else:
+        assert "run replicated" not in out, out[-3000:]
+    figures["seconds"] = time.perf_counter() - t0
+    print(f"\n{name} tp2 x pp2: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_verify_under_tp_compares_whole_gradients(torchrun: Launcher, root: Path) -> None:
+    """--verify on tp 2 x 2 stages gathers each sharded gradient before comparing: it says ok."""
+    job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
+    *_, out = train(torchrun, job, 4, "--verify", tag="verify")
+    line = next(line for line in out.splitlines() if "verify:" in line)
+    assert line.endswith(": ok"), line
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path) -> None:
+    """tp 2 x 2 stages x 2 replicas (FSDP2 ZeRO 3 over the dp mesh, 2-D with the tp placements):
+    the first step equals the untouched model's on the global batch."""
+    job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
+    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", 3, tag="dp2")
+    figures = compare("llama dp2", (loss, grads, weights), reference("llama", dp=2))
+    print(f"\nllama tp2 x pp2 x dp2: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp_refusals_are_one_line(torchrun: Launcher, root: Path) -> None:
+    """DeepSpeed with --tp 2, and a tp that does not divide the heads: one line each, from rank 0."""
+    job = make_job(root, "llama_bad_heads", tp=2)
+    run = job / "bad"
+    run.mkdir()
+    proc = torchrun(job / "train.py", "--steps", 1, "--plan", "even", nproc=4, cwd=run, check=False)
+    assert proc.returncode != 0
+    assert "3 attention heads (num_attention_heads) do not divide over tp 2" in proc.stdout + proc.stderr, \
+        (proc.stdout + proc.stderr)[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    proc = torchrun(job / "train.py", "--steps", 1, "--plan", "even", "--engine", "deepspeed", nproc=2, cwd=run,
+                    check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "--tp 2 on DeepSpeed" in text and "Traceback" not in text, text[-2000:]
+
+
+# ---- no processes: the layout, the plan, the refusals ---------------------------------------------
+
+
+def test_rank_layout_of_a_large_world_on_fake_process_groups() -> None:
+    """(dp, pp, tp) with tp innermost, both placements, 64 ranks: every rank's coordinates and groups
+    match autopipe.choices.world_rank."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopipe.choices import world_rank
+    from autopipe.runtime.process.distenv import init_dist
+
+    dp, pp, tp = 2, 8, 4
+    for placement in ("pipeline-inner", "replica-inner"):
+        for rank in (0, 5, 37, 63):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * pp * tp)
+            try:
+                env = init_dist(dp=dp, tp=tp, placement=placement)
+                d, p, t = env.dp_rank, env.pp_rank, env.tp_rank
+                assert world_rank(d, p, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=t) == rank
+                assert dist.get_process_group_ranks(env.tp_group) == [rank - t + i for i in range(tp)]
+                assert dist.get_process_group_ranks(env.pp_group) == [
+                    world_rank(d, q, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=t) for q in range(pp)]
+                assert sorted(dist.get_process_group_ranks(env.dp_group)) == sorted(
+                    world_rank(e, p, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=t) for e in range(dp))
+                assert sorted(dist.get_process_group_ranks(env.pp_tp_group)) == sorted(
+                    world_rank(d, q, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=u)
+                    for q in range(pp) for u in range(tp))
+                assert env.pipeline_ranks(d) == [env.global_rank(d, q) for q in range(pp)]
+            finally:
+                dist.destroy_process_group()
+
+
+def test_bad_tp_layouts_are_one_line() -> None:
+    from autopipe.runtime.process.distenv import check_tp
+
+    with pytest.raises(AutopipeError, match="tp 3 does not divide the world of 8 ranks"):
+        check_tp(3, 8, local_world=8)
+    with pytest.raises(AutopipeError, match="tp 8 does not fit the 4 processes"):
+        check_tp(8, 16, local_world=4)
+    check_tp(4, 16, local_world=8)
+
+
+def test_the_tp_plan_of_llama_gpt2_and_moe() -> None:
+    """Llama's own HF plan; GPT-2's derived from its Conv1D (addmm) graph, with the [in, out] weight
+    layout's shard dims; the MoE experts' stacked tensors replicated."""
+    from autopipe.graph.tp_plan import shard_dims, tp_plan
+
+    def plans(name: str) -> tuple[dict, dict]:
+        s = load_model(f"{MODELS}:{name}", device="meta", batch_size=ROWS, seq_len=SEQ)
+        seq = flatten(s.model, s.args, s.kwargs)
+        hf = getattr(s.model, "_tp_plan", None) or None
+        kinds, dims = {}, {}
+        for layer in seq.layers:
+            k = tp_plan(layer, hf)
+            kinds.update(k)
+            dims.update(shard_dims(layer, k, 2))
+        return kinds, dims
+
+    kinds, dims = plans("llama")
+    assert kinds["model.layers.0.self_attn.k_proj.weight"] == "colwise" and dims["model.layers.0.self_attn.k_proj.weight"] == 0
+    assert kinds["model.layers.1.mlp.down_proj.weight"] == "rowwise" and dims["model.layers.1.mlp.down_proj.weight"] == 1
+    assert kinds["model.embed_tokens.weight"] == "vocab" and kinds["model.norm.weight"] == "replicate"
+    kinds, dims = plans("gpt2")
+    assert (kinds["transformer.h.0.attn.c_attn.weight"], dims["transformer.h.0.attn.c_attn.weight"]) == ("colwise", 1)
+    assert (kinds["transformer.h.0.attn.c_attn.bias"], dims["transformer.h.0.attn.c_attn.bias"]) == ("colwise", 0)
+    assert (kinds["transformer.h.1.mlp.c_proj.weight"], dims["transformer.h.1.mlp.c_proj.weight"]) == ("rowwise", 0)
+    assert kinds["transformer.h.1.mlp.c_proj.bias"] == "replicate" and kinds["transformer.wte.weight"] == "vocab"
+    kinds, dims = plans("qwen3_moe")
+    assert dims["model.layers.0.mlp.experts.gate_up_proj"] is None  # 3-D expert stacks stay whole
