@@ -95,13 +95,17 @@ def train(torchrun: Launcher, job: Path, nproc: int, *flags: str, tag: str = "ru
                 torch.testing.assert_close(g, grads[n], atol=0, rtol=0, msg=f"tp ranks disagree on {n}'s gradient")
             grads[n] = g
         weights.update(torch.load(run / f"weights_rank{rank}_step1.pt", weights_only=True))
-    return step["loss"], grads, weights, proc.stdout
+    return (step["loss"], step["grad_norm"]), grads, weights, proc.stdout
 
 
 def compare(name: str, got: tuple[float, dict, dict], ref: tuple[float, dict, dict]) -> dict[str, float]:
-    loss, grads, weights = got
+    (loss, norm), grads, weights = got
     ref_loss, ref_grads, ref_weights = ref
     assert loss == pytest.approx(ref_loss, abs=TOL, rel=TOL), f"{name}: loss {loss} vs the untouched model's {ref_loss}"
+    # the logged global norm counts each shard once, each replicated (and tied) tensor once
+    unique = {id(g): g for g in ref_grads.values()}.values()
+    ref_norm = float(torch.sqrt(sum(g.double().square().sum() for g in unique)))
+    assert norm == pytest.approx(ref_norm, rel=1e-5), f"{name}: grad norm {norm} vs the untouched model's {ref_norm}"
     covered = {n for n in ref_grads if n in grads}
     # a tied tensor is saved by one of its names: every other name of it shares the reference's grad
     missing = [n for n in ref_grads if n not in grads and not any(ref_grads[n] is ref_grads[m] for m in covered)]
@@ -114,7 +118,8 @@ def compare(name: str, got: tuple[float, dict, dict], ref: tuple[float, dict, di
         torch.testing.assert_close(w, ref_weights[n], atol=TOL, rtol=TOL, msg=f"{name}: weight {n} after one step")
         worst_w = max(worst_w, float((w - ref_weights[n]).abs().max()))
     assert set(weights) <= set(ref_weights) and weights, f"{name}: weights {set(weights) - set(ref_weights)}"
-    return {"loss_diff": abs(loss - ref_loss), "max_grad_diff": worst_g, "max_weight_diff": worst_w}
+    return {"loss_diff": abs(loss - ref_loss), "max_grad_diff": worst_g, "max_weight_diff": worst_w,
+            "norm_rel_diff": abs(norm - ref_norm) / ref_norm}
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +139,12 @@ def test_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path,
     loss, grads, weights, out = train(torchrun, job, 4)
     figures = compare(name, (loss, grads, weights), ref)
     assert "x tp 2" in out, out[-2000:]
-    if name == "qwen3_moe":  # its decoder blocks hold the experts' custom grouped matmul: replicated, said once
-        assert "run replicated" in out and "model.layers.0" in out, out[-3000:]
+    (said,) = [line for line in out.splitlines() if line.startswith("tp 2: ")]  # once, from rank 0
+    if name == "qwen3_moe":  # its decoder blocks hold the experts' custom grouped matmul: replicated
+        assert "run replicated" in said and "(model.layers.0)" in said and "grouped_mm" in said, said
     else:
-        assert "run replicated" not in out, out[-3000:]
+        assert "every layer runs on DTensors" in said, said
+    assert ("HF tp_plan" in said) == (name != "gpt2"), said
     figures["seconds"] = time.perf_counter() - t0
     print(f"\n{name} tp2 x pp2: {figures}", file=sys.stderr)
 

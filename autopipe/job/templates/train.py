@@ -136,6 +136,8 @@ log.info(f"{cfg.model}: {len(build.seq.layers)} layers, chunks {build.plan.bound
          f"{'' if env.dp_size > 1 or not zero else ' (one replica: nothing to shard)'}, recompute "
          f"{' '.join(build.recompute)}, {rt.describe_optimizer(trainer.config)}, loss "
          f"{rt.loss_name(source.loss)}, data {data.state()['source']}")
+if build.tp_layout is not None:  # what tensor parallelism shards, and the layers it runs whole
+    log.info(build.tp_layout.describe(build.seq))
 if (short := data.short_of(rows)) is not None:
     log.info(short)
 evaluate = None

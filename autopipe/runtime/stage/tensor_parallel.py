@@ -36,7 +36,6 @@ another matter); DeepSpeed's engine runs no tp.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +50,6 @@ from ...graph.tp_plan import shard_dims, tp_plan
 
 __all__ = ["TPLayout", "apply_tensor_parallel_", "check_heads", "plan_tensor_parallel", "tp_sharded"]
 
-log = logging.getLogger("autopipe")
 
 
 @dataclass
@@ -63,6 +61,19 @@ class TPLayout:
     dims: dict[str, int | None] = field(default_factory=dict)  # parameter -> shard dim (None: Replicate)
     replicated: dict[int, str] = field(default_factory=dict)  # layer index -> why it runs with plain tensors
     plan_source: str = "derived"  # "hf" when the model's own _tp_plan decided the kinds
+
+    def describe(self, seq: Any) -> str:
+        """One line for the log: the plan's source, what is sharded, which layers run replicated and why."""
+        sharded = sum(1 for d in self.dims.values() if d is not None)
+        head = (f"tp {self.tp}: {sharded} of {len(self.dims)} parameters sharded "
+                f"({'the model' + chr(39) + 's HF tp_plan' if self.plan_source == 'hf' else 'plan derived from the graph'})")
+        if not self.replicated:
+            return head + "; every layer runs on DTensors"
+        why: dict[str, list[str]] = {}
+        for i, reason in sorted(self.replicated.items()):
+            why.setdefault(reason, []).append(f"{i} ({seq.infos[i].name})")
+        return head + "; layers run replicated (plain tensors, no tp): " + "; ".join(
+            f"{', '.join(layers)}: {reason}" for reason, layers in why.items())
 
 
 def check_heads(model: nn.Module, tp: int) -> None:
@@ -303,11 +314,6 @@ def apply_tensor_parallel_(build: Any, layout: TPLayout, mesh: Any) -> None:
                         if p is new:
                             mod._parameters[attr] = fresh
             leaves[j] = fresh
-    mine = [first + k for c in build.chunks for first in [c.layer_range[0]] for k in range(len(c.layers))]
-    plain = {i: why for i, why in layout.replicated.items() if i in mine}
-    if plain:
-        names = "; ".join(f"layer {i} ({build.seq.infos[i].name}): {why}" for i, why in sorted(plain.items()))
-        log.warning("tp %d: %d of this rank's layers run replicated (plain tensors, no tp): %s", layout.tp, len(plain), names)
 
 
 def sharded_names(params: Mapping[str, torch.Tensor]) -> list[str]:
