@@ -79,11 +79,12 @@ def make_job(root: Path, name: str, tp: int = 2) -> Path:
     return job
 
 
-def train(torchrun: Launcher, job: Path, nproc: int, *flags: str, tag: str = "run") -> tuple[float, dict, dict, str]:
+def train(torchrun: Launcher, job: Path, nproc: int, *flags: str, tag: str = "run", plan: str | Path = "even"
+          ) -> tuple[tuple[float, float], dict, dict, str]:
     run = job / tag
     run.mkdir()
     proc = torchrun(job / "train.py", "--steps", 1, "--lr", LR, "--grad-clip", 0, "--weights", job / "weights.safetensors",
-                    "--plan", "even", "--log-json", run / "log.json", *flags, nproc=nproc, cwd=run,
+                    "--plan", plan, "--log-json", run / "log.json", *flags, nproc=nproc, cwd=run,
                     env={"AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_WEIGHTS": str(run)}, pythonpath=[PROBES],
                     timeout=600)
     (step,) = [json.loads(line) for line in (run / "log.json").read_text().splitlines()]
@@ -258,3 +259,41 @@ def test_the_tp_plan_of_llama_gpt2_and_moe() -> None:
     assert kinds["transformer.h.1.mlp.c_proj.bias"] == "replicate" and kinds["transformer.wte.weight"] == "vocab"
     kinds, dims = plans("qwen3_moe")
     assert dims["model.layers.0.mlp.experts.gate_up_proj"] is None  # 3-D expert stacks stay whole
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "schedule"), [("llama", "gpipe"), ("llama", "interleaved1f1b"), ("gpt2", "zbv")])
+def test_tp_composes_with_every_schedule(torchrun: Launcher, root: Path, name: str, schedule: str) -> None:
+    """tp 2 x 2 stages under GPipe, Interleaved1F1B (2 chunks per rank) and ZBV (GPT-2: its tied
+    embedding and head then both sit on rank 0, as two leaves over one storage): the first step and
+    the weights after it equal the untouched model's."""
+    job = root / f"{name}_tp2" if (root / f"{name}_tp2").exists() else make_job(root, name)
+    cut = [0, 3, 5] if schedule == "gpipe" else [0, 1, 2, 3, 5]  # 5 layers: embedding, 2 blocks, norm, head
+    plan = job / f"cut_{schedule}.json"
+    plan.write_text(json.dumps({"boundaries": cut}))
+    got = train(torchrun, job, 4, "--schedule", schedule, tag=f"sched_{schedule}", plan=plan)
+    figures = compare(f"{name} {schedule}", got[:3], reference(name))
+    print(f"\n{name} tp2 x pp2 {schedule}: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_convert_with_tp_writes_a_job_that_autopipe_run_launches_on_stages_x_tp(tmp_path: Path) -> None:
+    """``convert --stages 2 --tp 2``: plan.tp 2, train.py's default --tp 2, the launch lines and README
+    count 4 processes, and ``autopipe run`` starts 4 (its step logs tp 2)."""
+    import subprocess
+
+    from autopipe.job.converter import convert
+
+    job = tmp_path / "job"
+    convert(f"{MODELS}:llama", stages=2, tp=2, microbatches=MICRO, batch_size=ROWS, seq_len=SEQ, out=job, repeats=1,
+            warmup=0, progress=False, reserve="0", schedule="1f1b")
+    assert json.loads((job / "plan.json").read_text())["tp"] == 2
+    script, readme = (job / "train.py").read_text(), (job / "README.md").read_text()
+    assert "    tp: int = 2" in script and "torchrun --nproc-per-node 4 train.py" in script
+    assert f"torchrun --nproc-per-node 4 {job / 'train.py'}" in readme and "= 4 processes (nproc = stages x dp x tp)" in readme
+    done = subprocess.run([sys.executable, "-m", "autopipe", "run", str(job), "--steps", "1"], cwd=job, capture_output=True,
+                          text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "2 stage(s) x 1 replica(s) x tp 2" in done.stdout and "step     1/1" in done.stdout, done.stdout[-3000:]
