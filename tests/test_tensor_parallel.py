@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import tp_models
-from _launch import Launcher
+from _launch import Arg, Launcher
 from safetensors.torch import save_file
 
 from autopipe.errors import AutopipeError
@@ -297,3 +297,54 @@ def test_convert_with_tp_writes_a_job_that_autopipe_run_launches_on_stages_x_tp(
                           text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "2 stage(s) x 1 replica(s) x tp 2" in done.stdout and "step     1/1" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp_checkpoint_resumes_exactly_on_the_same_and_on_another_tp_degree(torchrun: Launcher, root: Path) -> None:
+    """A tp 2 x 2 stages run saves each step (torch.distributed.checkpoint, each tp shard by its global
+    offsets); resumed from step 1 on tp 2, and on tp 1 (2 processes: DCP reshards), step 2's loss and
+    gradient norm equal the uninterrupted run's."""
+    import shutil
+
+    job = root / "llama_tp2" if (root / "llama_tp2").exists() else make_job(root, "llama")
+    run = job / "ckpt_runs"
+    run.mkdir()
+
+    def steps(nproc: int, ckpt: Path, *flags: Arg) -> list[dict]:
+        log = run / f"{ckpt.name}_{nproc}.json"
+        torchrun(job / "train.py", "--steps", 2, "--plan", "even", "--weights", job / "weights.safetensors",
+                 "--ckpt-dir", ckpt, "--log-json", log, *flags, nproc=nproc, cwd=run, timeout=600)
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    whole = steps(4, run / "a", "--ckpt-every", 1)
+    for name in ("same", "tp1"):
+        shutil.copytree(run / "a", run / name)
+        shutil.rmtree(run / name / "step_00000002")
+    (same,) = steps(4, run / "same", "--resume")
+    (tp1,) = steps(2, run / "tp1", "--resume", "--tp", 1)
+    assert same["loss"] == whole[1]["loss"] and same["grad_norm"] == pytest.approx(whole[1]["grad_norm"], rel=1e-12)
+    assert tp1["loss"] == pytest.approx(whole[1]["loss"], abs=1e-6)
+    assert tp1["grad_norm"] == pytest.approx(whole[1]["grad_norm"], rel=1e-6)
+
+
+def test_what_tp_does_not_compose_with_is_one_line() -> None:
+    """ZeRO 1 with replicas (ZeroRedundancyOptimizer takes no DTensor), a launch of the wrong size
+    (the count to launch is stages x dp x tp), DeepSpeed at convert time."""
+    from types import SimpleNamespace
+
+    from autopipe.job.settings import ConvertSettings
+    from autopipe.planner.stage_plan import StagePlan
+    from autopipe.runtime.process.lifecycle import check_launch
+    from autopipe.runtime.torch_engine.trainer import check_tp_composes
+    from autopipe.runtime.training.optim import TrainConfig
+
+    with pytest.raises(AutopipeError, match="--zero 1 with tensor parallelism"):
+        check_tp_composes(TrainConfig(zero=1), 2, SimpleNamespace())
+    check_tp_composes(TrainConfig(zero=3), 2, SimpleNamespace())
+    plan = StagePlan((0, 2, 4, 6, 8), stages=4, chunk_ranks=(0, 1, 2, 3), tp=2)
+    with pytest.raises(AutopipeError, match=r"launch with --nproc-per-node 16 with --dp 2 and --tp 2\."):
+        check_launch(plan, 2, 2, tp=2)
+    with pytest.raises(AutopipeError, match="--tp 2 on DeepSpeed"):
+        ConvertSettings(stages=2, tp=2, engine="deepspeed")
+    assert ConvertSettings(stages=2, tp=2, engine="auto").engine == "torch"
