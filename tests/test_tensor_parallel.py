@@ -162,13 +162,15 @@ def test_verify_under_tp_compares_whole_gradients(torchrun: Launcher, root: Path
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path) -> None:
-    """tp 2 x 2 stages x 2 replicas (FSDP2 ZeRO 3 over the dp mesh, 2-D with the tp placements):
-    the first step equals the untouched model's on the global batch."""
+@pytest.mark.parametrize("zero", [0, 3])
+def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path, zero: int) -> None:
+    """tp 2 x 2 stages x 2 replicas over the dp mesh (ZeRO 0: ``replicate``; ZeRO 3: FSDP2, 2-D with
+    the tp placements, as torchtitan lays it out): the first step equals the untouched model's on the
+    global batch."""
     job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
-    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", 3, tag="dp2")
-    figures = compare("llama dp2", (loss, grads, weights), reference("llama", dp=2))
-    print(f"\nllama tp2 x pp2 x dp2: {figures}", file=sys.stderr)
+    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", zero, tag=f"dp2_zero{zero}")
+    figures = compare(f"llama dp2 zero {zero}", (loss, grads, weights), reference("llama", dp=2))
+    print(f"\nllama tp2 x pp2 x dp2 zero {zero}: {figures}", file=sys.stderr)
 
 
 @pytest.mark.slow

@@ -109,7 +109,8 @@ else:
     build = rt.build_stage(
         source.factory, source.args, source.kwargs, cut, pp_rank=env.pp_rank, pp_size=env.pp_size,
         schedule=cfg.schedule, seed=cfg.seed, weights=cfg.weights or source.weights,
-        device=env.device, recompute=cfg.recompute, autocast=config.autocast_dtype, tp_mesh=env.tp_mesh,
+        device=env.device, recompute=cfg.recompute, autocast=config.autocast_dtype,
+        tp_mesh=env.tp_mesh,  # tensor parallelism inside the stage (None without --tp)
     )
     trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))
     # the plan's predictions hold for the run it was made for: its schedule, micro-batches, layout
