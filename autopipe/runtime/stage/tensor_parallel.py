@@ -30,7 +30,7 @@ plain tensors, identical on every tp rank and without collectives, and the log s
 The decision is made on the meta model, for every layer, on every rank alike, so the holders of a
 tied tensor agree without talking. Limits: every tp rank materialises its stage's whole weights
 before keeping its shards (the build's peak is a tp=1 stage's); sequence parallelism is not done
-(``Plan.sequence_parallel`` is refused); MoE experts stay replicated (expert parallelism is
+(a plan with ``sequence_parallel`` is refused by train.py's preflight); MoE experts stay replicated (expert parallelism is
 another matter); DeepSpeed's engine runs no tp.
 """
 

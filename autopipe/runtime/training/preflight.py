@@ -52,6 +52,9 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
     if dp < 1 or world % (dp * tp):
         raise AutopipeError(f"world size {world} is not a multiple of --dp {dp}{f' x --tp {tp}' if tp > 1 else ''}; "
                             f"launch dp x stages{' x tp' if tp > 1 else ''} processes.")
+    if plan is not None and getattr(plan, "sequence_parallel", False) and tp > 1:
+        raise AutopipeError(f"{settings.plan} asks for sequence parallelism, which the runtime does not run yet; "
+                            "plan without it (tp alone is exact), or run --tp 1.")
     if plan is not None:
         check_launch(plan, world // (dp * tp), dp, plan_path=str(settings.plan), tp=tp)
     return plan
