@@ -350,3 +350,5 @@ def test_what_tp_does_not_compose_with_is_one_line() -> None:
     with pytest.raises(AutopipeError, match="--tp 2 on DeepSpeed"):
         ConvertSettings(stages=2, tp=2, engine="deepspeed")
     assert ConvertSettings(stages=2, tp=2, engine="auto").engine == "torch"
+    with pytest.raises(AutopipeError, match="--tp 16 does not fit nodes of 8"):
+        ConvertSettings(stages=1, tp=16, gpus_per_node=8)

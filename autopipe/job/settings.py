@@ -125,10 +125,14 @@ class ConvertSettings:
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise PartitionError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}.")
         if self.gpus_per_node is not None and self.gpus is None:
-            world = self.stages * self.dp  # type: ignore[operator]
+            world = self.stages * self.dp * self.tp  # type: ignore[operator]
+            tp = f" x --tp {self.tp}" if self.tp > 1 else ""
             if world > self.gpus_per_node and world % self.gpus_per_node:
-                raise PartitionError(f"--stages {self.stages} x --dp {self.dp} = {world} processes is not a whole number of "
+                raise PartitionError(f"--stages {self.stages} x --dp {self.dp}{tp} = {world} processes is not a whole number of "
                                      f"nodes of {self.gpus_per_node} (--gpus-per-node); change one of them.")
+            if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
+                raise PartitionError(f"--tp {self.tp} does not fit nodes of {self.gpus_per_node} (--gpus-per-node): a stage's "
+                                     f"tp ranks share one node; use a tp that divides {self.gpus_per_node}.")
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise PartitionError(f"--tp must be a whole number of ranks, at least 1, got {self.tp!r}.")
         if self.tp > 1 and self.gpus is not None:

@@ -115,7 +115,7 @@ else:
     trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))
     # the plan's predictions hold for the run it was made for: its schedule, micro-batches, layout
     planned = rt.predictions(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
-                             pp_size=env.pp_size, dp=env.dp_size, zero=config.zero)
+                             pp_size=env.pp_size, dp=env.dp_size, zero=config.zero, tp=env.tp_size)
     save_checkpoint, resume = rt.save_checkpoint, rt.resume
 as_planned = cfg.batch_size == Settings.batch_size and cfg.dtype == Settings.dtype
 

@@ -28,7 +28,20 @@ plain tensors, identical on every tp rank and without collectives, and the log s
 - the layers sharing a tied tensor with such a layer (one placement per tied tensor).
 
 The decision is made on the meta model, for every layer, on every rank alike, so the holders of a
-tied tensor agree without talking. Limits: every tp rank materialises its stage's whole weights
+tied tensor agree without talking. The trial runs on meta, so an op DTensor lacks only on the real
+device's kernel is found at the first step instead (one line naming the layer and the op). On a CPU
+attention runs torch's math kernel under tp (DTensor has no rule for the CPU flash kernel); on a GPU
+torch picks (flash and efficient attention have rules).
+
+What composes (each tested against the untouched model, tp 2 x 2 stages on gloo): every schedule
+(GPipe, 1F1B, Interleaved1F1B, ZBV: a tied tensor's second leaf on one rank is a DTensor over the
+same local storage); data parallelism over the mesh's dp dimension with ``replicate`` (ZeRO 0; DDP
+takes no DTensor) or FSDP2 (ZeRO 2/3, 2-D with the tp placements); the global gradient norm (a
+shard counted on each tp rank, a replicated tensor on tp rank 0 only); tied-gradient sums (per tp
+rank, shard by shard); torch.distributed.checkpoint (resumable on another tp degree); ``--verify``
+(sharded gradients gathered first). Refused in one line: ZeRO 1 with replicas
+(ZeroRedundancyOptimizer takes no DTensor), DeepSpeed's engine, heads or KV heads that tp does not
+divide, a tp that does not divide the world or exceeds a node. Limits: every tp rank materialises its stage's whole weights
 before keeping its shards (the build's peak is a tp=1 stage's); sequence parallelism is not done
 (a plan with ``sequence_parallel`` is refused by train.py's preflight); MoE experts stay replicated (expert parallelism is
 another matter); DeepSpeed's engine runs no tp.
@@ -48,8 +61,7 @@ from ...errors import AutopipeError
 from ...graph.rng import draws_random
 from ...graph.tp_plan import shard_dims, tp_plan
 
-__all__ = ["TPLayout", "apply_tensor_parallel_", "check_heads", "plan_tensor_parallel", "tp_sharded"]
-
+__all__ = ["TPLayout", "apply_tensor_parallel_", "check_heads", "plan_tensor_parallel", "replicated_over_tp", "tp_sharded"]
 
 
 @dataclass
@@ -314,10 +326,6 @@ def apply_tensor_parallel_(build: Any, layout: TPLayout, mesh: Any) -> None:
                         if p is new:
                             mod._parameters[attr] = fresh
             leaves[j] = fresh
-
-
-def sharded_names(params: Mapping[str, torch.Tensor]) -> list[str]:
-    return [n for n, p in params.items() if tp_sharded(p)]
 
 
 def replicated_over_tp(params: Mapping[str, torch.Tensor]) -> set[str]:
