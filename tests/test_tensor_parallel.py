@@ -224,6 +224,16 @@ def test_rank_layout_of_a_large_world_on_fake_process_groups() -> None:
                 dist.destroy_process_group()
 
 
+def test_launch_lines_count_stages_x_dp_x_tp() -> None:
+    from autopipe.job.launch import launch_command, sbatch_script
+
+    job = JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b", device="cuda")
+    assert launch_command("jobs/g", job, dp=2, nodes=2, tp=2).startswith("torchrun --nnodes 2 --nproc-per-node 8 ")
+    text = sbatch_script("/jobs/g", job, dp=2, nodes=2, tp=2)
+    assert "4 stages x 2 replicas x tp 2 = 16 processes, 8 on each of 2 nodes" in text
+    assert "#SBATCH --gpus-per-node=8" in text
+
+
 def test_bad_tp_layouts_are_one_line() -> None:
     from autopipe.runtime.process.distenv import check_tp
 

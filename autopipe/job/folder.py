@@ -135,7 +135,7 @@ def emit(
         if nodes > 1:  # the same job under SLURM, one torchrun per node
             names = (*names, "train.sbatch")
             write_text_atomic(staging / "train.sbatch", sbatch_script(path, settings, dp=dp, nodes=nodes,
-                                                                      placement=plan.placement))
+                                                                      placement=plan.placement, tp=getattr(plan, "tp", 1)))
         if search is not None:
             names = (*names, "plan.search.json")
             search.save(str(staging / "plan.search.json"))

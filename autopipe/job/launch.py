@@ -67,7 +67,7 @@ def first_run_command(job_dir: str | os.PathLike[str], steps: int = FIRST_STEPS)
 
 
 def sbatch_script(job_dir: str | os.PathLike[str], settings: JobSettings, *, dp: int, nodes: int,
-                  placement: str = "pipeline-inner") -> str:
+                  placement: str = "pipeline-inner", tp: int = 1) -> str:
     """``train.sbatch``: the job on ``nodes`` nodes under SLURM (``sbatch train.sbatch [train.py flags]``).
 
     One task per node runs torchrun, which starts that node's ranks; the flags given to sbatch after
@@ -81,13 +81,14 @@ def sbatch_script(job_dir: str | os.PathLike[str], settings: JobSettings, *, dp:
         >>> [line for line in text.splitlines() if line.startswith(("#SBATCH --nodes", "#SBATCH --gpus"))]
         ['#SBATCH --nodes=2', '#SBATCH --gpus-per-node=8']
     """
-    per = _per_node(settings, dp, nodes)
+    per = _per_node(settings, dp, nodes, tp)
     script = shlex.quote(str(Path(job_dir).resolve() / "train.py"))
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(settings.model).name) or "job"
     gpus = [f"#SBATCH --gpus-per-node={per}"] if settings.device != "cpu" else []
     lines = [
         "#!/bin/bash",
-        f"# {settings.model}: {settings.stages} stages x {dp} replicas = {settings.stages * dp} processes, "
+        f"# {settings.model}: {settings.stages} stages x {dp} replicas{f' x tp {tp}' if tp > 1 else ''} = "
+        f"{settings.stages * dp * tp} processes, "
         f"{per} on each of {nodes} nodes (ranks {placement}).",
         "# Submit with: sbatch train.sbatch [train.py flags, e.g. --steps 1000, or --resume]",
         f"#SBATCH --job-name=autopipe-{name}",
