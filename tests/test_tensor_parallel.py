@@ -35,7 +35,6 @@ MODELS = Path(tp_models.__file__).resolve()
 PROBES = Path(__file__).parent / "probes"
 MICRO, SEQ, ROWS, LR = 2, tp_models.T, tp_models.B, 1e-3
 TOL = 1e-5
-FIGURES: dict[str, dict] = {}
 
 
 def untouched(name: str) -> torch.nn.Module:
