@@ -131,13 +131,15 @@ log = rt.StepLogger(env.rank, json_path=cfg.log_json, predicted=planned if as_pl
 zero = trainer.config.zero
 log.info(f"{cfg.model}: {len(build.seq.layers)} layers, chunks {build.plan.boundaries} on "
          f"{env.pp_size} stage(s) x {env.dp_size} replica(s)"
-         f"{f' x tp {env.tp_size}' if env.tp_size > 1 else ''}, {build.plan.schedule} on "
+         f"{f' x tp {env.tp_size}' if env.tp_size > 1 else ''}, "
+         f"{build.plan.schedule} on "
          f"{cfg.engine}, "
          f"{cfg.microbatches} micro-batches, ZeRO {zero}"
          f"{'' if env.dp_size > 1 or not zero else ' (one replica: nothing to shard)'}, recompute "
          f"{' '.join(build.recompute)}, {rt.describe_optimizer(trainer.config)}, loss "
          f"{rt.loss_name(source.loss)}, data {data.state()['source']}")
-if build.tp_layout is not None:  # what tensor parallelism shards, and the layers it runs whole
+# what tensor parallelism shards, and the layers it runs whole
+if getattr(build, "tp_layout", None) is not None:
     log.info(build.tp_layout.describe(build.seq))
 if (short := data.short_of(rows)) is not None:
     log.info(short)
