@@ -99,6 +99,8 @@ def estimate_layer(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str) 
 def data_free(t: Tensor, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
     """A stand-in for ``t`` with no data: on meta, or a fake tensor when a FakeTensorMode is active."""
     target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    if hasattr(t, "device_mesh"):  # a tensor-parallel DTensor: a plain stand-in of its global shape
+        return torch.empty(t.shape, device=device, dtype=target).requires_grad_(t.requires_grad)
     return torch.empty_like(t.detach(), device=device, dtype=target).requires_grad_(t.requires_grad)
 
 
@@ -120,4 +122,8 @@ def meta_copy(layer: nn.Module, dtype: torch.dtype | None = None, device: torch.
         for v in vars(m).values():
             if isinstance(v, Tensor) and id(v) not in memo:
                 memo[id(v)] = data_free(v, device, dtype)
-    return copy.deepcopy(layer, memo)
+    out = copy.deepcopy(layer, memo)
+    for m in out.modules():  # a tensor-parallel layer's DTensor forward stays the original's: the copy is plain
+        if getattr(m.__dict__.get("forward"), "autopipe_tp", False):
+            del m.__dict__["forward"]
+    return out

@@ -282,6 +282,8 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, A
         plan = partition(prof, s.stages, engine=s.engine, **options)  # type: ignore[arg-type]
     if s.gpus_per_node is not None:  # the job's launch lines (and train.sbatch) span the nodes it needs
         plan = replace(plan, gpus_per_node=s.gpus_per_node)
+    if s.tp > 1:  # the cut is tp 1's for now: the tp cost model, when it lands, plans with it
+        plan = replace(plan, tp=s.tp)
     return prof, plan, None, choice, schedule_choice
 
 

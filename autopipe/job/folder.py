@@ -128,14 +128,14 @@ def emit(
         profile.save(staging / "profile.json")
         write_report(staging / "report.html", plan, profile, baselines=baselines, title=settings.model, search=search)
         dp, nodes = plan.dp, plan.nodes
-        launch = launch_command(path, settings, dp, nodes)
+        launch = launch_command(path, settings, dp, nodes, tp=getattr(plan, "tp", 1))
         first = first_run_command(path) if nodes == 1 else ""
         write_text_atomic(staging / "README.md", job_readme(settings, profile, plan, launch, first_run=first))
         names = JOB_FILES
         if nodes > 1:  # the same job under SLURM, one torchrun per node
             names = (*names, "train.sbatch")
             write_text_atomic(staging / "train.sbatch", sbatch_script(path, settings, dp=dp, nodes=nodes,
-                                                                      placement=plan.placement))
+                                                                      placement=plan.placement, tp=getattr(plan, "tp", 1)))
         if search is not None:
             names = (*names, "plan.search.json")
             search.save(str(staging / "plan.search.json"))

@@ -33,21 +33,22 @@ RDZV_PORT = 29500  # torchrun's default master port; MASTER_PORT in the environm
 FIRST_STEPS = 8
 
 
-def _per_node(settings: JobSettings, dp: int, nodes: int) -> int:
-    world = settings.stages * dp
+def _per_node(settings: JobSettings, dp: int, nodes: int, tp: int = 1) -> int:
+    world = settings.stages * dp * tp
     if nodes < 1 or world % nodes:
-        raise AutopipeError(f"{world} processes (stages x dp) cannot be spread evenly over {nodes} nodes.")
+        raise AutopipeError(f"{world} processes (stages x dp{' x tp' if tp > 1 else ''}) cannot be spread evenly over "
+                            f"{nodes} nodes.")
     return world // nodes
 
 
-def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings, dp: int = 1, nodes: int = 1) -> str:
+def launch_command(job_dir: str | os.PathLike[str], settings: JobSettings, dp: int = 1, nodes: int = 1, tp: int = 1) -> str:
     """The command that starts training: torchrun with one process per stage and replica, for either
     engine (DeepSpeed's engine runs under torchrun too, so the command needs nothing beyond torch);
     train.py takes the replica count (and ZeRO stage, and placement) from the plan. On several nodes,
     the line to run on each of them, with ``NODE_RANK`` (0 .. nodes-1) and ``MASTER_ADDR`` (node 0's
-    address) set in its shell."""
+    address) set in its shell. ``tp``: tensor-parallel ranks per stage (processes = stages x dp x tp)."""
     script = shlex.quote(str(Path(job_dir) / "train.py"))
-    per = _per_node(settings, dp, nodes)
+    per = _per_node(settings, dp, nodes, tp)
     if nodes == 1:
         return f"torchrun --nproc-per-node {per} {script}"
     return (f"torchrun --nnodes {nodes} --nproc-per-node {per} --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
@@ -66,7 +67,7 @@ def first_run_command(job_dir: str | os.PathLike[str], steps: int = FIRST_STEPS)
 
 
 def sbatch_script(job_dir: str | os.PathLike[str], settings: JobSettings, *, dp: int, nodes: int,
-                  placement: str = "pipeline-inner") -> str:
+                  placement: str = "pipeline-inner", tp: int = 1) -> str:
     """``train.sbatch``: the job on ``nodes`` nodes under SLURM (``sbatch train.sbatch [train.py flags]``).
 
     One task per node runs torchrun, which starts that node's ranks; the flags given to sbatch after
@@ -80,13 +81,14 @@ def sbatch_script(job_dir: str | os.PathLike[str], settings: JobSettings, *, dp:
         >>> [line for line in text.splitlines() if line.startswith(("#SBATCH --nodes", "#SBATCH --gpus"))]
         ['#SBATCH --nodes=2', '#SBATCH --gpus-per-node=8']
     """
-    per = _per_node(settings, dp, nodes)
+    per = _per_node(settings, dp, nodes, tp)
     script = shlex.quote(str(Path(job_dir).resolve() / "train.py"))
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(settings.model).name) or "job"
     gpus = [f"#SBATCH --gpus-per-node={per}"] if settings.device != "cpu" else []
     lines = [
         "#!/bin/bash",
-        f"# {settings.model}: {settings.stages} stages x {dp} replicas = {settings.stages * dp} processes, "
+        f"# {settings.model}: {settings.stages} stages x {dp} replicas{f' x tp {tp}' if tp > 1 else ''} = "
+        f"{settings.stages * dp * tp} processes, "
         f"{per} on each of {nodes} nodes (ranks {placement}).",
         "# Submit with: sbatch train.sbatch [train.py flags, e.g. --steps 1000, or --resume]",
         f"#SBATCH --job-name=autopipe-{name}",

@@ -29,6 +29,14 @@ def _launch_lines(launch: str, first_run: str, plan: Plan) -> str:
             f"    {launch}\n")
 
 
+def _tp_words(plan: Plan) -> str:
+    tp = getattr(plan, "tp", 1)
+    if tp <= 1:
+        return ""
+    return (f"\nTensor parallelism {tp} inside each stage: {plan.stages} stages x {plan.dp} replicas x tp {tp} = "
+            f"{plan.stages * plan.dp * tp} processes (nproc = stages x dp x tp), a stage's tp ranks consecutive on one node.")
+
+
 def job_readme(settings: JobSettings, profile: Profile, plan: Plan, launch: str, *, first_run: str = "") -> str:
     """The README's markdown for ``plan`` of ``profile``, launched by ``launch`` (the torchrun line),
     with ``first_run`` (``autopipe run JOB --steps N``) as the command to try first where given."""
@@ -52,7 +60,7 @@ filesystem every node mounts: the first save checks it.
 
 Made by `autopipe convert` from {profile.mode} costs on {profile.device.name} ({profile.dtype}),
 micro-batch {format_microbatch(profile.microbatch)}. {plan.stages} stages, schedule {plan.schedule},
-{plan.microbatches} micro-batches per step, memory limit {limit}, engine {settings.engine}.{_schedule_words(plan)}
+{plan.microbatches} micro-batches per step, memory limit {limit}, engine {settings.engine}.{_schedule_words(plan)}{_tp_words(plan)}
 
 ## Launch
 

@@ -46,7 +46,8 @@ def job_script(job: str | os.PathLike[str]) -> Path:
 
 
 def _processes(script: Path, flags: Sequence[str]) -> int:
-    """stages x replicas: the plan's stages, the replicas of ``--dp`` among the flags, else the plan's.
+    """stages x replicas x tp: the plan's stages, the replicas of ``--dp`` (and the tp ranks of ``--tp``) among
+    the flags, else the plan's.
     The plan is read as train.py reads it: a hand-written ``{"boundaries": [...]}`` too."""
     from ..planner.plan import load_plan
 
@@ -65,8 +66,13 @@ def _processes(script: Path, flags: Sequence[str]) -> int:
         replicas = int(dp) if dp is not None else plan.dp
     except ValueError:
         raise AutopipeError(f"--dp {dp}: give a whole number of replicas.") from None
+    tp = _flag(flags, "--tp")
+    try:
+        per_stage = int(tp) if tp is not None else getattr(plan, "tp", 1)
+    except ValueError:
+        raise AutopipeError(f"--tp {tp}: give a whole number of tensor-parallel ranks.") from None
     # a hand-written cut of no stage count (no stage_ranks): one chunk per stage
-    return (plan.stages or plan.num_chunks) * replicas
+    return (plan.stages or plan.num_chunks) * replicas * per_stage
 
 
 def _preflight(script: Path, flags: Sequence[str], processes: int) -> None:

@@ -79,7 +79,7 @@ def render_train_script(settings: dict[str, Any], launch: dict[str, Any], templa
 
 
 def write_train_script(path: str | os.PathLike[str], job: JobSettings, plan: Plan | StagePlan | None = None, *,
-                       dp: int | None = None, zero: int | None = None) -> Path:
+                       dp: int | None = None, zero: int | None = None, tp: int | None = None) -> Path:
     """Write train.py for ``job`` at ``path`` (a file, or a folder to put train.py in).
 
     ``plan`` is not embedded: the script reads plan.json beside it; its ``dp`` and ``zero`` become
@@ -111,13 +111,16 @@ def write_train_script(path: str | os.PathLike[str], job: JobSettings, plan: Pla
         "seq_len": job.seq_len, "dtype": precision(job.dtype), "engine": job.engine, "loss": job.loss,
         "data": job.data, "seed": job.seed, "dp": int(dp if dp is not None else plan.dp if plan is not None else 1),
         "zero": check_zero(zero if zero is not None else plan.zero if plan is not None else 0),
+        "tp": int(tp if tp is not None else getattr(plan, "tp", 1) if plan is not None else 1),
         "optimizer": str(job.optimizer).lower(), "lr": float(job.lr), "weight_decay": float(job.weight_decay),
         "betas": tuple(float(b) for b in job.betas), "momentum": float(job.momentum), "warmup": int(job.warmup),
         "lr_schedule": job.lr_schedule, "grad_clip": float(job.grad_clip), "eval_data": job.eval_data,
     }  # fmt: skip
     tables = {"dtype": tuple(PRECISIONS), "engine": tuple(ENGINES), "optimizer": tuple(OPTIMIZERS),
               "lr_schedule": tuple(LR_SCHEDULES)}
-    text = render_train_script(settings, {"model": job.model, "stages": job.stages, "stages_x2": 2 * job.stages},
+    per_stage = settings["tp"]  # processes per stage of one replica (its tp ranks)
+    text = render_train_script(settings, {"model": job.model, "stages": job.stages * per_stage,
+                                          "stages_x2": 2 * job.stages * per_stage},
                                choices=tables)
     compile(text, str(target), "exec")  # a template bug must fail here, not on the cluster
     write_text_atomic(target, text)

@@ -68,6 +68,7 @@ class ConvertSettings:
     microbatches: int | None = None  # per step; default 2 x stages
     schedule: str = "auto"  # auto (the fastest the engine runs), gpipe, 1f1b, interleaved1f1b or zbv
     dp: int = 1  # data-parallel replicas of each stage; the plan's memory is per rank
+    tp: int = 1  # tensor-parallel ranks inside each stage (world = stages x dp x tp); the torch engine only
     zero: int | str = 0  # ZeRO stage 0-3 the replicas shard with, or "auto" (the fastest that fits)
     gpus: int | None = None  # instead of stages: search the layout for this many devices (autopipe.cluster)
     gpus_per_node: int | None = None  # default: 8 for known GPUs; CPU: all on one host. With stages: the job's nodes
@@ -124,10 +125,24 @@ class ConvertSettings:
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise PartitionError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}.")
         if self.gpus_per_node is not None and self.gpus is None:
-            world = self.stages * self.dp  # type: ignore[operator]
+            world = self.stages * self.dp * self.tp  # type: ignore[operator]
+            tp = f" x --tp {self.tp}" if self.tp > 1 else ""
             if world > self.gpus_per_node and world % self.gpus_per_node:
-                raise PartitionError(f"--stages {self.stages} x --dp {self.dp} = {world} processes is not a whole number of "
+                raise PartitionError(f"--stages {self.stages} x --dp {self.dp}{tp} = {world} processes is not a whole number of "
                                      f"nodes of {self.gpus_per_node} (--gpus-per-node); change one of them.")
+            if self.tp > self.gpus_per_node or self.gpus_per_node % self.tp:
+                raise PartitionError(f"--tp {self.tp} does not fit nodes of {self.gpus_per_node} (--gpus-per-node): a stage's "
+                                     f"tp ranks share one node; use a tp that divides {self.gpus_per_node}.")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise PartitionError(f"--tp must be a whole number of ranks, at least 1, got {self.tp!r}.")
+        if self.tp > 1 and self.gpus is not None:
+            raise PartitionError("--tp with --gpus: the layout search does not choose tensor parallelism yet; give "
+                                 "--stages (and --dp) with --tp.")
+        if self.tp > 1 and self.engine == "deepspeed":
+            raise AutopipeError(f"--tp {self.tp} on DeepSpeed: its PipelineModule runs no tensor parallelism here; "
+                                "use --engine torch for --tp.")
+        if self.tp > 1 and self.engine == "auto":  # only torch's engine runs tp
+            self._set(engine="torch")
         if self.microbatches is not None and self.microbatches < 1:
             raise PartitionError(f"--microbatches must be at least 1, got {self.microbatches}.")
         schedule = "auto" if is_auto(self.schedule) else normalize_schedule(self.schedule)

@@ -235,7 +235,7 @@ class Plan:
         return StagePlan(self.boundaries, schedule=schedule_name(self.schedule), stages=self.stages,
                          chunk_ranks=self.stage_ranks, microbatches=self.microbatches,
                          recompute=self.stage_recompute, placement=self.placement, dp=self.dp, zero=self.zero,
-                         trace_device=self.trace_device, gpus_per_node=self.gpus_per_node,
+                         tp=self.tp, sequence_parallel=self.sequence_parallel, trace_device=self.trace_device, gpus_per_node=self.gpus_per_node,
                          step_time=self.predicted_step, rank_memory=self.rank_memory,
                          step_noise=self.profile_noise)
 

@@ -106,6 +106,8 @@ class StagePlan:
     placement: str = "pipeline-inner"  # how the world's stages x dp ranks are numbered (choices.PLACEMENTS)
     dp: int = 1  # data-parallel replicas of each stage
     zero: int = 0  # the ZeRO stage they shard with
+    tp: int = 1  # tensor-parallel ranks inside each stage (world = stages x dp x tp, tp innermost)
+    sequence_parallel: bool = False  # the plan's Plan.sequence_parallel (the runtime refuses it: not done yet)
     trace_device: str = ""  # the device type the plan's layers were traced for; "": not recorded
     gpus_per_node: int = 0  # devices per node the world is laid out on; 0: one node
     # What the plan promised for the run it was made for (None / (): a hand-written cut): the whole

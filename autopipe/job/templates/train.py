@@ -37,6 +37,8 @@ class Settings:
     dp: int = 1  # data-parallel replicas of each stage (world size = dp x stages)
     zero: int = 0  # ZeRO stage over the replicas: 0 replicate, 1 shard optimizer state, 2 and
     # gradients, 3 and parameters (on deepspeed 0 or 1)
+    tp: int = 1  # tensor-parallel ranks inside each stage (world size = dp x stages x tp; torch
+    # engine only)
     # ---- what it trains on ------------------------------------------------------------------
     loss: str = 'auto'  # auto | model (model:PLACE picks one of its scalars) | cross_entropy | mse
     data: Optional[str] = None  # token file, text, .npz/.pt with x and y, or datasets files;
@@ -101,18 +103,19 @@ if cfg.engine == "deepspeed":
 else:
     # the plan's placement numbers the ranks (which of them share a node): the groups follow it
     placement = plan.placement if plan is not None else "pipeline-inner"
-    env = rt.init_dist(dp=cfg.dp, placement=placement, check=cfg.check or None,
+    env = rt.init_dist(dp=cfg.dp, tp=cfg.tp, placement=placement, check=cfg.check or None,
                        exact_memory=cfg.exact_memory or None)
     cut = plan if plan is not None else env.pp_size  # 'even': as many chunks as pipeline ranks
     build = rt.build_stage(
         source.factory, source.args, source.kwargs, cut, pp_rank=env.pp_rank, pp_size=env.pp_size,
         schedule=cfg.schedule, seed=cfg.seed, weights=cfg.weights or source.weights,
         device=env.device, recompute=cfg.recompute, autocast=config.autocast_dtype,
+        tp_mesh=env.tp_mesh,  # tensor parallelism inside the stage (None without --tp)
     )
     trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))
     # the plan's predictions hold for the run it was made for: its schedule, micro-batches, layout
     planned = rt.predictions(plan, schedule=cfg.schedule, microbatches=cfg.microbatches,
-                             pp_size=env.pp_size, dp=env.dp_size, zero=config.zero)
+                             pp_size=env.pp_size, dp=env.dp_size, zero=config.zero, tp=env.tp_size)
     save_checkpoint, resume = rt.save_checkpoint, rt.resume
 as_planned = cfg.batch_size == Settings.batch_size and cfg.dtype == Settings.dtype
 
@@ -127,12 +130,17 @@ log = rt.StepLogger(env.rank, json_path=cfg.log_json, predicted=planned if as_pl
                     wandb=cfg.wandb, run_config=vars(cfg), log_every=cfg.log_every)
 zero = trainer.config.zero
 log.info(f"{cfg.model}: {len(build.seq.layers)} layers, chunks {build.plan.boundaries} on "
-         f"{env.pp_size} stage(s) x {env.dp_size} replica(s), {build.plan.schedule} on "
+         f"{env.pp_size} stage(s) x {env.dp_size} replica(s)"
+         f"{f' x tp {env.tp_size}' if env.tp_size > 1 else ''}, "
+         f"{build.plan.schedule} on "
          f"{cfg.engine}, "
          f"{cfg.microbatches} micro-batches, ZeRO {zero}"
          f"{'' if env.dp_size > 1 or not zero else ' (one replica: nothing to shard)'}, recompute "
          f"{' '.join(build.recompute)}, {rt.describe_optimizer(trainer.config)}, loss "
          f"{rt.loss_name(source.loss)}, data {data.state()['source']}")
+# what tensor parallelism shards, and the layers it runs whole
+if getattr(build, "tp_layout", None) is not None:
+    log.info(build.tp_layout.describe(build.seq))
 if (short := data.short_of(rows)) is not None:
     log.info(short)
 evaluate = None

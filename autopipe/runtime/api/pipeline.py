@@ -122,6 +122,7 @@ def pipeline(
     dp: int | None = None,
     schedule: str | None = None,
     weights: str | None = None,
+    tp: int | None = None,
 ) -> Pipeline:
     """This rank's pipeline of ``model`` cut by ``plan``, ready for a loop of your own.
 
@@ -140,6 +141,7 @@ def pipeline(
         schedule: torch's schedule to run (default: the plan's).
         weights: a safetensors file or HF folder to start from (default: seeded initialisation,
             the same on every layout).
+        tp: tensor-parallel ranks inside each stage (default: the plan's; world = dp x stages x tp).
 
     Every rank calls it with the same arguments, under torchrun (or ``python`` alone).
     """
@@ -150,13 +152,15 @@ def pipeline(
     source = _source(model, example, example_kwargs, loss)
     config = config or TrainConfig(microbatches=record.microbatches if record is not None and record.microbatches else 4,
                                    zero=record.zero if record is not None else 0)
-    env = init_dist(dp=dp, placement=placement)
+    tp = tp if tp is not None else (record.tp if record is not None else 1)
+    env = init_dist(dp=dp, placement=placement, tp=tp)
     try:
         cut: StagePlan | int = record if record is not None else int(plan)  # type: ignore[arg-type]
-        check_launch(cut, env.pp_size, env.dp_size, plan_path=str(plan) if not isinstance(plan, int) else "the plan")
+        check_launch(cut, env.pp_size, env.dp_size, plan_path=str(plan) if not isinstance(plan, int) else "the plan",
+                     tp=env.tp_size)
         build = build_stage(source.factory, source.args, source.kwargs, cut, pp_rank=env.pp_rank, pp_size=env.pp_size,
                             schedule=schedule, seed=config.seed, weights=weights or source.weights, device=env.device,
-                            autocast=config.autocast_dtype)
+                            autocast=config.autocast_dtype, tp_mesh=env.tp_mesh)
         trainer = Trainer(build, env, config, loss_fn=make_loss(source.loss))
     except BaseException:
         env.close()

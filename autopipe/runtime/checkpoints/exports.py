@@ -55,7 +55,7 @@ def checkpoint_params(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for pp_rank in range(int(meta["pp"])):
         first = world_rank(0, pp_rank, dp=int(meta.get("dp", 1)), pp=int(meta["pp"]),
-                           placement=meta.get("placement", "pipeline-inner"))  # replica 0's file
+                           placement=meta.get("placement", "pipeline-inner"), tp=int(meta.get("tp", 1)))  # replica 0's file
         state = torch.load(path / f"rank{first:05d}.pt", map_location="cpu", weights_only=False)
         for name, value in state["params"].items():
             tensors.setdefault(name, value.contiguous())

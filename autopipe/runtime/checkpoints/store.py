@@ -100,6 +100,7 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
             "world": env.world,
             "dp": env.dp_size,
             "pp": env.pp_size,
+            "tp": getattr(env, "tp_size", 1),  # DCP keeps each tp shard once, by its global offsets
             "placement": env.placement,
             "boundaries": list(trainer.build.plan.boundaries),
             "schedule": trainer.build.plan.schedule,
@@ -216,9 +217,12 @@ def load_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> int:
         )
     if not (path / "sharded").is_dir():
         raise AutopipeError(f"checkpoint {path} has no sharded/ state (made by an older autopipe); export it and start from --weights.")
-    saved_dp = int(meta["dp"])
+    saved_dp, saved_tp = int(meta["dp"]), int(meta.get("tp", 1))
+    # a rank file (step, schedule, RNG) is the same on every tp rank of a stage: tp degrees may differ too,
+    # torch.distributed.checkpoint reshards the DTensors to this run's tp shards
     source = world_rank(env.dp_rank % saved_dp, env.pp_rank, dp=saved_dp, pp=env.pp_size,
-                        placement=meta.get("placement", "pipeline-inner"))
+                        placement=meta.get("placement", "pipeline-inner"), tp=saved_tp,
+                        tp_rank=getattr(env, "tp_rank", 0) % saved_tp)
     # into host memory, mapped rather than read: the RNG states must be host tensors, and replica 0's
     # whole weights (for export) are not wanted here: the trained ones come from sharded/ below
     state = torch.load(path / f"rank{source:05d}.pt", map_location="cpu", mmap=True, weights_only=False)

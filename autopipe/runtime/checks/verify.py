@@ -98,7 +98,8 @@ def verify_step(
             if p.grad is not None:
                 p.grad.div_(trainer.scaler.scale)
     sync_tied_grads(params, build.tied_here(), env.tied_groups, env.comm)
-    piped = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()}
+    # whole gradients (a tensor-parallel shard gathered over its tp ranks, in the same order on each)
+    piped = {n: _whole(p.grad.detach() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()}
     trainer.optimizer.zero_grad(set_to_none=False)
 
     # ---- the user's model, untouched, on the same micro-batches (every rank runs all of it) ----
@@ -128,7 +129,7 @@ def verify_step(
     if loss is not None and abs(loss - ref_loss) > atol + rtol * abs(ref_loss):
         bad = True
     # the loss lives on the last stage: its share summed; the verdict and the worst differences: max over ranks
-    has_loss = loss is not None
+    has_loss = loss is not None and getattr(env, "tp_rank", 0) == 0  # tp ranks hold the same loss: one counts
     verdict = torch.tensor([1.0 if bad else 0.0, worst, worst_out], dtype=torch.float64, device=env.device)
     env.comm.all_reduce(verdict, op="max", where="verify verdict")
     losses = torch.tensor([loss if has_loss else 0.0, ref_loss if has_loss else 0.0], dtype=torch.float64, device=env.device)
@@ -151,6 +152,12 @@ def verify_step(
             "report the model, the plan and the schedule."
         )
     return report
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy of ``t``'s whole value (a DTensor gathered: collective over its mesh)."""
+    full = getattr(t, "full_tensor", None)
+    return full().clone() if full is not None else t.clone()
 
 
 def _worst_anywhere(env: Any, worst: float, name: str) -> str:
@@ -176,8 +183,9 @@ def _whole_batch(trainer: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | 
         return args, kwargs, target
     import torch.distributed as dist
 
-    first = env.global_rank(env.dp_rank, plan.owner(0))
-    last = env.global_rank(env.dp_rank, plan.owner(plan.num_chunks - 1))
+    # tp rank 0 of the first and last chunks' stages (every tp rank of a stage holds the same batch)
+    first = env.global_rank(env.dp_rank, plan.owner(0), 0)
+    last = env.global_rank(env.dp_rank, plan.owner(plan.num_chunks - 1), 0)
     host = lambda tree: pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, tree)  # noqa: E731
     device = env.device if env.device.type == "cuda" else None
     inputs = [host((tuple(args), dict(kwargs or {}))) if env.rank == first else None]

@@ -64,6 +64,7 @@ class DeepSpeedEnv:
     dp_rank: int
     pp_rank: int  # DeepSpeed's stage id
     device: torch.device
+    tp_size: int = 1  # DeepSpeed's PipelineModule runs no tensor parallelism here (--tp is refused)
 
     def barrier(self) -> None:
         import torch.distributed as dist

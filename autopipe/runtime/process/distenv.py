@@ -1,4 +1,4 @@
-"""Where each rank runs: its device, a (dp, pp) DeviceMesh over the world, one group per tied tensor.
+"""Where each rank runs: its device, a (dp, pp[, tp]) DeviceMesh over the world, one group per tied tensor.
 
 The device is decided here and nowhere else (``rank_device``): ``LOCAL_RANK`` -> ``cuda:LOCAL_RANK``
 when GPUs are visible, ``cuda:0`` when the process sees exactly one (SLURM's ``--gpus-per-task=1``
@@ -10,7 +10,9 @@ non-blocking copies on a GPU); collectives go through ``DistEnv.comm`` (:mod:`au
 The plan's placement numbers the ranks (``autopipe.choices.world_rank``): ``pipeline-inner`` (the
 default) makes global rank = dp_rank · pp + pp_rank, so the ranks of one pipeline are neighbours;
 ``replica-inner`` makes it pp_rank · dp + dp_rank, so the replicas of one stage are (and their
-gradient reduction stays inside a node). torchrun fills each node with consecutive ranks. Without
+gradient reduction stays inside a node). With tensor parallelism (``tp`` > 1) each of those ranks
+becomes ``tp`` consecutive ranks, tp innermost (``world_rank(..., tp=, tp_rank=)``): a stage's tp
+group shares a node, and the mesh is ("dp", "pp", "tp"). torchrun fills each node with consecutive ranks. Without
 torchrun (plain ``python train.py``) we make a one-rank group, so the same code path, torch's
 schedules included, runs in a single process.
 """
@@ -106,7 +108,7 @@ class DistEnv:
     dp_size: int
     pp_size: int
     device: torch.device
-    mesh: Any  # DeviceMesh with dims ("dp", "pp")
+    mesh: Any  # DeviceMesh with dims ("dp", "pp"), or ("dp", "pp", "tp") when tp > 1
     pp_group: Any
     dp_group: Any
     comm: Comm  # the runtime's collectives, on ``device``
@@ -114,21 +116,37 @@ class DistEnv:
     tied_groups: dict[str, Any] = field(default_factory=dict)  # tied tensor name -> group (holders only)
     placement: str = "pipeline-inner"  # how ranks are numbered (autopipe.choices.PLACEMENTS)
     watch: Any = None  # the peer watch's stop event (autopipe.runtime.process.lifecycle.watch_peers)
+    tp_size: int = 1  # tensor-parallel ranks per stage (innermost)
+    tp_group: Any = None  # this stage's tp ranks (None when tp_size is 1)
+    # the group over which one replica's gradient norm is summed: its pipeline, and its tp ranks
+    pp_tp_group: Any = None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.pp_size if self.placement == "pipeline-inner" else self.rank % self.dp_size
+        q = self.rank // self.tp_size
+        return q // self.pp_size if self.placement == "pipeline-inner" else q % self.dp_size
 
     @property
     def pp_rank(self) -> int:
-        return self.rank % self.pp_size if self.placement == "pipeline-inner" else self.rank // self.dp_size
+        q = self.rank // self.tp_size
+        return q % self.pp_size if self.placement == "pipeline-inner" else q // self.dp_size
 
-    def global_rank(self, dp_rank: int, pp_rank: int) -> int:
-        """The world rank of replica ``dp_rank``'s stage ``pp_rank``."""
-        return world_rank(dp_rank, pp_rank, dp=self.dp_size, pp=self.pp_size, placement=self.placement)
+    @property
+    def tp_mesh(self) -> Any:
+        """The 1-D mesh of this stage's tp ranks (None without tensor parallelism)."""
+        return self.mesh["tp"] if self.tp_size > 1 else None
+
+    def global_rank(self, dp_rank: int, pp_rank: int, tp_rank: int | None = None) -> int:
+        """The world rank of replica ``dp_rank``'s stage ``pp_rank`` (its tp rank ``tp_rank``, default this rank's)."""
+        return world_rank(dp_rank, pp_rank, dp=self.dp_size, pp=self.pp_size, placement=self.placement,
+                          tp=self.tp_size, tp_rank=self.tp_rank if tp_rank is None else tp_rank)
 
     def pipeline_ranks(self, dp_rank: int = 0) -> list[int]:
-        """The world ranks of replica ``dp_rank``'s stages, in stage order."""
+        """The world ranks of replica ``dp_rank``'s stages, in stage order (at this rank's tp rank)."""
         return [self.global_rank(dp_rank, p) for p in range(self.pp_size)]
 
     def make_tied_groups(self, tied: list[Any]) -> None:
@@ -141,10 +159,11 @@ class DistEnv:
             if len(spec.holders) < 2:
                 continue
             for d in range(self.dp_size):
-                ranks = [self.global_rank(d, h) for h in spec.holders]
-                group = self.comm.new_group(ranks)
-                if self.rank in ranks:
-                    self.tied_groups[spec.name] = group
+                for t in range(self.tp_size):  # tp rank t of every holder keeps the same shard
+                    ranks = [self.global_rank(d, h, t) for h in spec.holders]
+                    group = self.comm.new_group(ranks)
+                    if self.rank in ranks:
+                        self.tied_groups[spec.name] = group
 
     def to_device(self, tree: Any) -> Any:
         """``tree``'s tensors on this rank's device (see :func:`to_device`)."""
@@ -164,7 +183,7 @@ class DistEnv:
 
 def init_dist(
     *, dp: int = 1, placement: str = "pipeline-inner", backend: str | None = None, timeout_s: float = 600,
-    check: bool | None = None, exact_memory: bool | None = None,
+    check: bool | None = None, exact_memory: bool | None = None, tp: int = 1,
 ) -> DistEnv:
     """Join (or make) the process group and lay the world out as dp × pp, numbered by ``placement``.
 
@@ -175,6 +194,8 @@ def init_dist(
     ``exact_memory`` (default: ``AUTOPIPE_EXACT_MEMORY=1`` in the environment) makes a CPU rank's
     resident peak count its tensors, as the plan does, at a price in time
     (``autopipe.costs.devices.keep_freed_memory``); a GPU's allocator counts them anyway.
+    ``tp``: tensor-parallel ranks per stage (``Plan.tp``), innermost: world = dp × stages × tp, a
+    stage's tp ranks consecutive and inside one node.
 
     Example (16 ranks as 8 stages x 2 replicas; torch's fake backend stands in for 16 processes):
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -182,6 +203,13 @@ def init_dist(
         >>> env = init_dist(dp=2, placement="replica-inner")
         >>> env.pp_rank, env.dp_rank, dist.get_process_group_ranks(env.dp_group)
         (1, 1, [2, 3])
+        >>> dist.destroy_process_group()
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=13, world_size=16)
+        >>> env = init_dist(dp=2, tp=2)   # 2 replicas x 4 stages x 2 tp ranks
+        >>> env.dp_rank, env.pp_rank, env.tp_rank, dist.get_process_group_ranks(env.tp_group)
+        (1, 2, 1, [12, 13])
+        >>> dist.get_process_group_ranks(env.pp_group), dist.get_process_group_ranks(env.dp_group)
+        ([9, 11, 13, 15], [5, 13])
         >>> dist.destroy_process_group()
     """
     if placement not in PLACEMENTS:
@@ -211,21 +239,38 @@ def init_dist(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bind
             )
     world = dist.get_world_size()
-    if dp < 1 or world % dp:
+    if world == 1:  # one process runs every stage, whole (as it runs any plan's stages in turn)
+        tp = 1
+    check_tp(tp, world, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if dp < 1 or world % (dp * tp):
         raise AutopipeError(
-            f"data-parallel size {dp} does not divide the world size {world}; launch dp × stages "
-            f"processes (e.g. torchrun --nproc-per-node {dp * max(1, world // max(dp, 1))})."
+            f"data-parallel size {dp}{f' x tp {tp}' if tp > 1 else ''} does not divide the world size {world}; launch "
+            f"dp × stages{' × tp' if tp > 1 else ''} processes (e.g. torchrun --nproc-per-node "
+            f"{dp * tp * max(1, world // max(dp * tp, 1))})."
         )
-    pp = world // dp
-    if placement == "pipeline-inner":
+    pp = world // (dp * tp)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if tp > 1:  # mesh[d, p, t] is the world rank of replica d's stage p, tp rank t
+        ranks = torch.tensor([[[world_rank(d, p, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=t) for t in range(tp)]
+                               for p in range(pp)] for d in range(dp)])
+        mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("dp", "pp", "tp"))
+    elif placement == "pipeline-inner":
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
     else:  # mesh[d, p] is the world rank of replica d's stage p
-        from torch.distributed.device_mesh import DeviceMesh
-
         ranks = torch.tensor([[world_rank(d, p, dp=dp, pp=pp, placement=placement) for p in range(pp)] for d in range(dp)])
         mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("dp", "pp"))
+    comm = Comm(device, checking=checking_requested() if check is None else check)
+    pp_tp_group = None
+    if tp > 1:  # one group per replica over its pipeline and tp ranks (new_group is collective: all, in order)
+        for d in range(dp):
+            ranks_d = sorted(world_rank(d, p, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=t)
+                             for p in range(pp) for t in range(tp))
+            group = comm.new_group(ranks_d)
+            if dist.get_rank() in ranks_d:
+                pp_tp_group = group
     return DistEnv(
         rank=dist.get_rank(),
         world=world,
@@ -235,8 +280,33 @@ def init_dist(
         mesh=mesh,
         pp_group=mesh.get_group("pp"),
         dp_group=mesh.get_group("dp"),
-        comm=Comm(device, checking=checking_requested() if check is None else check),
+        comm=comm,
         peak=PeakMemory(device),
         placement=placement,
         watch=watch,
+        tp_size=tp,
+        tp_group=mesh.get_group("tp") if tp > 1 else None,
+        pp_tp_group=pp_tp_group,
     )
+
+
+def check_tp(tp: int, world: int, *, local_world: int) -> None:
+    """One line when ``tp`` cannot lay out: not a whole number, not dividing the world, or more tp
+    ranks than one node holds (a tp group's per-layer collectives must stay on a node's links).
+
+    >>> check_tp(3, 8, local_world=8)
+    Traceback (most recent call last):
+    ...
+    autopipe.errors.AutopipeError: tp 3 does not divide the world of 8 ranks; launch stages x dp x tp processes, or pick a tp that divides it (2, 4, 8).
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise AutopipeError(f"tp {tp!r} is not a whole number of ranks; give --tp 1, 2, 4 or 8.")
+    if tp == 1:
+        return
+    if world % tp:
+        fits = ", ".join(str(t) for t in range(2, world + 1) if world % t == 0)
+        raise AutopipeError(f"tp {tp} does not divide the world of {world} ranks; launch stages x dp x tp processes, "
+                            f"or pick a tp that divides it ({fits}).")
+    if tp > local_world or local_world % tp:
+        raise AutopipeError(f"tp {tp} does not fit the {local_world} processes (GPUs) of a node: a stage's tp ranks "
+                            f"must share one node; use a tp that divides {local_world}.")

@@ -348,14 +348,16 @@ def _wait_for_rank_0(interval: float = 0.05) -> None:
         time.sleep(interval)
 
 
-def check_launch(plan: StagePlan | int, pp_size: int, dp_size: int, *, plan_path: str = "plan.json") -> None:
+def check_launch(plan: StagePlan | int, pp_size: int, dp_size: int, *, plan_path: str = "plan.json",
+                 tp: int = 1) -> None:
     """Refuse a process count that does not fit the plan (a ``StagePlan``, or a chunk count to cut
-    evenly), saying the count that does.
+    evenly), saying the count that does (stages x dp x tp).
 
     One process may run any plan (every stage in turn, for debugging).
     """
     if pp_size == 1:
         return
+    per_stage = dp_size * tp  # processes per pipeline stage
     if isinstance(plan, int) or not plan.stages:  # a chunk count, or a hand-written cut of any stage count
         chunks = plan if isinstance(plan, int) else plan.num_chunks
         if chunks % pp_size == 0:
@@ -363,19 +365,23 @@ def check_launch(plan: StagePlan | int, pp_size: int, dp_size: int, *, plan_path
         fits = [s for s in range(1, chunks + 1) if chunks % s == 0 and s > 1]
         raise AutopipeError(
             f"{plan_path} has {chunks} chunks, which {pp_size} pipeline ranks cannot share evenly: launch with "
-            f"--nproc-per-node {' or '.join(str(s * dp_size) for s in fits)}{_dp(dp_size)}."
+            f"--nproc-per-node {' or '.join(str(s * per_stage) for s in fits)}{_dp(dp_size)}{_tp(tp)}."
         )
     if plan.stages != pp_size:
-        world, per = plan.stages * dp_size, plan.gpus_per_node
+        world, per = plan.stages * per_stage, plan.gpus_per_node
         how = f"--nnodes {world // per} --nproc-per-node {per}" if per and world > per and world % per == 0 \
             else f"--nproc-per-node {world}"  # the plan's nodes, when it spans several
         raise AutopipeError(
-            f"{plan_path} has {plan.stages} stages but {pp_size * dp_size} processes were launched "
-            f"({pp_size} per replica{_dp(dp_size)}): launch with {how}{_dp(dp_size)}."
+            f"{plan_path} has {plan.stages} stages but {pp_size * per_stage} processes were launched "
+            f"({pp_size} per replica{_dp(dp_size)}{_tp(tp)}): launch with {how}{_dp(dp_size)}{_tp(tp)}."
         )
 
 
 def _dp(dp: int) -> str:
     return f" with --dp {dp}" if dp > 1 else ""
+
+
+def _tp(tp: int) -> str:
+    return f" and --tp {tp}" if tp > 1 else ""
 
 

@@ -199,6 +199,7 @@ class StageBuild:
     model_fn: ModelFn | None = None
     seed: int = 0
     weights: str | None = None
+    tp_layout: Any = None  # autopipe.runtime.stage.tensor_parallel.TPLayout when the stage runs tensor-parallel
 
     @property
     def layout(self) -> StagePlan:
@@ -257,6 +258,7 @@ def build_stage(
     granularity: str = "block",
     recompute: str | Sequence[str] | None = None,
     autocast: torch.dtype | None = None,
+    tp_mesh: Any = None,
 ) -> StageBuild:
     """Build pipeline rank ``pp_rank``'s chunks of the model ``model_fn`` makes.
 
@@ -275,6 +277,8 @@ def build_stage(
             per-chunk modes when it has them, else none. Works with every schedule.
         autocast: the 16-bit dtype the step runs the layers under (``TrainConfig.autocast_dtype``):
             traced under it, as ``convert`` traced the plan's layers (``flatten``'s docstring).
+        tp_mesh: this stage's 1-D tensor-parallel mesh (``DistEnv.tp_mesh``); None: no tensor
+            parallelism. The chunks then run on DTensors (``autopipe.runtime.stage.tensor_parallel``).
 
     Example:
         >>> def make_model():
@@ -308,6 +312,11 @@ def build_stage(
             f"the plan cuts {placed.num_layers} layers but this model flattens into {len(seq.layers)}; "
             "the plan was made for another model or flatten options: partition again."
         )
+    tp_layout = None
+    if tp_mesh is not None and tp_mesh.size() > 1:  # decided on the meta model, alike on every rank
+        from .tensor_parallel import plan_tensor_parallel
+
+        tp_layout = plan_tensor_parallel(seq, model, tp_mesh.size(), tp_mesh)
     modes = chunk_modes(recompute, placed.num_chunks, placed.recompute)
     chunk_ids = placed.chunks_of(pp_rank)
     needed: list[str] = []
@@ -354,7 +363,7 @@ def build_stage(
         for g in seq.tied
     ]
     aliases = _alias_local_copies(chunks, params, {t.name for t in tied})
-    return StageBuild(
+    build = StageBuild(
         seq=seq,
         model=model,
         plan=placed,
@@ -368,7 +377,14 @@ def build_stage(
         model_fn=model_fn,
         seed=seed,
         weights=weights,
+        tp_layout=tp_layout,
     )
+    if tp_layout is not None:
+        from .tensor_parallel import apply_tensor_parallel_
+
+        apply_tensor_parallel_(build, tp_layout, tp_mesh)
+        build.params = dict(sorted(build.params.items()))
+    return build
 
 
 def build_reference(

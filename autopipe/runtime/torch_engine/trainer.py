@@ -91,13 +91,17 @@ class Trainer:
         self.scaler = LossScaler(config.dtype == "fp16", config.loss_scale)
         # data parallelism wraps the chunks the stages run (one replica: nothing to wrap)
         wrap = None
+        tp = getattr(env, "tp_size", 1)
+        if tp > 1:
+            check_tp_composes(config, env.dp_size, build)
         if env.dp_size > 1:
             dp_mesh = env.mesh["dp"]
 
             gathered = torch.bfloat16 if config.dtype == "bf16" else None  # FSDP2 gathers bf16 weights
 
             def wrap(chunks: list[Any], schedule: str) -> list[Any]:
-                return shard_chunks_(build, chunks, dp_mesh, config.zero, schedule=schedule, param_dtype=gathered)
+                return shard_chunks_(build, chunks, dp_mesh, config.zero, schedule=schedule, param_dtype=gathered,
+                                     tp=tp)
         self.engine = PipelineEngine(
             build,
             pp_group=env.pp_group,
@@ -111,12 +115,18 @@ class Trainer:
         )
         env.make_tied_groups(build.tied)
         self.params = build.params  # the engine's parameters (DTensors under replicate and FSDP2, plain under DDP)
-        # the norm sums squares over the pipeline; over the replicas too when each holds a shard
-        self._norm_group = None if sharded_grads(config.zero, env.dp_size) else env.pp_group
+        # the norm sums squares over the pipeline (and its tp ranks); over the replicas too when each
+        # holds a shard
+        self._norm_group = None if sharded_grads(config.zero, env.dp_size) else \
+            (env.pp_tp_group if tp > 1 else env.pp_group)
         # a tied tensor's norm is counted by its first holder only
         self._counted_elsewhere = {
             t.name for t in build.tied_here() if t.holders[0] != env.pp_rank and t.name in self.params
         }
+        if tp > 1 and env.tp_rank != 0:  # what every tp rank holds whole is counted by tp rank 0 only
+            from ..stage.tensor_parallel import replicated_over_tp
+
+            self._counted_elsewhere |= replicated_over_tp(self.params)
         self.optimizer = make_dp_optimizer(self.params, config, zero=config.zero, dp_size=env.dp_size,
                                            group=env.dp_group)
         # gradients and state once, before any activation (see preallocate_)
@@ -276,7 +286,7 @@ class Trainer:
         with comm.host_read():
             comm.synchronize()
             mine = torch.zeros(5, dtype=torch.float64, device=env.device)
-            if loss is not None:
+            if loss is not None and getattr(env, "tp_rank", 0) == 0:  # every tp rank holds the same loss
                 mine[0] = loss.double() / env.dp_size
             mine[1] = norm
             mine[2] = self._run_clock.total()
@@ -317,8 +327,9 @@ class Trainer:
         from ..checkpoints.exports import write_stage_weights
 
         env = self.env
-        params = full_values(self.params.items(), keep=env.dp_rank == 0)
-        if env.dp_rank == 0:
+        first = env.dp_rank == 0 and getattr(env, "tp_rank", 0) == 0  # tp ranks gather the same whole tensors
+        params = full_values(self.params.items(), keep=first)
+        if first:
             meta = {"step": self.step_count, "pp": env.pp_size, "dp": 1,
                     "tied": {t.name: list(t.names) for t in self.build.tied}} if env.rank == 0 else None
             write_stage_weights(Path(folder), env.pp_rank, params, meta)
@@ -362,6 +373,13 @@ class Trainer:
             saved = state["cuda_rng"][min(device.index or 0, len(state["cuda_rng"]) - 1)]
         if saved is not None and device.type == "cuda":
             torch.cuda.set_rng_state(saved.cpu(), device)
+
+
+def check_tp_composes(config: TrainConfig, dp_size: int, build: StageBuild) -> None:
+    """One line for what tensor parallelism does not compose with here."""
+    if config.zero == 1 and dp_size > 1:
+        raise AutopipeError("--zero 1 with tensor parallelism: ZeroRedundancyOptimizer takes no DTensor parameters; "
+                            "use --zero 0, 2 or 3 with --tp, or --tp 1.")
 
 
 def _device_rng_state(device: torch.device) -> torch.Tensor | None:

@@ -83,7 +83,7 @@ def _slots(chunks: Sequence[nn.Module], wanted: Mapping[int, str]) -> list[tuple
 
 
 def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int, *,
-                  schedule: str = "1F1B", param_dtype: torch.dtype | None = None) -> list[nn.Module]:
+                  schedule: str = "1F1B", param_dtype: torch.dtype | None = None, tp: int = 1) -> list[nn.Module]:
     """Wrap ``chunks`` (the modules the pipeline stages run) for data parallelism over ``mesh``
     (the 1-D data-parallel mesh) and return the modules the stages must run, in order.
 
@@ -99,8 +99,12 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int,
     layers compute on them, its ``MixedPrecisionPolicy``; gradients are reduced and kept in fp32,
     beside the fp32 shards AdamW steps. Without it FSDP2 gathers fp32 weights: twice the traffic
     and the gathered memory, only for autocast to cast each weight down again at every matmul.
+
+    ``tp`` > 1 (the parameters are DTensors on the stage's tp mesh): ZeRO 0 runs ``replicate`` and
+    ZeRO 2/3 FSDP2 over the dp mesh, 2-D with the tp placements (torchtitan's layout); DDP, which
+    takes no DTensor, is never used.
     """
-    if zero <= 1 and ddp_schedule(schedule):
+    if zero <= 1 and ddp_schedule(schedule) and tp == 1:  # DDP takes no DTensor (tensor-parallel) parameters
         return [_ddp(chunk, mesh.get_group()) for chunk in chunks]
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard

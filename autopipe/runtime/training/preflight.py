@@ -43,10 +43,20 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
     plan = None if str(settings.plan) == "even" else load_plan(settings.plan)
     world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
     dp = int(settings.dp)
-    if dp < 1 or world % dp:
-        raise AutopipeError(f"world size {world} is not a multiple of --dp {dp}; launch dp x stages processes.")
+    tp = int(getattr(settings, "tp", 1) or 1) if world > 1 else 1  # one process runs the plan whole
+    if tp > 1 and settings.engine == "deepspeed":
+        raise AutopipeError(f"--tp {tp} on DeepSpeed: its PipelineModule runs no tensor parallelism here; use "
+                            "--engine torch for --tp, or --tp 1.")
+    if tp > 1 and (world % tp or tp < 1):
+        raise AutopipeError(f"world size {world} is not a multiple of --tp {tp}; launch stages x dp x tp processes.")
+    if dp < 1 or world % (dp * tp):
+        raise AutopipeError(f"world size {world} is not a multiple of --dp {dp}{f' x --tp {tp}' if tp > 1 else ''}; "
+                            f"launch dp x stages{' x tp' if tp > 1 else ''} processes.")
+    if plan is not None and getattr(plan, "sequence_parallel", False) and tp > 1:
+        raise AutopipeError(f"{settings.plan} asks for sequence parallelism, which the runtime does not run yet; "
+                            "plan without it (tp alone is exact), or run --tp 1.")
     if plan is not None:
-        check_launch(plan, world // dp, dp, plan_path=str(settings.plan))
+        check_launch(plan, world // (dp * tp), dp, plan_path=str(settings.plan), tp=tp)
     return plan
 
 

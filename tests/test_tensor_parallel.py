@@ -1,0 +1,363 @@
+"""Tensor parallelism inside pipeline stages (autopipe.runtime.stage.tensor_parallel), against the untouched model.
+
+Each job of tests/tp_models.py (a Llama with HuggingFace's tp_plan, a GPT-2 whose plan is derived
+from its Conv1D graph with its embedding tied to its head, a Qwen3-MoE decoder whose expert blocks
+run replicated) is trained one step on tp 2 x 2 stages = 4 gloo processes at the model's own weights.
+The reference is the untouched HuggingFace model on the job's rows, micro-batch by micro-batch: the
+first-step loss, every parameter's gradient before the update (AdamW would hide a constant scale),
+and every weight after one AdamW step must equal it. Also: the (dp, pp, tp) rank layout on fake
+process groups of large worlds, the tp plan, and the one-line refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import tp_models
+from _launch import Arg, Launcher
+from safetensors.torch import save_file
+
+from autopipe.errors import AutopipeError
+from autopipe.graph.flattener import flatten
+from autopipe.graph.sources import load_model
+from autopipe.job.script import write_train_script
+from autopipe.job.settings import JobSettings
+from autopipe.runtime import JobData, make_loss, model_factory
+from autopipe.runtime.data.batches import split_batch
+from autopipe.runtime.data.losses import model_loss
+
+MODELS = Path(tp_models.__file__).resolve()
+PROBES = Path(__file__).parent / "probes"
+MICRO, SEQ, ROWS, LR = 2, tp_models.T, tp_models.B, 1e-3
+TOL = 1e-5
+
+
+def untouched(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return getattr(tp_models, name)(ROWS)[0].train()
+
+
+def reference(name: str, dp: int = 1) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The untouched model's first-step loss, gradients, and weights after one AdamW step as the job
+    takes it (lr 1e-3, betas 0.9/0.95, decay 0.1 on matrices, no clip), on the job's rows."""
+    spec = f"{MODELS}:{name}"
+    source = model_factory(spec, batch_size=ROWS, seq_len=SEQ, loss="auto")
+    shapes = load_model(spec, device="meta", batch_size=ROWS, seq_len=SEQ)
+    seq = flatten(shapes.model, shapes.args, shapes.kwargs)
+    args, kwargs, _ = JobData(source, None, seq_len=SEQ, seed=0, seq=seq).batch(0, ROWS * MICRO * dp)
+    model = untouched(name)
+    total, parts = 0.0, MICRO * dp
+    for a, k in split_batch(args, kwargs, parts):
+        value = model_loss(model(*a, **k))
+        (value / parts).backward()
+        total += float(value.detach()) / parts
+    named = dict(model.named_parameters(remove_duplicate=False))
+    grads = {n: p.grad for n, p in named.items() if p.grad is not None}  # tied names share one (AdamW leaves .grad)
+    unique = dict(model.named_parameters())
+    decay = [p for _, p in sorted(unique.items()) if p.dim() >= 2]
+    rest = [p for _, p in sorted(unique.items()) if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=LR,
+                            betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    opt.step()
+    weights = {n: p.detach().clone() for n, p in named.items()}
+    return total, grads, weights
+
+
+def make_job(root: Path, name: str, tp: int = 2) -> Path:
+    job = root / f"{name}_tp{tp}"
+    job.mkdir()
+    write_train_script(job, JobSettings(model=f"{MODELS}:{name}", stages=2, microbatches=MICRO, schedule="1f1b",
+                                        batch_size=ROWS, seq_len=SEQ, loss="auto"), tp=tp)
+    save_file({k: v.detach().clone().contiguous() for k, v in untouched(name).state_dict().items()},
+              str(job / "weights.safetensors"))
+    return job
+
+
+def train(torchrun: Launcher, job: Path, nproc: int, *flags: str, tag: str = "run", plan: str | Path = "even"
+          ) -> tuple[tuple[float, float], dict, dict, str]:
+    run = job / tag
+    run.mkdir()
+    proc = torchrun(job / "train.py", "--steps", 1, "--lr", LR, "--grad-clip", 0, "--weights", job / "weights.safetensors",
+                    "--plan", plan, "--log-json", run / "log.json", *flags, nproc=nproc, cwd=run,
+                    env={"AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_WEIGHTS": str(run)}, pythonpath=[PROBES],
+                    timeout=600)
+    (step,) = [json.loads(line) for line in (run / "log.json").read_text().splitlines()]
+    grads: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for rank in range(nproc):
+        for n, g in torch.load(run / f"grads_rank{rank}.pt", weights_only=True).items():
+            if n in grads:  # every tp rank saves the same whole gradient
+                torch.testing.assert_close(g, grads[n], atol=0, rtol=0, msg=f"tp ranks disagree on {n}'s gradient")
+            grads[n] = g
+        weights.update(torch.load(run / f"weights_rank{rank}_step1.pt", weights_only=True))
+    return (step["loss"], step["grad_norm"]), grads, weights, proc.stdout
+
+
+def compare(name: str, got: tuple[float, dict, dict], ref: tuple[float, dict, dict]) -> dict[str, float]:
+    (loss, norm), grads, weights = got
+    ref_loss, ref_grads, ref_weights = ref
+    assert loss == pytest.approx(ref_loss, abs=TOL, rel=TOL), f"{name}: loss {loss} vs the untouched model's {ref_loss}"
+    # the logged global norm counts each shard once, each replicated (and tied) tensor once
+    unique = {id(g): g for g in ref_grads.values()}.values()
+    ref_norm = float(torch.sqrt(sum(g.double().square().sum() for g in unique)))
+    assert norm == pytest.approx(ref_norm, rel=1e-5), f"{name}: grad norm {norm} vs the untouched model's {ref_norm}"
+    covered = {n for n in ref_grads if n in grads}
+    # a tied tensor is saved by one of its names: every other name of it shares the reference's grad
+    missing = [n for n in ref_grads if n not in grads and not any(ref_grads[n] is ref_grads[m] for m in covered)]
+    assert covered and not missing, f"{name}: gradients missing for {missing}"
+    worst_g = worst_w = 0.0
+    for n in covered:
+        torch.testing.assert_close(grads[n], ref_grads[n], atol=TOL, rtol=TOL, msg=f"{name}: gradient of {n}")
+        worst_g = max(worst_g, float((grads[n] - ref_grads[n]).abs().max()))
+    for n, w in weights.items():
+        torch.testing.assert_close(w, ref_weights[n], atol=TOL, rtol=TOL, msg=f"{name}: weight {n} after one step")
+        worst_w = max(worst_w, float((w - ref_weights[n]).abs().max()))
+    assert set(weights) <= set(ref_weights) and weights, f"{name}: weights {set(weights) - set(ref_weights)}"
+    return {"loss_diff": abs(loss - ref_loss), "max_grad_diff": worst_g, "max_weight_diff": worst_w,
+            "norm_rel_diff": abs(norm - ref_norm) / ref_norm}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3_moe"])
+def test_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path, name: str) -> None:
+    """tp 2 x 2 stages on 4 processes: loss, every gradient and every weight after one AdamW step
+    equal the untouched HuggingFace model's (1e-5); the log names the layers that run replicated."""
+    job = make_job(root, name)
+    ref = reference(name)
+    t0 = time.perf_counter()
+    loss, grads, weights, out = train(torchrun, job, 4)
+    figures = compare(name, (loss, grads, weights), ref)
+    assert "x tp 2" in out, out[-2000:]
+    (said,) = [line for line in out.splitlines() if line.startswith("tp 2: ")]  # once, from rank 0
+    if name == "qwen3_moe":  # its decoder blocks hold the experts' custom grouped matmul: replicated
+        assert "run replicated" in said and "(model.layers.0)" in said and "grouped_mm" in said, said
+    else:
+        assert "every layer runs on DTensors" in said, said
+    assert ("HF tp_plan" in said) == (name != "gpt2"), said
+    figures["seconds"] = time.perf_counter() - t0
+    print(f"\n{name} tp2 x pp2: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_verify_under_tp_compares_whole_gradients(torchrun: Launcher, root: Path) -> None:
+    """--verify on tp 2 x 2 stages gathers each sharded gradient before comparing: it says ok."""
+    job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
+    *_, out = train(torchrun, job, 4, "--verify", tag="verify")
+    line = next(line for line in out.splitlines() if "verify:" in line)
+    assert line.endswith(": ok"), line
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero", [0, 3])
+def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path, zero: int) -> None:
+    """tp 2 x 2 stages x 2 replicas over the dp mesh (ZeRO 0: ``replicate``; ZeRO 3: FSDP2, 2-D with
+    the tp placements, as torchtitan lays it out): the first step equals the untouched model's on the
+    global batch."""
+    job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
+    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", zero, tag=f"dp2_zero{zero}")
+    figures = compare(f"llama dp2 zero {zero}", (loss, grads, weights), reference("llama", dp=2))
+    print(f"\nllama tp2 x pp2 x dp2 zero {zero}: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp_refusals_are_one_line(torchrun: Launcher, root: Path) -> None:
+    """DeepSpeed with --tp 2, and a tp that does not divide the heads: one line each, from rank 0."""
+    job = make_job(root, "llama_bad_heads", tp=2)
+    run = job / "bad"
+    run.mkdir()
+    proc = torchrun(job / "train.py", "--steps", 1, "--plan", "even", nproc=4, cwd=run, check=False)
+    assert proc.returncode != 0
+    assert "3 attention heads (num_attention_heads) do not divide over tp 2" in proc.stdout + proc.stderr, \
+        (proc.stdout + proc.stderr)[-2000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    proc = torchrun(job / "train.py", "--steps", 1, "--plan", "even", "--engine", "deepspeed", nproc=2, cwd=run,
+                    check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "--tp 2 on DeepSpeed" in text and "Traceback" not in text, text[-2000:]
+
+
+# ---- no processes: the layout, the plan, the refusals ---------------------------------------------
+
+
+def test_rank_layout_of_a_large_world_on_fake_process_groups() -> None:
+    """(dp, pp, tp) with tp innermost, both placements, 64 ranks: every rank's coordinates and groups
+    match autopipe.choices.world_rank."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopipe.choices import world_rank
+    from autopipe.runtime.process.distenv import init_dist
+
+    dp, pp, tp = 2, 8, 4
+    for placement in ("pipeline-inner", "replica-inner"):
+        for rank in (0, 5, 37, 63):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * pp * tp)
+            try:
+                env = init_dist(dp=dp, tp=tp, placement=placement)
+                d, p, t = env.dp_rank, env.pp_rank, env.tp_rank
+                assert world_rank(d, p, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=t) == rank
+                assert dist.get_process_group_ranks(env.tp_group) == [rank - t + i for i in range(tp)]
+                assert dist.get_process_group_ranks(env.pp_group) == [
+                    world_rank(d, q, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=t) for q in range(pp)]
+                assert sorted(dist.get_process_group_ranks(env.dp_group)) == sorted(
+                    world_rank(e, p, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=t) for e in range(dp))
+                assert sorted(dist.get_process_group_ranks(env.pp_tp_group)) == sorted(
+                    world_rank(d, q, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=u)
+                    for q in range(pp) for u in range(tp))
+                assert env.pipeline_ranks(d) == [env.global_rank(d, q) for q in range(pp)]
+            finally:
+                dist.destroy_process_group()
+
+
+def test_launch_lines_count_stages_x_dp_x_tp() -> None:
+    from autopipe.job.launch import launch_command, sbatch_script
+
+    job = JobSettings(model="gpt2", stages=4, microbatches=8, schedule="1f1b", device="cuda")
+    assert launch_command("jobs/g", job, dp=2, nodes=2, tp=2).startswith("torchrun --nnodes 2 --nproc-per-node 8 ")
+    text = sbatch_script("/jobs/g", job, dp=2, nodes=2, tp=2)
+    assert "4 stages x 2 replicas x tp 2 = 16 processes, 8 on each of 2 nodes" in text
+    assert "#SBATCH --gpus-per-node=8" in text
+
+
+def test_bad_tp_layouts_are_one_line() -> None:
+    from autopipe.runtime.process.distenv import check_tp
+
+    with pytest.raises(AutopipeError, match="tp 3 does not divide the world of 8 ranks"):
+        check_tp(3, 8, local_world=8)
+    with pytest.raises(AutopipeError, match="tp 8 does not fit the 4 processes"):
+        check_tp(8, 16, local_world=4)
+    check_tp(4, 16, local_world=8)
+
+
+def test_the_tp_plan_of_llama_gpt2_and_moe() -> None:
+    """Llama's own HF plan; GPT-2's derived from its Conv1D (addmm) graph, with the [in, out] weight
+    layout's shard dims; the MoE experts' stacked tensors replicated."""
+    from autopipe.graph.tp_plan import shard_dims, tp_plan
+
+    def plans(name: str) -> tuple[dict, dict]:
+        s = load_model(f"{MODELS}:{name}", device="meta", batch_size=ROWS, seq_len=SEQ)
+        seq = flatten(s.model, s.args, s.kwargs)
+        hf = getattr(s.model, "_tp_plan", None) or None
+        kinds, dims = {}, {}
+        for layer in seq.layers:
+            k = tp_plan(layer, hf)
+            kinds.update(k)
+            dims.update(shard_dims(layer, k, 2))
+        return kinds, dims
+
+    kinds, dims = plans("llama")
+    assert kinds["model.layers.0.self_attn.k_proj.weight"] == "colwise" and dims["model.layers.0.self_attn.k_proj.weight"] == 0
+    assert kinds["model.layers.1.mlp.down_proj.weight"] == "rowwise" and dims["model.layers.1.mlp.down_proj.weight"] == 1
+    assert kinds["model.embed_tokens.weight"] == "vocab" and kinds["model.norm.weight"] == "replicate"
+    kinds, dims = plans("gpt2")
+    assert (kinds["transformer.h.0.attn.c_attn.weight"], dims["transformer.h.0.attn.c_attn.weight"]) == ("colwise", 1)
+    assert (kinds["transformer.h.0.attn.c_attn.bias"], dims["transformer.h.0.attn.c_attn.bias"]) == ("colwise", 0)
+    assert (kinds["transformer.h.1.mlp.c_proj.weight"], dims["transformer.h.1.mlp.c_proj.weight"]) == ("rowwise", 0)
+    assert kinds["transformer.h.1.mlp.c_proj.bias"] == "replicate" and kinds["transformer.wte.weight"] == "vocab"
+    kinds, dims = plans("qwen3_moe")
+    assert dims["model.layers.0.mlp.experts.gate_up_proj"] is None  # 3-D expert stacks stay whole
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "schedule"), [("llama", "gpipe"), ("llama", "interleaved1f1b"), ("gpt2", "zbv")])
+def test_tp_composes_with_every_schedule(torchrun: Launcher, root: Path, name: str, schedule: str) -> None:
+    """tp 2 x 2 stages under GPipe, Interleaved1F1B (2 chunks per rank) and ZBV (GPT-2: its tied
+    embedding and head then both sit on rank 0, as two leaves over one storage): the first step and
+    the weights after it equal the untouched model's."""
+    job = root / f"{name}_tp2" if (root / f"{name}_tp2").exists() else make_job(root, name)
+    cut = [0, 3, 5] if schedule == "gpipe" else [0, 1, 2, 3, 5]  # 5 layers: embedding, 2 blocks, norm, head
+    plan = job / f"cut_{schedule}.json"
+    plan.write_text(json.dumps({"boundaries": cut}))
+    got = train(torchrun, job, 4, "--schedule", schedule, tag=f"sched_{schedule}", plan=plan)
+    figures = compare(f"{name} {schedule}", got[:3], reference(name))
+    print(f"\n{name} tp2 x pp2 {schedule}: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_convert_with_tp_writes_a_job_that_autopipe_run_launches_on_stages_x_tp(tmp_path: Path) -> None:
+    """``convert --stages 2 --tp 2``: plan.tp 2, train.py's default --tp 2, the launch lines and README
+    count 4 processes, and ``autopipe run`` starts 4 (its step logs tp 2)."""
+    import subprocess
+
+    from autopipe.job.converter import convert
+
+    job = tmp_path / "job"
+    convert(f"{MODELS}:llama", stages=2, tp=2, microbatches=MICRO, batch_size=ROWS, seq_len=SEQ, out=job, repeats=1,
+            warmup=0, progress=False, reserve="0", schedule="1f1b")
+    assert json.loads((job / "plan.json").read_text())["tp"] == 2
+    script, readme = (job / "train.py").read_text(), (job / "README.md").read_text()
+    assert "    tp: int = 2" in script and "torchrun --nproc-per-node 4 train.py" in script
+    assert f"torchrun --nproc-per-node 4 {job / 'train.py'}" in readme and "= 4 processes (nproc = stages x dp x tp)" in readme
+    done = subprocess.run([sys.executable, "-m", "autopipe", "run", str(job), "--steps", "1"], cwd=job, capture_output=True,
+                          text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "2 stage(s) x 1 replica(s) x tp 2" in done.stdout and "step     1/1" in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp_checkpoint_resumes_exactly_on_the_same_and_on_another_tp_degree(torchrun: Launcher, root: Path) -> None:
+    """A tp 2 x 2 stages run saves each step (torch.distributed.checkpoint, each tp shard by its global
+    offsets); resumed from step 1 on tp 2, and on tp 1 (2 processes: DCP reshards), step 2's loss and
+    gradient norm equal the uninterrupted run's."""
+    import shutil
+
+    job = root / "llama_tp2" if (root / "llama_tp2").exists() else make_job(root, "llama")
+    run = job / "ckpt_runs"
+    run.mkdir()
+
+    def steps(nproc: int, ckpt: Path, *flags: Arg) -> list[dict]:
+        log = run / f"{ckpt.name}_{nproc}.json"
+        torchrun(job / "train.py", "--steps", 2, "--plan", "even", "--weights", job / "weights.safetensors",
+                 "--ckpt-dir", ckpt, "--log-json", log, *flags, nproc=nproc, cwd=run, timeout=600)
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    whole = steps(4, run / "a", "--ckpt-every", 1)
+    for name in ("same", "tp1"):
+        shutil.copytree(run / "a", run / name)
+        shutil.rmtree(run / name / "step_00000002")
+    (same,) = steps(4, run / "same", "--resume")
+    (tp1,) = steps(2, run / "tp1", "--resume", "--tp", 1)
+    assert same["loss"] == whole[1]["loss"] and same["grad_norm"] == pytest.approx(whole[1]["grad_norm"], rel=1e-12)
+    assert tp1["loss"] == pytest.approx(whole[1]["loss"], abs=1e-6)
+    assert tp1["grad_norm"] == pytest.approx(whole[1]["grad_norm"], rel=1e-6)
+
+
+def test_what_tp_does_not_compose_with_is_one_line() -> None:
+    """ZeRO 1 with replicas (ZeroRedundancyOptimizer takes no DTensor), a launch of the wrong size
+    (the count to launch is stages x dp x tp), DeepSpeed at convert time."""
+    from types import SimpleNamespace
+
+    from autopipe.job.settings import ConvertSettings
+    from autopipe.planner.stage_plan import StagePlan
+    from autopipe.runtime.process.lifecycle import check_launch
+    from autopipe.runtime.torch_engine.trainer import check_tp_composes
+    from autopipe.runtime.training.optim import TrainConfig
+
+    with pytest.raises(AutopipeError, match="--zero 1 with tensor parallelism"):
+        check_tp_composes(TrainConfig(zero=1), 2, SimpleNamespace())
+    check_tp_composes(TrainConfig(zero=3), 2, SimpleNamespace())
+    plan = StagePlan((0, 2, 4, 6, 8), stages=4, chunk_ranks=(0, 1, 2, 3), tp=2)
+    with pytest.raises(AutopipeError, match=r"launch with --nproc-per-node 16 with --dp 2 and --tp 2\."):
+        check_launch(plan, 2, 2, tp=2)
+    with pytest.raises(AutopipeError, match="--tp 2 on DeepSpeed"):
+        ConvertSettings(stages=2, tp=2, engine="deepspeed")
+    assert ConvertSettings(stages=2, tp=2, engine="auto").engine == "torch"
+    with pytest.raises(AutopipeError, match="--tp 16 does not fit nodes of 8"):
+        ConvertSettings(stages=1, tp=16, gpus_per_node=8)
