@@ -270,6 +270,7 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, A
     # smallest that helps; auto plans each schedule with its own.
     options = dict(microbatches=s.microbatches, schedule=s.schedule, memory_limit=s.memory_limit, recompute=s.recompute,
                    dp=s.dp, zero=s.zero, target=s.target, optimizer=s.optimizer_state)  # fmt: skip
+    whole, prof = prof, _tp_rank_view(prof, s)  # the cut is solved for what one tp rank computes and holds
     choice = schedule_choice = None
     if s.engine == "auto":
         choice = plan_engines(prof, s.stages, dtype=s.dtype, **options)  # type: ignore[arg-type]
@@ -282,9 +283,26 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, A
         plan = partition(prof, s.stages, engine=s.engine, **options)  # type: ignore[arg-type]
     if s.gpus_per_node is not None:  # the job's launch lines (and train.sbatch) span the nodes it needs
         plan = replace(plan, gpus_per_node=s.gpus_per_node)
-    if s.tp > 1:  # the cut is tp 1's for now: the tp cost model, when it lands, plans with it
+    if s.tp > 1:
         plan = replace(plan, tp=s.tp)
-    return prof, plan, None, choice, schedule_choice
+    return whole, plan, None, choice, schedule_choice
+
+
+def _tp_rank_view(prof: Profile, s: ConvertSettings) -> Profile:
+    """The profile one rank of a tp group of ``s.tp`` sees (autopipe.costs.tp.at_tp: its share of each
+    layer's compute, the collectives tp adds over the node's link, the memory it holds); ``prof`` at tp 1."""
+    if s.tp == 1:
+        return prof
+    from ..cluster.topology import LINKS
+    from ..costs.tp import at_tp
+
+    name = prof.device.name.lower() if prof.device.type != "cpu" else "cpu"
+    known = next((links[0] for key, links in LINKS.items() if key in name), None)
+    intra = s.bandwidth_intra or known
+    if intra is None:
+        raise PartitionError(f"--tp {s.tp}: autopipe knows no link bandwidth for {prof.device.name}; give "
+                             "--bandwidth-intra (bytes/s per device inside a node, like 450GB).")
+    return at_tp(prof, s.tp, bandwidth=intra)
 
 
 def _job_engine(s: ConvertSettings, plan: Plan) -> str:

@@ -47,11 +47,11 @@ class Predictions:
 def predictions(plan: StagePlan | int | None, *, schedule: str, microbatches: int, pp_size: int, dp: int = 1,
                 zero: int = 0, tp: int = 1) -> Predictions | None:
     """The plan's step time and per-rank memory, or None when the run differs from what was planned
-    (another schedule, micro-batch count, stage count, replica count or ZeRO stage, or a plan
+    (another schedule, micro-batch count, stage count, replica count, tp degree or ZeRO stage, or a plan
     without predictions: a hand-written cut, or a chunk count)."""
     if not isinstance(plan, StagePlan):
         return None
-    if tp > 1:  # the cut was priced at tp 1 (convert sets tp after partition): no promise for this run yet
+    if tp != getattr(plan, "tp", 1):  # planned for another tensor-parallel degree: its figures are another run's
         return None
     try:
         same = plan.predicts(schedule=schedule, microbatches=microbatches, pp_size=pp_size, dp=dp, zero=zero)
