@@ -305,18 +305,14 @@ def _tp_fixed(text: Optional[str]) -> int:
 def _at_tp(prof: Any, degree: int, sequence_parallel: bool, *, gpus: int, gpus_per_node: Optional[int],
            bandwidth_intra: Optional[str]) -> Any:  # fmt: skip
     """The profile one rank of a tp group of ``degree`` sees, its collectives over the node's link."""
-    from ..cluster.topology import cluster_for, tp_cluster
-    from ..costs.tp import at_tp
+    from ..cluster.evaluate import node_tp_view
     from ..errors import PartitionError
     from ..units import parse_bandwidth
 
     if sequence_parallel and degree == 1:
         raise PartitionError("--sequence-parallel needs --tp 2 or more (it shards what tp leaves whole).")
-    name = prof.device.name if prof.device.type != "cpu" else "cpu"
-    cluster = cluster_for(name, gpus, gpus_per_node, parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
-                          1.0)  # fmt: skip
-    tp_cluster(cluster, degree)  # one line when the degree does not divide a node
-    return at_tp(prof, degree, sequence_parallel=sequence_parallel, bandwidth=cluster.intra)
+    return node_tp_view(prof, degree, gpus=gpus, gpus_per_node=gpus_per_node, sequence_parallel=sequence_parallel,
+                        bandwidth_intra=parse_bandwidth(bandwidth_intra) if bandwidth_intra else None)
 
 
 def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], global_batch: Optional[int],

@@ -19,9 +19,9 @@ from ..planner.plan import Plan
 from ..planner.schedules import chunk_ranks, inflight_counts
 from ..planner.targets import restricted_cuts
 from .layouts import Layout
-from .topology import Cluster, dp_reduce_time, place, tp_cluster
+from .topology import Cluster, cluster_for, dp_reduce_time, place, tp_cluster
 
-__all__ = ["SearchBounds", "evaluate", "step_bound", "tp_view"]
+__all__ = ["SearchBounds", "evaluate", "node_tp_view", "step_bound", "tp_view"]
 
 
 class SearchBounds:
@@ -162,6 +162,17 @@ def tp_view(profile: Profile, cluster: Cluster, x: Layout) -> tuple[Profile, Clu
         return profile, cluster
     return (at_tp(profile, x.tp, sequence_parallel=x.sequence_parallel, bandwidth=cluster.intra),
             tp_cluster(cluster, x.tp))
+
+
+def node_tp_view(profile: Profile, tp: int, *, gpus: int, gpus_per_node: int | None = None,
+                 bandwidth_intra: float | None = None, sequence_parallel: bool = False) -> Profile:
+    """The profile one rank of a tp group of ``tp`` sees for a fixed layout of ``gpus`` devices (plan
+    --stages --tp, convert --tp): its collectives over the node's link, the profile's device's default
+    (topology.LINKS) unless ``bandwidth_intra`` is given; one line when ``tp`` does not divide a node."""
+    name = profile.device.name if profile.device.type != "cpu" else "cpu"
+    cluster = cluster_for(name, gpus, gpus_per_node, bandwidth_intra, 1.0)
+    tp_cluster(cluster, tp)
+    return at_tp(profile, tp, sequence_parallel=sequence_parallel, bandwidth=cluster.intra)
 
 
 def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int | str | None = "device",

@@ -293,16 +293,11 @@ def _tp_rank_view(prof: Profile, s: ConvertSettings) -> Profile:
     layer's compute, the collectives tp adds over the node's link, the memory it holds); ``prof`` at tp 1."""
     if s.tp == 1:
         return prof
-    from ..cluster.topology import LINKS
-    from ..costs.tp import at_tp
+    from ..cluster.evaluate import node_tp_view
 
-    name = prof.device.name.lower() if prof.device.type != "cpu" else "cpu"
-    known = next((links[0] for key, links in LINKS.items() if key in name), None)
-    intra = s.bandwidth_intra or known
-    if intra is None:
-        raise PartitionError(f"--tp {s.tp}: autopipe knows no link bandwidth for {prof.device.name}; give "
-                             "--bandwidth-intra (bytes/s per device inside a node, like 450GB).")
-    return at_tp(prof, s.tp, bandwidth=intra)
+    world = s.stages * s.dp * s.tp  # type: ignore[operator]
+    return node_tp_view(prof, s.tp, gpus=world, gpus_per_node=s.gpus_per_node or world,
+                        bandwidth_intra=s.bandwidth_intra)
 
 
 def _job_engine(s: ConvertSettings, plan: Plan) -> str:
