@@ -101,6 +101,12 @@ class Plan:
     # plans before these fields: every stage on one device per replica.
     tp: int = 1
     sequence_parallel: bool = False
+    # Expert-parallel degree: each MoE layer's experts are sharded over ep of the data-parallel replicas
+    # (ep divides dp; the ep group is ep consecutive dp ranks, as torchtitan's EP borrows dp_shard and
+    # Megatron's experts' data-parallel group is dp / ep); tokens go to the rank holding their expert by
+    # all-to-all and come back the same way. World unchanged (stages x dp x tp); an expert's gradient is
+    # averaged over dp / ep replicas. 1 in plans before this field: every replica holds every expert.
+    ep: int = 1
     # Devices per node the world is laid out on (the search's cluster, or convert --gpus-per-node);
     # 0: not given, one node. The job's launch lines (and its sbatch script) follow it.
     gpus_per_node: int = 0
@@ -235,7 +241,8 @@ class Plan:
         return StagePlan(self.boundaries, schedule=schedule_name(self.schedule), stages=self.stages,
                          chunk_ranks=self.stage_ranks, microbatches=self.microbatches,
                          recompute=self.stage_recompute, placement=self.placement, dp=self.dp, zero=self.zero,
-                         tp=self.tp, sequence_parallel=self.sequence_parallel, trace_device=self.trace_device, gpus_per_node=self.gpus_per_node,
+                         tp=self.tp, sequence_parallel=self.sequence_parallel, ep=self.ep,
+                         trace_device=self.trace_device, gpus_per_node=self.gpus_per_node,
                          step_time=self.predicted_step, rank_memory=self.rank_memory,
                          step_noise=self.profile_noise)
 
@@ -339,6 +346,10 @@ def _check_plan(plan: Plan) -> None:
         raise RecordError(f"plan sequence_parallel is {plan.sequence_parallel!r}, but must be true or false; {again}")
     if plan.sequence_parallel and plan.tp == 1:
         raise RecordError(f"plan sequence_parallel is true with tp 1 (nothing to shard over); {again}")
+    number(plan.ep, "ep", whole=True, least=1)
+    if plan.dp % plan.ep:
+        raise RecordError(f"plan ep is {plan.ep}, but must divide dp ({plan.dp}): experts are sharded over "
+                          f"data-parallel replicas; {again}")
     if plan.zero not in (0, 1, 2, 3) or isinstance(plan.zero, bool):
         raise RecordError(f"plan zero is {plan.zero!r}, but must be a ZeRO stage 0, 1, 2 or 3; {again}")
     if plan.placement not in PLACEMENTS:
