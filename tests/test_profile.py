@@ -402,3 +402,22 @@ def test_recompute_extra_is_the_median_of_paired_differences(monkeypatch: pytest
     extra = measure.recompute_extras(layer, torch.randn(2, 4, requires_grad=True), ["full"],
                                      device=torch.device("cpu"), warmup=0, repeats=5)  # fmt: skip
     assert extra == {"full": 5.0}
+
+
+def test_tp_shapes_are_traced_unless_asked_not_to_and_then_tp_is_refused() -> None:
+    """convert without --tp profiles with tp_shapes=False (a third of a small profile saved); such a
+    profile prices tp 1 the same and refuses tp 2 in one line rather than pricing it replicated."""
+    from autopipe.costs.tp import at_tp
+    from autopipe.errors import PartitionError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2)))
+    x = torch.randn(B, 16)
+    seq = autopipe.flatten(model, (x,))
+    with_shapes = autopipe.profile(seq, (x,), repeats=1, warmup=0, progress=False)
+    without = autopipe.profile(seq, (x,), repeats=1, warmup=0, progress=False, tp_shapes=False)
+    assert any(layer.tp is not None and layer.tp.pairs for layer in with_shapes.layers)
+    assert all(layer.tp is None for layer in without.layers)
+    assert at_tp(without, 1, bandwidth=1e9) is without
+    with pytest.raises(PartitionError, match="records no tensor-parallel shapes"):
+        at_tp(without, 2, bandwidth=1e9)

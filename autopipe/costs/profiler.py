@@ -73,6 +73,7 @@ def profile(
     estimate: bool = False,
     threads: int | None = None,
     progress: bool | Progress = True,
+    tp_shapes: bool = True,
 ) -> Profile:
     """Measure (or estimate) what each layer of ``seq`` costs per micro-batch.
 
@@ -100,6 +101,10 @@ def profile(
         progress: show progress on stderr (a live bar on a terminal, a plain line per phase
             elsewhere: autopipe.progress), or report it to the ``Progress`` given; False: quiet.
 
+        tp_shapes: also follow each layer's sharding for tensor parallelism (``LayerCost.tp``, what
+            ``autopipe.costs.tp.at_tp`` prices at a degree): a data-free trace per distinct layer, about a
+            third of a small model's profile on CPU. False where no tp > 1 will be planned from this
+            profile (``convert`` without ``--tp``): such a profile is refused at tp > 1 in one line.
         reserve: bytes the training runtime holds per rank on this device beyond the model's tensors,
             kept in the profile for the memory model (``autopipe.runtime.checks.reserve.runtime_reserve`` measures
             it once per device; the CLI passes it).
@@ -125,7 +130,7 @@ def profile(
     """
     layers = list(seq.layers)
     run = _Run.resolve(layers, device=device, dtype=dtype, autocast=autocast, mixed_precision=mixed_precision,
-                       estimate=estimate, optimizer=optimizer, warmup=warmup, repeats=repeats)
+                       estimate=estimate, optimizer=optimizer, warmup=warmup, repeats=repeats, tp_shapes=tp_shapes)
     x: Value = seq.pack_inputs(tuple(example_args), dict(example_kwargs or {}))
     input_bytes = sum(tensor_bytes(t) for t in as_tuple(x))
     infos = list(getattr(seq, "infos", [None] * len(layers)))
@@ -212,11 +217,12 @@ class _Run:
     sizes: ParamSizer
     warmup: int
     repeats: int
+    tp_shapes: bool = True  # trace each distinct layer's TpShape (profile(tp_shapes=...))
 
     @classmethod
     def resolve(cls, layers: list[nn.Module], *, device: str | torch.device | None, dtype: str | torch.dtype | None,
                 autocast: str | torch.dtype | None, mixed_precision: bool, estimate: bool, optimizer: str,
-                warmup: int, repeats: int) -> _Run:
+                warmup: int, repeats: int, tp_shapes: bool = True) -> _Run:
         if warmup < 0 or repeats < 1:
             raise AutopipeError(f"profile: warmup={warmup}, repeats={repeats}; need warmup >= 0 and repeats >= 1.")
         state_factor = optimizer_state_factor(optimizer)
@@ -239,7 +245,7 @@ class _Run:
                 )
         # under autocast the parameters, gradients and optimizer state are fp32, whatever the layers hold
         sizes = ParamSizer(torch.float32 if amp is not None else tdtype, mixed_precision, state_factor)
-        return cls(run_device, home, estimate, spec, tdtype, amp, sizes, warmup, repeats)
+        return cls(run_device, home, estimate, spec, tdtype, amp, sizes, warmup, repeats, tp_shapes)
 
     def no_data(self) -> contextlib.AbstractContextManager[Any]:
         """Estimating on a real device, the layers run on fake tensors (no data); on meta as they are."""
@@ -362,14 +368,14 @@ def _cost_layer(work: nn.Module, x: Value, run: _Run) -> dict[str, Any]:
         hold = {mode: weight_hold_change(work, x, mode=mode) for mode in ("none", "full")}
         return dict(forward_time=est.forward_time, backward_time=est.backward_time, flops=est.forward_flops,
                     recompute_time=est.recompute_time, hold_change={m: d for m, d in hold.items() if d is not None},
-                    tp=layer_tp_shape(work, x, spec=run.spec, dtype=dtype))
+                    tp=layer_tp_shape(work, x, spec=run.spec, dtype=dtype) if run.tp_shapes else None)
     t = time_layer(work, x, device=device, warmup=warmup, repeats=repeats)
     # what recomputation adds to the backward, timed beside a plain backward (measure.recompute_extras)
     extra = recompute_extras(work, x, RECOMPUTE_MODES[1:], device=device, warmup=warmup, repeats=repeats)
     split = time_split(work, x, device=device, warmup=warmup, repeats=repeats) or (0.0, 0.0)
     # what a unit waiting for its weight pass holds beyond its forward's bytes, per mode (zbv's memory)
     hold = {mode: weight_hold_change(work, x, mode=mode) for mode in RECOMPUTE_MODES}
-    return dict(forward_time=t.forward, backward_time=t.backward, tp=_measured_tp_shape(work, x, run),
+    return dict(forward_time=t.forward, backward_time=t.backward, tp=_measured_tp_shape(work, x, run) if run.tp_shapes else None,
                 forward_spread=t.forward_spread, backward_spread=t.backward_spread, recompute_time=extra,
                 backward_input_time=split[0], backward_weight_time=split[1],
                 hold_change={m: d for m, d in hold.items() if d is not None})

@@ -99,8 +99,9 @@ def check_tp(profile: Profile, t: int) -> None:
     if t == 1:
         return
     if not any(l.tp is not None for l in profile.layers):
-        raise PartitionError(f"tp {t}: this profile records no tensor-parallel shapes (made before they were, or "
-                             "from plain numbers); profile the model again with this version, or use --tp 1.")
+        raise PartitionError(f"tp {t}: this profile records no tensor-parallel shapes (made before they were, "
+                             "by convert without --tp, or from plain numbers); profile the model again (autopipe "
+                             "profile records them), or use --tp 1.")
     for l in profile.layers:
         if l.tp is not None and l.tp.divisor and l.tp.divisor % t:
             raise PartitionError(f"tp {t} does not divide layer {l.index} ({l.name})'s sharded dimensions "

@@ -234,7 +234,7 @@ def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profi
     prof = profile(seq, loaded.args, loaded.kwargs, device=s.device, estimate=s.estimate, repeats=s.repeats,
                    warmup=s.warmup, autocast=PRECISIONS[s.dtype] if s.dtype != "fp32" else None,
                    progress=s.progress, reserve=_reserve(loaded.spec, s) if loaded.reserve is None else loaded.reserve,
-                   optimizer=s.optimizer_state)  # fmt: skip
+                   optimizer=s.optimizer_state, tp_shapes=s.tp > 1)  # fmt: skip
     return replace(prof, model=model, rank_excess_bytes=_excess(loaded.spec, s))
 
 
