@@ -346,9 +346,8 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
     degrees = _tp_degrees(tp)
     if degrees is None:  # auto: every degree dividing a node's devices that the profile can be split at
         degrees = tp_degrees_for(prof, cluster.gpus_per_node) or [1]
-        if not json_output and not any(layer.tp is not None for layer in prof.layers):
-            typer.echo("note: tp 1 only: this profile records no tensor-parallel shapes (convert without --tp "
-                       "skips them); `autopipe profile` records them.", err=True)
+    # Said after the search, not before it: a failed search stays one error line.
+    tp_note = (tp == "auto" and not json_output and not any(layer.tp is not None for layer in prof.layers))
     if sequence_parallel and degrees == [1]:
         raise PartitionError("--sequence-parallel needs a tp of 2 or more among --tp's degrees.")
     result = search(prof, cluster, global_batch=global_batch, memory_limit=memory_limit, optimizer=optimizer,
@@ -368,3 +367,6 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
     console.print(plan_summary(result.plan), highlight=False)
     if out is not None:
         console.print(f"saved {out} and {search_path(out)}", highlight=False)
+    if tp_note:
+        typer.echo("note: tp 1 only: this profile records no tensor-parallel shapes (convert without --tp "
+                   "skips them); `autopipe profile` records them.", err=True)
