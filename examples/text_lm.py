@@ -78,10 +78,8 @@ def main() -> None:
     from autopipe.job.converter import convert
 
     evaluation = held_out(text, work / "held_out.txt")
-    # 1F1B, not the auto choice: T5 under zbv fails at its first weight pass ("backward through the graph
-    # a second time", a known bug, stop 48's note), and auto picks zbv when the profile is noisy
     result = convert(str(folder), stages=2, batch_size=4, seq_len=32, microbatches=4, data=text, eval_data=evaluation,
-                     out=work / "job", repeats=2, progress=False, schedule="1f1b")
+                     out=work / "job", repeats=2, progress=False)
     print(f"{result.plan.num_layers} layers -> 2 stages, cuts before layers {list(result.plan.boundaries[1:-1])} "
           f"(schedule {result.plan.schedule})")
     log = work / "log.json"

@@ -84,6 +84,26 @@ def _stage_class() -> type:
             with _placeholder_pass(self.submod):
                 return super()._shape_inference(*args, **kwargs)
 
+        # torch's action runtime runs a V schedule's backward actions in eval() too: each returns at
+        # once for want of a backward, but the hand-over of input gradients between a rank's two
+        # adjacent chunks asserts there is one. Evaluating under zbv: nothing to hand over.
+        def get_local_bwd_output(self, mb_index: int) -> Any:
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+        def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+            if backward_type == "input" and _an_output_bypasses_the_inputs(bwd_kwargs["stage_output"],
+                                                                          bwd_kwargs["input_values"]):
+                # torch's split backward finds a weight's gradient only through the stage's inputs: one
+                # sent on that never met them (T5's relative-position bias, computed from positions)
+                # would get none. Such a chunk runs its full backward here; its weight pass is empty.
+                grads, _ = super().backward_maybe_with_nosync("full", bwd_kwargs, last_backward=last_backward)
+                return grads, []
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
         def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
             # A zero-bubble weight pass makes one autograd call per weight group; under recompute
             # each call would run the layer's forward again (measured ~6x the extra time on a GPT-2
@@ -92,6 +112,29 @@ def _stage_class() -> type:
                 return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
     return ZeroInitStage
+
+
+def _an_output_bypasses_the_inputs(outputs: Any, inputs: Any) -> bool:
+    """Whether some stage output needing a gradient does not depend on any stage input."""
+    def node(t: torch.Tensor) -> Any:
+        return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
+
+    outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    ins = {node(t) for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad}
+    for out in outs:
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            continue
+        seen, todo, met = set(), [node(out)], False
+        while todo and not met:
+            n = todo.pop()
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            met = n in ins
+            todo.extend(fn for fn, _ in n.next_functions)
+        if not met:
+            return True
+    return False
 
 
 @contextlib.contextmanager
