@@ -47,6 +47,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, replace
@@ -197,6 +198,12 @@ class _StepSearch:
                         row.append(made[(form, md)])
                     per_mode.append(row)
                 self._arrays.append(per_mode)
+        # Python lists of the same sorted arrays for _lo_monotone's scalar look-ups: bisect on a list
+        # returns what np.searchsorted(side="left") does on a sorted array, at a tenth of its call cost
+        self._g_list = [g.tolist() for g in self.g]
+        self._h_right_list = [h.tolist() for h in self.h_right]
+        self._arrays_list = None if self._arrays is None else [
+            [[(g.tolist(), right.tolist()) for g, _, right in row] for row in per_mode] for per_mode in self._arrays]
 
     # -- evaluation --
     def evaluate(self, cuts: np.ndarray) -> np.ndarray:
@@ -343,9 +350,9 @@ class _StepSearch:
         for i, md in enumerate(self.modes[:only]):
             lo = 0 if self.limit is None else int(self._window(md, s)[b])
             if v is not None:
-                lo = max(lo, int(np.searchsorted(self.g[i], self.h_right[i][b] - v / self.scale, side="left")))
-                for g, _, right in self._arrays[s][i] if self._arrays is not None else ():
-                    lo = max(lo, int(np.searchsorted(g, right[b] - v, side="left")))
+                lo = max(lo, bisect.bisect_left(self._g_list[i], self._h_right_list[i][b] - v / self.scale))
+                for g, right in self._arrays_list[s][i] if self._arrays_list is not None else ():
+                    lo = max(lo, bisect.bisect_left(g, right[b] - v))
             out = min(out, lo)
         return out
 
