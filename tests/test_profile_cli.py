@@ -28,8 +28,10 @@ def test_cli_estimate_prints_table_and_saves_json(tmp_path: Path) -> None:
 def test_cli_measures_on_cpu_as_json(tmp_path: Path) -> None:
     """`profile ... --json` measures on the CPU and prints the profile as JSON."""
     out = tmp_path / "p.json"
+    # --reserve given: the measured profile is this test's, not the Llama reserve probe's (tests/test_reserve.py
+    # runs the probe; here it was the suite's only Llama probe, two processes for 20-40 s)
     result = runner.invoke(app, ["profile", "llama-tiny", "--seq-len", "8", "--repeats", "1", "--warmup", "0",
-                                 "--out", str(out), "--json"])
+                                 "--reserve", "8MiB", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     assert '"kind": "autopipe.profile"' in result.output
     assert Profile.load(out).mode == "measured"
