@@ -10,6 +10,7 @@ import numpy as np
 
 from ..costs.layer_costs import Profile
 from ..costs.rescale import scale_microbatch, tokens_per_sample
+from ..costs.ep import at_ep
 from ..costs.tp import at_tp
 from ..planner.cost_model import limit_reserve, recompute_times
 from ..planner.memory import LayerMemory, charged_units, layer_memory, rank_memory, tensor_budget
@@ -21,7 +22,7 @@ from ..planner.targets import restricted_cuts
 from .layouts import Layout
 from .topology import Cluster, cluster_for, dp_reduce_time, place, tp_cluster
 
-__all__ = ["SearchBounds", "evaluate", "node_tp_view", "step_bound", "tp_view"]
+__all__ = ["SearchBounds", "evaluate", "node_ep_view", "node_tp_view", "step_bound", "tp_view"]
 
 
 class SearchBounds:
@@ -173,6 +174,27 @@ def node_tp_view(profile: Profile, tp: int, *, gpus: int, gpus_per_node: int | N
     cluster = cluster_for(name, gpus, gpus_per_node, bandwidth_intra, 1.0)
     tp_cluster(cluster, tp)
     return at_tp(profile, tp, sequence_parallel=sequence_parallel, bandwidth=cluster.intra)
+
+
+def node_ep_view(profile: Profile, ep: int, *, gpus: int, dp: int, tp: int = 1, gpus_per_node: int | None = None,
+                 bandwidth_intra: float | None = None, bandwidth_inter: float | None = None,
+                 skew: str = "p95") -> Profile:  # fmt: skip
+    """The profile one rank of an ep group of ``ep`` sees for a fixed layout of ``gpus`` devices (plan
+    --ep; convert --ep calls this too): the ep group is ep consecutive dp ranks, each a tp group of
+    consecutive devices, so its all-to-alls cross the node's link when tp · ep devices fit in a node,
+    else the inter-node one (the profile's device's defaults, topology.LINKS, unless given). Apply it to
+    the profile one tp rank sees (node_tp_view) when both are > 1. One line when ep does not divide dp."""
+    from ..errors import PartitionError
+
+    if ep > 1 and dp % ep:
+        raise PartitionError(f"--ep {ep} does not divide the {dp} data-parallel replicas; use an ep that divides "
+                             f"--dp (experts are sharded over ep of the replicas).")
+    if ep == 1:
+        return at_ep(profile, 1, bandwidth=1.0, skew=skew)
+    name = profile.device.name if profile.device.type != "cpu" else "cpu"
+    cluster = cluster_for(name, gpus, gpus_per_node, bandwidth_intra, bandwidth_inter)
+    link = cluster.intra if tp * ep <= cluster.gpus_per_node else cluster.inter
+    return at_ep(profile, ep, bandwidth=link, skew=skew)
 
 
 def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int | str | None = "device",
