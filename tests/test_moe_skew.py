@@ -133,3 +133,18 @@ def test_refusals_and_degrees(skewed, tmp_path):
     bad = runner.invoke(app, ["plan", str(path), "--stages", "2", "--dp", "2", "--ep", "4"], env={"COLUMNS": "250"})
     assert bad.exit_code != 0 and "does not divide the 2 data-parallel replicas" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_report_draws_each_moe_layers_load_and_its_cost(skewed):
+    from autopipe.report.page import render_report
+
+    *_, prof = skewed
+    plan = partition(at_ep(prof, 4, bandwidth=5e9), 2, microbatches=4)
+    plan = __import__("dataclasses").replace(plan, ep=4, dp=4)
+    html = render_report(plan, prof)
+    assert "Mixture of experts: expert load" in html
+    assert html.count("<title>expert ") == 6 * M.EXPERTS  # a bar per expert per MoE layer
+    cost = sum(t.skew_seconds for t in ep_terms(prof, 4, bandwidth=5e9)) * plan.microbatches
+    assert f"<b>{cost * 1e3:.3f}</b>" in html
+    dense = Profile.from_costs([1.0] * len(prof.layers))
+    assert "Mixture of experts" not in render_report(partition(dense, 2), dense)
