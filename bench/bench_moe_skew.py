@@ -13,7 +13,8 @@ slots (a trained-looking router). Each is
 2. planned at ep 4 over 4 replicas, 2 stages, 4 micro-batches (``cluster.evaluate.node_ep_view``, the
    CPU's default link) priced at the measured p95 skew and as if balanced: the cuts and predicted steps;
 3. trained at ep 1 as the untouched model (forward + backward + AdamW, 30 steps after 5 of warm-up,
-   one thread): is the skew visible in measured CPU time when every rank holds every expert?
+   one thread, the two models' steps alternated): is the skew visible in measured CPU time when every
+   rank holds every expert?
 
 The ep > 1 jobs need the ep runtime (``convert --ep``/``train.py``), another branch's: this script runs
 them when ``autopipe convert --help`` lists ``--ep`` and records that it could not otherwise.
@@ -67,23 +68,26 @@ def _plans(prof) -> dict:
     return out
 
 
-def _eager_steps(ms) -> list[float]:
-    """The untouched model trained at ep 1 (every expert on this one process): seconds per step."""
+def _eager_steps(models: dict) -> dict[str, list[float]]:
+    """Each untouched model trained at ep 1 (every expert on this one process): seconds per step, the
+    models' steps alternated so a shared host's load falls on both alike."""
     import torch
 
     torch.set_num_threads(1)
-    model = ms.model
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
+    opts = {}
+    for name, ms in models.items():
+        ms.model.train()
+        opts[name] = torch.optim.AdamW(ms.model.parameters(), lr=1e-4)
+    times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(STEPS + WARMUP):
-        t = time.perf_counter()
-        for _ in range(MICRO):
-            model(*ms.args, **ms.kwargs).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - t)
+        for name, ms in models.items():
+            t = time.perf_counter()
+            for _ in range(MICRO):
+                ms.model(*ms.args, **ms.kwargs).loss.backward()
+            opts[name].step()
+            opts[name].zero_grad()
+            if i >= WARMUP:
+                times[name].append(time.perf_counter() - t)
     return times
 
 
@@ -95,8 +99,10 @@ def _ep_runtime() -> bool:
 
 def main() -> None:
     record: dict = {"load_before": os.getloadavg()[0], "cpus": os.cpu_count(), "models": {}}
+    loaded = {}
     for name in ("mixtral_balanced", "mixtral_skewed"):
         ms, prof, count_s = _profile(name)
+        loaded[name] = ms
         layers = {}
         for l in prof.layers:
             if l.moe is None:
@@ -104,13 +110,12 @@ def main() -> None:
             layers[l.name] = {"busiest_p50": l.moe.busiest(0.5), "busiest_p95": l.moe.busiest(0.95),
                               "shares": list(l.moe.shares()), "forward_ms": l.forward_time * 1e3,
                               "backward_ms": l.backward_time * 1e3, "source": l.source}
-        steps = _eager_steps(ms)
+        record["models"][name] = {"count_seconds": count_s, "layers": layers, "plans_ep4": _plans(prof),
+                                  "profile_host_load": prof.host_load}
+    for name, steps in _eager_steps(loaded).items():
         q = statistics.quantiles(steps, n=4)
-        record["models"][name] = {
-            "count_seconds": count_s, "layers": layers, "plans_ep4": _plans(prof),
-            "ep1_step": {"median": statistics.median(steps), "q1": q[0], "q3": q[2], "min": min(steps), "max": max(steps)},
-            "profile_host_load": prof.host_load,
-        }
+        record["models"][name]["ep1_step"] = {"median": statistics.median(steps), "q1": q[0], "q3": q[2],
+                                              "min": min(steps), "max": max(steps)}
     record["load_after"] = os.getloadavg()[0]
     record["ep_runtime"] = _ep_runtime()
     RESULTS.mkdir(exist_ok=True)
@@ -130,7 +135,11 @@ def _markdown(r: dict) -> str:
         for layer, d in m["layers"].items():
             shares = " ".join(f"{s:.2f}" for s in d["shares"])
             lines.append(f"| {layer} | {d['busiest_p50']:.3f} | {d['busiest_p95']:.3f} | {shares} |")
-        lines += ["", "| pricing | cut | predicted step (ms) |", "|---|---|---|"]
+        lines += ["", f"Profile (host load {m['profile_host_load']:.1f}): each MoE layer "
+                  f"{next(iter(m['layers'].values()))['forward_ms']:.2f} ms forward, "
+                  f"{next(iter(m['layers'].values()))['backward_ms']:.2f} ms backward per micro-batch "
+                  "(identical layers measured once).", "",
+                  "| pricing | cut | predicted step (ms) |", "|---|---|---|"]
         for skew, p in m["plans_ep4"].items():
             lines.append(f"| {skew} | {p['boundaries']} | {p['predicted_step'] * 1e3:.2f} |")
         s = m["ep1_step"]

@@ -148,3 +148,28 @@ def test_report_draws_each_moe_layers_load_and_its_cost(skewed):
     assert f"<b>{cost * 1e3:.3f}</b>" in html
     dense = Profile.from_costs([1.0] * len(prof.layers))
     assert "Mixture of experts" not in render_report(partition(dense, 2), dense)
+
+
+def test_gpus_search_prices_ep_for_moe_profiles_only(skewed):
+    from autopipe.cluster.layout_search import search
+    from autopipe.cluster.topology import cluster_for
+
+    *_, prof = skewed
+    cluster = cluster_for("cpu", 8, 8)
+    res = search(prof, cluster, global_batch=8, memory_limit=None, top=50, prune=False, zeros=(0,),
+                 eps=ep_degrees_for(prof, 8))  # fmt: skip
+    eps = {x.ep for x in res.layouts}
+    assert eps == {1, 2, 4, 8}
+    assert all(x.dp % x.ep == 0 for x in res.layouts)
+    assert res.plan is not None and res.plan.ep == res.best.ep
+    # each ep layout is the fixed-layout pricing of that ep (node_ep_view's formulas), solved
+    x = next(x for x in res.layouts if x.ep == 4 and x.stages == 2)
+    from autopipe.cluster.evaluate import evaluate
+
+    again, plan = evaluate(prof, cluster, x, memory_limit=None)
+    assert plan is not None and plan.ep == 4 and again.step_time == x.step_time
+    dense = Profile.from_costs([1.0] * 6, param_bytes=[100] * 6, activation_bytes=[10] * 6)
+    assert ep_degrees_for(dense, 8) == [1]
+    plain = search(dense, cluster, global_batch=8, memory_limit=None)
+    same = search(dense, cluster, global_batch=8, memory_limit=None, eps=ep_degrees_for(dense, 8))
+    assert [y.key() for y in plain.layouts] == [y.key() for y in same.layouts]

@@ -346,6 +346,7 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
     from ..cluster.layouts import search_path
     from ..cluster.topology import cluster_for
     from ..costs.layer_costs import Profile
+    from ..costs.ep import ep_degrees_for
     from ..costs.tp import tp_degrees_for
     from ..errors import PartitionError
     from ..report.search_tables import search_summary, search_table
@@ -370,7 +371,7 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
         raise PartitionError("--sequence-parallel needs a tp of 2 or more among --tp's degrees.")
     result = search(prof, cluster, global_batch=global_batch, memory_limit=memory_limit, optimizer=optimizer,
                     recompute=recompute, zeros=ZERO_STAGES if z == "auto" else (int(z),), top=max(top, 1),
-                    target=target, progress=not json_output, tps=degrees,
+                    target=target, progress=not json_output, tps=degrees, eps=ep_degrees_for(prof, gpus),
                     sequence_parallel=sequence_parallel)  # fmt: skip
     assert result.plan is not None
     if out is not None:

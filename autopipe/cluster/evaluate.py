@@ -159,10 +159,14 @@ def tp_view(profile: Profile, cluster: Cluster, x: Layout) -> tuple[Profile, Clu
     link) and the cluster of its tp groups (topology.tp_cluster): what the pipeline and the replicas
     are solved on. tp 1: both as they are. The profile is taken to tp before any micro-batch
     rescaling, so every bound and solve of the search prices the same figures."""
-    if x.tp == 1:
-        return profile, cluster
-    return (at_tp(profile, x.tp, sequence_parallel=x.sequence_parallel, bandwidth=cluster.intra),
-            tp_cluster(cluster, x.tp))
+    prof, members = profile, cluster
+    if x.tp > 1:
+        prof = at_tp(profile, x.tp, sequence_parallel=x.sequence_parallel, bandwidth=cluster.intra)
+        members = tp_cluster(cluster, x.tp)
+    if x.ep > 1:  # the ep group, ep consecutive replicas: in one node when the replicas are and tp · ep fits
+        inside = x.dp_link != "inter" and x.tp * x.ep <= cluster.gpus_per_node
+        prof = at_ep(prof, x.ep, bandwidth=cluster.intra if inside else cluster.inter)
+    return prof, members
 
 
 def node_tp_view(profile: Profile, tp: int, *, gpus: int, gpus_per_node: int | None = None,
@@ -242,7 +246,7 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
                                                         method=method, boundaries=boundaries))  # fmt: skip
         # the links were priced for this numbering of the ranks on these nodes: the job must run it
         plan = replace(plan, placement=x.placement, gpus_per_node=whole.gpus_per_node, tp=x.tp,
-                       sequence_parallel=x.sequence_parallel)  # fmt: skip
+                       sequence_parallel=x.sequence_parallel, ep=x.ep)  # fmt: skip
         peak = plan.peak_memory
     assert peak is not None
     sim, cut, modes, rec = source.simulate(), source.boundaries, source.stage_recompute, source.stage_recompute_time
