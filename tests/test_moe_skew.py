@@ -28,6 +28,8 @@ from autopipe.errors import PartitionError  # noqa: E402
 from autopipe.graph.sources import load_model  # noqa: E402
 from autopipe.planner.partitioner import partition  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the module's one profile of a 6-layer Mixtral: ~9 s on 2 shared cores
+
 MORE = M.batches(5)
 BW = 5e9
 

@@ -72,8 +72,9 @@ def check_ep(profile: Profile, ep: int, skew: str = "p95") -> None:
     if ep == 1:
         return
     if not has_experts(profile):
-        raise PartitionError(f"ep {ep}: this profile records no mixture-of-experts layer (a dense model, or a "
-                             "profile made before they were recorded); use --ep 1, or profile the model again.")
+        raise PartitionError(f"ep {ep}: this profile records no mixture-of-experts layer (a dense model, an "
+                             "estimate, or a profile made before they were recorded); use --ep 1, or profile the "
+                             "model measured (without --estimate).")
     for l in profile.layers:
         if l.moe is not None and l.moe.experts % ep:
             raise PartitionError(f"ep {ep} does not divide layer {l.index} ({l.name})'s {l.moe.experts} experts; "

@@ -5,7 +5,8 @@ Counted on the untouched model, not on the traced layers: a forward pre-hook on 
 reads the router's top-k indices and counts them per expert, once per batch, over the batches given
 (the profile's micro-batch, and more of the user's data where the job has some). Nothing is timed:
 one forward per batch, under ``no_grad`` except the first, which also counts the FLOPs and the bytes
-the experts keep for backward (what autopipe.costs.ep scales by the busiest rank's share).
+the experts keep for backward (what autopipe.costs.ep scales by the busiest rank's share). A model
+on meta (an estimate) cannot run eagerly, so estimated profiles record none.
 
 A routed expert runs each of its slots (token × top-k) through its own weights once, so its forward
 FLOPs are ``2 · slots · params per expert``; torch's FLOP counter does not see grouped matmuls (the
@@ -84,8 +85,6 @@ class _Counter:
                 return
             self.first.setdefault(name, (int(index.shape[0]), int(index.shape[-1]), int(hidden.shape[-1]),
                                          hidden.element_size()))  # fmt: skip
-            if index.device.type == "meta":
-                return
             e = int(module.num_experts)
             idx = index.reshape(-1).long()
             counts = torch.bincount(idx[(idx >= 0) & (idx < e)], minlength=e)[:e].tolist()
@@ -132,7 +131,9 @@ def moe_shapes(model: nn.Module, seq: Any, batches: Sequence[Batch]) -> dict[int
     """Per flattened layer index of ``seq``, the MoeShape of the experts module it holds; the first batch
     is the profile's micro-batch (its tokens and dispatch bytes are per micro-batch). {} without experts."""
     modules = expert_modules(model)
-    if not modules or not batches:
+    if not modules or not batches or any(p.device.type == "meta" for p in model.parameters()):
+        # on meta (an estimate) the untouched model cannot run eagerly (HF's masks read numbers from
+        # tensors): no routing to count, so no MoeShape; such a profile is refused at ep > 1 in one line
         return {}
     names = [getattr(info, "name", "") for info in getattr(seq, "infos", [])]
     owner = {n: _layer_of(n, names) for n, _ in modules}
@@ -140,15 +141,13 @@ def moe_shapes(model: nn.Module, seq: Any, batches: Sequence[Batch]) -> dict[int
     saved: dict[str, dict[int, int]] = {n: {} for n, _ in modules}
 
     # the experts' own weights are saved for backward too, but held anyway: not activations
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type != "meta"}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t: Tensor) -> Tensor:
-        if counter.inside and t.device.type != "meta":
+        if counter.inside:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in weights:
                 saved[counter.inside][ptr] = t.untyped_storage().nbytes()
-        elif counter.inside and not isinstance(t, nn.Parameter):
-            saved[counter.inside][id(t)] = t.numel() * t.element_size()
         return t
 
     flops = FlopCounterMode(display=False)
