@@ -126,6 +126,9 @@ def profile_command(
     prof = profile(seq, args, kwargs, device=device, estimate=estimate, dtype=dtype,
                    mixed_precision=mixed_precision, autocast=autocast, optimizer=optimizer, repeats=repeats, warmup=warmup,
                    progress=not json_output, reserve=reserve_bytes)
+    from ..costs.moe_shape import moe_shapes, with_moe_shapes
+
+    prof = with_moe_shapes(prof, moe_shapes(m, seq, [(args, kwargs)]))  # MoE layers: their routing, counted
     # a CPU rank's most beyond its predicted tensors, from the reserve's probe: the memory advice's figure
     excess = excess_for(device, estimate=estimate, given=reserve, dtype=precision(autocast) if autocast else "fp32",
                         config=getattr(m, "config", None)) or 0  # fmt: skip
@@ -174,6 +177,8 @@ def plan_command(
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan (and comparison) as JSON.")] = False,
     tp: Annotated[Optional[str], typer.Option("--tp", help="Tensor-parallel degree inside each stage (world = stages x dp x tp; dividing a node's devices): a number; with --gpus also auto (1, 2, 4, 8: the default there) or a list like 1,8.")] = None,
     sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="With tp > 1: norms, dropouts and the activations between the tp regions sharded on the sequence (Megatron's sequence parallelism).")] = False,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel degree (MoE profiles): each MoE layer's experts sharded over ep of the --dp replicas (ep divides dp), tokens sent to them by all-to-all.")] = 1,
+    skew: Annotated[str, typer.Option("--skew", help="With --ep > 1, the router's load the plan prices: p95 (the busiest expert rank at the 95th percentile of the batches profiled), p50, or balanced.")] = "p95",
 ) -> None:
     """Cut a profiled model into pipeline stages for the shortest simulated step under the memory limit."""
     import dataclasses
@@ -197,6 +202,8 @@ def plan_command(
         fixed = [name for name, value in (("--stages", stages), ("--microbatches", microbatches), ("--boundaries", boundaries),
                                           ("--stage-names", stage_names), ("--virtual-stages", virtual_stages),
                                           ("--bandwidth", bandwidth)) if value is not None] + (["--dp"] if dp != 1 else [])
+        if ep != 1:  # fixed-layout only for now: the search's ep is autopipe.cluster's to add
+            fixed.append("--ep")
         if fixed:
             raise PartitionError(f"{fixed[0]} fixes what --gpus searches; give one or the other.")
         return _plan_search(profile, gpus=gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
@@ -223,6 +230,14 @@ def plan_command(
     if degree > 1 or sequence_parallel:
         prof = _at_tp(prof, degree, sequence_parallel, gpus=stages * dp * degree, gpus_per_node=gpus_per_node,
                       bandwidth_intra=bandwidth_intra)  # fmt: skip
+    if ep != 1 or skew != "p95":
+        from ..cluster.evaluate import node_ep_view
+        from ..costs.ep import check_ep
+
+        check_ep(prof, ep, skew)  # a dense profile, a bad skew: one line before the link is looked up
+        prof = node_ep_view(prof, ep, gpus=stages * dp * degree, dp=dp, tp=degree, gpus_per_node=gpus_per_node,
+                            bandwidth_intra=parse_bandwidth(bandwidth_intra) if bandwidth_intra else None,
+                            bandwidth_inter=parse_bandwidth(bandwidth_inter) if bandwidth_inter else None, skew=skew)  # fmt: skip
     options = dict(microbatches=microbatches, schedule=schedule, memory_limit=memory_limit,
                    optimizer=optimizer, virtual_stages=virtual_stages, bandwidth=bw, recompute=recompute,
                    dp=dp, zero=zero_option(zero))  # fmt: skip
@@ -251,6 +266,9 @@ def plan_command(
     if degree > 1:
         plan = dataclasses.replace(plan, tp=degree, sequence_parallel=sequence_parallel)
         others = [dataclasses.replace(p, tp=degree, sequence_parallel=sequence_parallel) for p in others]
+    if ep > 1:
+        plan = dataclasses.replace(plan, ep=ep)
+        others = [dataclasses.replace(p, ep=ep) for p in others]
     if out is not None:
         plan.save(out)
     if json_output:
@@ -328,6 +346,7 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
     from ..cluster.layouts import search_path
     from ..cluster.topology import cluster_for
     from ..costs.layer_costs import Profile
+    from ..costs.ep import ep_degrees_for
     from ..costs.tp import tp_degrees_for
     from ..errors import PartitionError
     from ..report.search_tables import search_summary, search_table
@@ -352,7 +371,7 @@ def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], glob
         raise PartitionError("--sequence-parallel needs a tp of 2 or more among --tp's degrees.")
     result = search(prof, cluster, global_batch=global_batch, memory_limit=memory_limit, optimizer=optimizer,
                     recompute=recompute, zeros=ZERO_STAGES if z == "auto" else (int(z),), top=max(top, 1),
-                    target=target, progress=not json_output, tps=degrees,
+                    target=target, progress=not json_output, tps=degrees, eps=ep_degrees_for(prof, gpus),
                     sequence_parallel=sequence_parallel)  # fmt: skip
     assert result.plan is not None
     if out is not None:

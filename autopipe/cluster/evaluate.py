@@ -10,6 +10,7 @@ import numpy as np
 
 from ..costs.layer_costs import Profile
 from ..costs.rescale import scale_microbatch, tokens_per_sample
+from ..costs.ep import at_ep
 from ..costs.tp import at_tp
 from ..planner.cost_model import limit_reserve, recompute_times
 from ..planner.memory import LayerMemory, charged_units, layer_memory, rank_memory, tensor_budget
@@ -21,7 +22,7 @@ from ..planner.targets import restricted_cuts
 from .layouts import Layout
 from .topology import Cluster, cluster_for, dp_reduce_time, place, tp_cluster
 
-__all__ = ["SearchBounds", "evaluate", "node_tp_view", "step_bound", "tp_view"]
+__all__ = ["SearchBounds", "evaluate", "node_ep_view", "node_tp_view", "step_bound", "tp_view"]
 
 
 class SearchBounds:
@@ -158,10 +159,14 @@ def tp_view(profile: Profile, cluster: Cluster, x: Layout) -> tuple[Profile, Clu
     link) and the cluster of its tp groups (topology.tp_cluster): what the pipeline and the replicas
     are solved on. tp 1: both as they are. The profile is taken to tp before any micro-batch
     rescaling, so every bound and solve of the search prices the same figures."""
-    if x.tp == 1:
-        return profile, cluster
-    return (at_tp(profile, x.tp, sequence_parallel=x.sequence_parallel, bandwidth=cluster.intra),
-            tp_cluster(cluster, x.tp))
+    prof, members = profile, cluster
+    if x.tp > 1:
+        prof = at_tp(profile, x.tp, sequence_parallel=x.sequence_parallel, bandwidth=cluster.intra)
+        members = tp_cluster(cluster, x.tp)
+    if x.ep > 1:  # the ep group, ep consecutive replicas: in one node when the replicas are and tp · ep fits
+        inside = x.dp_link != "inter" and x.tp * x.ep <= cluster.gpus_per_node
+        prof = at_ep(prof, x.ep, bandwidth=cluster.intra if inside else cluster.inter)
+    return prof, members
 
 
 def node_tp_view(profile: Profile, tp: int, *, gpus: int, gpus_per_node: int | None = None,
@@ -173,6 +178,27 @@ def node_tp_view(profile: Profile, tp: int, *, gpus: int, gpus_per_node: int | N
     cluster = cluster_for(name, gpus, gpus_per_node, bandwidth_intra, 1.0)
     tp_cluster(cluster, tp)
     return at_tp(profile, tp, sequence_parallel=sequence_parallel, bandwidth=cluster.intra)
+
+
+def node_ep_view(profile: Profile, ep: int, *, gpus: int, dp: int, tp: int = 1, gpus_per_node: int | None = None,
+                 bandwidth_intra: float | None = None, bandwidth_inter: float | None = None,
+                 skew: str = "p95") -> Profile:  # fmt: skip
+    """The profile one rank of an ep group of ``ep`` sees for a fixed layout of ``gpus`` devices (plan
+    --ep; convert --ep calls this too): the ep group is ep consecutive dp ranks, each a tp group of
+    consecutive devices, so its all-to-alls cross the node's link when tp · ep devices fit in a node,
+    else the inter-node one (the profile's device's defaults, topology.LINKS, unless given). Apply it to
+    the profile one tp rank sees (node_tp_view) when both are > 1. One line when ep does not divide dp."""
+    from ..errors import PartitionError
+
+    if ep > 1 and dp % ep:
+        raise PartitionError(f"--ep {ep} does not divide the {dp} data-parallel replicas; use an ep that divides "
+                             f"--dp (experts are sharded over ep of the replicas).")
+    if ep == 1:
+        return at_ep(profile, 1, bandwidth=1.0, skew=skew)
+    name = profile.device.name if profile.device.type != "cpu" else "cpu"
+    cluster = cluster_for(name, gpus, gpus_per_node, bandwidth_intra, bandwidth_inter)
+    link = cluster.intra if tp * ep <= cluster.gpus_per_node else cluster.inter
+    return at_ep(profile, ep, bandwidth=link, skew=skew)
 
 
 def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int | str | None = "device",
@@ -220,7 +246,7 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
                                                         method=method, boundaries=boundaries))  # fmt: skip
         # the links were priced for this numbering of the ranks on these nodes: the job must run it
         plan = replace(plan, placement=x.placement, gpus_per_node=whole.gpus_per_node, tp=x.tp,
-                       sequence_parallel=x.sequence_parallel)  # fmt: skip
+                       sequence_parallel=x.sequence_parallel, ep=x.ep)  # fmt: skip
         peak = plan.peak_memory
     assert peak is not None
     sim, cut, modes, rec = source.simulate(), source.boundaries, source.stage_recompute, source.stage_recompute_time

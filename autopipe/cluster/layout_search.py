@@ -85,7 +85,7 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
            schedules: Sequence[tuple[str, int]] = SEARCH_SCHEDULES, microbatch_sizes: Sequence[int] | None = None,
            top: int = 3, prune: bool = True, weight_share: float | None = None,
            target: str | None = None, progress: bool | Progress = False, tps: Sequence[int] = (1,),
-           sequence_parallel: bool = False) -> SearchResult:  # fmt: skip
+           sequence_parallel: bool = False, eps: Sequence[int] = (1,)) -> SearchResult:  # fmt: skip
     """The layouts of ``cluster`` for ``global_batch`` samples per step, best predicted throughput first.
 
     ``prune=False`` solves every layout (what the tests compare the pruned search with). Raises
@@ -113,14 +113,19 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     # one view per tp degree (the profile a tp rank sees, the cluster of its groups), its bounds and its
     # cut cache: every degree's layouts go into one list, best bound first, so a good layout at one
     # degree prunes the others' too
-    views: dict[int, tuple[Profile, SearchBounds, dict]] = {}
-    for t in degrees:
-        sample = Layout(1, 1, 1, 1, "1f1b", 1, 0, "pipeline-inner", tp=t, sequence_parallel=sequence_parallel and t > 1)
+    # (an ep degree's view prices its all-to-alls over the node's link: a bound no placement beats)
+    views: dict[tuple[int, int], tuple[Profile, SearchBounds, dict]] = {}
+    for t, e in ((t, e) for t in degrees for e in dict.fromkeys(eps)):
+        sample = Layout(1, 1, 1, 1, "1f1b", 1, 0, "pipeline-inner", tp=t, sequence_parallel=sequence_parallel and t > 1,
+                        ep=e)  # fmt: skip
         prof_t, cluster_t = tp_view(profile, cluster, sample)
         bounds = SearchBounds(prof_t, optimizer, limit, cluster_t, recompute)
-        views[t] = (prof_t, bounds, {})
+        views[t, e] = (prof_t, bounds, {})
         for x in enumerate_layouts(most, cluster, global_batch, schedules=schedules, zeros=zeros,
                                    microbatch_sizes=microbatch_sizes, tp=t, sequence_parallel=sequence_parallel):  # fmt: skip
+            if x.dp % e:
+                continue
+            x = replace(x, ep=e) if e > 1 else x
             considered += 1
             # ZeRO 3 holds what 2 holds under a pipeline (autopipe.planner.memory), so partition gives it the same
             # cut, and it gathers the weights twice: never faster. (ZeRO 0 against 1 is no such case: a
@@ -138,7 +143,7 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     solved = infeasible = pruned_bound = 0
     with progress_for(progress).phase("search", total=len(todo), unit="layouts solved") as phase:
         for i, x in enumerate(todo):
-            prof_t, bounds, cache = views[x.tp]
+            prof_t, bounds, cache = views[x.tp, x.ep]
             scale = x.microbatch_size / profile_mb
             if prune and len(found) >= top:
                 kth = sorted(found, key=_rank)[top - 1].throughput or 0.0

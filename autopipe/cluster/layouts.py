@@ -54,6 +54,8 @@ class Layout:
     # tensor-parallel degree inside each stage (devices = stages × dp × tp; tp innermost, in one node)
     tp: int = 1
     sequence_parallel: bool = False
+    # expert-parallel degree over the replicas (ep divides dp; MoE profiles only: Plan.ep)
+    ep: int = 1
 
     @property
     def gpus(self) -> int:
@@ -68,12 +70,13 @@ class Layout:
         """'tp 2 × 8 stages × 8 replicas, 2×16 micro-batches, 1f1b, ZeRO 1' (v when > 1, tp when > 1, SP when on)."""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         tp = f"tp {self.tp}{' SP' if self.sequence_parallel else ''} × " if self.tp > 1 else ""
+        tp += f"ep {self.ep} × " if self.ep > 1 else ""
         return (f"{tp}{self.stages} stage{'s' if self.stages > 1 else ''} × {self.dp} replica{'s' if self.dp > 1 else ''}, {self.microbatches} micro-batches of {self.microbatch_size}, "
                 f"{self.schedule}{v}, ZeRO {self.zero}")  # fmt: skip
 
     def key(self) -> tuple:
         return (self.stages, self.dp, self.microbatch_size, self.microbatches, self.schedule, self.virtual_stages,
-                self.zero, self.placement, self.tp, self.sequence_parallel)  # fmt: skip
+                self.zero, self.placement, self.tp, self.sequence_parallel, self.ep)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from ..choices import RECOMPUTE_MODES
 from ..errors import RecordError
 from ..files import check_header, read_json, write_json_atomic
 
-__all__ = ["LayerCost", "RecomputeCost", "TpShape", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "optimizer_state_factor"]
+__all__ = ["LayerCost", "RecomputeCost", "TpShape", "MoeShape", "DeviceInfo", "Profile", "PROFILE_SCHEMA", "optimizer_state_factor"]
 
 PROFILE_SCHEMA = 1
 
@@ -63,6 +63,61 @@ class TpShape:
         return bool(self.allreduce_forward) and bool(self.allreduce_backward)
 
 
+def _quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of ``values`` by linear interpolation between order statistics (numpy's default)."""
+    v = sorted(values)
+    if not v:
+        return 0.0
+    pos = q * (len(v) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """One mixture-of-experts layer's experts and how its router spread tokens over them.
+
+    Found on the untouched model (autopipe.costs.moe_shape: a hook on its experts module counts the
+    router's top-k indices over real batches); priced at an expert-parallel degree by
+    autopipe.costs.ep (no torch). ``loads`` holds, per batch seen, the routed slots (token × top-k)
+    each expert received: the skew is read from them, at any degree's expert->rank blocks.
+    """
+
+    experts: int
+    top_k: int
+    hidden: int
+    tokens: int = 0  # tokens per micro-batch at the profiled size (rows × positions)
+    dispatch_bytes: int = 0  # one all-to-all's whole send per micro-batch: tokens × top_k × hidden × bytes
+    expert_param_share: float = 0.0  # share of the layer's parameter bytes in the routed experts
+    expert_forward_share: float = 0.0  # share of the layer's forward FLOPs in the routed experts
+    expert_activation_bytes: int = 0  # bytes the experts keep for backward per micro-batch
+    loads: tuple[tuple[int, ...], ...] = ()  # per batch, per expert: routed slots
+
+    def shares(self) -> tuple[float, ...]:
+        """Each expert's mean share of the routed slots over the batches seen."""
+        total = sum(sum(b) for b in self.loads)
+        if not total:
+            return tuple(1.0 / self.experts for _ in range(self.experts))
+        return tuple(sum(b[e] for b in self.loads) / total for e in range(self.experts))
+
+    def rank_shares(self, ep: int) -> list[float]:
+        """Per batch, the busiest ep rank's share of the slots, experts in contiguous blocks
+        ``[r·E/ep, (r+1)·E/ep)`` on rank r (as the runtime places them)."""
+        per = max(1, self.experts // max(ep, 1))
+        out = []
+        for b in self.loads:
+            total = sum(b) or 1
+            out.append(max(sum(b[r * per:(r + 1) * per]) for r in range(max(ep, 1))) / total)
+        return out
+
+    def busiest(self, q: float = 0.95, ep: int = 0) -> float:
+        """The q-quantile over batches of the busiest expert's share (``ep`` > 0: the busiest rank's)."""
+        if not self.loads:
+            return 1.0 / (ep or self.experts)
+        return _quantile(self.rank_shares(ep or self.experts), q)
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """What one layer of a LayerSequence costs per micro-batch.
@@ -104,6 +159,9 @@ class LayerCost:
     backward_gap: float = 0.0
     # What tensor parallelism divides in this layer (None: not found, as in profiles made before it)
     tp: TpShape | None = None
+    # Its routed experts and their measured token loads (None: not a mixture-of-experts layer, or a
+    # profile made before they were recorded)
+    moe: MoeShape | None = None
 
     @property
     def time(self) -> float:
@@ -314,6 +372,10 @@ class Profile:
                 for k in ("allreduce_forward", "allreduce_backward", "gather_forward"):
                     tp[k] = tuple(int(b) for b in tp.get(k, ()))
                 ld["tp"] = TpShape(**tp)
+            if ld.get("moe") is not None:
+                moe = {k: v for k, v in ld["moe"].items() if k in _MOE_FIELDS}
+                moe["loads"] = tuple(tuple(int(c) for c in b) for b in moe.get("loads", ()))
+                ld["moe"] = MoeShape(**moe)
             layers.append(LayerCost(**ld))
         device = DeviceInfo(**d.pop("device"))
         known = {f.name for f in fields(cls)}
@@ -331,6 +393,7 @@ class Profile:
 
 
 _TP_FIELDS = {f.name for f in fields(TpShape)}
+_MOE_FIELDS = {f.name for f in fields(MoeShape)}
 _TIMES = ("forward_time", "backward_time", "forward_spread", "backward_spread", "flops", "backward_input_time",
           "backward_weight_time")
 _BYTES = ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_forward_bytes",

@@ -235,7 +235,34 @@ def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profi
                    warmup=s.warmup, autocast=PRECISIONS[s.dtype] if s.dtype != "fp32" else None,
                    progress=s.progress, reserve=_reserve(loaded.spec, s) if loaded.reserve is None else loaded.reserve,
                    optimizer=s.optimizer_state, tp_shapes=s.tp > 1)  # fmt: skip
+    prof = _with_expert_loads(model, loaded, seq, s, prof)
     return replace(prof, model=model, rank_excess_bytes=_excess(loaded.spec, s))
+
+
+# Batches whose routing a MoE profile counts (autopipe.costs.moe_shape): the micro-batch profiled and,
+# where the job has data (--data, the factory's), more of it: a forward each, no timing.
+MOE_BATCHES = 8
+
+
+def _with_expert_loads(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings, prof: Profile) -> Profile:
+    """``prof`` with each MoE layer's experts and their token loads over the job's own batches."""
+    from ..costs.moe_shape import expert_modules, moe_shapes, with_moe_shapes
+
+    if not expert_modules(loaded.model):
+        return prof
+    batches: list[Any] = [(loaded.args, loaded.kwargs)]
+    if s.data is not None or loaded.spec.data is not None:
+        from ..runtime.data.factory import model_factory
+        from ..runtime.data.tasks import JobData
+
+        rows = loaded.spec.batch_size
+        source = model_factory(model, batch_size=rows, seq_len=s.seq_len, seed=s.seed, loss=s.loss)
+        data = JobData(source, str(s.data) if s.data is not None else None, seq_len=s.seq_len, seed=s.seed)
+        device = "cuda" if not s.estimate and s.device == "cuda" else None
+        for step in range(MOE_BATCHES - 1):
+            args, kwargs, _ = data.batch(step, rows)
+            batches.append(_move((args, kwargs), device) if device else (args, kwargs))
+    return with_moe_shapes(prof, moe_shapes(loaded.model, seq, batches))
 
 
 def _reserve(spec: Any, s: ConvertSettings) -> int:

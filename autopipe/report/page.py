@@ -120,6 +120,11 @@ def render_report(
         parts.append(_section("Per layer: memory", _layer_memory_chart(plan, profile),
                               "Parameters, gradients and optimizer state (dark) and saved activations times the "
                               "micro-batches the schedule keeps in flight on that stage (light)."))
+        from .expert_loads import expert_section
+
+        moe = expert_section(plan, profile)
+        if moe is not None:
+            parts.append(_section(*moe))
     parts.append(_section("Per stage: load", _stage_load_chart(plan),
                           "Forward, backward and send/recv time of each stage per micro-batch. The slowest stage "
                           "sets the pace of the whole pipeline."))

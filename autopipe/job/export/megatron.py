@@ -66,6 +66,8 @@ def megatron_args(sm: StageModules) -> list[str]:
     ]
     if sm.sequence_parallel:
         flags.append("--sequence-parallel")
+    if sm.ep > 1:  # Megatron's expert groups: ep ranks of one tp rank each, across the data-parallel ones
+        flags += [f"--expert-model-parallel-size {sm.ep}", f"--num-experts {sm.experts}", f"--moe-router-topk {sm.top_k}"]
     if not sm.tied:
         flags.append("--untie-embeddings-and-output-weights")
     if sm.dp > 1 and sm.zero in (1, 2):

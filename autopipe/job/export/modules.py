@@ -59,6 +59,9 @@ class StageModules:
     seq_len: int = 0  # tokens per sample the profile was taken at (0: not a token model)
     tp: int = 1  # tensor-parallel degree inside each stage (Plan.tp)
     sequence_parallel: bool = False  # norms and dropouts sequence-parallel between the tp regions
+    ep: int = 1  # expert-parallel degree over the dp replicas (Plan.ep)
+    experts: int = 0  # routed experts per MoE layer (the profile's MoeShape; 0: none recorded)
+    top_k: int = 0  # experts per token
 
 
 def model_units(model: Any) -> tuple[dict[str, bool], dict[str, list[str]]]:
@@ -122,6 +125,7 @@ def stage_modules(plan: Plan, profile: Profile, target: str, model: Any = None) 
     modes = plan.stage_recompute or ("none",) * plan.num_chunks
     check_target(t.key, schedule=plan.schedule, virtual_stages=plan.virtual_stages, zero=plan.zero, dp=plan.dp,
                  recompute=modes, tp=plan.tp)  # fmt: skip
+    experts, top_k = _check_ep(plan, profile, t.key, t.name)
     chunk_of = [c for c in range(plan.num_chunks) for _ in plan.layers_of(c)]
     tied = tied_users(profile)
     _why_not(plan, names, t.key, tied, chunk_of)
@@ -162,8 +166,29 @@ def stage_modules(plan: Plan, profile: Profile, target: str, model: Any = None) 
         layers=tuple((a, b) for a, b in zip(plan.boundaries, plan.boundaries[1:])), modules=tuple(modules),
         every_stage=tuple(every), tied=tuple(groups), names=tuple(names), units=tuple(tuple(u) for u in units),
         step_time=plan.step_time, notes=tuple(notes), seq_len=tokens_per_sample(profile) or 0,
-        tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+        tp=plan.tp, sequence_parallel=plan.sequence_parallel, ep=plan.ep, experts=experts, top_k=top_k,
     )  # fmt: skip
+
+
+def _check_ep(plan: Plan, profile: Profile, key: str, name: str) -> tuple[int, int]:
+    """(experts, top-k) of the profile's MoE layers; one line where ``key`` cannot run the plan's ep:
+    DeepSpeed's pipeline engine has none; torchtitan's EP borrows its ranks from FSDP's dp_shard (and
+    from tp, which the plan keeps apart), so it needs the replicas sharded (ZeRO 2/3) and tp 1."""
+    shapes = [l.moe for l in profile.layers if l.moe is not None]
+    experts, top_k = (shapes[0].experts, shapes[0].top_k) if shapes else (0, 0)
+    if plan.ep == 1:
+        return experts, top_k
+    if key == "deepspeed":
+        raise ExportError(f"{name}'s pipeline engine takes no expert parallelism, but the plan shards the experts over "
+                          f"{plan.ep} replicas; plan with --ep 1, or export --to torchtitan or megatron.")
+    if not shapes:
+        raise ExportError(f"the plan has ep {plan.ep} but its profile records no mixture-of-experts layer; give the "
+                          "profile the plan was made from.")
+    if key == "torchtitan" and (plan.zero not in (2, 3) or plan.tp > 1):
+        raise ExportError(f"torchtitan's expert parallelism borrows its {plan.ep} ranks from FSDP's data_parallel_shard "
+                          f"(and from tp, which the plan keeps whole), but the plan has ZeRO {plan.zero} and tp {plan.tp}; "
+                          "plan with --zero 2 or 3 and --tp 1, or export --to megatron.")
+    return experts, top_k
 
 
 def _complete(units: list[list[str]], names: Sequence[str], has_params: dict[str, bool]) -> None:

@@ -13,7 +13,8 @@ Both ways the recompute mode is written even when it is "none": torchtitan's def
 so a config without it would recompute what the plan did not price. The micro-batch count is
 ``training.local_batch_size / pipeline_parallel_microbatch_size`` in both releases. Data parallelism is
 ``data_parallel_replicate_degree`` (ZeRO 0) or ``data_parallel_shard_degree`` (FSDP2: ZeRO 3, or 2 with
-``fsdp_reshard_after_forward = "never"``). Tensor parallelism is ``tensor_parallel_degree`` (the plan's
+``fsdp_reshard_after_forward = "never"``). Expert parallelism is ``expert_parallel_degree`` (written
+where ep > 1; torchtitan borrows its ranks from dp_shard, so such a plan must shard: ZeRO 2/3, tp 1). Tensor parallelism is ``tensor_parallel_degree`` (the plan's
 tp, always written) and, where tp > 1, ``enable_sequence_parallel`` as the plan priced it (torchtitan's
 default is on).
 """
@@ -84,6 +85,8 @@ def torchtitan_settings(sm: StageModules, parts: TitanParts, v: TitanVersion) ->
         "data_parallel_shard_degree": sm.dp if sm.zero in (2, 3) else 1,
         "tensor_parallel_degree": sm.tp,
     }
+    if sm.ep > 1:  # the experts sharded over ep of the dp_shard ranks (efsdp = dp_shard / ep)
+        parallelism["expert_parallel_degree"] = sm.ep
     if sm.tp > 1:  # torchtitan's default is sequence parallel on; the plan priced one or the other
         parallelism["enable_sequence_parallel"] = sm.sequence_parallel
     if sm.dp > 1 and sm.zero == 2:  # FSDP2 keeping the parameters gathered between forward and backward
@@ -103,6 +106,7 @@ def _summary(sm: StageModules, v: TitanVersion) -> str:
             + f", {sm.microbatches} micro-batches of {sm.microbatch_size}"
             + (f", {sm.dp} data-parallel replicas" if sm.dp > 1 else "")
             + (f", tensor parallel {sm.tp}" + (" (sequence parallel)" if sm.sequence_parallel else "") if sm.tp > 1 else "")
+            + (f", expert parallel {sm.ep}" if sm.ep > 1 else "")
             + f"; predicted step {sm.step_time * 1e3:.3f} ms")
 
 
