@@ -1,0 +1,171 @@
+"""Expert parallelism (autopipe.runtime.stage.expert_parallel), against the untouched model.
+
+A tiny Mixtral and a tiny Qwen3-MoE (4 experts, top-2; their loss includes the load-balancing loss,
+``output_router_logits``) train one step on ep 2 x 2 stages: 2 stages x dp 2 = 4 gloo processes,
+each replica holding half of every MoE layer's experts, tokens dispatched and combined by
+all-to-all. The reference is the untouched HuggingFace model on the global batch, micro-batch by
+micro-batch (tests/test_tensor_parallel.py's harness): the first-step loss, every gradient before
+the update (each expert tensor assembled from the ranks' slices) and every weight after one AdamW
+step. Also: each rank holds only its experts, the test batch routes tokens across the ep ranks,
+and the one-line refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import tp_models
+from _launch import Launcher
+from test_tensor_parallel import MICRO, ROWS, SEQ, compare, make_job, reference, train, untouched
+
+from autopipe.choices import world_rank
+from autopipe.errors import AutopipeError
+
+DP, PP, EP, EXPERTS = 2, 2, 2, 4
+CUT = [0, 2, 5]  # 5 layers: embedding, 2 decoder blocks, norm, head
+
+
+def _ep_rank_of(rank: int) -> tuple[int, int]:
+    """(stage, ep rank) of world ``rank`` (placement pipeline-inner, the 'even' plan's)."""
+    for d in range(DP):
+        for p in range(PP):
+            if world_rank(d, p, dp=DP, pp=PP, placement="pipeline-inner") == rank:
+                return p, d % EP
+    raise AssertionError(rank)
+
+
+def _assembled(run: Path, nproc: int, name: str, held: dict[int, dict[str, tuple]]) -> tuple[dict, dict]:
+    """Every gradient and weight by name: an expert tensor (its dim 0 smaller on a rank than in the
+    model) concatenated from its ep ranks' slices in ep-rank order; any other the same on every rank."""
+    full = {n: tuple(p.shape) for n, p in untouched(name).named_parameters()}
+    out = []
+    for kind in ("grads_rank{}.pt", "weights_rank{}_step1.pt"):
+        slices: dict[str, dict[int, torch.Tensor]] = {}
+        whole: dict[str, torch.Tensor] = {}
+        for rank in range(nproc):
+            _, e = _ep_rank_of(rank)
+            saved = torch.load(run / kind.format(rank), weights_only=True)
+            held.setdefault(rank, {}).update({n: tuple(t.shape) for n, t in saved.items()})
+            for n, t in saved.items():
+                if tuple(t.shape) != full[n]:
+                    slices.setdefault(n, {})[e] = t
+                elif n in whole:
+                    torch.testing.assert_close(t, whole[n], atol=0, rtol=0, msg=f"ranks disagree on {n} ({kind})")
+                else:
+                    whole[n] = t
+        for n, parts in slices.items():
+            assert sorted(parts) == list(range(EP)), f"{n}: slices from ep ranks {sorted(parts)}"
+            whole[n] = torch.cat([parts[e] for e in range(EP)])
+        out.append(whole)
+    return out[0], out[1]
+
+
+def _routes_across(name: str) -> int:
+    """The least, over the micro-batches of the test batch and the MoE layers, of (slots routed to ep
+    rank 0's experts) x (slots routed to ep rank 1's): above 0 when every replica's every micro-batch
+    sends some slots to the other rank's experts in every layer (the routing is the job's: its loss
+    and gradients equal the untouched model's)."""
+    from autopipe.runtime.data.batches import split_batch
+
+    model = untouched(name)
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(args[1].detach()))
+             for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    ids = tp_models._ids(ROWS * MICRO * DP)
+    crossing = []
+    for a, k in split_batch((ids,), {"labels": ids}, MICRO * DP):
+        seen.clear()
+        with torch.no_grad():
+            model(*a, **k)
+        # every layer, every micro-batch: some slots go to each half of the experts
+        crossing += [int((idx < EXPERTS // EP).sum()) * int((idx >= EXPERTS // EP).sum()) for idx in seen]
+    for h in hooks:
+        h.remove()
+    return min(crossing)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ep")
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe_aux"])
+def job(request: pytest.FixtureRequest, torchrun: Launcher, root: Path) -> dict:
+    """One ep 2 x pp 2 step of the model (1F1B, ZeRO 0), and the untouched model's reference."""
+    name = request.param
+    path = make_job(root, name, tp=1)
+    plan = path / "cut.json"  # one MoE block on each stage: embedding + layer 0 | layer 1 + norm + head
+    plan.write_text(json.dumps({"boundaries": CUT}))
+    held: dict[int, dict[str, tuple]] = {}
+    t0 = time.perf_counter()
+    loss, grads, weights, out = train(torchrun, path, DP * PP, "--dp", DP, "--ep", EP, plan=plan,
+                                      merge=lambda run, n: _assembled(run, n, name, held))
+    seconds = time.perf_counter() - t0
+    return {"name": name, "got": (loss, grads, weights), "out": out, "held": held, "seconds": seconds,
+            "ref": reference(name, dp=DP)}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ep2_x_pp2_trains_as_the_untouched_model(job: dict) -> None:
+    """Loss (load-balancing loss included), every gradient and every weight after one AdamW step
+    equal the untouched model's on the global batch (1e-5)."""
+    figures = compare(job["name"], job["got"], job["ref"])
+    said = [line for line in job["out"].splitlines() if line.startswith("ep 2: ")]
+    assert len(said) == 1 and "2 MoE layer(s), each rank of an ep group of 2 replicas holds 2 of 4 experts" in said[0], job["out"][-2000:]
+    figures["seconds"] = job["seconds"]
+    print(f"\n{job['name']} ep2 x pp2 (dp 2): {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_each_rank_holds_only_its_experts_and_tokens_cross(job: dict) -> None:
+    """Every rank's expert tensors hold E/ep experts (its parameter bytes shrink by that much),
+    and the test batch routes slots of every micro-batch to both halves of the experts in every
+    MoE layer, so the dispatch really sends tokens to the other rank."""
+    full = {n: p for n, p in untouched(job["name"]).named_parameters()}
+    for rank, shapes in job["held"].items():
+        experts = [n for n in shapes if ".experts." in n]
+        assert experts, f"rank {rank} holds no expert tensor: {sorted(shapes)}"
+        for n in experts:
+            assert shapes[n][0] == EXPERTS // EP and shapes[n][1:] == tuple(full[n].shape[1:]), (n, shapes[n])
+        held = sum(torch.Size(s).numel() for s in shapes.values())
+        whole = sum(full[n].numel() for n in shapes)
+        saved = sum(full[n].numel() for n in experts) // EP
+        assert held == whole - saved, (rank, held, whole, saved)
+    assert _routes_across(job["name"]) > 0
+
+
+@pytest.mark.slow
+def test_the_load_balancing_loss_is_in_the_reference() -> None:
+    """The untouched models' loss changes with their load-balancing term: the equality covers it."""
+    for name in ("mixtral", "qwen3_moe_aux"):
+        model, args, kwargs = getattr(tp_models, name)(ROWS)
+        with torch.no_grad():
+            with_aux = float(model(*args, **kwargs).loss)
+            model.config.output_router_logits = False
+            without = float(model(*args, **kwargs).loss)
+        assert abs(with_aux - without) > 1e-2, (name, with_aux, without)
+
+
+# ---- no processes: the refusals ------------------------------------------------------------------
+
+
+def test_what_ep_does_not_compose_with_is_one_line() -> None:
+    from autopipe.runtime.stage.expert_parallel import check_ep_composes, plan_expert_parallel
+
+    with pytest.raises(AutopipeError, match="--zero 2 with expert parallelism is not supported yet"):
+        check_ep_composes(2, 1)
+    with pytest.raises(AutopipeError, match="--ep with --tp > 1 is not supported yet"):
+        check_ep_composes(0, 2)
+    with pytest.raises(AutopipeError, match="--ep 2: the model has no MoE experts module"):
+        plan_expert_parallel({}, 2, None)
+    from types import SimpleNamespace
+
+    with pytest.raises(AutopipeError, match="--ep 3 does not divide the 4 experts of model.layers.0.mlp.experts"):
+        plan_expert_parallel({"model.layers.0.mlp.experts": SimpleNamespace(num_experts=4)}, 3, None)
