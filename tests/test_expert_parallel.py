@@ -169,3 +169,20 @@ def test_what_ep_does_not_compose_with_is_one_line() -> None:
 
     with pytest.raises(AutopipeError, match="--ep 3 does not divide the 4 experts of model.layers.0.mlp.experts"):
         plan_expert_parallel({"model.layers.0.mlp.experts": SimpleNamespace(num_experts=4)}, 3, None)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved1f1b", "zbv"])
+def test_ep_composes_with_every_schedule(torchrun: Launcher, root: Path, schedule: str) -> None:
+    """ep 2 x 2 stages (Qwen3-MoE) under GPipe, Interleaved1F1B and ZBV (2 chunks per rank, the
+    experts' all-to-alls inside the split input/weight backward; ``replicate`` for ZBV's replicas):
+    the first step and the weights after it equal the untouched model's."""
+    name = "qwen3_moe_aux"
+    path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
+    plan = path / f"cut_{schedule}.json"
+    plan.write_text(json.dumps({"boundaries": CUT if schedule == "gpipe" else [0, 1, 2, 3, 5]}))
+    got = train(torchrun, path, DP * PP, "--dp", DP, "--ep", EP, "--schedule", schedule, tag=f"sched_{schedule}",
+                plan=plan, merge=lambda run, n: _assembled(run, n, name, {}))
+    figures = compare(f"{name} {schedule}", got[:3], reference(name, dp=DP))
+    print(f"\n{name} ep2 x pp2 {schedule}: {figures}", file=sys.stderr)

@@ -29,7 +29,7 @@ from ..process.distenv import DistEnv
 from ..stage.build import MicrobatchSeeds, StageBuild, local
 from ..stage.expert_parallel import check_ep_composes, reduce_expert_grads_
 from ..training.optim import LossScaler, TrainConfig, lr_factor, make_lr_scheduler, preallocate_
-from ..training.grads import clip_grads_, global_grad_norm, sync_tied_grads
+from ..training.grads import clip_grads_, global_grad_norm, sync_tied_grads, zero_grads_
 from .pipeline import PipelineEngine, Stopwatch
 from .zero import (
     ZeroOneAdamW,
@@ -227,7 +227,10 @@ class Trainer:
             self.build.sync_alias_params_()
             self.scheduler.step()  # a step fp16 skipped for overflow is no step of the LR schedule
         self.scaler.update(finite)
-        self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
+        if self.build.ep_layout is not None:  # plain expert slices beside DTensors: zero_grad refuses the mix
+            zero_grads_(self.params.values())
+        else:
+            self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
         self.step_count += 1
         self._pending = None
         total = time.perf_counter() - pending.started
