@@ -186,3 +186,45 @@ def test_ep_composes_with_every_schedule(torchrun: Launcher, root: Path, schedul
                 plan=plan, merge=lambda run, n: _assembled(run, n, name, {}))
     figures = compare(f"{name} {schedule}", got[:3], reference(name, dp=DP))
     print(f"\n{name} ep2 x pp2 {schedule}: {figures}", file=sys.stderr)
+
+
+def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> None:
+    """Before any model is built: ep not dividing dp, DeepSpeed, tp > 1, ZeRO 1-3, and the paths not
+    done under ep yet (checkpoints, resume, --verify, --export)."""
+    from types import SimpleNamespace
+
+    from autopipe.runtime.training.preflight import preflight
+
+    def settings(**changes: object) -> SimpleNamespace:
+        base = dict(ckpt_dir=str(tmp_path / "ckpt"), ckpt_every=0, resume=None, data=None, eval_data=None, plan="even",
+                    dp=2, tp=1, ep=2, engine="torch", zero=0, verify=False, export=None)
+        return SimpleNamespace(**{**base, **changes})
+
+    assert preflight(settings(), world=4) is None
+    for changes, says in [({"ep": 3, "dp": 3}, None), ({"dp": 3}, "--ep 2 must divide --dp 3"),
+                          ({"engine": "deepspeed"}, "--ep 2 on DeepSpeed"),
+                          ({"tp": 2}, "--ep with --tp > 1 is not supported yet"),
+                          ({"zero": 1}, "--zero 1 with expert parallelism is not supported yet"),
+                          ({"ckpt_every": 1}, "--ckpt-every with --ep 2 is not done yet"),
+                          ({"verify": True}, "--verify with --ep 2 is not done yet"),
+                          ({"export": "out"}, "--export with --ep 2 is not done yet")]:
+        world = 3 * 2 if changes.get("dp") == 3 else 8 if changes.get("tp") else 4
+        if says is None:
+            preflight(settings(**changes), world=world)
+            continue
+        with pytest.raises(AutopipeError, match=says):
+            preflight(settings(**changes), world=world)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ep_on_a_model_without_experts_is_one_line(torchrun: Launcher, root: Path) -> None:
+    """--ep 2 on a dense Llama: one line from rank 0 naming what is missing, no traceback."""
+    path = make_job(root, "llama", tp=1)
+    run = path / "dense"
+    run.mkdir()
+    proc = torchrun(path / "train.py", "--steps", 1, "--plan", "even", "--dp", DP, "--ep", EP, nproc=DP * PP, cwd=run,
+                    check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "--ep 2: the model has no MoE experts module" in text, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
