@@ -228,3 +228,28 @@ def test_ep_on_a_model_without_experts_is_one_line(torchrun: Launcher, root: Pat
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "--ep 2: the model has no MoE experts module" in text, text[-2000:]
     assert "Traceback" not in text, text[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_convert_with_ep_writes_a_job_that_runs_it(tmp_path: Path) -> None:
+    """``convert --stages 2 --dp 2 --ep 2``: plan.ep 2, train.py's default --ep 2, and ``autopipe run``
+    starts 4 processes whose log says how the experts are shared out; --ep 3 is refused at convert."""
+    import os
+    import subprocess
+
+    from autopipe.job.converter import convert
+    from autopipe.job.settings import ConvertSettings
+
+    with pytest.raises(AutopipeError, match="--ep 3 must divide --dp 2"):
+        ConvertSettings(stages=2, dp=2, ep=3)
+    job = tmp_path / "job"
+    convert(f"{tp_models.__file__}:mixtral", stages=2, dp=2, ep=2, microbatches=MICRO, batch_size=ROWS, seq_len=SEQ,
+            out=job, repeats=1, warmup=0, progress=False, reserve="0", schedule="1f1b")
+    assert json.loads((job / "plan.json").read_text())["ep"] == 2
+    assert "    ep: int = 2" in (job / "train.py").read_text()
+    done = subprocess.run([sys.executable, "-m", "autopipe", "run", str(job), "--steps", "1"], cwd=job, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "2 stage(s) x 2 replica(s)" in done.stdout and "ep 2: 2 MoE layer(s)" in done.stdout, done.stdout[-3000:]
+    assert "step     1/1" in done.stdout, done.stdout[-3000:]
