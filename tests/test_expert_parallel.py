@@ -30,16 +30,16 @@ DP, PP, EP, EXPERTS = 2, 2, 2, 4
 CUT = [0, 2, 5]  # 5 layers: embedding, 2 decoder blocks, norm, head
 
 
-def _ep_rank_of(rank: int) -> tuple[int, int]:
+def _ep_rank_of(rank: int, dp: int = DP) -> tuple[int, int]:
     """(stage, ep rank) of world ``rank`` (placement pipeline-inner, the 'even' plan's)."""
-    for d in range(DP):
+    for d in range(dp):
         for p in range(PP):
-            if world_rank(d, p, dp=DP, pp=PP, placement="pipeline-inner") == rank:
+            if world_rank(d, p, dp=dp, pp=PP, placement="pipeline-inner") == rank:
                 return p, d % EP
     raise AssertionError(rank)
 
 
-def _assembled(run: Path, nproc: int, name: str, held: dict[int, dict[str, tuple]]) -> tuple[dict, dict]:
+def _assembled(run: Path, nproc: int, name: str, held: dict[int, dict[str, tuple]], dp: int = DP) -> tuple[dict, dict]:
     """Every gradient and weight by name: an expert tensor (its dim 0 smaller on a rank than in the
     model) concatenated from its ep ranks' slices in ep-rank order; any other the same on every rank."""
     full = {n: tuple(p.shape) for n, p in untouched(name).named_parameters()}
@@ -48,11 +48,13 @@ def _assembled(run: Path, nproc: int, name: str, held: dict[int, dict[str, tuple
         slices: dict[str, dict[int, torch.Tensor]] = {}
         whole: dict[str, torch.Tensor] = {}
         for rank in range(nproc):
-            _, e = _ep_rank_of(rank)
+            _, e = _ep_rank_of(rank, dp)
             saved = torch.load(run / kind.format(rank), weights_only=True)
             held.setdefault(rank, {}).update({n: tuple(t.shape) for n, t in saved.items()})
             for n, t in saved.items():
                 if tuple(t.shape) != full[n]:
+                    if e in slices.get(n, {}):  # the same slice in another ep group: equal after the step
+                        torch.testing.assert_close(t, slices[n][e], atol=0, rtol=0, msg=f"ep groups disagree on {n}")
                     slices.setdefault(n, {})[e] = t
                 elif n in whole:
                     torch.testing.assert_close(t, whole[n], atol=0, rtol=0, msg=f"ranks disagree on {n} ({kind})")
@@ -253,3 +255,49 @@ def test_convert_with_ep_writes_a_job_that_runs_it(tmp_path: Path) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "2 stage(s) x 2 replica(s)" in done.stdout and "ep 2: 2 MoE layer(s)" in done.stdout, done.stdout[-3000:]
     assert "step     1/1" in done.stdout, done.stdout[-3000:]
+
+
+def test_ep_groups_of_a_large_world_on_fake_process_groups() -> None:
+    """dp 4 x pp 2 with ep 2, both placements: a stage's ep group is ep consecutive dp ranks, its
+    expert data-parallel group the same ep rank in the other ep groups, its norm group the
+    pipelines of its ep group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopipe.runtime.process.distenv import init_dist
+
+    dp, pp, ep = 4, 2, 2
+    for placement in ("pipeline-inner", "replica-inner"):
+        def rank_of(d: int, p: int) -> int:
+            return world_rank(d, p, dp=dp, pp=pp, placement=placement)
+
+        for rank in range(dp * pp):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * pp)
+            try:
+                env = init_dist(dp=dp, ep=ep, placement=placement)
+                d, p, g = env.dp_rank, env.pp_rank, env.dp_rank // ep
+                assert env.ep_rank == d % ep and env.ep_size == ep
+                assert dist.get_process_group_ranks(env.ep_group) == [rank_of(g * ep + j, p) for j in range(ep)]
+                assert dist.get_rank(env.ep_group) == env.ep_rank
+                assert sorted(dist.get_process_group_ranks(env.expert_dp_group)) == sorted(
+                    rank_of(h * ep + env.ep_rank, p) for h in range(dp // ep))
+                assert sorted(dist.get_process_group_ranks(env.pp_ep_group)) == sorted(
+                    rank_of(g * ep + j, q) for j in range(ep) for q in range(pp))
+            finally:
+                dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ep2_over_dp4_sums_each_expert_over_its_ep_groups(torchrun: Launcher, root: Path) -> None:
+    """dp 4 x 2 stages with ep 2 (8 processes, two ep groups): an expert slice's gradient is summed
+    over the expert data-parallel group (the same slice in the other ep group) before the step; the
+    first step equals the untouched model's on the global batch, and both ep groups agree."""
+    name = "qwen3_moe_aux"
+    path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
+    plan = path / "cut_dp4.json"
+    plan.write_text(json.dumps({"boundaries": CUT}))
+    got = train(torchrun, path, 4 * PP, "--dp", 4, "--ep", EP, tag="dp4", plan=plan,
+                merge=lambda run, n: _assembled(run, n, name, {}, dp=4))
+    figures = compare(f"{name} dp4 ep2", got[:3], reference(name, dp=4))
+    print(f"\n{name} ep2 x dp4 x pp2: {figures}", file=sys.stderr)

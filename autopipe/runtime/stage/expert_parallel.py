@@ -114,7 +114,12 @@ def apply_expert_parallel_(build: Any, layout: EPLayout) -> None:
 def _dispatching(layout: EPLayout) -> Any:
     def run(call: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             state: list[torch.Tensor]) -> torch.Tensor:
-        if hidden.device.type == "meta":  # a data-free pass (shapes): no collective, one row per token
+        from torch._subclasses.fake_tensor import is_fake
+
+        if hidden.device.type == "meta" or is_fake(hidden):  # a data-free pass (shapes, FLOPs; rank 0
+            # alone may run it): no collective, one row per token. transformers' implementations pick
+            # torch._grouped_mm off the CPU, which meta tensors run in bf16 only, so the experts' FLOPs
+            # are left out of such a pass (the step log's MFU under --ep)
             return hidden.new_empty(hidden.shape)
         return _dispatch_combine(call, layout, hidden, top_k_index, top_k_weights, state)
 
