@@ -105,8 +105,8 @@ if cfg.engine == "deepspeed":
 else:
     # the plan's placement numbers the ranks (which of them share a node): the groups follow it
     placement = plan.placement if plan is not None else "pipeline-inner"
-    env = rt.init_dist(dp=cfg.dp, tp=cfg.tp, ep=cfg.ep, placement=placement, check=cfg.check or None,
-                       exact_memory=cfg.exact_memory or None)
+    env = rt.init_dist(dp=cfg.dp, tp=cfg.tp, ep=cfg.ep, placement=placement,
+                       check=cfg.check or None, exact_memory=cfg.exact_memory or None)
     cut = plan if plan is not None else env.pp_size  # 'even': as many chunks as pipeline ranks
     build = rt.build_stage(
         source.factory, source.args, source.kwargs, cut, pp_rank=env.pp_rank, pp_size=env.pp_size,
