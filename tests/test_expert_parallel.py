@@ -323,3 +323,13 @@ def test_three_steps_under_ep_follow_the_same_steps_without_it(torchrun: Launche
     for a, b in zip(logs[1], logs[EP]):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert logs[EP][2]["loss"] != logs[EP][0]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_that_receives_no_tokens_still_meets_the_others(torchrun: Launcher, tmp_path: Path) -> None:
+    """Every token routed to ep rank 0's experts (tests/_ep_one_sided.py, 2 processes): rank 1 sends
+    all and receives none, both finish forward and backward, and every output and gradient equals the
+    untouched experts module's."""
+    proc = torchrun(Path(__file__).parent / "_ep_one_sided.py", nproc=2, cwd=tmp_path, timeout=300)
+    assert "ok 0" in proc.stdout and "ok 1" in proc.stdout, proc.stdout[-2000:]
