@@ -306,22 +306,29 @@ def test_ep2_over_dp4_sums_each_expert_over_its_ep_groups(torchrun: Launcher, ro
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_three_steps_under_ep_follow_the_same_steps_without_it(torchrun: Launcher, root: Path) -> None:
-    """Qwen3-MoE, dp 2 x 2 stages: three steps with --ep 2 log the losses and gradient norms of the
-    same three steps with --ep 1 (every replica holding every expert), so the expert slices, their
-    optimizer state and the zeroed gradients carry over from step to step."""
+    """Qwen3-MoE, dp 2 x 2 stages: three steps with --ep 2 log the losses, gradient norms and
+    held-out losses (--eval-data: forward only, the all-to-alls without backward) of the same three
+    steps with --ep 1 (every replica holding every expert), so the expert slices, their optimizer
+    state and the zeroed gradients carry over from step to step."""
+    import numpy as np
+
     name = "qwen3_moe_aux"
     path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
     plan = path / "cut_steps.json"
     plan.write_text(json.dumps({"boundaries": CUT}))
+    val = path / "val.bin"
+    np.random.default_rng(0).integers(0, tp_models.V, 400, dtype=np.uint16).tofile(val)
     logs = {}
     for ep in (1, EP):
         log = path / f"steps_ep{ep}.json"
         torchrun(path / "train.py", "--steps", 3, "--plan", plan, "--weights", path / "weights.safetensors", "--dp", DP,
-                 "--ep", ep, "--log-json", log, nproc=DP * PP, cwd=path, timeout=600)
+                 "--ep", ep, "--log-json", log, "--eval-data", val, "--eval-every", 3, nproc=DP * PP, cwd=path,
+                 timeout=600)
         logs[ep] = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(logs[EP]) == 3
+    assert len(logs[EP]) == 3 and "eval_loss" in logs[EP][2]
     for a, b in zip(logs[1], logs[EP]):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert logs[EP][2]["eval_loss"] == pytest.approx(logs[1][2]["eval_loss"], abs=1e-5)
     assert logs[EP][2]["loss"] != logs[EP][0]["loss"]
 
 
