@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,8 +79,11 @@ def make_job(root: Path, name: str, tp: int = 2) -> Path:
     return job
 
 
-def train(torchrun: Launcher, job: Path, nproc: int, *flags: str, tag: str = "run", plan: str | Path = "even"
-          ) -> tuple[tuple[float, float], dict, dict, str]:
+def train(torchrun: Launcher, job: Path, nproc: int, *flags: Arg, tag: str = "run", plan: str | Path = "even",
+          merge: Callable[[Path, int], tuple[dict, dict]] | None = None) -> tuple[tuple[float, float], dict, dict, str]:
+    """One step of ``job`` on ``nproc`` processes: (loss, norm), every gradient and weight after the
+    step by name (``merge(run folder, nproc)`` assembles them from the ranks' probe files; default:
+    every rank holding a name holds the same whole tensor), and the output."""
     run = job / tag
     run.mkdir()
     proc = torchrun(job / "train.py", "--steps", 1, "--lr", LR, "--grad-clip", 0, "--weights", job / "weights.safetensors",
@@ -87,6 +91,8 @@ def train(torchrun: Launcher, job: Path, nproc: int, *flags: str, tag: str = "ru
                     env={"AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_WEIGHTS": str(run)}, pythonpath=[PROBES],
                     timeout=600)
     (step,) = [json.loads(line) for line in (run / "log.json").read_text().splitlines()]
+    if merge is not None:
+        return (step["loss"], step["grad_norm"]), *merge(run, nproc), proc.stdout
     grads: dict[str, torch.Tensor] = {}
     weights: dict[str, torch.Tensor] = {}
     for rank in range(nproc):

@@ -1,7 +1,9 @@
 """Tiny models for the tensor-parallel tests (hidden 64, 4 heads, 2 KV heads, seq 16): a Llama (ships
 HuggingFace's tp_plan), a GPT-2 (no tp_plan: the plan is derived from its Conv1D graph; tied
 embedding and head; dropout 0, see autopipe.runtime.stage.tensor_parallel) and a Qwen3-MoE decoder
-(its experts run replicated). Each factory returns the model and one micro-batch of inputs."""
+(its experts run replicated). For expert parallelism (tests/test_expert_parallel.py): a Mixtral and a
+Qwen3-MoE with 4 experts, top-2, whose loss includes their load-balancing loss (``output_router_logits``,
+coefficient 0.1 so it shows in the loss). Each factory returns the model and one micro-batch of inputs."""
 
 from __future__ import annotations
 
@@ -34,6 +36,17 @@ def qwen3_moe(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
     return _decoder("Qwen3MoeConfig", "Qwen3MoeForCausalLM", batch_size, intermediate_size=128, head_dim=16,
                     moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
                     mlp_only_layers=[])
+
+
+def qwen3_moe_aux(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
+    return _decoder("Qwen3MoeConfig", "Qwen3MoeForCausalLM", batch_size, intermediate_size=128, head_dim=16,
+                    moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                    mlp_only_layers=[], output_router_logits=True, router_aux_loss_coef=0.1)
+
+
+def mixtral(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:
+    return _decoder("MixtralConfig", "MixtralForCausalLM", batch_size, intermediate_size=32, num_local_experts=4,
+                    num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
 
 
 def gpt2(batch_size: int = B) -> tuple[nn.Module, tuple, dict]:

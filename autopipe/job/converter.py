@@ -312,6 +312,8 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, A
         plan = replace(plan, gpus_per_node=s.gpus_per_node)
     if s.tp > 1:
         plan = replace(plan, tp=s.tp)
+    if s.ep > 1:  # the cut is the ep 1 one: the profile is not priced at ep here
+        plan = replace(plan, ep=s.ep)
     return whole, plan, None, choice, schedule_choice
 
 

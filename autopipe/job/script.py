@@ -79,7 +79,8 @@ def render_train_script(settings: dict[str, Any], launch: dict[str, Any], templa
 
 
 def write_train_script(path: str | os.PathLike[str], job: JobSettings, plan: Plan | StagePlan | None = None, *,
-                       dp: int | None = None, zero: int | None = None, tp: int | None = None) -> Path:
+                       dp: int | None = None, zero: int | None = None, tp: int | None = None,
+                       ep: int | None = None) -> Path:
     """Write train.py for ``job`` at ``path`` (a file, or a folder to put train.py in).
 
     ``plan`` is not embedded: the script reads plan.json beside it; its ``dp`` and ``zero`` become
@@ -112,6 +113,7 @@ def write_train_script(path: str | os.PathLike[str], job: JobSettings, plan: Pla
         "data": job.data, "seed": job.seed, "dp": int(dp if dp is not None else plan.dp if plan is not None else 1),
         "zero": check_zero(zero if zero is not None else plan.zero if plan is not None else 0),
         "tp": int(tp if tp is not None else getattr(plan, "tp", 1) if plan is not None else 1),
+        "ep": int(ep if ep is not None else getattr(plan, "ep", 1) if plan is not None else 1),
         "optimizer": str(job.optimizer).lower(), "lr": float(job.lr), "weight_decay": float(job.weight_decay),
         "betas": tuple(float(b) for b in job.betas), "momentum": float(job.momentum), "warmup": int(job.warmup),
         "lr_schedule": job.lr_schedule, "grad_clip": float(job.grad_clip), "eval_data": job.eval_data,

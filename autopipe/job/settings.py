@@ -69,6 +69,7 @@ class ConvertSettings:
     schedule: str = "auto"  # auto (the fastest the engine runs), gpipe, 1f1b, interleaved1f1b or zbv
     dp: int = 1  # data-parallel replicas of each stage; the plan's memory is per rank
     tp: int = 1  # tensor-parallel ranks inside each stage (world = stages x dp x tp); the torch engine only
+    ep: int = 1  # expert-parallel degree over each stage's dp replicas (divides dp; world unchanged); torch, ZeRO 0
     zero: int | str = 0  # ZeRO stage 0-3 the replicas shard with, or "auto" (the fastest that fits)
     gpus: int | None = None  # instead of stages: search the layout for this many devices (autopipe.cluster)
     gpus_per_node: int | None = None  # default: 8 for known GPUs; CPU: all on one host. With stages: the job's nodes
@@ -143,6 +144,7 @@ class ConvertSettings:
                                 "use --engine torch for --tp.")
         if self.tp > 1 and self.engine == "auto":  # only torch's engine runs tp
             self._set(engine="torch")
+        self._check_ep()
         if self.microbatches is not None and self.microbatches < 1:
             raise PartitionError(f"--microbatches must be at least 1, got {self.microbatches}.")
         schedule = "auto" if is_auto(self.schedule) else normalize_schedule(self.schedule)
@@ -215,6 +217,30 @@ class ConvertSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def _check_ep(self) -> None:
+        """Expert parallelism (autopipe.runtime.stage.expert_parallel): ep divides dp, on torch's engine,
+        ZeRO 0, tp 1, a fixed --stages layout (the search does not choose ep here)."""
+        ep = self.ep
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise PartitionError(f"--ep must be a whole number of replicas, at least 1, got {ep!r}.")
+        if ep == 1:
+            return
+        if self.gpus is not None:
+            raise PartitionError("--ep with --gpus: give --stages and --dp with --ep (the layout search does not "
+                                 "choose expert parallelism here).")
+        if self.dp % ep:
+            raise PartitionError(f"--ep {ep} must divide --dp {self.dp}: the experts are shared out over ep of a stage's "
+                                 "replicas; pick an ep that divides dp.")
+        if self.engine == "deepspeed":
+            raise AutopipeError(f"--ep {ep} on DeepSpeed: its PipelineModule runs no expert parallelism here; use "
+                                "--engine torch for --ep.")
+        if self.tp > 1:
+            raise PartitionError("--ep with --tp > 1 is not supported yet; use --tp 1 with expert parallelism.")
+        if self.zero not in (0, "0"):
+            raise PartitionError(f"--zero {self.zero} with expert parallelism is not supported yet; use --zero 0 with --ep.")
+        if self.engine == "auto":  # only torch's engine runs ep
+            self._set(engine="torch")
 
     def _set(self, **normalised: Any) -> None:
         for name, value in normalised.items():  # frozen: only __post_init__ normalises

@@ -39,6 +39,8 @@ class Settings:
     # gradients, 3 and parameters (on deepspeed 0 or 1)
     tp: int = 1  # tensor-parallel ranks inside each stage (world size = dp x stages x tp; torch
     # engine only)
+    ep: int = 1  # expert-parallel degree: each MoE layer's experts shared out over ep of a stage's
+    # dp replicas (ep divides dp; the world is unchanged; torch engine, ZeRO 0)
     # ---- what it trains on ------------------------------------------------------------------
     loss: str = 'auto'  # auto | model (model:PLACE picks one of its scalars) | cross_entropy | mse
     data: Optional[str] = None  # token file, text, .npz/.pt with x and y, or datasets files;
@@ -103,14 +105,15 @@ if cfg.engine == "deepspeed":
 else:
     # the plan's placement numbers the ranks (which of them share a node): the groups follow it
     placement = plan.placement if plan is not None else "pipeline-inner"
-    env = rt.init_dist(dp=cfg.dp, tp=cfg.tp, placement=placement, check=cfg.check or None,
-                       exact_memory=cfg.exact_memory or None)
+    env = rt.init_dist(dp=cfg.dp, tp=cfg.tp, ep=cfg.ep, placement=placement,
+                       check=cfg.check or None, exact_memory=cfg.exact_memory or None)
     cut = plan if plan is not None else env.pp_size  # 'even': as many chunks as pipeline ranks
     build = rt.build_stage(
         source.factory, source.args, source.kwargs, cut, pp_rank=env.pp_rank, pp_size=env.pp_size,
         schedule=cfg.schedule, seed=cfg.seed, weights=cfg.weights or source.weights,
         device=env.device, recompute=cfg.recompute, autocast=config.autocast_dtype,
         tp_mesh=env.tp_mesh,  # tensor parallelism inside the stage (None without --tp)
+        ep_group=env.ep_group,  # its experts shared out over ep replicas (None without --ep)
     )
     trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))
     # the plan's predictions hold for the run it was made for: its schedule, micro-batches, layout
@@ -141,6 +144,8 @@ log.info(f"{cfg.model}: {len(build.seq.layers)} layers, chunks {build.plan.bound
 # what tensor parallelism shards, and the layers it runs whole
 if getattr(build, "tp_layout", None) is not None:
     log.info(build.tp_layout.describe(build.seq))
+if getattr(build, "ep_layout", None) is not None:
+    log.info(build.ep_layout.describe())
 if (short := data.short_of(rows)) is not None:
     log.info(short)
 evaluate = None

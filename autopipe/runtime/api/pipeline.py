@@ -123,6 +123,7 @@ def pipeline(
     schedule: str | None = None,
     weights: str | None = None,
     tp: int | None = None,
+    ep: int | None = None,
 ) -> Pipeline:
     """This rank's pipeline of ``model`` cut by ``plan``, ready for a loop of your own.
 
@@ -142,6 +143,7 @@ def pipeline(
         weights: a safetensors file or HF folder to start from (default: seeded initialisation,
             the same on every layout).
         tp: tensor-parallel ranks inside each stage (default: the plan's; world = dp x stages x tp).
+        ep: expert-parallel degree over each stage's replicas (default: the plan's; divides dp).
 
     Every rank calls it with the same arguments, under torchrun (or ``python`` alone).
     """
@@ -153,14 +155,15 @@ def pipeline(
     config = config or TrainConfig(microbatches=record.microbatches if record is not None and record.microbatches else 4,
                                    zero=record.zero if record is not None else 0)
     tp = tp if tp is not None else (record.tp if record is not None else 1)
-    env = init_dist(dp=dp, placement=placement, tp=tp)
+    ep = ep if ep is not None else (record.ep if record is not None else 1)
+    env = init_dist(dp=dp, placement=placement, tp=tp, ep=ep)
     try:
         cut: StagePlan | int = record if record is not None else int(plan)  # type: ignore[arg-type]
         check_launch(cut, env.pp_size, env.dp_size, plan_path=str(plan) if not isinstance(plan, int) else "the plan",
                      tp=env.tp_size)
         build = build_stage(source.factory, source.args, source.kwargs, cut, pp_rank=env.pp_rank, pp_size=env.pp_size,
                             schedule=schedule, seed=config.seed, weights=weights or source.weights, device=env.device,
-                            autocast=config.autocast_dtype, tp_mesh=env.tp_mesh)
+                            autocast=config.autocast_dtype, tp_mesh=env.tp_mesh, ep_group=env.ep_group)
         trainer = Trainer(build, env, config, loss_fn=make_loss(source.loss))
     except BaseException:
         env.close()

@@ -120,6 +120,17 @@ class DistEnv:
     tp_group: Any = None  # this stage's tp ranks (None when tp_size is 1)
     # the group over which one replica's gradient norm is summed: its pipeline, and its tp ranks
     pp_tp_group: Any = None
+    # expert parallelism (Plan.ep): a stage's ep consecutive dp ranks share its experts out; the
+    # expert data-parallel group holds this rank's experts in the other ep groups (None when dp = ep);
+    # the norm group is the pipelines of this rank's ep group (autopipe.runtime.stage.expert_parallel)
+    ep_size: int = 1
+    ep_group: Any = None
+    expert_dp_group: Any = None
+    pp_ep_group: Any = None
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep_size
 
     @property
     def tp_rank(self) -> int:
@@ -183,7 +194,7 @@ class DistEnv:
 
 def init_dist(
     *, dp: int = 1, placement: str = "pipeline-inner", backend: str | None = None, timeout_s: float = 600,
-    check: bool | None = None, exact_memory: bool | None = None, tp: int = 1,
+    check: bool | None = None, exact_memory: bool | None = None, tp: int = 1, ep: int = 1,
 ) -> DistEnv:
     """Join (or make) the process group and lay the world out as dp × pp, numbered by ``placement``.
 
@@ -195,7 +206,8 @@ def init_dist(
     resident peak count its tensors, as the plan does, at a price in time
     (``autopipe.costs.devices.keep_freed_memory``); a GPU's allocator counts them anyway.
     ``tp``: tensor-parallel ranks per stage (``Plan.tp``), innermost: world = dp × stages × tp, a
-    stage's tp ranks consecutive and inside one node.
+    stage's tp ranks consecutive and inside one node. ``ep``: expert-parallel degree (``Plan.ep``),
+    dividing dp: each stage's ep consecutive replicas form an ep group.
 
     Example (16 ranks as 8 stages x 2 replicas; torch's fake backend stands in for 16 processes):
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -271,6 +283,7 @@ def init_dist(
             group = comm.new_group(ranks_d)
             if dist.get_rank() in ranks_d:
                 pp_tp_group = group
+    groups = _ep_groups(ep, dp, pp, tp, placement, comm) if world > 1 else (None, None, None)
     return DistEnv(
         rank=dist.get_rank(),
         world=world,
@@ -287,7 +300,44 @@ def init_dist(
         tp_size=tp,
         tp_group=mesh.get_group("tp") if tp > 1 else None,
         pp_tp_group=pp_tp_group,
+        ep_size=ep if world > 1 else 1,
+        ep_group=groups[0],
+        expert_dp_group=groups[1],
+        pp_ep_group=groups[2],
     )
+
+
+def _ep_groups(ep: int, dp: int, pp: int, tp: int, placement: str, comm: Comm) -> tuple[Any, Any, Any]:
+    """This rank's ep group, expert data-parallel group and pp x ep norm group (``new_group`` is
+    collective: every rank makes every group, in the same order)."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or dp % ep:
+        raise AutopipeError(f"--ep {ep} must divide --dp {dp}: the experts are shared out over ep of a stage's "
+                            "replicas; pick an ep that divides dp (or --ep 1).")
+    if ep == 1:
+        return None, None, None
+    if tp > 1:
+        raise AutopipeError(f"--ep {ep} with --tp {tp} is not supported yet; use --tp 1 with expert parallelism.")
+    me = dist.get_rank()
+    found: list[Any] = [None, None, None]
+
+    def rank(d: int, p: int) -> int:
+        return world_rank(d, p, dp=dp, pp=pp, placement=placement)
+
+    for p in range(pp):
+        for g in range(dp // ep):
+            ranks = [rank(g * ep + j, p) for j in range(ep)]
+            group = comm.new_group(ranks)
+            found[0] = group if me in ranks else found[0]
+        if dp > ep:
+            for j in range(ep):
+                ranks = [rank(g * ep + j, p) for g in range(dp // ep)]
+                group = comm.new_group(ranks)
+                found[1] = group if me in ranks else found[1]
+    for g in range(dp // ep):
+        ranks = sorted(rank(g * ep + j, p) for p in range(pp) for j in range(ep))
+        group = comm.new_group(ranks)
+        found[2] = group if me in ranks else found[2]
+    return found[0], found[1], found[2]
 
 
 def check_tp(tp: int, world: int, *, local_world: int) -> None:

@@ -200,6 +200,7 @@ class StageBuild:
     seed: int = 0
     weights: str | None = None
     tp_layout: Any = None  # autopipe.runtime.stage.tensor_parallel.TPLayout when the stage runs tensor-parallel
+    ep_layout: Any = None  # autopipe.runtime.stage.expert_parallel.EPLayout when its experts are shared out
 
     @property
     def layout(self) -> StagePlan:
@@ -259,6 +260,7 @@ def build_stage(
     recompute: str | Sequence[str] | None = None,
     autocast: torch.dtype | None = None,
     tp_mesh: Any = None,
+    ep_group: Any = None,
 ) -> StageBuild:
     """Build pipeline rank ``pp_rank``'s chunks of the model ``model_fn`` makes.
 
@@ -279,6 +281,9 @@ def build_stage(
             traced under it, as ``convert`` traced the plan's layers (``flatten``'s docstring).
         tp_mesh: this stage's 1-D tensor-parallel mesh (``DistEnv.tp_mesh``); None: no tensor
             parallelism. The chunks then run on DTensors (``autopipe.runtime.stage.tensor_parallel``).
+        ep_group: this stage's ep group (``DistEnv.ep_group``); None: every rank holds every expert.
+            Each rank then keeps its share of each MoE layer's experts, and the experts calls
+            dispatch and combine over it (``autopipe.runtime.stage.expert_parallel``).
 
     Example:
         >>> def make_model():
@@ -289,10 +294,23 @@ def build_stage(
     """
     from ...graph.flattener import flatten
 
+    import contextlib
+
+    from ...graph.expert_calls import experts_as_calls
+
     model = meta_model(model_fn)
-    # traced for this rank's device type: Python branching on it runs the branch this rank will
-    seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False,  # type: ignore[arg-type]
-                  granularity=granularity, device_type=torch.device(device).type, autocast=autocast)
+    # traced for this rank's device type: Python branching on it runs the branch this rank will;
+    # under expert parallelism each experts call stays one op, which the ep runtime runs
+    with experts_as_calls(model) if ep_group is not None else contextlib.nullcontext({}) as experts:
+        seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False,  # type: ignore[arg-type]
+                      granularity=granularity, device_type=torch.device(device).type, autocast=autocast)
+    ep_layout = None
+    if ep_group is not None:
+        import torch.distributed as dist
+
+        from .expert_parallel import plan_expert_parallel
+
+        ep_layout = plan_expert_parallel(experts, dist.get_world_size(ep_group), ep_group)
     if isinstance(plan, int):  # a chunk count: cut evenly (no plan yet)
         plan = StagePlan.even(len(seq.layers), plan)
     elif isinstance(plan, Plan):  # the partition pass's whole record: what the runtime reads of it
@@ -384,6 +402,10 @@ def build_stage(
 
         apply_tensor_parallel_(build, tp_layout, tp_mesh)
         build.params = dict(sorted(build.params.items()))
+    if ep_layout is not None:
+        from .expert_parallel import apply_expert_parallel_
+
+        apply_expert_parallel_(build, ep_layout)
     return build
 
 

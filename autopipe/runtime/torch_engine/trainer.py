@@ -27,8 +27,9 @@ from ..data.batches import batch_tokens, pack_batch
 from ..logs.steps import StepStats
 from ..process.distenv import DistEnv
 from ..stage.build import MicrobatchSeeds, StageBuild, local
+from ..stage.expert_parallel import check_ep_composes, reduce_expert_grads_
 from ..training.optim import LossScaler, TrainConfig, lr_factor, make_lr_scheduler, preallocate_
-from ..training.grads import clip_grads_, global_grad_norm, sync_tied_grads
+from ..training.grads import clip_grads_, global_grad_norm, sync_tied_grads, zero_grads_
 from .pipeline import PipelineEngine, Stopwatch
 from .zero import (
     ZeroOneAdamW,
@@ -94,6 +95,11 @@ class Trainer:
         tp = getattr(env, "tp_size", 1)
         if tp > 1:
             check_tp_composes(config, env.dp_size, build)
+        ep = build.ep_layout
+        if ep is not None:
+            check_ep_composes(config.zero, tp)
+        # expert slices are each held by their own ranks: the dp engine leaves them to reduce_expert_grads_
+        own_experts = {id(build.params[n]) for n in ep.expert_params} if ep is not None else set()
         if env.dp_size > 1:
             dp_mesh = env.mesh["dp"]
 
@@ -101,7 +107,7 @@ class Trainer:
 
             def wrap(chunks: list[Any], schedule: str) -> list[Any]:
                 return shard_chunks_(build, chunks, dp_mesh, config.zero, schedule=schedule, param_dtype=gathered,
-                                     tp=tp)
+                                     tp=tp, ignored=own_experts)
         self.engine = PipelineEngine(
             build,
             pp_group=env.pp_group,
@@ -118,7 +124,7 @@ class Trainer:
         # the norm sums squares over the pipeline (and its tp ranks); over the replicas too when each
         # holds a shard
         self._norm_group = None if sharded_grads(config.zero, env.dp_size) else \
-            (env.pp_tp_group if tp > 1 else env.pp_group)
+            (env.pp_tp_group if tp > 1 else env.pp_ep_group if ep is not None else env.pp_group)
         # a tied tensor's norm is counted by its first holder only
         self._counted_elsewhere = {
             t.name for t in build.tied_here() if t.holders[0] != env.pp_rank and t.name in self.params
@@ -127,6 +133,8 @@ class Trainer:
             from ..stage.tensor_parallel import replicated_over_tp
 
             self._counted_elsewhere |= replicated_over_tp(self.params)
+        if ep is not None and env.ep_rank != 0:  # what every rank of an ep group holds alike: counted by its rank 0
+            self._counted_elsewhere |= set(self.params) - ep.expert_params
         self.optimizer = make_dp_optimizer(self.params, config, zero=config.zero, dp_size=env.dp_size,
                                            group=env.dp_group)
         # gradients and state once, before any activation (see preallocate_)
@@ -197,6 +205,9 @@ class Trainer:
                 for p in params:
                     if p.grad is not None:
                         local(p.grad).div_(self.scaler.scale)
+            if self.build.ep_layout is not None:
+                reduce_expert_grads_(self.params, self.build.ep_layout.expert_params, env.expert_dp_group,
+                                     env.dp_size, comm)
             sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups, comm)
             norm = global_grad_norm(self.params, self._counted_elsewhere, self._norm_group, comm)
             pending.stats = self._gather(pending.loss, norm)
@@ -216,7 +227,10 @@ class Trainer:
             self.build.sync_alias_params_()
             self.scheduler.step()  # a step fp16 skipped for overflow is no step of the LR schedule
         self.scaler.update(finite)
-        self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
+        if self.build.ep_layout is not None:  # plain expert slices beside DTensors: zero_grad refuses the mix
+            zero_grads_(self.params.values())
+        else:
+            self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
         self.step_count += 1
         self._pending = None
         total = time.perf_counter() - pending.started

@@ -83,7 +83,8 @@ def _slots(chunks: Sequence[nn.Module], wanted: Mapping[int, str]) -> list[tuple
 
 
 def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int, *,
-                  schedule: str = "1F1B", param_dtype: torch.dtype | None = None, tp: int = 1) -> list[nn.Module]:
+                  schedule: str = "1F1B", param_dtype: torch.dtype | None = None, tp: int = 1,
+                  ignored: set[int] | None = None) -> list[nn.Module]:
     """Wrap ``chunks`` (the modules the pipeline stages run) for data parallelism over ``mesh``
     (the 1-D data-parallel mesh) and return the modules the stages must run, in order.
 
@@ -103,9 +104,13 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int,
     ``tp`` > 1 (the parameters are DTensors on the stage's tp mesh): ZeRO 0 runs ``replicate`` and
     ZeRO 2/3 FSDP2 over the dp mesh, 2-D with the tp placements (torchtitan's layout); DDP, which
     takes no DTensor, is never used.
+
+    ``ignored``: ids of parameters the engine leaves alone (expert slices under expert parallelism,
+    which each rank holds alone and autopipe reduces itself): plain tensors, never reduced here.
     """
+    ignored = ignored or set()
     if zero <= 1 and ddp_schedule(schedule) and tp == 1:  # DDP takes no DTensor (tensor-parallel) parameters
-        return [_ddp(chunk, mesh.get_group()) for chunk in chunks]
+        return [_ddp(chunk, mesh.get_group(), ignored) for chunk in chunks]
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -121,7 +126,7 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int,
 
     def wrap(module: nn.Module) -> None:
         if zero <= 1:
-            replicate(module, mesh=mesh)
+            replicate(module, mesh=mesh, ignored_params={p for p in module.parameters() if id(p) in ignored} or None)
         else:
             fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, **mixed)
 
@@ -181,13 +186,17 @@ def bucket_bytes(chunk_bytes: int) -> int:
     return max(1, min(DDP_BUCKET_CAP, -(-chunk_bytes // DDP_BUCKETS_PER_CHUNK)))
 
 
-def _ddp(chunk: nn.Module, group: Any) -> nn.Module:
-    """``chunk`` inside DistributedDataParallel over ``group``, its gradients DDP's bucket views."""
+def _ddp(chunk: nn.Module, group: Any, ignored: set[int] | frozenset[int] = frozenset()) -> nn.Module:
+    """``chunk`` inside DistributedDataParallel over ``group``, its gradients DDP's bucket views;
+    the parameters in ``ignored`` (ids) left out of its reduce."""
     from torch.nn.parallel import DistributedDataParallel
 
-    params = [p for p in chunk.parameters() if p.requires_grad]
+    params = [p for p in chunk.parameters() if p.requires_grad and id(p) not in ignored]
     if not params:  # nothing to reduce (DDP refuses a module without trainable parameters)
         return chunk
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            chunk, [n for n, p in chunk.named_parameters(remove_duplicate=False) if id(p) in ignored])
     # Gradients made now become views of DDP's buckets when it builds them (a gradient made later,
     # by autograd, lives apart until DDP copies it in at the first reduce): one copy, allocated
     # before any activation, which the trainer's preallocate_ then leaves alone.

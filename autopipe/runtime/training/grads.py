@@ -25,7 +25,7 @@ from torch import nn
 from ..process.comm import Comm
 from ..stage.build import local
 
-__all__ = ["clip_grads_", "global_grad_norm", "sync_tied_grads"]
+__all__ = ["clip_grads_", "global_grad_norm", "sync_tied_grads", "zero_grads_"]
 
 
 def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -113,3 +113,12 @@ def clip_grads_(params: Iterable[nn.Parameter], total_norm: torch.Tensor | float
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for same in _by_dtype(grads):
         torch._foreach_mul_(same, coef.to(same[0].dtype))
+
+
+def zero_grads_(params: Iterable[nn.Parameter]) -> None:
+    """Zero every gradient in place, kept allocated, on its local part (one kernel per dtype): torch's
+    ``zero_grad`` refuses a mix of plain tensors and DTensors, which expert parallelism's plain
+    expert slices beside ``replicate``'s DTensors are."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    for same in _by_dtype(grads):
+        torch._foreach_zero_(same)

@@ -91,12 +91,23 @@ def param_groups(params: Mapping[str, nn.Parameter], config: TrainConfig) -> lis
     no_decay = [p for _, p in sorted(params.items()) if p.requires_grad and p.dim() < 2]
     # no empty group: DeepSpeed drops them from the optimizer after the LR schedule has counted them
     # (a stage holding only matrices then failed at its first step); torch ignores them either way
+    # a group holds DTensors (replicate, FSDP2) or plain tensors, never both: the fused and foreach
+    # kernels refuse a mix, which expert parallelism makes (its expert slices stay plain beside
+    # replicate's DTensors); without a mix the groups are the two above
     groups = [
-        g
-        for g in ({"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-        if g["params"]
+        {"params": same, "weight_decay": wd}
+        for ps, wd in ((decay, config.weight_decay), (no_decay, 0.0))
+        for same in _plain_then_dtensors(ps)
+        if same
     ] or [{"params": [], "weight_decay": 0.0}]
     return groups
+
+
+def _plain_then_dtensors(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    from torch.distributed.tensor import DTensor
+
+    dt = [p for p in params if isinstance(p, DTensor)]
+    return [params] if not dt or len(dt) == len(params) else [[p for p in params if not isinstance(p, DTensor)], dt]
 
 
 def optimizer_class(config: TrainConfig) -> type[torch.optim.Optimizer]:

@@ -52,12 +52,38 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
     if dp < 1 or world % (dp * tp):
         raise AutopipeError(f"world size {world} is not a multiple of --dp {dp}{f' x --tp {tp}' if tp > 1 else ''}; "
                             f"launch dp x stages{' x tp' if tp > 1 else ''} processes.")
+    _check_ep(settings, dp, tp, world)
     if plan is not None and getattr(plan, "sequence_parallel", False) and tp > 1:
         raise AutopipeError(f"{settings.plan} asks for sequence parallelism, which the runtime does not run yet; "
                             "plan without it (tp alone is exact), or run --tp 1.")
     if plan is not None:
         check_launch(plan, world // (dp * tp), dp, plan_path=str(settings.plan), tp=tp)
     return plan
+
+
+def _check_ep(settings: Any, dp: int, tp: int, world: int) -> None:
+    """Expert parallelism's one-line refusals (autopipe.runtime.stage.expert_parallel): what it does
+    not compose with yet, before any model is built."""
+    ep = int(getattr(settings, "ep", 1) or 1) if world > 1 else 1
+    if ep == 1:
+        return
+    if ep < 1 or dp % ep:
+        raise AutopipeError(f"--ep {ep} must divide --dp {dp}: the experts are shared out over ep of a stage's "
+                            "replicas; pick an ep that divides dp (or --ep 1).")
+    if settings.engine == "deepspeed":
+        raise AutopipeError(f"--ep {ep} on DeepSpeed: its PipelineModule runs no expert parallelism here; use --engine "
+                            "torch for --ep, or --ep 1.")
+    if tp > 1:
+        raise AutopipeError("--ep with --tp > 1 is not supported yet; use --tp 1 with expert parallelism.")
+    if int(settings.zero) != 0:
+        raise AutopipeError(f"--zero {settings.zero} with expert parallelism is not supported yet (its engines would "
+                            "shard or average the expert slices each rank holds alone); use --zero 0 with --ep.")
+    for flag, on in (("--ckpt-every", settings.ckpt_every > 0), ("--resume", bool(settings.resume)),
+                     ("--verify", bool(getattr(settings, "verify", False))),
+                     ("--export", bool(getattr(settings, "export", None)))):
+        if on:
+            raise AutopipeError(f"{flag} with --ep {ep} is not done yet (each rank holds a slice of the experts under "
+                                "their whole names); run it with --ep 1.")
 
 
 def _has_checkpoint(root: Path, engine: str) -> bool:

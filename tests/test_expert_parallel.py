@@ -1,0 +1,342 @@
+"""Expert parallelism (autopipe.runtime.stage.expert_parallel), against the untouched model.
+
+A tiny Mixtral and a tiny Qwen3-MoE (4 experts, top-2; their loss includes the load-balancing loss,
+``output_router_logits``) train one step on ep 2 x 2 stages: 2 stages x dp 2 = 4 gloo processes,
+each replica holding half of every MoE layer's experts, tokens dispatched and combined by
+all-to-all. The reference is the untouched HuggingFace model on the global batch, micro-batch by
+micro-batch (tests/test_tensor_parallel.py's harness): the first-step loss, every gradient before
+the update (each expert tensor assembled from the ranks' slices) and every weight after one AdamW
+step. Also: each rank holds only its experts, the test batch routes tokens across the ep ranks,
+and the one-line refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import tp_models
+from _launch import Launcher
+from test_tensor_parallel import MICRO, ROWS, SEQ, compare, make_job, reference, train, untouched
+
+from autopipe.choices import world_rank
+from autopipe.errors import AutopipeError
+
+DP, PP, EP, EXPERTS = 2, 2, 2, 4
+CUT = [0, 2, 5]  # 5 layers: embedding, 2 decoder blocks, norm, head
+
+
+def _ep_rank_of(rank: int, dp: int = DP) -> tuple[int, int]:
+    """(stage, ep rank) of world ``rank`` (placement pipeline-inner, the 'even' plan's)."""
+    for d in range(dp):
+        for p in range(PP):
+            if world_rank(d, p, dp=dp, pp=PP, placement="pipeline-inner") == rank:
+                return p, d % EP
+    raise AssertionError(rank)
+
+
+def _assembled(run: Path, nproc: int, name: str, held: dict[int, dict[str, tuple]], dp: int = DP) -> tuple[dict, dict]:
+    """Every gradient and weight by name: an expert tensor (its dim 0 smaller on a rank than in the
+    model) concatenated from its ep ranks' slices in ep-rank order; any other the same on every rank."""
+    full = {n: tuple(p.shape) for n, p in untouched(name).named_parameters()}
+    out = []
+    for kind in ("grads_rank{}.pt", "weights_rank{}_step1.pt"):
+        slices: dict[str, dict[int, torch.Tensor]] = {}
+        whole: dict[str, torch.Tensor] = {}
+        for rank in range(nproc):
+            _, e = _ep_rank_of(rank, dp)
+            saved = torch.load(run / kind.format(rank), weights_only=True)
+            held.setdefault(rank, {}).update({n: tuple(t.shape) for n, t in saved.items()})
+            for n, t in saved.items():
+                if tuple(t.shape) != full[n]:
+                    if e in slices.get(n, {}):  # the same slice in another ep group: equal after the step
+                        torch.testing.assert_close(t, slices[n][e], atol=0, rtol=0, msg=f"ep groups disagree on {n}")
+                    slices.setdefault(n, {})[e] = t
+                elif n in whole:
+                    torch.testing.assert_close(t, whole[n], atol=0, rtol=0, msg=f"ranks disagree on {n} ({kind})")
+                else:
+                    whole[n] = t
+        for n, parts in slices.items():
+            assert sorted(parts) == list(range(EP)), f"{n}: slices from ep ranks {sorted(parts)}"
+            whole[n] = torch.cat([parts[e] for e in range(EP)])
+        out.append(whole)
+    return out[0], out[1]
+
+
+def _routes_across(name: str) -> int:
+    """The least, over the micro-batches of the test batch and the MoE layers, of (slots routed to ep
+    rank 0's experts) x (slots routed to ep rank 1's): above 0 when every replica's every micro-batch
+    sends some slots to the other rank's experts in every layer (the routing is the job's: its loss
+    and gradients equal the untouched model's)."""
+    from autopipe.runtime.data.batches import split_batch
+
+    model = untouched(name)
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(args[1].detach()))
+             for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    ids = tp_models._ids(ROWS * MICRO * DP)
+    crossing = []
+    for a, k in split_batch((ids,), {"labels": ids}, MICRO * DP):
+        seen.clear()
+        with torch.no_grad():
+            model(*a, **k)
+        # every layer, every micro-batch: some slots go to each half of the experts
+        crossing += [int((idx < EXPERTS // EP).sum()) * int((idx >= EXPERTS // EP).sum()) for idx in seen]
+    for h in hooks:
+        h.remove()
+    return min(crossing)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ep")
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe_aux"])
+def job(request: pytest.FixtureRequest, torchrun: Launcher, root: Path) -> dict:
+    """One ep 2 x pp 2 step of the model (1F1B, ZeRO 0), and the untouched model's reference."""
+    name = request.param
+    path = make_job(root, name, tp=1)
+    plan = path / "cut.json"  # one MoE block on each stage: embedding + layer 0 | layer 1 + norm + head
+    plan.write_text(json.dumps({"boundaries": CUT}))
+    held: dict[int, dict[str, tuple]] = {}
+    t0 = time.perf_counter()
+    loss, grads, weights, out = train(torchrun, path, DP * PP, "--dp", DP, "--ep", EP, plan=plan,
+                                      merge=lambda run, n: _assembled(run, n, name, held))
+    seconds = time.perf_counter() - t0
+    return {"name": name, "got": (loss, grads, weights), "out": out, "held": held, "seconds": seconds,
+            "ref": reference(name, dp=DP)}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ep2_x_pp2_trains_as_the_untouched_model(job: dict) -> None:
+    """Loss (load-balancing loss included), every gradient and every weight after one AdamW step
+    equal the untouched model's on the global batch (1e-5)."""
+    figures = compare(job["name"], job["got"], job["ref"])
+    said = [line for line in job["out"].splitlines() if line.startswith("ep 2: ")]
+    assert len(said) == 1 and "2 MoE layer(s), each rank of an ep group of 2 replicas holds 2 of 4 experts" in said[0], job["out"][-2000:]
+    figures["seconds"] = job["seconds"]
+    print(f"\n{job['name']} ep2 x pp2 (dp 2): {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_each_rank_holds_only_its_experts_and_tokens_cross(job: dict) -> None:
+    """Every rank's expert tensors hold E/ep experts (its parameter bytes shrink by that much),
+    and the test batch routes slots of every micro-batch to both halves of the experts in every
+    MoE layer, so the dispatch really sends tokens to the other rank."""
+    full = {n: p for n, p in untouched(job["name"]).named_parameters()}
+    for rank, shapes in job["held"].items():
+        experts = [n for n in shapes if ".experts." in n]
+        assert experts, f"rank {rank} holds no expert tensor: {sorted(shapes)}"
+        for n in experts:
+            assert shapes[n][0] == EXPERTS // EP and shapes[n][1:] == tuple(full[n].shape[1:]), (n, shapes[n])
+        held = sum(torch.Size(s).numel() for s in shapes.values())
+        whole = sum(full[n].numel() for n in shapes)
+        saved = sum(full[n].numel() for n in experts) // EP
+        assert held == whole - saved, (rank, held, whole, saved)
+    assert _routes_across(job["name"]) > 0
+
+
+@pytest.mark.slow
+def test_the_load_balancing_loss_is_in_the_reference() -> None:
+    """The untouched models' loss changes with their load-balancing term: the equality covers it."""
+    for name in ("mixtral", "qwen3_moe_aux"):
+        model, args, kwargs = getattr(tp_models, name)(ROWS)
+        with torch.no_grad():
+            with_aux = float(model(*args, **kwargs).loss)
+            model.config.output_router_logits = False
+            without = float(model(*args, **kwargs).loss)
+        assert abs(with_aux - without) > 1e-2, (name, with_aux, without)
+
+
+# ---- no processes: the refusals ------------------------------------------------------------------
+
+
+def test_what_ep_does_not_compose_with_is_one_line() -> None:
+    from autopipe.runtime.stage.expert_parallel import check_ep_composes, plan_expert_parallel
+
+    with pytest.raises(AutopipeError, match="--zero 2 with expert parallelism is not supported yet"):
+        check_ep_composes(2, 1)
+    with pytest.raises(AutopipeError, match="--ep with --tp > 1 is not supported yet"):
+        check_ep_composes(0, 2)
+    with pytest.raises(AutopipeError, match="--ep 2: the model has no MoE experts module"):
+        plan_expert_parallel({}, 2, None)
+    from types import SimpleNamespace
+
+    with pytest.raises(AutopipeError, match="--ep 3 does not divide the 4 experts of model.layers.0.mlp.experts"):
+        plan_expert_parallel({"model.layers.0.mlp.experts": SimpleNamespace(num_experts=4)}, 3, None)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved1f1b", "zbv"])
+def test_ep_composes_with_every_schedule(torchrun: Launcher, root: Path, schedule: str) -> None:
+    """ep 2 x 2 stages (Qwen3-MoE) under GPipe, Interleaved1F1B and ZBV (2 chunks per rank, the
+    experts' all-to-alls inside the split input/weight backward; ``replicate`` for ZBV's replicas):
+    the first step and the weights after it equal the untouched model's."""
+    name = "qwen3_moe_aux"
+    path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
+    plan = path / f"cut_{schedule}.json"
+    plan.write_text(json.dumps({"boundaries": CUT if schedule == "gpipe" else [0, 1, 2, 3, 5]}))
+    got = train(torchrun, path, DP * PP, "--dp", DP, "--ep", EP, "--schedule", schedule, tag=f"sched_{schedule}",
+                plan=plan, merge=lambda run, n: _assembled(run, n, name, {}))
+    figures = compare(f"{name} {schedule}", got[:3], reference(name, dp=DP))
+    print(f"\n{name} ep2 x pp2 {schedule}: {figures}", file=sys.stderr)
+
+
+def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> None:
+    """Before any model is built: ep not dividing dp, DeepSpeed, tp > 1, ZeRO 1-3, and the paths not
+    done under ep yet (checkpoints, resume, --verify, --export)."""
+    from types import SimpleNamespace
+
+    from autopipe.runtime.training.preflight import preflight
+
+    def settings(**changes: object) -> SimpleNamespace:
+        base = dict(ckpt_dir=str(tmp_path / "ckpt"), ckpt_every=0, resume=None, data=None, eval_data=None, plan="even",
+                    dp=2, tp=1, ep=2, engine="torch", zero=0, verify=False, export=None)
+        return SimpleNamespace(**{**base, **changes})
+
+    assert preflight(settings(), world=4) is None
+    for changes, says in [({"ep": 3, "dp": 3}, None), ({"dp": 3}, "--ep 2 must divide --dp 3"),
+                          ({"engine": "deepspeed"}, "--ep 2 on DeepSpeed"),
+                          ({"tp": 2}, "--ep with --tp > 1 is not supported yet"),
+                          ({"zero": 1}, "--zero 1 with expert parallelism is not supported yet"),
+                          ({"ckpt_every": 1}, "--ckpt-every with --ep 2 is not done yet"),
+                          ({"verify": True}, "--verify with --ep 2 is not done yet"),
+                          ({"export": "out"}, "--export with --ep 2 is not done yet")]:
+        world = 3 * 2 if changes.get("dp") == 3 else 8 if changes.get("tp") else 4
+        if says is None:
+            preflight(settings(**changes), world=world)
+            continue
+        with pytest.raises(AutopipeError, match=says):
+            preflight(settings(**changes), world=world)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ep_on_a_model_without_experts_is_one_line(torchrun: Launcher, root: Path) -> None:
+    """--ep 2 on a dense Llama: one line from rank 0 naming what is missing, no traceback."""
+    path = make_job(root, "llama", tp=1)
+    run = path / "dense"
+    run.mkdir()
+    proc = torchrun(path / "train.py", "--steps", 1, "--plan", "even", "--dp", DP, "--ep", EP, nproc=DP * PP, cwd=run,
+                    check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "--ep 2: the model has no MoE experts module" in text, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_convert_with_ep_writes_a_job_that_runs_it(tmp_path: Path) -> None:
+    """``convert --stages 2 --dp 2 --ep 2``: plan.ep 2, train.py's default --ep 2, and ``autopipe run``
+    starts 4 processes whose log says how the experts are shared out; --ep 3 is refused at convert."""
+    import os
+    import subprocess
+
+    from autopipe.job.converter import convert
+    from autopipe.job.settings import ConvertSettings
+
+    with pytest.raises(AutopipeError, match="--ep 3 must divide --dp 2"):
+        ConvertSettings(stages=2, dp=2, ep=3)
+    job = tmp_path / "job"
+    convert(f"{tp_models.__file__}:mixtral", stages=2, dp=2, ep=2, microbatches=MICRO, batch_size=ROWS, seq_len=SEQ,
+            out=job, repeats=1, warmup=0, progress=False, reserve="0", schedule="1f1b")
+    assert json.loads((job / "plan.json").read_text())["ep"] == 2
+    assert "    ep: int = 2" in (job / "train.py").read_text()
+    done = subprocess.run([sys.executable, "-m", "autopipe", "run", str(job), "--steps", "1"], cwd=job, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "2 stage(s) x 2 replica(s)" in done.stdout and "ep 2: 2 MoE layer(s)" in done.stdout, done.stdout[-3000:]
+    assert "step     1/1" in done.stdout, done.stdout[-3000:]
+
+
+def test_ep_groups_of_a_large_world_on_fake_process_groups() -> None:
+    """dp 4 x pp 2 with ep 2, both placements: a stage's ep group is ep consecutive dp ranks, its
+    expert data-parallel group the same ep rank in the other ep groups, its norm group the
+    pipelines of its ep group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopipe.runtime.process.distenv import init_dist
+
+    dp, pp, ep = 4, 2, 2
+    for placement in ("pipeline-inner", "replica-inner"):
+        def rank_of(d: int, p: int) -> int:
+            return world_rank(d, p, dp=dp, pp=pp, placement=placement)
+
+        for rank in range(dp * pp):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * pp)
+            try:
+                env = init_dist(dp=dp, ep=ep, placement=placement)
+                d, p, g = env.dp_rank, env.pp_rank, env.dp_rank // ep
+                assert env.ep_rank == d % ep and env.ep_size == ep
+                assert dist.get_process_group_ranks(env.ep_group) == [rank_of(g * ep + j, p) for j in range(ep)]
+                assert dist.get_rank(env.ep_group) == env.ep_rank
+                assert sorted(dist.get_process_group_ranks(env.expert_dp_group)) == sorted(
+                    rank_of(h * ep + env.ep_rank, p) for h in range(dp // ep))
+                assert sorted(dist.get_process_group_ranks(env.pp_ep_group)) == sorted(
+                    rank_of(g * ep + j, q) for j in range(ep) for q in range(pp))
+            finally:
+                dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ep2_over_dp4_sums_each_expert_over_its_ep_groups(torchrun: Launcher, root: Path) -> None:
+    """dp 4 x 2 stages with ep 2 (8 processes, two ep groups): an expert slice's gradient is summed
+    over the expert data-parallel group (the same slice in the other ep group) before the step; the
+    first step equals the untouched model's on the global batch, and both ep groups agree."""
+    name = "qwen3_moe_aux"
+    path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
+    plan = path / "cut_dp4.json"
+    plan.write_text(json.dumps({"boundaries": CUT}))
+    got = train(torchrun, path, 4 * PP, "--dp", 4, "--ep", EP, tag="dp4", plan=plan,
+                merge=lambda run, n: _assembled(run, n, name, {}, dp=4))
+    figures = compare(f"{name} dp4 ep2", got[:3], reference(name, dp=4))
+    print(f"\n{name} ep2 x dp4 x pp2: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_three_steps_under_ep_follow_the_same_steps_without_it(torchrun: Launcher, root: Path) -> None:
+    """Qwen3-MoE, dp 2 x 2 stages: three steps with --ep 2 log the losses, gradient norms and
+    held-out losses (--eval-data: forward only, the all-to-alls without backward) of the same three
+    steps with --ep 1 (every replica holding every expert), so the expert slices, their optimizer
+    state and the zeroed gradients carry over from step to step."""
+    import numpy as np
+
+    name = "qwen3_moe_aux"
+    path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
+    plan = path / "cut_steps.json"
+    plan.write_text(json.dumps({"boundaries": CUT}))
+    val = path / "val.bin"
+    np.random.default_rng(0).integers(0, tp_models.V, 400, dtype=np.uint16).tofile(val)
+    logs = {}
+    for ep in (1, EP):
+        log = path / f"steps_ep{ep}.json"
+        torchrun(path / "train.py", "--steps", 3, "--plan", plan, "--weights", path / "weights.safetensors", "--dp", DP,
+                 "--ep", ep, "--log-json", log, "--eval-data", val, "--eval-every", 3, nproc=DP * PP, cwd=path,
+                 timeout=600)
+        logs[ep] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(logs[EP]) == 3 and "eval_loss" in logs[EP][2]
+    for a, b in zip(logs[1], logs[EP]):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert logs[EP][2]["eval_loss"] == pytest.approx(logs[1][2]["eval_loss"], abs=1e-5)
+    assert logs[EP][2]["loss"] != logs[EP][0]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_that_receives_no_tokens_still_meets_the_others(torchrun: Launcher, tmp_path: Path) -> None:
+    """Every token routed to ep rank 0's experts (tests/_ep_one_sided.py, 2 processes): rank 1 sends
+    all and receives none, both finish forward and backward, and every output and gradient equals the
+    untouched experts module's."""
+    proc = torchrun(Path(__file__).parent / "_ep_one_sided.py", nproc=2, cwd=tmp_path, timeout=300)
+    assert "ok 0" in proc.stdout and "ok 1" in proc.stdout, proc.stdout[-2000:]
