@@ -297,7 +297,8 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, A
     # smallest that helps; auto plans each schedule with its own.
     options = dict(microbatches=s.microbatches, schedule=s.schedule, memory_limit=s.memory_limit, recompute=s.recompute,
                    dp=s.dp, zero=s.zero, target=s.target, optimizer=s.optimizer_state)  # fmt: skip
-    whole, prof = prof, _tp_rank_view(prof, s)  # the cut is solved for what one tp rank computes and holds
+    # the cut is solved for what one tp (and ep) rank computes and holds
+    whole, prof = prof, _ep_rank_view(_tp_rank_view(prof, s), s)
     choice = schedule_choice = None
     if s.engine == "auto":
         choice = plan_engines(prof, s.stages, dtype=s.dtype, **options)  # type: ignore[arg-type]
@@ -312,7 +313,7 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, A
         plan = replace(plan, gpus_per_node=s.gpus_per_node)
     if s.tp > 1:
         plan = replace(plan, tp=s.tp)
-    if s.ep > 1:  # the cut is the ep 1 one: the profile is not priced at ep here
+    if s.ep > 1:
         plan = replace(plan, ep=s.ep)
     return whole, plan, None, choice, schedule_choice
 
@@ -326,6 +327,18 @@ def _tp_rank_view(prof: Profile, s: ConvertSettings) -> Profile:
 
     world = s.stages * s.dp * s.tp  # type: ignore[operator]
     return node_tp_view(prof, s.tp, gpus=world, gpus_per_node=s.gpus_per_node or world,
+                        bandwidth_intra=s.bandwidth_intra)
+
+
+def _ep_rank_view(prof: Profile, s: ConvertSettings) -> Profile:
+    """The profile one rank of an ep group of ``s.ep`` sees at the routing skew the profile counted
+    (autopipe.costs.ep.at_ep, p95: its busiest rank's experts, the four all-to-alls, experts' memory / ep)."""
+    if s.ep == 1:
+        return prof
+    from ..cluster.evaluate import node_ep_view
+
+    world = s.stages * s.dp * s.tp  # type: ignore[operator]
+    return node_ep_view(prof, s.ep, gpus=world, dp=s.dp, tp=s.tp, gpus_per_node=s.gpus_per_node or world,  # type: ignore[arg-type]
                         bandwidth_intra=s.bandwidth_intra)
 
 
