@@ -36,7 +36,11 @@ def _model(seed: int = 0) -> nn.Module:
 
 def bias_routers(model: nn.Module, layers: tuple[int, ...] = BIASED, hot: tuple[int, ...] = HOT,
                  strength: float = 4.0, seed: int = 1) -> nn.Module:
-    """Lean the gate rows of ``hot`` experts in ``layers`` on the mean direction of their router's inputs."""
+    """Lean the gate rows of ``hot`` experts in ``layers`` on the mean direction of their router's inputs.
+    A model on the meta device (a job's ranks build it there) is returned as it is: a job of this model
+    gets the biased weights from ``--weights`` (bench/bench_moe_ep_step.py saves them), not from here."""
+    if any(p.is_meta for p in model.parameters()):
+        return model
     ids = _ids(8, seed)
     seen: dict[int, torch.Tensor] = {}
     handles = [model.model.layers[i].mlp.gate.register_forward_pre_hook(

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from _titan_check import build_model, parse_config
 from test_export_megatron import _flags
 from test_export_torchtitan import _plan
+from test_export_tp import LLAMA, _fake_world
 
 from autopipe import Profile, partition
 from autopipe.costs.layer_costs import MoeShape
@@ -29,15 +30,6 @@ from autopipe.errors import ExportError
 from autopipe.job.export import export_plan
 
 pytestmark = pytest.mark.slow  # torchtitan's and Megatron's imports take seconds
-
-ROOT = Path(__file__).resolve().parent.parent
-LLAMA = Profile.load(ROOT / "profiles" / "llama-7b-h100-estimate.json")
-
-
-def _fake_world(size: int, rank: int = 0) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=size, store=FakeStore())
 
 
 def _with_experts(prof: Profile, experts: int, top_k: int) -> Profile:
