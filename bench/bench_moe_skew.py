@@ -147,7 +147,8 @@ def _markdown(r: dict) -> str:
                       f"{s['median'] * 1e3:.2f} ms, IQR {s['q1'] * 1e3:.2f}-{s['q3'] * 1e3:.2f}, "
                       f"min-max {s['min'] * 1e3:.2f}-{s['max'] * 1e3:.2f}; counting the routing took "
                       f"{m['count_seconds']:.2f} s.", ""]
-    lines.append("ep > 1 jobs: " + ("the ep runtime is here; run them (not yet scripted)." if r["ep_runtime"] else
+    lines.append("ep > 1 jobs: " + ("measured by `bench/bench_moe_ep_step.py` (ep 2, 2 processes): "
+                                    "`bench/results/moe-ep-step.md`." if r["ep_runtime"] else
                                     "not run: `convert --ep` is not on this branch (the ep runtime is another's)."))
     return "\n".join(lines) + "\n"
 
