@@ -191,8 +191,8 @@ def test_ep_composes_with_every_schedule(torchrun: Launcher, root: Path, schedul
 
 
 def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> None:
-    """Before any model is built: ep not dividing dp, DeepSpeed, tp > 1, ZeRO 1-3, and the paths not
-    done under ep yet (checkpoints, resume, --verify, --export)."""
+    """Before any model is built: ep not dividing dp, DeepSpeed, tp > 1, ZeRO 1-3, and --verify (not
+    done under ep yet); checkpoints and --export pass."""
     from types import SimpleNamespace
 
     from autopipe.runtime.training.preflight import preflight
@@ -207,9 +207,8 @@ def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> N
                           ({"engine": "deepspeed"}, "--ep 2 on DeepSpeed"),
                           ({"tp": 2}, "--ep with --tp > 1 is not supported yet"),
                           ({"zero": 1}, "--zero 1 with expert parallelism is not supported yet"),
-                          ({"ckpt_every": 1}, "--ckpt-every with --ep 2 is not done yet"),
-                          ({"verify": True}, "--verify with --ep 2 is not done yet"),
-                          ({"export": "out"}, "--export with --ep 2 is not done yet")]:
+                          ({"ckpt_every": 1, "export": "out"}, None),
+                          ({"verify": True}, "--verify with --ep 2 is not done yet")]:
         world = 3 * 2 if changes.get("dp") == 3 else 8 if changes.get("tp") else 4
         if says is None:
             preflight(settings(**changes), world=world)
@@ -315,12 +314,18 @@ def test_ep2_over_dp4_sums_each_expert_over_its_ep_groups(torchrun: Launcher, ro
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_three_steps_under_ep_follow_the_same_steps_without_it(torchrun: Launcher, root: Path) -> None:
+def test_three_steps_under_ep_follow_the_same_steps_without_it_and_resume_on_either(torchrun: Launcher,
+                                                                                     root: Path) -> None:
     """Qwen3-MoE, dp 2 x 2 stages: three steps with --ep 2 log the losses, gradient norms and
     held-out losses (--eval-data: forward only, the all-to-alls without backward) of the same three
     steps with --ep 1 (every replica holding every expert), so the expert slices, their optimizer
-    state and the zeroed gradients carry over from step to step."""
+    state and the zeroed gradients carry over from step to step. The ep 2 run checkpoints each step
+    (each expert tensor by its global offsets) and exports its weights: the export equals the ep 1
+    run's, and step 3 resumed from its step 2 checkpoint, on ep 2 and on ep 1, logs the same loss."""
+    import shutil
+
     import numpy as np
+    from safetensors.torch import load_file
 
     name = "qwen3_moe_aux"
     path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
@@ -328,18 +333,37 @@ def test_three_steps_under_ep_follow_the_same_steps_without_it(torchrun: Launche
     plan.write_text(json.dumps({"boundaries": CUT}))
     val = path / "val.bin"
     np.random.default_rng(0).integers(0, tp_models.V, 400, dtype=np.uint16).tofile(val)
-    logs = {}
-    for ep in (1, EP):
-        log = path / f"steps_ep{ep}.json"
+
+    def steps(ep: int, log: Path, *flags: object) -> list[dict]:
         torchrun(path / "train.py", "--steps", 3, "--plan", plan, "--weights", path / "weights.safetensors", "--dp", DP,
-                 "--ep", ep, "--log-json", log, "--eval-data", val, "--eval-every", 3, nproc=DP * PP, cwd=path,
+                 "--ep", ep, "--log-json", log, "--eval-data", val, "--eval-every", 3, *flags, nproc=DP * PP, cwd=path,
                  timeout=600)
-        logs[ep] = [json.loads(line) for line in log.read_text().splitlines()]
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    logs = {ep: steps(ep, path / f"steps_ep{ep}.json", "--export", path / f"out_ep{ep}",
+                      *(["--ckpt-dir", path / "ckpt", "--ckpt-every", 1] if ep == EP else []))
+            for ep in (1, EP)}
     assert len(logs[EP]) == 3 and "eval_loss" in logs[EP][2]
     for a, b in zip(logs[1], logs[EP]):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert logs[EP][2]["eval_loss"] == pytest.approx(logs[1][2]["eval_loss"], abs=1e-5)
     assert logs[EP][2]["loss"] != logs[EP][0]["loss"]
+
+    whole, sliced = (load_file(path / f"out_ep{ep}" / "model.safetensors") for ep in (1, EP))
+    assert sliced.keys() == whole.keys()
+    experts = [k for k in whole if "experts" in k]
+    assert experts and all(sliced[k].shape[0] == EXPERTS for k in experts)
+    for k in whole:
+        torch.testing.assert_close(sliced[k], whole[k], atol=1e-5, rtol=0, msg=k)
+    assert max((sliced[k] - whole[k]).abs().max().item() for k in experts) < 1e-5
+
+    for ep in (EP, 1):  # step 3 again, from the ep 2 run's step 2 checkpoint
+        ckpt = path / f"ckpt_resume_ep{ep}"
+        shutil.copytree(path / "ckpt", ckpt)
+        shutil.rmtree(ckpt / "step_00000003")
+        (third,) = steps(ep, path / f"resumed_ep{ep}.json", "--ckpt-dir", ckpt, "--resume")[-1:]
+        assert third["step"] == 3 and third["loss"] == pytest.approx(logs[EP][2]["loss"], abs=1e-5), ep
+        assert third["grad_norm"] == pytest.approx(logs[EP][2]["grad_norm"], rel=1e-5), ep
 
 
 @pytest.mark.slow

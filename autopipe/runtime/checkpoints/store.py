@@ -101,6 +101,7 @@ def save_checkpoint(trainer: Any, root: str | os.PathLike[str], *, keep: int = 2
             "dp": env.dp_size,
             "pp": env.pp_size,
             "tp": getattr(env, "tp_size", 1),  # DCP keeps each tp shard once, by its global offsets
+            "ep": getattr(env, "ep_size", 1),  # each expert slice too (a resume may take another ep)
             "placement": env.placement,
             "boundaries": list(trainer.build.plan.boundaries),
             "schedule": trainer.build.plan.schedule,

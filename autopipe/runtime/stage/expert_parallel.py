@@ -27,8 +27,14 @@ data-parallel group (the same slice in the other ep groups) and divided by dp: t
 model's mean over the global batch. The gradient norm sums over the pipelines of an ep group, each
 non-expert tensor counted on its ep rank 0 only.
 
+Checkpoints (:func:`as_global`): each expert slice, and its optimizer state, is saved as a DTensor
+sharded on dim 0 over a mesh of the ep group, so torch.distributed.checkpoint stores every
+expert tensor once by its global offsets (the same slice in the other ep groups is the same chunk,
+kept once) and loads it back into any ep degree, ep 1 included; ``export`` reads whole tensors,
+and the run's own ``--export`` gathers each slice over the ep group.
+
 Refused in one line: ep not dividing dp or the experts, a model without transformers experts
-modules, ep with tp > 1, ZeRO 1/2/3, DeepSpeed's engine; checkpoints and --verify are not done yet.
+modules, ep with tp > 1, ZeRO 1/2/3, DeepSpeed's engine; --verify is not done yet.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from torch import nn
 
 from ...errors import AutopipeError
 
-__all__ = ["EPLayout", "apply_expert_parallel_", "check_ep_composes", "plan_expert_parallel", "reduce_expert_grads_"]
+__all__ = ["EPLayout", "apply_expert_parallel_", "as_global", "check_ep_composes", "plan_expert_parallel",
+           "reduce_expert_grads_"]
 
 
 @dataclass
@@ -54,6 +61,7 @@ class EPLayout:
     group: Any  # the ep group (dispatch and combine)
     calls: dict[str, Any] = field(default_factory=dict)  # experts module name -> autopipe.graph.expert_calls.ExpertsCall
     expert_params: set[str] = field(default_factory=set)  # this rank's parameters that hold expert slices
+    mesh: Any = None  # a DeviceMesh of the ep group, made on first use (as_global: checkpoints, export)
 
     def describe(self) -> str:
         """One line for the log: how many MoE layers, how their experts are shared out."""
@@ -164,3 +172,25 @@ def reduce_expert_grads_(params: Mapping[str, nn.Parameter], names: set[str], gr
         if group is not None:
             comm.all_reduce(p.grad, group=group, where=f"expert gradient {name}")
         p.grad.div_(dp)
+
+
+def as_global(layout: EPLayout, tensors: Mapping[str, torch.Tensor], device_type: str) -> dict[str, torch.Tensor]:
+    """``tensors`` (parameter name -> this rank's tensor: a parameter or one of its optimizer states)
+    with each expert slice as a view of the whole expert tensor: a DTensor sharded on dim 0 over the
+    ep group, sharing the slice's storage (so a checkpoint loads into it in place, and
+    ``full_tensor()`` gathers it over the ep group). Other tensors, and a slice's scalar state (AdamW's
+    step), are returned as they are."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    if layout.mesh is None:  # from the existing group: no new process group, nothing collective
+        layout.mesh = DeviceMesh.from_group(layout.group, device_type)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name not in layout.expert_params or t.dim() == 0:
+            out[name] = t
+            continue
+        shape = (t.shape[0] * layout.ep, *t.shape[1:])
+        out[name] = DTensor.from_local(t, layout.mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                       stride=torch.empty(shape, device="meta").stride())
+    return out

@@ -27,7 +27,7 @@ from ..data.batches import batch_tokens, pack_batch
 from ..logs.steps import StepStats
 from ..process.distenv import DistEnv
 from ..stage.build import MicrobatchSeeds, StageBuild, local
-from ..stage.expert_parallel import check_ep_composes, reduce_expert_grads_
+from ..stage.expert_parallel import as_global, check_ep_composes, reduce_expert_grads_
 from ..training.optim import LossScaler, TrainConfig, lr_factor, make_lr_scheduler, preallocate_
 from ..training.grads import clip_grads_, global_grad_norm, sync_tied_grads, zero_grads_
 from .pipeline import PipelineEngine, Stopwatch
@@ -342,7 +342,8 @@ class Trainer:
 
         env = self.env
         first = env.dp_rank == 0 and getattr(env, "tp_rank", 0) == 0  # tp ranks gather the same whole tensors
-        params = full_values(self.params.items(), keep=first)
+        # expert slices are gathered over their ep group (collective there, as sharded DTensors are)
+        params = full_values(((n, self._whole(n, p.detach())) for n, p in self.params.items()), keep=first)
         if first:
             meta = {"step": self.step_count, "pp": env.pp_size, "dp": 1,
                     "tied": {t.name: list(t.names) for t in self.build.tied}} if env.rank == 0 else None
@@ -351,14 +352,23 @@ class Trainer:
 
     def tensor_state(self) -> dict[str, torch.Tensor]:
         """Parameters and AdamW state by parameter name, as this rank holds them (sharded DTensors,
-        replicated DTensors, this replica's share under ZeRO 1, or plain tensors): what
-        torch.distributed.checkpoint saves, and loads back in place, resharding to any replica count."""
-        out: dict[str, torch.Tensor] = {f"param/{n}": p.detach() for n, p in self.params.items()}
+        replicated DTensors, this replica's share under ZeRO 1, expert slices as views of their whole
+        tensors, or plain tensors): what torch.distributed.checkpoint saves, and loads back in place, resharding to any replica count."""
+        out: dict[str, torch.Tensor] = {f"param/{n}": self._whole(n, p.detach()) for n, p in self.params.items()}
         for name, state in optimizer_state(self.optimizer, self.params).items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim/{name}/{key}"] = value
+                    out[f"optim/{name}/{key}"] = self._whole(name, value)
         return out
+
+    def _whole(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (parameter ``name``'s value or one of its optimizer states), or under expert
+        parallelism, where it is an expert slice, a view of the whole expert tensor sharded over the
+        ep group (autopipe.runtime.stage.expert_parallel.as_global)."""
+        ep = self.build.ep_layout
+        if ep is None or name not in ep.expert_params:
+            return tensor
+        return as_global(ep, {name: tensor}, self.env.device.type)[name]
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
