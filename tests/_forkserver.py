@@ -17,6 +17,9 @@ at its start:
   the C libraries or Python read when they start (``PYTHON*``, ``TORCH*``, ``OMP*``, ``LD_*``,
   ``MALLOC_*``, ... ``_AT_START`` below), or that needs a ``sitecustomize`` where the server has
   one, is not forked: :func:`can_fork` says no and the caller starts a fresh process;
+- **what is imported already**: torch, transformers and autopipe's runtime (``_PRELOAD``; autopipe
+  from the package this pytest process imports), where a fresh process imports them when the script
+  does; module state made at import is the server's, and the child's sys.modules has more in it;
 - **the heap**: the child's heap holds the server's imports as a fresh process's does, in another
   layout. Tests that set a rank's measured memory against a prediction start fresh processes
   (``Launcher(..., fresh=True)``).
@@ -47,7 +50,14 @@ _AT_START = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "LD_", "MALLOC
 # ... except what torchrun gives each run and the runtime reads when it sets up (a new run id each launch)
 _PER_RUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "torch.export", "torch.utils.checkpoint",
-            "transformers", "transformers.modeling_utils", "safetensors.torch")
+            "transformers", "transformers.modeling_utils", "safetensors.torch",
+            # what every rank's first torch.export imports (aot_autograd brings networkx: ~0.5 s of CPU)
+            # and what a HuggingFace model's class pulls in (generation: ~0.1 s)
+            "torch.export._trace", "torch._functorch.aot_autograd", "transformers.generation.utils")
+# autopipe's own runtime, from the package this pytest process imports (a worktree's, by PYTHONPATH,
+# not whatever site-packages would give the server), so a rank forked from the server runs that code
+_PRELOAD_AUTOPIPE = ("autopipe.runtime.torch_engine.trainer", "autopipe.runtime.stage.build", "autopipe.graph.flattener")
+_ROOT_VAR = "_AUTOPIPE_TESTS_PACKAGE_ROOT"
 _DISABLED = "AUTOPIPE_TESTS_NO_FORK"  # set (to anything) to start every rank as a fresh process
 
 
@@ -57,6 +67,12 @@ def _server_main() -> None:  # runs in the server process (python -c ...)
 
     for name in _PRELOAD:
         importlib.import_module(name)
+    root = os.environ.pop(_ROOT_VAR, None)
+    if root:
+        sys.path.insert(0, root)
+        for name in _PRELOAD_AUTOPIPE:
+            importlib.import_module(name)
+        sys.path.remove(root)
     base_path = list(sys.path)
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")
@@ -149,7 +165,11 @@ class _Server:
     """One fork server process, started on first use, and what it reports."""
 
     def __init__(self, env: Mapping[str, str], hash_seed: int) -> None:
-        self.env = {**env, "PYTHONHASHSEED": str(hash_seed)}
+        import importlib.util
+
+        spec = importlib.util.find_spec("autopipe")
+        root = str(Path(spec.origin).parent.parent) if spec is not None and spec.origin else ""
+        self.env = {**env, "PYTHONHASHSEED": str(hash_seed), _ROOT_VAR: root}
         self.proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                                       "import _forkserver; _forkserver._server_main()"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, cwd="/",

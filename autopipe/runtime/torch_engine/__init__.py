@@ -13,7 +13,7 @@ _NAMES = {
     "Trainer": "trainer",
     "DDP_BUCKET_CAP": "zero",
     "ZERO_STAGES": "zero",
-    "ZeroOneAdamW": "zero",
+    "ZeroOneAdamW": "zero_one",
     "bucket_bytes": "zero",
     "ddp_schedule": "zero",
     "explain_ddp_error": "zero",

@@ -32,9 +32,9 @@ from ..training.optim import LossScaler, TrainConfig, lr_factor, make_lr_schedul
 from ..training.grads import clip_grads_, global_grad_norm, sync_tied_grads, zero_grads_
 from .pipeline import PipelineEngine, Stopwatch
 from .zero import (
-    ZeroOneAdamW,
     explain_ddp_error,
     full_values,
+    is_zero_one,
     make_dp_optimizer,
     optimizer_state,
     shard_chunks_,
@@ -138,7 +138,7 @@ class Trainer:
         self.optimizer = make_dp_optimizer(self.params, config, zero=config.zero, dp_size=env.dp_size,
                                            group=env.dp_group)
         # gradients and state once, before any activation (see preallocate_)
-        if isinstance(self.optimizer, ZeroOneAdamW):
+        if is_zero_one(self.optimizer):
             for p in self.params.values():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -416,7 +416,7 @@ def _held_bytes(build: StageBuild, optimizer: torch.optim.Optimizer) -> int:
     state, each storage once."""
     tensors = [t for chunk in build.chunks for t in (*chunk.parameters(), *chunk.buffers())]
     tensors += [p.grad for p in build.params.values() if p.grad is not None]
-    inner = optimizer.optim if isinstance(optimizer, ZeroOneAdamW) else optimizer
+    inner = optimizer.optim if is_zero_one(optimizer) else optimizer  # type: ignore[attr-defined]
     tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     tensors = [local(t.detach()) for t in tensors]
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}

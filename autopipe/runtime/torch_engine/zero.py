@@ -39,26 +39,19 @@ With one replica there is nothing to shard: every ``--zero`` runs the plain stag
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ...choices import ZERO_STAGES
 from ...errors import AutopipeError
 from ...planner.memory import (
     ddp_schedule,  # the plan's memory model decides with the same rule
 )
-from ..stage.build import local
-from ..training.optim import (
-    TrainConfig,
-    optimizer_class,
-    optimizer_options,
-    param_groups,
-    preallocate_,
-)
+from ..training.optim import TrainConfig
 
 __all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "ZeroOneAdamW", "bucket_bytes", "ddp_schedule", "explain_ddp_error", "shard_chunks_", "sharded_grads"]
 
@@ -216,49 +209,6 @@ def _ddp(chunk: nn.Module, group: Any, ignored: set[int] | frozenset[int] = froz
     )
 
 
-class ZeroOneAdamW(ZeroRedundancyOptimizer):
-    """ZeRO 1: the configured optimizer (AdamW by default, the name says so; SGD or Adafactor
-    alike) whose state each replica keeps for its share of the tensors only (torch's
-    ``ZeroRedundancyOptimizer``); after the step each owner broadcasts its updated tensors.
-
-    Beside DDP (ZeRO 0's engine) it steps the parameters themselves: the classic pairing. The
-    parameters ``replicate`` gives (zero-bubble schedules) are replicated DTensors, and
-    ZeroRedundancyOptimizer broadcasts plain tensors; so for those it steps plain leaves over the
-    same storage (``to_local()`` of a replicated DTensor is its whole value), whose gradients are
-    the DTensors' local gradients: what it writes, the engine reads at the next forward.
-    """
-
-    def __init__(self, params: Mapping[str, nn.Parameter], config: TrainConfig, group: Any) -> None:
-        # DDP's parameters are plain tensors already: they step as they are
-        self.pairs = [(nn.Parameter(local(p.detach()), requires_grad=p.requires_grad), p)
-                      for p in params.values() if hasattr(p, "to_local")]
-        proxies = iter(proxy for proxy, _ in self.pairs)
-        plain = {n: next(proxies) if hasattr(p, "to_local") else p for n, p in params.items()}
-        super().__init__(
-            param_groups(plain, config), optimizer_class=optimizer_class(config), process_group=group,
-            **optimizer_options(config, next((p.device for p in plain.values()), None)),
-        )
-        self.names = {id(proxy): n for n, proxy in plain.items()}
-
-    def link_grads(self) -> None:
-        """Give each plain leaf the engine parameter's (reduced) gradient: a view, no copy."""
-        for proxy, p in self.pairs:
-            proxy.grad = local(p.grad) if p.grad is not None else None
-
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        self.link_grads()
-        return super().step(closure)
-
-    def preallocate_(self) -> None:
-        """The engine's gradients exist already; this replica's share of the state, as zeros."""
-        self.link_grads()
-        preallocate_(self.optim)
-
-    def owned_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Parameter name -> the AdamW state this replica keeps (its share)."""
-        return {self.names[id(p)]: s for p, s in self.optim.state.items() if s}
-
-
 def make_dp_optimizer(params: Mapping[str, nn.Parameter], config: TrainConfig, *, zero: int, dp_size: int,
                       group: Any) -> torch.optim.Optimizer:
     """The optimizer for this rank: ``ZeroOneAdamW`` under ZeRO 1 with replicas, else torch's (whose
@@ -266,14 +216,24 @@ def make_dp_optimizer(params: Mapping[str, nn.Parameter], config: TrainConfig, *
     from ..training.optim import make_optimizer
 
     if zero == 1 and dp_size > 1:
+        from .zero_one import ZeroOneAdamW
+
         return ZeroOneAdamW(params, config, group)
     return make_optimizer(params, config)
 
 
+def is_zero_one(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is ZeRO 1's ``ZeroOneAdamW``, asked without importing it: its module
+    imports torch.distributed.optim, whose optimizers torch scripts at import (about 1 s of CPU at
+    every rank's start, where ZeRO 1 is rare)."""
+    module = sys.modules.get(f"{__package__}.zero_one")
+    return module is not None and isinstance(optimizer, module.ZeroOneAdamW)
+
+
 def optimizer_state(optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter]) -> dict[str, dict[str, Any]]:
     """Parameter name -> the optimizer state this rank holds for it (all of it, or its share)."""
-    if isinstance(optimizer, ZeroOneAdamW):
-        return optimizer.owned_state()
+    if is_zero_one(optimizer):
+        return optimizer.owned_state()  # type: ignore[attr-defined]
     return {n: optimizer.state[p] for n, p in params.items() if optimizer.state.get(p)}
 
 
