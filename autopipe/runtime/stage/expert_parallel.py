@@ -174,23 +174,19 @@ def reduce_expert_grads_(params: Mapping[str, nn.Parameter], names: set[str], gr
         p.grad.div_(dp)
 
 
-def as_global(layout: EPLayout, tensors: Mapping[str, torch.Tensor], device_type: str) -> dict[str, torch.Tensor]:
-    """``tensors`` (parameter name -> this rank's tensor: a parameter or one of its optimizer states)
-    with each expert slice as a view of the whole expert tensor: a DTensor sharded on dim 0 over the
-    ep group, sharing the slice's storage (so a checkpoint loads into it in place, and
-    ``full_tensor()`` gathers it over the ep group). Other tensors, and a slice's scalar state (AdamW's
-    step), are returned as they are."""
+def as_global(layout: EPLayout, name: str, tensor: torch.Tensor, device_type: str) -> torch.Tensor:
+    """``tensor`` (parameter ``name``'s value or one of its optimizer states) where it is an expert
+    slice: a view of the whole expert tensor, a DTensor sharded on dim 0 over the ep group that
+    shares the slice's storage (so a checkpoint loads into it in place, and ``full_tensor()``
+    gathers it over the ep group). Any other tensor, and a slice's scalar state (AdamW's step), as
+    it is."""
+    if name not in layout.expert_params or tensor.dim() == 0:
+        return tensor
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
     if layout.mesh is None:  # from the existing group: no new process group, nothing collective
         layout.mesh = DeviceMesh.from_group(layout.group, device_type)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name not in layout.expert_params or t.dim() == 0:
-            out[name] = t
-            continue
-        shape = (t.shape[0] * layout.ep, *t.shape[1:])
-        out[name] = DTensor.from_local(t, layout.mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                       stride=torch.empty(shape, device="meta").stride())
-    return out
+    shape = torch.Size((tensor.shape[0] * layout.ep, *tensor.shape[1:]))
+    return DTensor.from_local(tensor, layout.mesh, [Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())

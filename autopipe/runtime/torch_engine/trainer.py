@@ -353,7 +353,8 @@ class Trainer:
     def tensor_state(self) -> dict[str, torch.Tensor]:
         """Parameters and AdamW state by parameter name, as this rank holds them (sharded DTensors,
         replicated DTensors, this replica's share under ZeRO 1, expert slices as views of their whole
-        tensors, or plain tensors): what torch.distributed.checkpoint saves, and loads back in place, resharding to any replica count."""
+        tensors, or plain tensors): what torch.distributed.checkpoint saves, and loads back in place,
+        resharding to any replica count."""
         out: dict[str, torch.Tensor] = {f"param/{n}": self._whole(n, p.detach()) for n, p in self.params.items()}
         for name, state in optimizer_state(self.optimizer, self.params).items():
             for key, value in state.items():
@@ -366,9 +367,7 @@ class Trainer:
         parallelism, where it is an expert slice, a view of the whole expert tensor sharded over the
         ep group (autopipe.runtime.stage.expert_parallel.as_global)."""
         ep = self.build.ep_layout
-        if ep is None or name not in ep.expert_params:
-            return tensor
-        return as_global(ep, {name: tensor}, self.env.device.type)[name]
+        return tensor if ep is None else as_global(ep, name, tensor, self.env.device.type)
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -53,7 +53,7 @@ from ...planner.memory import (
 )
 from ..training.optim import TrainConfig
 
-__all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "ZeroOneAdamW", "bucket_bytes", "ddp_schedule", "explain_ddp_error", "shard_chunks_", "sharded_grads"]
+__all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "bucket_bytes", "ddp_schedule", "explain_ddp_error", "shard_chunks_", "sharded_grads"]
 
 DDP_BUCKET_CAP = 25 * 2**20  # DistributedDataParallel's default bucket cap, bytes
 DDP_BUCKETS_PER_CHUNK = 4
