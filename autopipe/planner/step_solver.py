@@ -69,7 +69,7 @@ from .step_bound import (
     walk,
 )
 
-__all__ = ["StepSolution", "solve_step", "NoCutFits"]
+__all__ = ["StepSolution", "solve_step", "NoCutFits", "steps_above"]
 
 # Simulating all cuts costs (cuts x ops) op evaluations; up to this many it is done outright.
 ENUMERATE_WORK = 30_000_000
@@ -132,6 +132,65 @@ def solve_step(
     if cuts is None:
         return sol
     return replace(sol, boundaries=tuple(int(costs.positions[b]) for b in sol.boundaries))
+
+
+def steps_above(
+    costs: ChunkCosts,
+    schedule: str,
+    step: float,
+    *,
+    ranks: int,
+    microbatches: int,
+    states: Sequence[Sequence[tuple[int, int]]],
+    limit: int | None = None,
+    modes: Sequence[int] = (0,),
+    cuts: Sequence[int] | None = None,
+    after: Sequence[float] | None = None,
+) -> bool:
+    """Whether every cut into ``ranks`` chunks (one per rank) that fits steps longer than ``step``:
+    proven, never guessed, by the bound ``solve_step`` bisects on, at ``step``. With ``after``
+    (seconds per layer that rank 0 spends on the layers it holds once its last op is done, e.g. its
+    data-parallel traffic) the step is rank 0's end plus that.
+
+    Why it is sound: a cut whose simulated step is at most ``step`` has every dwell path of every
+    stage at most ``step`` (each path weighs at most the step, step_bound's module docstring) and
+    fits the limit, so it is a walk through the reachability at ``step``; when L is not reachable
+    there is no such cut. The simple and flat bounds (``_simple_bound``, ``_flat_bound``) hold for
+    every cut too. With ``after``: every one of those paths ends at an op of rank 0 (a dwell path
+    leaves by the backwards of the stages before it, or by a round trip, both down to stage 0; a
+    rank's own order, M·t_s, is followed by its last backward's way down to stage 0), so each weighs
+    at most when rank 0's last op ends, and the step is at least that plus rank 0's ``after``: for
+    each end b_1 of the first chunk, the reachability at ``step - Σ after[0:b_1]`` from that b_1
+    alone; none reaching L refutes every cut. False means only "not refuted" (with virtual stages
+    nothing is tried). The cluster search asks this before solving a layout that must beat the best
+    it has solved (autopipe/cluster/layout_search.py), so most layouts cost a few reachabilities
+    instead of a solve.
+
+    Example:
+        >>> c = ChunkCosts(forward=[1, 1, 1, 1], backward=[2, 2, 2, 2])
+        >>> st = [((1, 0),), ((1, 0),)]
+        >>> sol = solve_step(c, "1f1b", ranks=2, microbatches=2, states=st)
+        >>> steps_above(c, "1f1b", sol.step * 0.999, ranks=2, microbatches=2, states=st), \
+        ...     steps_above(c, "1f1b", sol.step, ranks=2, microbatches=2, states=st)
+        (True, False)
+    """
+    schedule = check_schedule(schedule, ranks, 1, microbatches)
+    if cuts is not None:
+        costs = costs.restrict(cuts)
+    if not 1 <= ranks <= costs.n:
+        return False  # the solve says what is wrong
+    search = _StepSearch(costs, schedule, ranks, 1, microbatches, [tuple(x) for x in states], limit, tuple(modes), 0.5)
+    if after is None:
+        return search.lb > step or search.reach_at(step) is None
+    # rank 0's tail for each end of its chunk (at the positions of the allowed cuts when restricted)
+    tail = np.concatenate([[0.0], np.cumsum(np.asarray(after, dtype=np.float64))])[costs.positions]
+    for b1 in range(1, costs.n - ranks + 2):
+        v = step - float(tail[b1])
+        if search.lb > v and bool(np.all(np.diff(tail[b1:]) >= 0)):
+            return True  # no cut steps under v, and a later b_1 leaves no more
+        if search.lb <= v and search.reach_at(v, first_end=b1) is not None:
+            return False
+    return True
 
 
 # ---- the search ----------------------------------------------------------------------------------------
@@ -318,15 +377,21 @@ class _StepSearch:
             out = lo if out is None else np.minimum(out, lo)
         return out
 
-    def reach_at(self, v: float | None, only: int | None = None) -> list[np.ndarray] | None:
-        """R_0..R_K at bound v (None: memory only) with the first ``only`` modes (None: all)."""
+    def reach_at(self, v: float | None, only: int | None = None, first_end: int | None = None) -> list[np.ndarray] | None:
+        """R_0..R_K at bound v (None: memory only) with the first ``only`` modes (None: all); with
+        ``first_end``, the first chunk ends there and nowhere else."""
         self.probes += 1
         span = None
         if v is not None:  # the compute alone bounds how far a stage reaches: scale·(P[b] - P[a]) <= v
             p = self.c.pf + self.c.pb
             reach_t = v / self.scale * (1 + 1e-12)
             span = lambda last: int(np.searchsorted(p, p[last] + reach_t, side="right")) - 1  # noqa: E731
-        return reach(self.c.n, self.k, lambda s, b, first: self.lo(s, b, v, first, only), span, self._finish(v, only))
+        lo_of = lambda s, b, first: self.lo(s, b, v, first, only)  # noqa: E731
+        if first_end is not None:
+            plain = lo_of
+            lo_of = lambda s, b, first: (np.where(b == first_end, plain(s, b, first), b) if s == 0  # noqa: E731
+                                         else plain(s, b, first))  # fmt: skip
+        return reach(self.c.n, self.k, lo_of, span, self._finish(v, only))
 
     def _finish(self, v: float | None, only: int | None):
         """need[left]: the least position from which the last ``left`` stages can still reach L.
