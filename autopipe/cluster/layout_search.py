@@ -145,6 +145,17 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     solved = infeasible = pruned_bound = 0
     per_size: dict[tuple[int, int, int], Profile] = {}
 
+    fitting: dict[tuple, bool] = {}
+
+    def fits(x: Layout) -> bool:
+        """fits_memory for x, once for the layouts that differ in placement alone (it prices no link)."""
+        key = (x.tp, x.ep, x.microbatch_size, x.stages, x.microbatches, x.schedule, x.virtual_stages, x.dp, x.zero)
+        if key not in fitting:
+            fitting[key] = fits_memory(scaled(x), x.stages, microbatches=x.microbatches, schedule=x.schedule,
+                                       virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
+                                       recompute=recompute, dp=x.dp, zero=x.zero, cuts=cuts)  # fmt: skip
+        return fitting[key]
+
     def scaled(x: Layout) -> Profile:
         """The profile a rank of x's tp/ep view sees at x's micro-batch size, once per (tp, ep, size)."""
         key = (x.tp, x.ep, x.microbatch_size)
@@ -176,10 +187,7 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
                     continue
             solved += 1
             phase.advance(what=x.label)
-            if limit is not None and not fits_memory(
-                    scaled(x), x.stages, microbatches=x.microbatches,
-                    schedule=x.schedule, virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
-                    recompute=recompute, dp=x.dp, zero=x.zero, cuts=cuts):  # fmt: skip
+            if limit is not None and not fits(x):
                 infeasible += 1  # no cut fits: known from one reachability, no solve (or explanation) needed
                 continue
             try:

@@ -414,9 +414,11 @@ class _StepSearch:
         out = b
         for i, md in enumerate(self.modes[:only]):
             lo = 0 if self.limit is None else int(self._window(md, s)[b])
-            if v is not None:
+            if v is not None and lo < out:  # (terms only raise lo: once at out, this mode cannot lower it)
                 lo = max(lo, bisect.bisect_left(self._g_list[i], self._h_right_list[i][b] - v / self.scale))
                 for g, right in self._arrays_list[s][i] if self._arrays_list is not None else ():
+                    if lo >= out:
+                        break
                     lo = max(lo, bisect.bisect_left(g, right[b] - v))
             out = min(out, lo)
         return out
@@ -488,34 +490,36 @@ class _StepSearch:
         shifts = [(di, dj) for di in (-3, -2, -1, 1, 2, 3) for dj in (-3, -2, -1, 1, 2, 3)]
         per_round = (2 * (self.k - 1) * len(MOVES) + len(pairs) * (len(shifts) + 2)) * self.ops
         rounds = LOCAL_WORK // max(per_round, 1)
-        for cut in starts:
-            cut = np.array(cut)
+        for start in starts:
+            cut = np.array(start)
             current = None
             while rounds > 0:
                 rounds -= 1
                 moves = []
+                # plain lists: the cut is strictly increasing, so a move keeps it so when the moved
+                # boundaries stay strictly between their neighbours (checked there alone)
+                at = [int(x) for x in cut]
                 for j in range(1, self.k):
                     for d in MOVES:
-                        for x in (cut[j] - d, cut[j] + d):
-                            if cut[j - 1] < x < cut[j + 1]:
-                                moved = cut.copy()
+                        for x in (at[j] - d, at[j] + d):
+                            if at[j - 1] < x < at[j + 1]:
+                                moved = at.copy()
                                 moved[j] = x
                                 moves.append(moved)
                 for i, j in pairs:  # two boundaries at once: work moves between chunks that are not neighbours
                     for di, dj in shifts:
-                        moved = cut.copy()
+                        moved = at.copy()
                         moved[i] += di
                         moved[j] += dj
-                        if np.all(np.diff(moved) > 0):
+                        if moved[i - 1] < moved[i] < moved[i + 1] and moved[j - 1] < moved[j] < moved[j + 1]:
                             moves.append(moved)
                     for d in (-1, 1):  # or every boundary from i to j: one layer from before i to after j
-                        moved = cut.copy()
-                        moved[i : j + 1] += d
-                        if np.all(np.diff(moved) > 0):
+                        moved = at[:i] + [x + d for x in at[i : j + 1]] + at[j + 1 :]
+                        if moved[i - 1] < moved[i] and moved[j] < moved[j + 1]:
                             moves.append(moved)
                 if not moves:
                     break
-                moves = np.array(moves)
+                moves = np.array(moves, dtype=np.int64)
                 steps = self.evaluate(np.vstack([cut[None, :], moves]) if current is None else moves)
                 if current is None:
                     current, steps = float(steps[0]), steps[1:]
