@@ -130,6 +130,9 @@ def published(prof: Profile, cluster, batch: int) -> dict:  # noqa: ANN001
     return out
 
 
+BEFORE = ("search_wall_s", "search_cpu_s", "load", "solved")
+
+
 def load() -> float:
     return os.getloadavg()[0]
 
@@ -137,7 +140,10 @@ def load() -> float:
 def main(models: list[str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "search_paper.json"
-    rows = [r for r in (json.loads(path.read_text()) if path.exists() and models else []) if r["model"] not in models]
+    recorded = json.loads(path.read_text()) if path.exists() else []
+    rows = [r for r in (recorded if models else []) if r["model"] not in models]
+    # each row's search time as last recorded, shown beside the new one ("before"; kept once set)
+    before = {(r["model"], r["gpus"]): r.get("before") or {k: r.get(k) for k in BEFORE} for r in recorded}
     for name in models or MODELS:
         prof = Profile.load(ROOT / "profiles" / f"{name}-h100-estimate.json")
         for gpus, batch in CLUSTERS:
@@ -155,7 +161,7 @@ def main(models: list[str]) -> None:
             if res is None:
                 rows.append({"model": name, "gpus": gpus, "global_batch": batch, "load": load(), "walls": walls,
                              "search_wall_s": statistics.median(walls), "search_cpu_s": statistics.median(cpus),
-                             "infeasible_message": failed})  # fmt: skip
+                             "infeasible_message": failed, "before": before.get((name, gpus))})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             row = {"model": name, "gpus": gpus, "global_batch": batch, "load": load(),
@@ -169,7 +175,7 @@ def main(models: list[str]) -> None:
                             "pipeline_s": res.best.pipeline_time, "ideal_s": res.best.ideal_time,
                             "recompute_s": res.best.recompute_time, "p2p_s": res.best.p2p_time,
                             "reduce_s": res.best.reduce_time},
-                   "tps": list(TPS), "rules": {}}  # fmt: skip
+                   "tps": list(TPS), "rules": {}, "before": before.get((name, gpus))}  # fmt: skip
             if name == "llama-70b":
                 row["published"] = published(prof, cluster, batch)
                 w = time.perf_counter()
@@ -307,17 +313,23 @@ def write_md() -> None:
     lines += ["", "### Search time and counts", "",
               "Wall and CPU seconds of `search()` on this shared 2-core machine (load average at the end of each; the",
               "70B × 512 search is the median of 3 runs), and the layouts considered, refused by the memory bound,",
-              "left out as dominated (ZeRO 3 beside 2), pruned by the throughput bound, and solved (of which no cut fit).", "",
-              "| model | GPUs | wall s | CPU s | load | considered | memory | dominated | bound | solved (no fit) |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "left out as dominated (ZeRO 3 beside 2), pruned by the throughput bound, and solved (of which no cut fit).",
+              "'before': the same row as recorded before the search's refutation of one-chunk-per-rank layouts",
+              "(autopipe/planner/step_solver.py, steps_above), CPU s, load and layouts solved.", "",
+              "| model | GPUs | wall s | CPU s | load | before: CPU s (load; solved) | considered | memory | dominated | "
+              "bound | solved (no fit) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         walls = ", ".join(f"{w:.1f}" for w in r["walls"])
+        b = r.get("before") or {}
+        was = ("—" if b.get("search_cpu_s") is None else
+               f"{b['search_cpu_s']:.1f} ({b['load']:.1f}; {b['solved'] if b.get('solved') is not None else '—'})")
         if "infeasible_message" in r:
             lines.append(f"| {r['model']} | {r['gpus']} | {r['search_wall_s']:.1f} ({walls}) | {r['search_cpu_s']:.1f} | "
-                         f"{r['load']:.1f} | nothing fits (message above) | | | | |")
+                         f"{r['load']:.1f} | {was} | nothing fits (message above) | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['gpus']} | {r['search_wall_s']:.1f} ({walls}) | {r['search_cpu_s']:.1f} | "
-                     f"{r['load']:.1f} | {r['considered']} | {r['pruned_memory']} | {r['pruned_dominated']} | "
+                     f"{r['load']:.1f} | {was} | {r['considered']} | {r['pruned_memory']} | {r['pruned_dominated']} | "
                      f"{r['pruned_bound']} | {r['solved']} ({r['infeasible']}) |")
     lines += _tp_section(rows)
     cpu = RESULTS / "search_cpu.json"

@@ -44,8 +44,15 @@ Method: branch and bound over the enumerated layouts.
    link) and the cluster of its tp groups (topology.tp_cluster), with bounds of its own; every
    degree's layouts go into the one list below, so the best found at one degree prunes the others.
 3. Solve in order of the bound's throughput, best first; stop when the next layout's bound cannot
-   beat the ``top``-th best solved (ties are solved, not pruned). The bounds only ever overstate
-   throughput, so the best ``top`` layouts are exactly those of solving every layout.
+   beat the ``top``-th best solved (ties are solved, not pruned). Before solving a layout with one
+   chunk per rank (gpipe, 1f1b), ask the solver's own bound whether any cut that fits could step
+   within what ties the ``top``-th best (planner.partitioner.steps_above, step_solver's docstring
+   says why it is sound): its paths all end at rank 0, whose last op ends the pipeline and is
+   followed by rank 0's own data-parallel traffic, at least its chunk's gradients (per layer,
+   tied tensors taken off), so the reachability runs at that step less the tail of each end of
+   rank 0's chunk; refuted layouts are skipped unsolved (counted with the bound's prunes). The
+   bounds only ever overstate throughput, so the best ``top`` layouts are exactly those of solving
+   every layout.
 
 Complexity: enumeration O(d(N)·d(B)·schedules·ZeRO·2); each bound O(L); each solve one
 ``partition`` call (see planner/step_solver.py) plus one simulation. Counts of considered, pruned and solved

@@ -219,6 +219,7 @@ class _StepSearch:
         self.states = states  # per chunk: the (units, waiting) that can be its peak
         self.units, self.waits = state_arrays(states)
         self._wins: dict[tuple[int, int], np.ndarray] = {}  # (mode, chunk) -> its window, for this limit
+        self._seen: dict[tuple[int, ...], tuple[float, np.ndarray]] = {}  # cut -> (its step, its modes)
         self.limit = limit
         self.modes = modes
         self.weight_share = weight_share
@@ -272,16 +273,38 @@ class _StepSearch:
         if cuts.shape[0] == 0:
             return steps
         c = self.c
-        a, b = cuts[:, :-1], cuts[:, 1:]
         infl, wait = self.units, self.waits
-        mode = c.fastest_modes(a, b, infl, self.limit, self.modes, wait)
-        ok = np.all(mode >= 0, axis=1)
-        if ok.any():
-            a, b, md = a[ok], b[ok], mode[ok]
-            steps[ok] = step_times(self.schedule, forward=c.forward(a, b), backward=c.backward(a, b, md),
-                                   comm=c.comm(a, b), ranks=self.ranks, microbatches=self.m,
-                                   weight_share=self.weight_share)  # fmt: skip
-            self.simulated += int(ok.sum())
+        mode = np.empty((cuts.shape[0], self.k), dtype=np.int64)
+        # a cut simulated before (the local search's rounds revisit their neighbours' neighbours) is
+        # looked up: the same floats, as each row's simulation is its own (schedules.step_times)
+        rows = [tuple(r) for r in cuts.tolist()]
+        new = [i for i, r in enumerate(rows) if r not in self._seen]
+        for i, r in enumerate(rows):
+            if r in self._seen:
+                steps[i], mode[i] = self._seen[r]
+        if new:
+            fresh = cuts[new]
+            a, b = fresh[:, :-1], fresh[:, 1:]
+            # each distinct (chunk, start, end) once: the local search's moves leave most chunks as they were
+            span = c.n + 1
+            key = (np.arange(self.k)[None, :] * span + a) * span + b
+            uniq, inv = np.unique(key.ravel(), return_inverse=True)
+            at = uniq // (span * span)
+            fast = c.fastest_modes((uniq // span) % span, uniq % span, infl[:, 0, at], self.limit, self.modes,
+                                   wait[:, 0, at])  # fmt: skip
+            md_new = fast[inv.reshape(-1)].reshape(a.shape)
+            st_new = np.full(len(new), np.inf)
+            ok = np.all(md_new >= 0, axis=1)
+            if ok.any():
+                a, b, md = a[ok], b[ok], md_new[ok]
+                st_new[ok] = step_times(self.schedule, forward=c.forward(a, b), backward=c.backward(a, b, md),
+                                        comm=c.comm(a, b), ranks=self.ranks, microbatches=self.m,
+                                        weight_share=self.weight_share)  # fmt: skip
+                self.simulated += int(ok.sum())
+            steps[new], mode[new] = st_new, md_new
+            for j, i in enumerate(new):
+                self._seen[rows[i]] = (float(st_new[j]), md_new[j])
+        if np.isfinite(steps).any():
             self._offer(steps, cuts, mode, infl, wait)
         return steps
 
