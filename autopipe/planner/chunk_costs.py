@@ -313,6 +313,18 @@ class ChunkCosts:
             window = self._windows[key] = self._window_start(mode, inflight, limit, position, waiting)
         return window
 
+    def window_is_exact(self, mode: int, inflight: int, position: str = "middle", waiting: int = 0) -> bool:
+        """Whether ``window_start`` admits every chunk that fits, not only some: its envelopes of the
+        buffer terms are the terms themselves, i.e. ``q[a] - buf_in[a]`` never falls as a grows (a >= 1)
+        and, for a middle chunk, ``q[b] + buf_out[b]`` never falls as b grows, q the prefix bytes under
+        (mode, inflight, waiting) (a transformer's equal hidden states: always). The first chunk's is."""
+        if position in ("first", "only"):
+            return True
+        q = self.static_prefix + inflight * self.kept[mode] + waiting * self.hold_extra[mode]
+        if not bool(np.all(np.diff((q - self.buf_in)[1:]) >= 0)):
+            return False
+        return position != "middle" or bool(np.all(np.diff(q + self.buf_out) >= 0))
+
     def _window_start(self, mode: int, inflight: int, limit: int, position: str, waiting: int) -> np.ndarray:
         n = self.n
         b = np.arange(n + 1)

@@ -155,7 +155,8 @@ def steps_above(
     Why it is sound: a cut whose simulated step is at most ``step`` has every dwell path of every
     stage at most ``step`` (each path weighs at most the step, step_bound's module docstring) and
     fits the limit, so it is a walk through the reachability at ``step``; when L is not reachable
-    there is no such cut. The simple and flat bounds (``_simple_bound``, ``_flat_bound``) hold for
+    there is no such cut (the windows admit every chunk that fits, ChunkCosts.window_is_exact; where
+    they do not, nothing is refuted). The simple and flat bounds (``_simple_bound``, ``_flat_bound``) hold for
     every cut too. With ``after``: every one of those paths ends at an op of rank 0 (a dwell path
     leaves by the backwards of the stages before it, or by a round trip, both down to stage 0; a
     rank's own order, M·t_s, is followed by its last backward's way down to stage 0), so each weighs
@@ -179,6 +180,9 @@ def steps_above(
         costs = costs.restrict(cuts)
     if not 1 <= ranks <= costs.n:
         return False  # the solve says what is wrong
+    if limit is not None and not all(costs.window_is_exact(md, u, position(s, ranks), w)
+                                     for s in range(ranks) for md in modes for u, w in states[s]):  # fmt: skip
+        return False  # the windows refuse some chunk that fits (a cut size falling): they prove nothing here
     search = _StepSearch(costs, schedule, ranks, 1, microbatches, [tuple(x) for x in states], limit, tuple(modes), 0.5)
     if after is None:
         return search.lb > step or search.reach_at(step) is None
