@@ -254,14 +254,16 @@ def _tp_section(rows: list[dict]) -> list[str]:
 
 # The reading of the tables above, in the model's terms (written from the recorded figures).
 TP_NOTES = {
-    "search": ("Search time. With tp 1, 2, 4, 8 the 70B × 512 search considers 2,444 layouts and solves 254 (94 of them "
-               "refused by one reachability, no cut fitting): median 45.1 CPU s over 3 runs (walls 139.9, 76.3, 57.0 s "
-               "at load 3.3-8.6 on this shared 2-core machine), short of the 10 s asked. At tp 1 alone it solves 62 "
-               "layouts (10.4 CPU s at load 4.1) where the code before this branch solved 104 (7.4 CPU s at load 1.4; "
-               "the 4.2 s recorded earlier was an older version's, whose best layout differs too), and 7B × 64 at tp 1 solves 117 "
-               "layouts instead of 420 (22 CPU s instead of 71), the same best: the bound's send/recv, fill and "
-               "recompute terms. What is left is the partition solve itself (~0.3 s each at 70B) over layouts whose "
-               "bound stays above the best: deep zbv/interleaved pipelines whose bubble the bound only counts as fill."),
+    "search": ("Search time. With tp 1, 2, 4, 8 the 70B × 512 search considers 2,444 layouts and solves 212 (94 of them "
+               "refused by one reachability, no cut fitting) where it solved 254: median 31.7 CPU s over 3 runs "
+               "(walls 127.6, 95.7, 85.8 s at load 4.6-11 on this shared 2-core machine; 45.1 CPU s before), the same "
+               "best layout and figures, still short of the 10 s asked. What changed: a layout with one chunk per "
+               "rank (gpipe, 1f1b) that must beat the top ones is first refuted by the solver's own bound at the "
+               "tying step, rank 0's data-parallel tail coupled to the end of its chunk (step_solver.steps_above), "
+               "and the solver simulates each cut once and checks each distinct chunk's memory once. What is left: "
+               "interleaved and zbv layouts (about 60 % of what is solved), whose bound here counts their bubble "
+               "only as fill; a weighted-path bound for them (each rank's fill, chain and drain, dual weights found by "
+               "an LP) was tried and stayed 10-25 % under their solved steps, so it pruned almost nothing."),
     512: ("Why they differ on 512. With sequence parallelism the search's tp 8 × 8 stages × 8 replicas, zbv, beats "
           "NeMo's TP 4 × PP 8 × VP 5 by 11% and the Llama 3 layout by 9%: at tp 8 a rank holds an eighth of its "
           "stage's weights and (under SP) of its activations, so nothing is recomputed (NeMo's TP 4 needs selective "
