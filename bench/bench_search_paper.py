@@ -130,6 +130,9 @@ def published(prof: Profile, cluster, batch: int) -> dict:  # noqa: ANN001
     return out
 
 
+BEFORE = ("search_wall_s", "search_cpu_s", "load", "solved")
+
+
 def load() -> float:
     return os.getloadavg()[0]
 
@@ -137,7 +140,10 @@ def load() -> float:
 def main(models: list[str]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "search_paper.json"
-    rows = [r for r in (json.loads(path.read_text()) if path.exists() and models else []) if r["model"] not in models]
+    recorded = json.loads(path.read_text()) if path.exists() else []
+    rows = [r for r in (recorded if models else []) if r["model"] not in models]
+    # each row's search time as last recorded, shown beside the new one ("before"; kept once set)
+    before = {(r["model"], r["gpus"]): r.get("before") or {k: r.get(k) for k in BEFORE} for r in recorded}
     for name in models or MODELS:
         prof = Profile.load(ROOT / "profiles" / f"{name}-h100-estimate.json")
         for gpus, batch in CLUSTERS:
@@ -155,7 +161,7 @@ def main(models: list[str]) -> None:
             if res is None:
                 rows.append({"model": name, "gpus": gpus, "global_batch": batch, "load": load(), "walls": walls,
                              "search_wall_s": statistics.median(walls), "search_cpu_s": statistics.median(cpus),
-                             "infeasible_message": failed})  # fmt: skip
+                             "infeasible_message": failed, "before": before.get((name, gpus))})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             row = {"model": name, "gpus": gpus, "global_batch": batch, "load": load(),
@@ -169,7 +175,7 @@ def main(models: list[str]) -> None:
                             "pipeline_s": res.best.pipeline_time, "ideal_s": res.best.ideal_time,
                             "recompute_s": res.best.recompute_time, "p2p_s": res.best.p2p_time,
                             "reduce_s": res.best.reduce_time},
-                   "tps": list(TPS), "rules": {}}  # fmt: skip
+                   "tps": list(TPS), "rules": {}, "before": before.get((name, gpus))}  # fmt: skip
             if name == "llama-70b":
                 row["published"] = published(prof, cluster, batch)
                 w = time.perf_counter()
@@ -248,14 +254,16 @@ def _tp_section(rows: list[dict]) -> list[str]:
 
 # The reading of the tables above, in the model's terms (written from the recorded figures).
 TP_NOTES = {
-    "search": ("Search time. With tp 1, 2, 4, 8 the 70B × 512 search considers 2,444 layouts and solves 254 (94 of them "
-               "refused by one reachability, no cut fitting): median 45.1 CPU s over 3 runs (walls 139.9, 76.3, 57.0 s "
-               "at load 3.3-8.6 on this shared 2-core machine), short of the 10 s asked. At tp 1 alone it solves 62 "
-               "layouts (10.4 CPU s at load 4.1) where the code before this branch solved 104 (7.4 CPU s at load 1.4; "
-               "the 4.2 s recorded earlier was an older version's, whose best layout differs too), and 7B × 64 at tp 1 solves 117 "
-               "layouts instead of 420 (22 CPU s instead of 71), the same best: the bound's send/recv, fill and "
-               "recompute terms. What is left is the partition solve itself (~0.3 s each at 70B) over layouts whose "
-               "bound stays above the best: deep zbv/interleaved pipelines whose bubble the bound only counts as fill."),
+    "search": ("Search time. With tp 1, 2, 4, 8 the 70B × 512 search considers 2,444 layouts and solves 212 (94 of them "
+               "refused by one reachability, no cut fitting) where it solved 254: median 31.7 CPU s over 3 runs "
+               "(walls 127.6, 95.7, 85.8 s at load 4.6-11 on this shared 2-core machine; 45.1 CPU s before), the same "
+               "best layout and figures, still short of the 10 s asked. What changed: a layout with one chunk per "
+               "rank (gpipe, 1f1b) that must beat the top ones is first refuted by the solver's own bound at the "
+               "tying step, rank 0's data-parallel tail coupled to the end of its chunk (step_solver.steps_above), "
+               "and the solver simulates each cut once and checks each distinct chunk's memory once. What is left: "
+               "interleaved and zbv layouts (about 60 % of what is solved), whose bound here counts their bubble "
+               "only as fill; a weighted-path bound for them (each rank's fill, chain and drain, dual weights found by "
+               "an LP) was tried and stayed 10-25 % under their solved steps, so it pruned almost nothing."),
     512: ("Why they differ on 512. With sequence parallelism the search's tp 8 × 8 stages × 8 replicas, zbv, beats "
           "NeMo's TP 4 × PP 8 × VP 5 by 11% and the Llama 3 layout by 9%: at tp 8 a rank holds an eighth of its "
           "stage's weights and (under SP) of its activations, so nothing is recomputed (NeMo's TP 4 needs selective "
@@ -307,17 +315,23 @@ def write_md() -> None:
     lines += ["", "### Search time and counts", "",
               "Wall and CPU seconds of `search()` on this shared 2-core machine (load average at the end of each; the",
               "70B × 512 search is the median of 3 runs), and the layouts considered, refused by the memory bound,",
-              "left out as dominated (ZeRO 3 beside 2), pruned by the throughput bound, and solved (of which no cut fit).", "",
-              "| model | GPUs | wall s | CPU s | load | considered | memory | dominated | bound | solved (no fit) |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "left out as dominated (ZeRO 3 beside 2), pruned by the throughput bound, and solved (of which no cut fit).",
+              "'before': the same row as recorded before the search's refutation of one-chunk-per-rank layouts",
+              "(autopipe/planner/step_solver.py, steps_above), CPU s, load and layouts solved.", "",
+              "| model | GPUs | wall s | CPU s | load | before: CPU s (load; solved) | considered | memory | dominated | "
+              "bound | solved (no fit) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         walls = ", ".join(f"{w:.1f}" for w in r["walls"])
+        b = r.get("before") or {}
+        was = ("—" if b.get("search_cpu_s") is None else
+               f"{b['search_cpu_s']:.1f} ({b['load']:.1f}; {b['solved'] if b.get('solved') is not None else '—'})")
         if "infeasible_message" in r:
             lines.append(f"| {r['model']} | {r['gpus']} | {r['search_wall_s']:.1f} ({walls}) | {r['search_cpu_s']:.1f} | "
-                         f"{r['load']:.1f} | nothing fits (message above) | | | | |")
+                         f"{r['load']:.1f} | {was} | nothing fits (message above) | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['gpus']} | {r['search_wall_s']:.1f} ({walls}) | {r['search_cpu_s']:.1f} | "
-                     f"{r['load']:.1f} | {r['considered']} | {r['pruned_memory']} | {r['pruned_dominated']} | "
+                     f"{r['load']:.1f} | {was} | {r['considered']} | {r['pruned_memory']} | {r['pruned_dominated']} | "
                      f"{r['pruned_bound']} | {r['solved']} ({r['infeasible']}) |")
     lines += _tp_section(rows)
     cpu = RESULTS / "search_cpu.json"

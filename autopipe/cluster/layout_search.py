@@ -44,8 +44,15 @@ Method: branch and bound over the enumerated layouts.
    link) and the cluster of its tp groups (topology.tp_cluster), with bounds of its own; every
    degree's layouts go into the one list below, so the best found at one degree prunes the others.
 3. Solve in order of the bound's throughput, best first; stop when the next layout's bound cannot
-   beat the ``top``-th best solved (ties are solved, not pruned). The bounds only ever overstate
-   throughput, so the best ``top`` layouts are exactly those of solving every layout.
+   beat the ``top``-th best solved (ties are solved, not pruned). Before solving a layout with one
+   chunk per rank (gpipe, 1f1b), ask the solver's own bound whether any cut that fits could step
+   within what ties the ``top``-th best (planner.partitioner.steps_above, step_solver's docstring
+   says why it is sound): its paths all end at rank 0, whose last op ends the pipeline and is
+   followed by rank 0's own data-parallel traffic, at least its chunk's gradients (per layer,
+   tied tensors taken off), so the reachability runs at that step less the tail of each end of
+   rank 0's chunk; refuted layouts are skipped unsolved (counted with the bound's prunes). The
+   bounds only ever overstate throughput, so the best ``top`` layouts are exactly those of solving
+   every layout.
 
 Complexity: enumeration O(d(N)·d(B)·schedules·ZeRO·2); each bound O(L); each solve one
 ``partition`` call (see planner/step_solver.py) plus one simulation. Counts of considered, pruned and solved
@@ -63,14 +70,16 @@ from ..costs.layer_costs import Profile
 from ..costs.rescale import profiled_microbatch, scale_microbatch
 from ..errors import AutopipeError, InfeasibleMemoryError
 from ..planner.cost_model import cpu_rank_excess
-from ..planner.partitioner import fits_memory, resolve_limit
+from ..planner.memory import layer_memory
+from ..planner.options import PartitionOptions
+from ..planner.partitioner import fits_memory, resolve_limit, steps_above
 from ..planner.targets import restricted_cuts, target_info
 from ..progress import Progress, progress_for
 from ..units import format_bytes
 from ..costs.tp import check_tp
 from .evaluate import SearchBounds, evaluate, tp_view
 from .layouts import SEARCH_SCHEDULES, Layout, SearchResult, enumerate_layouts
-from .topology import Cluster, tp_cluster
+from .topology import Cluster, dp_reduce_time, place, tp_cluster
 
 __all__ = ["search", "target_layouts", "why_nothing_fits"]
 
@@ -141,6 +150,26 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     todo.sort(key=lambda x: (-x.bound, x.key()))
     found: list[Layout] = []
     solved = infeasible = pruned_bound = 0
+    per_size: dict[tuple[int, int, int], Profile] = {}
+
+    fitting: dict[tuple, bool] = {}
+
+    def fits(x: Layout) -> bool:
+        """fits_memory for x, once for the layouts that differ in placement alone (it prices no link)."""
+        key = (x.tp, x.ep, x.microbatch_size, x.stages, x.microbatches, x.schedule, x.virtual_stages, x.dp, x.zero)
+        if key not in fitting:
+            fitting[key] = fits_memory(scaled(x), x.stages, microbatches=x.microbatches, schedule=x.schedule,
+                                       virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
+                                       recompute=recompute, dp=x.dp, zero=x.zero, cuts=cuts)  # fmt: skip
+        return fitting[key]
+
+    def scaled(x: Layout) -> Profile:
+        """The profile a rank of x's tp/ep view sees at x's micro-batch size, once per (tp, ep, size)."""
+        key = (x.tp, x.ep, x.microbatch_size)
+        if key not in per_size:
+            per_size[key] = scale_microbatch(views[x.tp, x.ep][0], x.microbatch_size)
+        return per_size[key]
+
     with progress_for(progress).phase("search", total=len(todo), unit="layouts solved") as phase:
         for i, x in enumerate(todo):
             prof_t, bounds, cache = views[x.tp, x.ep]
@@ -155,12 +184,17 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
                 if bounds.throughput_with_recompute(x, scale) < kth * (1 - 1e-12):
                     pruned_bound += 1
                     continue
+                # one chunk per rank: the solver's own bound at the step that would tie the top ones (step 3)
+                # (each of its paths ends at rank 0, which then reduces what its chunk holds)
+                tie = x.global_batch / (kth * (1 - 1e-12)) * (1 + 1e-9)
+                if x.virtual_stages == 1 and steps_above(
+                        scaled(x), _options(x, bounds, limit, optimizer, recompute, weight_share, target), tie,
+                        _reduce_seconds(x, scaled(x), bounds.cluster, optimizer)):  # fmt: skip
+                    pruned_bound += 1
+                    continue
             solved += 1
             phase.advance(what=x.label)
-            if limit is not None and not fits_memory(
-                    scale_microbatch(prof_t, x.microbatch_size), x.stages, microbatches=x.microbatches,
-                    schedule=x.schedule, virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
-                    recompute=recompute, dp=x.dp, zero=x.zero, cuts=cuts):  # fmt: skip
+            if limit is not None and not fits(x):
                 infeasible += 1  # no cut fits: known from one reachability, no solve (or explanation) needed
                 continue
             try:
@@ -191,6 +225,28 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
         pruned_memory=pruned_memory, pruned_bound=pruned_bound, pruned_dominated=dominated, solved=solved, infeasible=infeasible,
         seconds=time.perf_counter() - clock, top=top, plan=plan,
     )  # fmt: skip
+
+
+def _reduce_seconds(x: Layout, profile: Profile, cluster: Cluster, optimizer: str | None) -> list[float]:
+    """Per layer, at most the seconds it adds to its rank's data-parallel traffic under x (evaluate's
+    ``reduce_r``): the traffic is linear in bytes (topology.dp_reduce_time), and a tied tensor, reduced
+    once per rank, is taken off every layer that uses it (so a rank is never charged more)."""
+    lm = layer_memory(profile, optimizer)
+    g, w = list(lm.gradients), list(lm.weights)
+    for _size, users, tw, tg, *_ in lm.tied:
+        for i in users:
+            g[i], w[i] = g[i] - tg, w[i] - tw
+    bw = place(cluster, stages=x.stages, dp=x.dp, order=x.placement).dp_bandwidth
+    return [dp_reduce_time(gi, wi, x.dp, bw, x.zero) for gi, wi in zip(g, w)]
+
+
+def _options(x: Layout, bounds: SearchBounds, limit: int | None, optimizer: str | None, recompute: str,
+             weight_share: float | None, target: str | None) -> PartitionOptions:
+    """What ``evaluate`` asks ``partition`` for layout x under its limit (its p2p link the placement's)."""
+    bw = None if x.stages == 1 else place(bounds.cluster, stages=x.stages, dp=x.dp, order=x.placement).p2p_bandwidth
+    return PartitionOptions(x.stages, microbatches=x.microbatches, schedule=x.schedule, memory_limit=limit,
+                            virtual_stages=x.virtual_stages, optimizer=optimizer, recompute=recompute, bandwidth=bw,
+                            weight_share=weight_share, target=target, dp=x.dp, zero=x.zero)  # fmt: skip
 
 
 def target_layouts(profile: Profile, target: str, schedules: Sequence[tuple[str, int]],

@@ -171,6 +171,7 @@ class ChunkCosts:
                                 and all(np.all(np.diff(x) >= 0) for x in extra))  # fmt: skip
         self._windows: dict[tuple[int, int, int], np.ndarray] = {}
         self._window_limit: int | None = None
+        self._hold_ranges: dict[int, tuple[float, float]] = {}
         self.positions = np.arange(n + 1)  # this object's boundary j is layer positions[j] of the model
 
     # ---- cuts an engine allows ---------------------------------------------------------------------
@@ -208,7 +209,7 @@ class ChunkCosts:
         # a group's one-layer peak: the largest of its layers' (max over a chunk is max over its groups)
         out._tables = [_SparseMax(np.asarray(t.query(p[:-1], p[1:]), dtype=t.table.dtype)) for t in self._tables]
         out.buf_in, out.buf_out = self.buf_in[p], self.buf_out[p]
-        out._windows, out._window_limit = {}, None
+        out._windows, out._window_limit, out._hold_ranges = {}, None, {}
         return out
 
     # ---- time -----------------------------------------------------------------------------------
@@ -266,7 +267,13 @@ class ChunkCosts:
 
     def hold_range(self, mode: int) -> tuple[float, float]:
         """The least and the largest ratio of a waiting unit's bytes to a held one's that any chunk
-        can have under ``mode``: a chunk's ratio (sums over its layers) lies between its layers'."""
+        can have under ``mode``: a chunk's ratio (sums over its layers) lies between its layers'.
+        Once per mode (every window asks it)."""
+        if mode not in self._hold_ranges:
+            self._hold_ranges[mode] = self._hold_range(mode)
+        return self._hold_ranges[mode]
+
+    def _hold_range(self, mode: int) -> tuple[float, float]:
         kept = np.diff(self.kept[mode])
         hold = kept + np.diff(self.hold_extra[mode])
         some = (kept > 0) | (hold > 0)
@@ -305,6 +312,18 @@ class ChunkCosts:
                 self._window_limit = limit
             window = self._windows[key] = self._window_start(mode, inflight, limit, position, waiting)
         return window
+
+    def window_is_exact(self, mode: int, inflight: int, position: str = "middle", waiting: int = 0) -> bool:
+        """Whether ``window_start`` admits every chunk that fits, not only some: its envelopes of the
+        buffer terms are the terms themselves, i.e. ``q[a] - buf_in[a]`` never falls as a grows (a >= 1)
+        and, for a middle chunk, ``q[b] + buf_out[b]`` never falls as b grows, q the prefix bytes under
+        (mode, inflight, waiting) (a transformer's equal hidden states: always). The first chunk's is."""
+        if position in ("first", "only"):
+            return True
+        q = self.static_prefix + inflight * self.kept[mode] + waiting * self.hold_extra[mode]
+        if not bool(np.all(np.diff((q - self.buf_in)[1:]) >= 0)):
+            return False
+        return position != "middle" or bool(np.all(np.diff(q + self.buf_out) >= 0))
 
     def _window_start(self, mode: int, inflight: int, limit: int, position: str, waiting: int) -> np.ndarray:
         n = self.n

@@ -48,10 +48,11 @@ from .refusals import chunk_need, explain_infeasible, fits_sentence, recompute_h
 from .schedules import check_weight_share, chunk_ranks, shared_step, simulate
 from .step_bound import fits
 from .step_solver import TIE, NoCutFits, StepSolution, solve_step
+from .step_solver import steps_above as _steps_above
 from .targets import check_cut_allowed, explain_restricted, restricted_cuts, target_info
 
 __all__ = ["partition", "compare_baselines", "fits_memory", "resolve_limit", "zero_choices", "check_bounds",
-           "names_to_bounds", "DEFAULT_BANDWIDTH", "PartitionOptions"]
+           "names_to_bounds", "steps_above", "DEFAULT_BANDWIDTH", "PartitionOptions"]
 
 
 def partition(
@@ -289,6 +290,38 @@ def fits_memory(profile: Profile, stages: int, *, microbatches: int, schedule: s
     k = stages * virtual_stages
     return chunk_limit > 0 and k <= costs.n and fits(costs, k, limit=chunk_limit, modes=model.allowed(recompute),
                                                      states=states)  # fmt: skip
+
+
+def _model_for_bounds(profile: Profile, opts: PartitionOptions) -> tuple[CostModel, CutRequest] | None:
+    """The cost model and request ``partition`` solves for autopipe's own cut at one ZeRO stage, or None
+    where it solves something else (a fixed cut, a baseline, several ZeRO stages, a one-mode engine)
+    or refuses the limit outright."""
+    if (opts.method != "autopipe" or opts.boundaries is not None or opts.stage_names is not None
+            or len(opts.zero_stages) != 1 or (opts.target is not None and opts.recompute == "auto"
+                                              and not target_info(opts.target).per_stage_recompute)):  # fmt: skip
+        return None
+    req = _request(profile, opts)
+    engine, bandwidth = _engine_and_link(profile, opts)
+    model = CostModel(profile, opts.optimizer, bandwidth, req.schedule, req.m, dp=opts.dp, zero=opts.zero_stages[0],
+                      engine=engine)  # fmt: skip
+    if req.limit is not None and model.budget(req.limit, req.stages) // req.v <= 0:
+        return None  # partition explains this one
+    return model, req
+
+
+def steps_above(profile: Profile, options: PartitionOptions, step: float, after: Sequence[float] | None = None) -> bool:
+    """Whether every cut ``partition(profile, options=options)`` could return steps longer than ``step``
+    (simulated pipeline step, seconds), proven by the solver's bound at ``step`` without solving
+    (step_solver.steps_above: one chunk per rank, one ZeRO stage, autopipe's own cut); False where
+    that is not proven (virtual stages, a fixed cut or a baseline, ZeRO "auto", a one-mode engine).
+    ``after``: seconds per layer rank 0 adds after its last op (step_solver.steps_above)."""
+    model_req = _model_for_bounds(profile, options) if options.v == 1 else None
+    if model_req is None:
+        return False
+    model, req = model_req
+    return _steps_above(model.costs, req.schedule, step, ranks=req.stages, microbatches=req.m, states=req.states,
+                        limit=_chunk_limit(model, req), modes=model.allowed(req.recompute), cuts=req.cuts,
+                        after=after)  # fmt: skip
 
 
 def resolve_limit(profile: Profile, memory_limit: int | str | None) -> tuple[int | None, str]:

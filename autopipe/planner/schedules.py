@@ -315,7 +315,13 @@ def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) 
     M for GPipe, min(S - s, M) for 1F1B, and for zbv what torch's ZBVZeroBubble order holds from F
     to W (``zbv_order``).
     """
-    schedule = check_schedule(schedule, ranks, virtual, microbatches)
+    return list(_inflight_counts(check_schedule(schedule, ranks, virtual, microbatches), ranks, virtual, microbatches))
+
+
+@lru_cache(maxsize=1024)
+def _inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) -> tuple[int, ...]:
+    """``inflight_counts`` once per shape: the cluster search asks it of every layout (thousands, a few
+    hundred shapes), and reading a 64-stage order of 128 micro-batches costs milliseconds."""
     k = ranks * virtual
     peak = [0] * k
     for order in fixed_orders(schedule, ranks, virtual, microbatches):
@@ -327,7 +333,7 @@ def inflight_counts(schedule: str, ranks: int, virtual: int, microbatches: int) 
                 peak[c] = max(peak[c], held[c])
             elif kind == "W" or not split:
                 held[c] -= 1
-    return peak
+    return tuple(peak)
 
 
 def _walk(order: list[tuple[str, int, int]]):  # noqa: ANN202 (a generator of the two dicts)

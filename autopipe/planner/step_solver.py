@@ -69,7 +69,7 @@ from .step_bound import (
     walk,
 )
 
-__all__ = ["StepSolution", "solve_step", "NoCutFits"]
+__all__ = ["StepSolution", "solve_step", "NoCutFits", "steps_above"]
 
 # Simulating all cuts costs (cuts x ops) op evaluations; up to this many it is done outright.
 ENUMERATE_WORK = 30_000_000
@@ -134,6 +134,69 @@ def solve_step(
     return replace(sol, boundaries=tuple(int(costs.positions[b]) for b in sol.boundaries))
 
 
+def steps_above(
+    costs: ChunkCosts,
+    schedule: str,
+    step: float,
+    *,
+    ranks: int,
+    microbatches: int,
+    states: Sequence[Sequence[tuple[int, int]]],
+    limit: int | None = None,
+    modes: Sequence[int] = (0,),
+    cuts: Sequence[int] | None = None,
+    after: Sequence[float] | None = None,
+) -> bool:
+    """Whether every cut into ``ranks`` chunks (one per rank) that fits steps longer than ``step``:
+    proven, never guessed, by the bound ``solve_step`` bisects on, at ``step``. With ``after``
+    (seconds per layer that rank 0 spends on the layers it holds once its last op is done, e.g. its
+    data-parallel traffic) the step is rank 0's end plus that.
+
+    Why it is sound: a cut whose simulated step is at most ``step`` has every dwell path of every
+    stage at most ``step`` (each path weighs at most the step, step_bound's module docstring) and
+    fits the limit, so it is a walk through the reachability at ``step``; when L is not reachable
+    there is no such cut (the windows admit every chunk that fits, ChunkCosts.window_is_exact; where
+    they do not, nothing is refuted). The simple and flat bounds (``_simple_bound``, ``_flat_bound``) hold for
+    every cut too. With ``after``: every one of those paths ends at an op of rank 0 (a dwell path
+    leaves by the backwards of the stages before it, or by a round trip, both down to stage 0; a
+    rank's own order, M·t_s, is followed by its last backward's way down to stage 0), so each weighs
+    at most when rank 0's last op ends, and the step is at least that plus rank 0's ``after``: for
+    each end b_1 of the first chunk, the reachability at ``step - Σ after[0:b_1]`` from that b_1
+    alone; none reaching L refutes every cut. False means only "not refuted" (with virtual stages
+    nothing is tried). The cluster search asks this before solving a layout that must beat the best
+    it has solved (autopipe/cluster/layout_search.py), so most layouts cost a few reachabilities
+    instead of a solve.
+
+    Example:
+        >>> c = ChunkCosts(forward=[1, 1, 1, 1], backward=[2, 2, 2, 2])
+        >>> st = [((1, 0),), ((1, 0),)]
+        >>> sol = solve_step(c, "1f1b", ranks=2, microbatches=2, states=st)
+        >>> steps_above(c, "1f1b", sol.step * 0.999, ranks=2, microbatches=2, states=st), \
+        ...     steps_above(c, "1f1b", sol.step, ranks=2, microbatches=2, states=st)
+        (True, False)
+    """
+    schedule = check_schedule(schedule, ranks, 1, microbatches)
+    if cuts is not None:
+        costs = costs.restrict(cuts)
+    if not 1 <= ranks <= costs.n:
+        return False  # the solve says what is wrong
+    if limit is not None and not all(costs.window_is_exact(md, u, position(s, ranks), w)
+                                     for s in range(ranks) for md in modes for u, w in states[s]):  # fmt: skip
+        return False  # the windows refuse some chunk that fits (a cut size falling): they prove nothing here
+    search = _StepSearch(costs, schedule, ranks, 1, microbatches, [tuple(x) for x in states], limit, tuple(modes), 0.5)
+    if after is None:
+        return search.lb > step or search.reach_at(step) is None
+    # rank 0's tail for each end of its chunk (at the positions of the allowed cuts when restricted)
+    tail = np.concatenate([[0.0], np.cumsum(np.asarray(after, dtype=np.float64))])[costs.positions]
+    for b1 in range(1, costs.n - ranks + 2):
+        v = step - float(tail[b1])
+        if search.lb > v and bool(np.all(np.diff(tail[b1:]) >= 0)):
+            return True  # no cut steps under v, and a later b_1 leaves no more
+        if search.lb <= v and search.reach_at(v, first_end=b1) is not None:
+            return False
+    return True
+
+
 # ---- the search ----------------------------------------------------------------------------------------
 
 # Local search: boundary moves of these sizes, while the simulated work stays under LOCAL_WORK ops.
@@ -160,6 +223,7 @@ class _StepSearch:
         self.states = states  # per chunk: the (units, waiting) that can be its peak
         self.units, self.waits = state_arrays(states)
         self._wins: dict[tuple[int, int], np.ndarray] = {}  # (mode, chunk) -> its window, for this limit
+        self._seen: dict[tuple[int, ...], tuple[float, np.ndarray]] = {}  # cut -> (its step, its modes)
         self.limit = limit
         self.modes = modes
         self.weight_share = weight_share
@@ -213,16 +277,38 @@ class _StepSearch:
         if cuts.shape[0] == 0:
             return steps
         c = self.c
-        a, b = cuts[:, :-1], cuts[:, 1:]
         infl, wait = self.units, self.waits
-        mode = c.fastest_modes(a, b, infl, self.limit, self.modes, wait)
-        ok = np.all(mode >= 0, axis=1)
-        if ok.any():
-            a, b, md = a[ok], b[ok], mode[ok]
-            steps[ok] = step_times(self.schedule, forward=c.forward(a, b), backward=c.backward(a, b, md),
-                                   comm=c.comm(a, b), ranks=self.ranks, microbatches=self.m,
-                                   weight_share=self.weight_share)  # fmt: skip
-            self.simulated += int(ok.sum())
+        mode = np.empty((cuts.shape[0], self.k), dtype=np.int64)
+        # a cut simulated before (the local search's rounds revisit their neighbours' neighbours) is
+        # looked up: the same floats, as each row's simulation is its own (schedules.step_times)
+        rows = [tuple(r) for r in cuts.tolist()]
+        new = [i for i, r in enumerate(rows) if r not in self._seen]
+        for i, r in enumerate(rows):
+            if r in self._seen:
+                steps[i], mode[i] = self._seen[r]
+        if new:
+            fresh = cuts[new]
+            a, b = fresh[:, :-1], fresh[:, 1:]
+            # each distinct (chunk, start, end) once: the local search's moves leave most chunks as they were
+            span = c.n + 1
+            key = (np.arange(self.k)[None, :] * span + a) * span + b
+            uniq, inv = np.unique(key.ravel(), return_inverse=True)
+            at = uniq // (span * span)
+            fast = c.fastest_modes((uniq // span) % span, uniq % span, infl[:, 0, at], self.limit, self.modes,
+                                   wait[:, 0, at])  # fmt: skip
+            md_new = fast[inv.reshape(-1)].reshape(a.shape)
+            st_new = np.full(len(new), np.inf)
+            ok = np.all(md_new >= 0, axis=1)
+            if ok.any():
+                a, b, md = a[ok], b[ok], md_new[ok]
+                st_new[ok] = step_times(self.schedule, forward=c.forward(a, b), backward=c.backward(a, b, md),
+                                        comm=c.comm(a, b), ranks=self.ranks, microbatches=self.m,
+                                        weight_share=self.weight_share)  # fmt: skip
+                self.simulated += int(ok.sum())
+            steps[new], mode[new] = st_new, md_new
+            for j, i in enumerate(new):
+                self._seen[rows[i]] = (float(st_new[j]), md_new[j])
+        if np.isfinite(steps).any():
             self._offer(steps, cuts, mode, infl, wait)
         return steps
 
@@ -318,15 +404,21 @@ class _StepSearch:
             out = lo if out is None else np.minimum(out, lo)
         return out
 
-    def reach_at(self, v: float | None, only: int | None = None) -> list[np.ndarray] | None:
-        """R_0..R_K at bound v (None: memory only) with the first ``only`` modes (None: all)."""
+    def reach_at(self, v: float | None, only: int | None = None, first_end: int | None = None) -> list[np.ndarray] | None:
+        """R_0..R_K at bound v (None: memory only) with the first ``only`` modes (None: all); with
+        ``first_end``, the first chunk ends there and nowhere else."""
         self.probes += 1
         span = None
         if v is not None:  # the compute alone bounds how far a stage reaches: scale·(P[b] - P[a]) <= v
             p = self.c.pf + self.c.pb
             reach_t = v / self.scale * (1 + 1e-12)
             span = lambda last: int(np.searchsorted(p, p[last] + reach_t, side="right")) - 1  # noqa: E731
-        return reach(self.c.n, self.k, lambda s, b, first: self.lo(s, b, v, first, only), span, self._finish(v, only))
+        lo_of = lambda s, b, first: self.lo(s, b, v, first, only)  # noqa: E731
+        if first_end is not None:
+            plain = lo_of
+            lo_of = lambda s, b, first: (np.where(b == first_end, plain(s, b, first), b) if s == 0  # noqa: E731
+                                         else plain(s, b, first))  # fmt: skip
+        return reach(self.c.n, self.k, lo_of, span, self._finish(v, only))
 
     def _finish(self, v: float | None, only: int | None):
         """need[left]: the least position from which the last ``left`` stages can still reach L.
@@ -349,9 +441,11 @@ class _StepSearch:
         out = b
         for i, md in enumerate(self.modes[:only]):
             lo = 0 if self.limit is None else int(self._window(md, s)[b])
-            if v is not None:
+            if v is not None and lo < out:  # (terms only raise lo: once at out, this mode cannot lower it)
                 lo = max(lo, bisect.bisect_left(self._g_list[i], self._h_right_list[i][b] - v / self.scale))
                 for g, right in self._arrays_list[s][i] if self._arrays_list is not None else ():
+                    if lo >= out:
+                        break
                     lo = max(lo, bisect.bisect_left(g, right[b] - v))
             out = min(out, lo)
         return out
@@ -423,34 +517,36 @@ class _StepSearch:
         shifts = [(di, dj) for di in (-3, -2, -1, 1, 2, 3) for dj in (-3, -2, -1, 1, 2, 3)]
         per_round = (2 * (self.k - 1) * len(MOVES) + len(pairs) * (len(shifts) + 2)) * self.ops
         rounds = LOCAL_WORK // max(per_round, 1)
-        for cut in starts:
-            cut = np.array(cut)
+        for start in starts:
+            cut = np.array(start)
             current = None
             while rounds > 0:
                 rounds -= 1
                 moves = []
+                # plain lists: the cut is strictly increasing, so a move keeps it so when the moved
+                # boundaries stay strictly between their neighbours (checked there alone)
+                at = [int(x) for x in cut]
                 for j in range(1, self.k):
                     for d in MOVES:
-                        for x in (cut[j] - d, cut[j] + d):
-                            if cut[j - 1] < x < cut[j + 1]:
-                                moved = cut.copy()
+                        for x in (at[j] - d, at[j] + d):
+                            if at[j - 1] < x < at[j + 1]:
+                                moved = at.copy()
                                 moved[j] = x
                                 moves.append(moved)
                 for i, j in pairs:  # two boundaries at once: work moves between chunks that are not neighbours
                     for di, dj in shifts:
-                        moved = cut.copy()
+                        moved = at.copy()
                         moved[i] += di
                         moved[j] += dj
-                        if np.all(np.diff(moved) > 0):
+                        if moved[i - 1] < moved[i] < moved[i + 1] and moved[j - 1] < moved[j] < moved[j + 1]:
                             moves.append(moved)
                     for d in (-1, 1):  # or every boundary from i to j: one layer from before i to after j
-                        moved = cut.copy()
-                        moved[i : j + 1] += d
-                        if np.all(np.diff(moved) > 0):
+                        moved = at[:i] + [x + d for x in at[i : j + 1]] + at[j + 1 :]
+                        if moved[i - 1] < moved[i] and moved[j] < moved[j + 1]:
                             moves.append(moved)
                 if not moves:
                     break
-                moves = np.array(moves)
+                moves = np.array(moves, dtype=np.int64)
                 steps = self.evaluate(np.vstack([cut[None, :], moves]) if current is None else moves)
                 if current is None:
                     current, steps = float(steps[0]), steps[1:]
