@@ -7,8 +7,8 @@ figure. So a CPU profile carries its host's own (``DeviceInfo.links``: collectiv
 them (autopipe/costs/links.py reads them; a GPU profile keeps the stated NVLink/IB figures).
 
 The probe: 2 processes under torchrun, one thread each as a job's CPU ranks run, gloo; each
-collective timed at a few sizes (each call after a barrier, the slower rank's time), the median
-per size; α and β fitted to ``t = α + c·B/β`` by least squares on the relative error, ``c`` the
+collective timed at a few sizes (each call after a barrier, the slower rank's time, the
+collectives and sizes interleaved), the median per size; α and β fitted to ``t = α + c·B/β`` by least squares on the relative error, ``c`` the
 collective's own ring factor at 2 ranks (all-reduce 2(t−1)/t = 1, the rest (t−1)/t = 1/2), so
 ``costs.tp.ring_all_reduce(B, 2, β, α)`` is the measured time. The ep runtime's count exchange
 (autopipe/runtime/stage/expert_parallel.exchange_counts: an all-to-all of E integers and two host
@@ -133,8 +133,10 @@ def host_links(refresh: bool = False) -> dict[str, tuple[float, float]]:
 
 
 def _worker(out: Path, sizes: list[int], reps: int, kinds: list[str]) -> None:
-    """One probe rank: each collective at each size ``reps`` times after 3 warm-ups, a barrier before
-    each call, the call alone timed; rank 0 writes the slower rank's seconds per call."""
+    """One probe rank: every (collective, size) timed ``reps`` times after 3 warm-ups, a barrier before
+    each call, the call alone timed, the pairs interleaved (a burst of the host's other work then
+    slows some calls of every size, not all calls of one: the fit's sizes stay comparable); rank 0
+    writes the slower rank's seconds per call."""
     import torch
     import torch.distributed as dist
 
@@ -143,36 +145,37 @@ def _worker(out: Path, sizes: list[int], reps: int, kinds: list[str]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
-
-    def timed(fn: Any) -> list[float]:
+    calls: dict[tuple[str, int], Any] = {}
+    for nbytes in sizes:
+        n = max(world, nbytes // 4 // world * world)  # float32 elements, divisible by the world
+        x, y, part = torch.randn(n), torch.empty(n), torch.empty(n // world)
+        ops = {"all_to_all": lambda x=x, y=y: dist.all_to_all_single(y, x),
+               "all_reduce": lambda x=x: dist.all_reduce(x.normal_()),  # summed in place: kept finite
+               "all_gather": lambda y=y, part=part: dist.all_gather_into_tensor(y, part),
+               "reduce_scatter": lambda x=x, part=part: dist.reduce_scatter_tensor(part, x)}  # fmt: skip
+        for kind in kinds:
+            calls[(kind, n * 4)] = ops[kind]
+    counts = torch.randint(0, 64, (EXPERTS,))
+    calls[(COUNT, 0)] = lambda: exchange_counts(counts, world, None)
+    for fn in calls.values():
         for _ in range(3):
             fn()
-        times = []
-        for _ in range(reps):
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+    for _ in range(reps):
+        for key, fn in calls.items():
             dist.barrier()
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        both = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        return both.tolist()
-
+            times[key].append(time.perf_counter() - t0)
+    keys = list(times)
+    both = torch.tensor([times[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
     raw: dict[str, Any] = {k: {} for k in kinds}
-    for nbytes in sizes:
-        n = max(world, nbytes // 4 // world * world)  # float32 elements, divisible by the world
-        x = torch.randn(n)
-        y = torch.empty(n)
-        part = torch.empty(n // world)
-        ops = {"all_to_all": lambda: dist.all_to_all_single(y, x),
-               "all_reduce": lambda: dist.all_reduce(x),
-               "all_gather": lambda: dist.all_gather_into_tensor(y, part),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, x)}  # fmt: skip
-        for kind in kinds:
-            raw[kind][str(n * 4)] = timed(ops[kind])
-            if kind == "all_reduce":
-                x.normal_()  # summed in place: keep it finite
-    counts = torch.randint(0, 64, (EXPERTS,))
-    raw[COUNT] = timed(lambda: exchange_counts(counts, world, None))
+    for (kind, nbytes), row in zip(keys, both.tolist()):
+        if kind == COUNT:
+            raw[COUNT] = row
+        else:
+            raw[kind][str(nbytes)] = row
     if rank == 0:
         out.write_text(json.dumps(raw))
     dist.destroy_process_group()
