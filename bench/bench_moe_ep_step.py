@@ -56,10 +56,19 @@ def _convert(name: str, ep: int, work: Path) -> dict:
     model = getattr(M, name)()[0]
     weights = job / "weights.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
-    return {"job": str(job), "weights": str(weights), "boundaries": list(plan.boundaries),
+    return {"job": str(job), "weights": str(weights), "boundaries": list(plan.boundaries), "schedule": plan.schedule,
+            "engine": plan.engine,
             "plan_predicted_step_s": plan.predicted_step, "predicted_p95_s": priced["p95"].predicted_step,
             "predicted_balanced_s": priced["balanced"].predicted_step,
             "links": {k: list(v) for k, v in whole.device.links.items()}, "terms": _terms(whole, ep), "rounds": []}  # fmt: skip
+
+
+def _shared_control(run: dict, source: Path) -> None:
+    from autopipe import Profile, partition
+
+    whole = Profile.load(source / "profile.json")
+    run["predicted_from_ep2_profile_s"] = partition(whole, STAGES, microbatches=MICRO, dp=DP, boundaries=run["boundaries"],
+                                                    schedule=run["schedule"], engine=run["engine"] or None).predicted_step  # fmt: skip
 
 
 def _terms(whole, ep: int) -> dict:  # noqa: ANN001
@@ -148,6 +157,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         runs = {f"{name} ep {ep}": _convert(name, ep, work) for name, ep in JOBS}
+        # the control priced from the skewed ep 2 job's own profile too (the same model, another convert):
+        # a profile taken under the host's load sets every prediction's scale, so the ep terms are read as
+        # (ep 2 measured / predicted) against (ep 1 measured / predicted) on one profile
+        _shared_control(runs["mixtral_skewed ep 1"], Path(runs["mixtral_skewed ep 2"]["job"]))
         for i in range(ROUNDS):
             for key, run in runs.items():
                 last = i == ROUNDS - 1
@@ -160,20 +173,36 @@ def main() -> None:
         run["measured_median_s"] = statistics.median(meds)
         run["ratio_to_p95"] = run["measured_median_s"] / run["predicted_p95_s"]
         run["ratio_to_balanced"] = run["measured_median_s"] / run["predicted_balanced_s"]
+    control = runs["mixtral_skewed ep 1"]
+    control["ratio_on_ep2_profile"] = control["measured_median_s"] / control["predicted_from_ep2_profile_s"]
+    for key in ("mixtral_skewed ep 2", "mixtral_balanced ep 2"):
+        # per round: this job's step over the control's step of the same round (the host's load shared)
+        runs[key]["over_control_per_round"] = [a["median_s"] / b["median_s"] for a, b in zip(runs[key]["rounds"], control["rounds"])]
     record = {"ep": EP, "dp": DP, "stages": STAGES, "microbatches": MICRO, "steps": STEPS, "warmup": WARMUP,
               "rounds": ROUNDS, "load_before": load_before, "load_after": os.getloadavg()[0], "runs": runs}  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "moe-ep-step.json").write_text(json.dumps(record, indent=1) + "\n")
+    loads = ", ".join(f"{x['load_before']:.1f}" for r in runs.values() for x in r["rounds"])
     lines = ["# ep 2 jobs on CPU: measured step against the skewed (p95) and the balanced prediction", "",
              f"`bench/bench_moe_ep_step.py`: {STAGES} stage × dp {DP}, {MICRO} micro-batches, 1 thread per rank, "
              f"median of steps {WARMUP + 1}-{STEPS}, {ROUNDS} rounds interleaved; host load {load_before:.1f} before, "
-             f"{record['load_after']:.1f} after (2 cores shared by three agents).", "",
+             f"{record['load_after']:.1f} after (2 cores shared by three agents); per round "
+             f"{loads}.", "",
              "| job | predicted p95 (ms) | predicted balanced (ms) | measured per round (ms) [IQR of its steps] | "
              "measured / p95 | measured / balanced |", "|---|---:|---:|---|---:|---:|"]  # fmt: skip
     for key, r in runs.items():
         rounds = "; ".join(f"{x['median_s'] * 1e3:.0f} [{x['q1_s'] * 1e3:.0f}-{x['q3_s'] * 1e3:.0f}]" for x in r["rounds"])
         lines.append(f"| {key} | {r['predicted_p95_s'] * 1e3:.1f} | {r['predicted_balanced_s'] * 1e3:.1f} | {rounds} | "
                      f"{r['ratio_to_p95']:.2f} | {r['ratio_to_balanced']:.2f} |")  # fmt: skip
+    sk = runs["mixtral_skewed ep 2"]
+    lines += ["", f"The control, priced on the skewed ep 2 job's profile: {control['predicted_from_ep2_profile_s'] * 1e3:.1f} ms "
+              f"predicted, measured / predicted {control['ratio_on_ep2_profile']:.2f}; on the same profile the skewed ep 2 "
+              f"job reads {sk['ratio_to_p95']:.2f} of its p95 and {sk['ratio_to_balanced']:.2f} of its balanced "
+              f"prediction. Per round, ep 2 over the control's step: skewed "
+              f"{', '.join(f'{x:.2f}' for x in sk['over_control_per_round'])} (p95 predicts "
+              f"{sk['predicted_p95_s'] / control['predicted_from_ep2_profile_s']:.2f}, balanced "
+              f"{sk['predicted_balanced_s'] / control['predicted_from_ep2_profile_s']:.2f}); balanced model "
+              f"{', '.join(f'{x:.2f}' for x in runs['mixtral_balanced ep 2']['over_control_per_round'])}."]  # fmt: skip
     lines += ["", "Per term, last round (median ms per call [ms per step]; the ranks' timers, bench/_ep_phases; "
               "a collective's time includes waiting for its peer):", "",
               "| job | rank | all-to-alls / step | all (ms) [ms/step] | dispatch | combine | backward's | "
