@@ -148,3 +148,19 @@ def test_the_host_links_are_measured_once_then_cached_and_a_cpu_profile_prices_t
     q, zero = at_tp(cpu, 2, bandwidth=bw).layers[0], at_tp(cpu, 2, bandwidth=bw, latency=0.0).layers[0]
     assert q.backward_time - zero.backward_time == pytest.approx(2 * first["all_reduce"][0], rel=1e-6)
     assert q.backward_time - zero.backward_time > 10 * 2 * TP_LATENCY  # the constant would fail here
+
+
+def test_a_probe_that_cannot_run_leaves_the_stated_figures_with_a_warning(monkeypatch) -> None:
+    import autopipe.runtime.checks.links as probe
+    from autopipe.errors import AutopipeError
+    from autopipe.job.converter import with_host_links
+
+    def fails() -> dict:
+        raise AutopipeError("torchrun: the workers failed")
+
+    monkeypatch.setattr(probe, "host_links", fails)
+    device = DeviceInfo(name="cpu", type="cpu")
+    with pytest.warns(UserWarning, match="could not measure this host's gloo collectives"):
+        assert with_host_links(device) is device
+    gpu = DeviceInfo(name="h100", type="cuda")
+    assert with_host_links(gpu) is gpu  # a GPU's links are stated, never probed
