@@ -132,7 +132,9 @@ def profile_command(
     # a CPU rank's most beyond its predicted tensors, from the reserve's probe: the memory advice's figure
     excess = excess_for(device, estimate=estimate, given=reserve, dtype=precision(autocast) if autocast else "fp32",
                         config=getattr(m, "config", None)) or 0  # fmt: skip
-    prof = dataclasses.replace(prof, model=model, rank_excess_bytes=excess)
+    from ..job.converter import with_host_links
+
+    prof = dataclasses.replace(prof, model=model, rank_excess_bytes=excess, device=with_host_links(prof.device))
     prof.save(out)
     if json_output:
         typer.echo(json.dumps(prof.to_dict(), indent=1))

@@ -11,6 +11,7 @@ import numpy as np
 from ..costs.layer_costs import Profile
 from ..costs.rescale import scale_microbatch, tokens_per_sample
 from ..costs.ep import at_ep
+from ..costs.links import link_bandwidth
 from ..costs.tp import at_tp
 from ..planner.cost_model import limit_reserve, recompute_times
 from ..planner.memory import LayerMemory, charged_units, layer_memory, rank_memory, tensor_budget
@@ -172,10 +173,12 @@ def tp_view(profile: Profile, cluster: Cluster, x: Layout) -> tuple[Profile, Clu
 def node_tp_view(profile: Profile, tp: int, *, gpus: int, gpus_per_node: int | None = None,
                  bandwidth_intra: float | None = None, sequence_parallel: bool = False) -> Profile:
     """The profile one rank of a tp group of ``tp`` sees for a fixed layout of ``gpus`` devices (plan
-    --stages --tp, convert --tp): its collectives over the node's link, the profile's device's default
-    (topology.LINKS) unless ``bandwidth_intra`` is given; one line when ``tp`` does not divide a node."""
+    --stages --tp, convert --tp): its collectives over the node's link unless ``bandwidth_intra`` is
+    given: a CPU profile's host's measured all-reduce bandwidth (costs.links), else the profile's
+    device's default (topology.LINKS); one line when ``tp`` does not divide a node."""
     name = profile.device.name if profile.device.type != "cpu" else "cpu"
-    cluster = cluster_for(name, gpus, gpus_per_node, bandwidth_intra, 1.0)
+    intra = bandwidth_intra if bandwidth_intra is not None else link_bandwidth(profile, "all_reduce")
+    cluster = cluster_for(name, gpus, gpus_per_node, intra, 1.0)
     tp_cluster(cluster, tp)
     return at_tp(profile, tp, sequence_parallel=sequence_parallel, bandwidth=cluster.intra)
 
@@ -186,7 +189,8 @@ def node_ep_view(profile: Profile, ep: int, *, gpus: int, dp: int, tp: int = 1, 
     """The profile one rank of an ep group of ``ep`` sees for a fixed layout of ``gpus`` devices (plan
     --ep; convert --ep calls this too): the ep group is ep consecutive dp ranks, each a tp group of
     consecutive devices, so its all-to-alls cross the node's link when tp · ep devices fit in a node,
-    else the inter-node one (the profile's device's defaults, topology.LINKS, unless given). Apply it to
+    else the inter-node one (the profile's device's defaults, topology.LINKS, unless given; a CPU
+    profile's node link is its host's measured all-to-all bandwidth, costs.links). Apply it to
     the profile one tp rank sees (node_tp_view) when both are > 1. One line when ep does not divide dp."""
     from ..errors import PartitionError
 
@@ -196,7 +200,8 @@ def node_ep_view(profile: Profile, ep: int, *, gpus: int, dp: int, tp: int = 1, 
     if ep == 1:
         return at_ep(profile, 1, bandwidth=1.0, skew=skew)
     name = profile.device.name if profile.device.type != "cpu" else "cpu"
-    cluster = cluster_for(name, gpus, gpus_per_node, bandwidth_intra, bandwidth_inter)
+    intra = bandwidth_intra if bandwidth_intra is not None else link_bandwidth(profile, "all_to_all")
+    cluster = cluster_for(name, gpus, gpus_per_node, intra, bandwidth_inter)
     link = cluster.intra if tp * ep <= cluster.gpus_per_node else cluster.inter
     return at_ep(profile, ep, bandwidth=link, skew=skew)
 

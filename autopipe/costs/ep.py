@@ -30,6 +30,21 @@ added twice to the forward and twice to the backward (on the critical path: the 
 tokens, the next op needs them back); the zero-bubble split charges the backward's to the input
 gradients.
 
+Count exchange. Before its dispatch each layer's forward sends every rank its count of slots per
+expert (an all-to-all of E integers) and reads the split sizes to the host (the dispatch's shapes
+depend on them): a fixed cost ``κ`` per MoE layer per micro-batch forward, its bytes negligible, on
+the critical path (nothing of the layer's dispatch can start before it). The backward has none (the
+all-to-alls' backward reuse the forward's splits); full recompute runs the forward again, so pays it
+again. So, per micro-batch::
+
+    f_ep += 2·a2a + κ          b_ep += 2·a2a
+
+α and κ: a CPU profile's host's own gloo figures (``DeviceInfo.links``, measured once per host by
+autopipe/runtime/checks/links.py: gloo's all-to-all costs ~0.25 ms, the count exchange ~0.3-0.5 ms
+on a 2026 Xeon, bench/results/gloo-links.md); on a GPU the stated NVLink figure, ``EP_LATENCY`` for
+both (the count exchange is one all-to-all of a few integers there; the stream sync of its host
+read is left out).
+
 Memory. Expert parameters, gradients and optimizer state divide by ep: ``p_ep = p·(π/ep + 1 − π)``
 with π the experts' share of the layer's parameter bytes. What the experts keep for backward scales
 with their slots, ``a_ep = a + (ep·s − 1)·a_x`` with ``a_x`` those bytes at ep 1; the dispatch's
@@ -46,9 +61,10 @@ from typing import Sequence
 
 from ..errors import PartitionError
 from .layer_costs import LayerCost, MoeShape, Profile
+from .links import link_latency
 
 __all__ = ["EP_DEGREES", "EP_LATENCY", "SKEWS", "EpTerms", "at_ep", "ep_terms", "check_ep", "ep_degrees_for",
-           "busiest_share", "all_to_all", "has_experts"]  # fmt: skip
+           "busiest_share", "all_to_all", "has_experts", "ep_latencies"]  # fmt: skip
 
 EP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 SKEWS: tuple[str, ...] = ("p95", "p50", "balanced")
@@ -119,6 +135,7 @@ class EpTerms:
     forward_compute: float  # seconds, all-to-alls left out
     backward_compute: float
     all_to_all: float  # seconds of one all-to-all (four per micro-batch)
+    count_exchange: float  # seconds of the count exchange (one per micro-batch, in the forward)
     skew_seconds: float  # what the skew adds to forward + backward over the balanced pricing
     param_bytes: int  # per ep rank
     activation_bytes: int
@@ -132,7 +149,14 @@ def _factors(shape: MoeShape | None, ep: int, s: float) -> tuple[float, float]:
     return (1.0 - sig) + sig * ep * s, pi / ep + (1.0 - pi)
 
 
-def _layer(l: LayerCost, ep: int, skew: str, bw: float, lat: float) -> LayerCost:
+def ep_latencies(profile: Profile, latency: float | None = None, count_latency: float | None = None) -> tuple[float, float]:
+    """(α of one all-to-all, κ of one count exchange) for ``profile``: the given ones, else its
+    host's measured gloo figures on a CPU profile, else ``EP_LATENCY`` (the module docstring)."""
+    lat = link_latency(profile, "all_to_all", EP_LATENCY) if latency is None else latency
+    return lat, link_latency(profile, "count_exchange", lat) if count_latency is None else count_latency
+
+
+def _layer(l: LayerCost, ep: int, skew: str, bw: float, lat: float, kappa: float) -> LayerCost:
     shape = l.moe
     if shape is None:
         return l
@@ -146,11 +170,11 @@ def _layer(l: LayerCost, ep: int, skew: str, bw: float, lat: float) -> LayerCost
         return int(round(x * k))
 
     rec = {mode: replace(r, activation_bytes=r.activation_bytes + (extra_act if mode != "full" else 0),
-                         extra_backward_time=r.extra_backward_time * kc + (2 * a2a if mode == "full" else 0.0))
+                         extra_backward_time=r.extra_backward_time * kc + (2 * a2a + kappa if mode == "full" else 0.0))
            for mode, r in l.recompute.items()}  # fmt: skip
     split = l.split_timed
     return replace(
-        l, forward_time=l.forward_time * kc + 2 * a2a, backward_time=l.backward_time * kc + 2 * a2a,
+        l, forward_time=l.forward_time * kc + 2 * a2a + kappa, backward_time=l.backward_time * kc + 2 * a2a,
         forward_gap=l.forward_gap * kc, backward_gap=l.backward_gap * kc,
         forward_spread=l.forward_spread * kc, backward_spread=l.backward_spread * kc,
         backward_input_time=l.backward_input_time * kc + (2 * a2a if split else 0.0),
@@ -166,9 +190,11 @@ def _layer(l: LayerCost, ep: int, skew: str, bw: float, lat: float) -> LayerCost
 _CACHE: dict[tuple, tuple[Profile, Profile]] = {}
 
 
-def at_ep(profile: Profile, ep: int, *, bandwidth: float, skew: str = "p95", latency: float = EP_LATENCY) -> Profile:
+def at_ep(profile: Profile, ep: int, *, bandwidth: float, skew: str = "p95", latency: float | None = None,
+          count_latency: float | None = None) -> Profile:  # fmt: skip
     """The profile one rank of an ep group of ``ep`` sees (the module docstring's formulas), its
-    all-to-alls over ``bandwidth`` bytes/s per device. ep = 1 is ``profile`` itself.
+    all-to-alls over ``bandwidth`` bytes/s per device, each costing ``latency`` more and the count
+    exchange ``count_latency`` (by default the profile's: :func:`ep_latencies`). ep = 1 is ``profile`` itself.
 
     Example:
         >>> from autopipe.costs.layer_costs import LayerCost, MoeShape
@@ -176,20 +202,23 @@ def at_ep(profile: Profile, ep: int, *, bandwidth: float, skew: str = "p95", lat
         ...                expert_forward_share=0.5, loads=((7, 1, 1, 1),))  # expert 0 takes 70 %
         >>> l = LayerCost(0, forward_time=1.0, backward_time=2.0, param_bytes=40, moe=moe)
         >>> p = Profile(layers=(l,))
-        >>> q = at_ep(p, 2, bandwidth=1000.0, latency=0.0).layers[0]  # rank 0 holds experts 0, 1: 80 %
+        >>> q = at_ep(p, 2, bandwidth=1000.0, latency=0.0, count_latency=0.0).layers[0]  # rank 0: experts 0, 1: 80 %
         >>> round(q.forward_time, 6), q.param_bytes
         (1.46, 30)
-        >>> round(at_ep(p, 2, bandwidth=1000.0, latency=0.0, skew="balanced").layers[0].forward_time, 6)
+        >>> round(at_ep(p, 2, bandwidth=1000.0, latency=0.0, count_latency=0.0, skew="balanced").layers[0].forward_time, 6)
         1.1
+        >>> round(at_ep(p, 2, bandwidth=1000.0, latency=0.0, count_latency=0.01).layers[0].forward_time, 6)  # + κ
+        1.47
     """
     check_ep(profile, ep, skew)
     if ep == 1:
         return profile
-    key = (id(profile), ep, skew, bandwidth, latency)
+    lat, kappa = ep_latencies(profile, latency, count_latency)
+    key = (id(profile), ep, skew, bandwidth, lat, kappa)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is profile:
         return hit[1]
-    out = replace(profile, layers=tuple(_layer(l, ep, skew, bandwidth, latency) for l in profile.layers),
+    out = replace(profile, layers=tuple(_layer(l, ep, skew, bandwidth, lat, kappa) for l in profile.layers),
                   sequence_forward_time=0.0, sequence_backward_time=0.0)  # fmt: skip
     if len(_CACHE) > 64:
         _CACHE.clear()
@@ -197,11 +226,12 @@ def at_ep(profile: Profile, ep: int, *, bandwidth: float, skew: str = "p95", lat
     return out
 
 
-def ep_terms(profile: Profile, ep: int, *, bandwidth: float, skew: str = "p95",
-             latency: float = EP_LATENCY) -> list[EpTerms]:  # fmt: skip
-    """Per MoE layer, the predicted compute and all-to-all seconds at degree ep, and what the skew adds
-    over the balanced pricing (forward + backward seconds per micro-batch)."""
+def ep_terms(profile: Profile, ep: int, *, bandwidth: float, skew: str = "p95", latency: float | None = None,
+             count_latency: float | None = None) -> list[EpTerms]:  # fmt: skip
+    """Per MoE layer, the predicted compute, all-to-all and count-exchange seconds at degree ep, and
+    what the skew adds over the balanced pricing (forward + backward seconds per micro-batch)."""
     check_ep(profile, ep, skew)
+    latency, kappa = ep_latencies(profile, latency, count_latency)
     out = []
     for l in profile.layers:
         if l.moe is None:
@@ -214,6 +244,6 @@ def ep_terms(profile: Profile, ep: int, *, bandwidth: float, skew: str = "p95",
         base = l.forward_time + l.backward_time + l.forward_gap + l.backward_gap
         skew_s = base * (kc - kb) + 4 * (a2a - a2a_b)
         out.append(EpTerms(l.index, l.name, s, (l.forward_time + l.forward_gap) * kc,
-                           (l.backward_time + l.backward_gap) * kc, a2a, skew_s, int(round(l.param_bytes * kp)),
+                           (l.backward_time + l.backward_gap) * kc, a2a, kappa if ep > 1 else 0.0, skew_s, int(round(l.param_bytes * kp)),
                            l.activation_bytes + int(round(max(ep * s - 1.0, 0.0) * l.moe.expert_activation_bytes))))  # fmt: skip
     return out

@@ -204,6 +204,10 @@ class DeviceInfo:
     nccl_pair_bytes: int = 0  # per NCCL communicator over 2 ranks
     nccl_peer_bytes: int = 0  # per point-to-point peer (pipeline neighbour)
     allocator_slack: float = 0.0  # the caching allocator's reserved-but-free share of the tensors' peak
+    # On a CPU, the host's gloo collectives as measured (autopipe.runtime.checks.links): kind
+    # (all_reduce, all_to_all, all_gather, reduce_scatter, count_exchange) -> (latency s, bytes/s);
+    # autopipe.costs.links prices tp and ep with them. Empty on GPUs and in older profiles.
+    links: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -377,7 +381,9 @@ class Profile:
                 moe["loads"] = tuple(tuple(int(c) for c in b) for b in moe.get("loads", ()))
                 ld["moe"] = MoeShape(**moe)
             layers.append(LayerCost(**ld))
-        device = DeviceInfo(**d.pop("device"))
+        dev = dict(d.pop("device"))
+        dev["links"] = {k: (float(v[0]), float(v[1])) for k, v in (dev.get("links") or {}).items()}
+        device = DeviceInfo(**dev)
         known = {f.name for f in fields(cls)}
         return cls(layers=tuple(layers), device=device, **{k: v for k, v in d.items() if k in known})
 

@@ -28,7 +28,10 @@ whole in forward, its backward a local split. Each is a ring over the t ranks of
     all_reduce(B) = 2(t−1)/t · B / bw + α        all_gather(B) = (t−1)/t · B / bw + α
 
 with bw the node's link (bytes/s per device, one way: autopipe/cluster/topology.py's LINKS) and α a
-per-collective latency. Under sequence parallelism each all-reduce becomes a reduce-scatter plus an
+per-collective latency: ``TP_LATENCY`` (NVLink's) on a GPU; on a CPU profile its host's own gloo
+figures, measured once per host (``DeviceInfo.links``, autopipe/runtime/checks/links.py: α ≈ 0.5 ms
+for an all-reduce, 0.3 ms for an all-gather on a 2026 Xeon, bench/results/gloo-links.md), each
+collective its own α. Under sequence parallelism each all-reduce becomes a reduce-scatter plus an
 all-gather of the same tensor: the same 2(t−1)/t·B bytes per link, two latencies. The collectives
 sit on the layer's critical path (the next op needs their result), so they are added to the layer's
 forward and backward seconds; the zero-bubble split charges the backward's to the input-gradient pass.
@@ -53,9 +56,10 @@ from typing import Sequence
 
 from ..errors import PartitionError
 from .layer_costs import LayerCost, Profile, RecomputeCost, TpShape
+from .links import link_latency
 
 __all__ = ["TP_DEGREES", "TP_LATENCY", "TpTerms", "at_tp", "tp_terms", "tp_degrees_for", "check_tp",
-           "ring_all_reduce", "ring_all_gather"]  # fmt: skip
+           "ring_all_reduce", "ring_all_gather", "tp_latencies"]  # fmt: skip
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 # Per-collective latency: NCCL's intra-node ring over NVLink reaches its bus bandwidth from about a
@@ -134,20 +138,31 @@ def _factors(shape: TpShape | None, t: int, sp: bool) -> tuple[float, float, flo
     return fwd, bwd, par, act, rho
 
 
-def _collectives(shape: TpShape | None, t: int, sp: bool, bw: float, lat: float) -> tuple[float, float, int, int, int, int]:
+def tp_latencies(profile: Profile, latency: float | None = None) -> tuple[float, float, float]:
+    """(α of an all-reduce, of an all-gather, of a reduce-scatter) for ``profile``: ``latency`` for
+    all three where given, else its host's measured gloo figures on a CPU profile, else ``TP_LATENCY``."""
+    if latency is not None:
+        return latency, latency, latency
+    return (link_latency(profile, "all_reduce", TP_LATENCY), link_latency(profile, "all_gather", TP_LATENCY),
+            link_latency(profile, "reduce_scatter", TP_LATENCY))  # fmt: skip
+
+
+def _collectives(shape: TpShape | None, t: int, sp: bool, bw: float,
+                 lat: tuple[float, float, float]) -> tuple[float, float, int, int, int, int]:  # fmt: skip
     """(forward s, backward s, forward bytes, backward bytes, forward count, backward count)."""
     if shape is None or t == 1:
         return 0.0, 0.0, 0, 0, 0, 0
     per = 2 if sp else 1  # reduce-scatter + all-gather instead of one all-reduce: same bytes, two latencies
-    fwd = sum(ring_all_reduce(b, t, bw, per * lat) for b in shape.allreduce_forward)
-    fwd += sum(ring_all_gather(b, t, bw, lat) for b in shape.gather_forward)
-    bwd = sum(ring_all_reduce(b, t, bw, per * lat) for b in shape.allreduce_backward)
+    ar = lat[2] + lat[1] if sp else lat[0]
+    fwd = sum(ring_all_reduce(b, t, bw, ar) for b in shape.allreduce_forward)
+    fwd += sum(ring_all_gather(b, t, bw, lat[1]) for b in shape.gather_forward)
+    bwd = sum(ring_all_reduce(b, t, bw, ar) for b in shape.allreduce_backward)
     fb = sum(shape.allreduce_forward) + sum(shape.gather_forward)
     return (fwd, bwd, fb, sum(shape.allreduce_backward),
             per * len(shape.allreduce_forward) + len(shape.gather_forward), per * len(shape.allreduce_backward))
 
 
-def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: float) -> LayerCost:
+def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float]) -> LayerCost:
     kf, kb, kp, ka, rho = _factors(l.tp, t, sp)
     cf, cb, *_ = _collectives(l.tp, t, sp, bw, lat)
 
@@ -181,9 +196,10 @@ _CACHE: dict[tuple, tuple[Profile, Profile]] = {}
 
 
 def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidth: float,
-          latency: float = TP_LATENCY) -> Profile:  # fmt: skip
+          latency: float | None = None) -> Profile:  # fmt: skip
     """The profile one rank of a tp group of ``t`` sees (the module docstring's formulas), its
-    collectives over ``bandwidth`` bytes/s per device (the node's link). t = 1 is ``profile`` itself.
+    collectives over ``bandwidth`` bytes/s per device (the node's link), each costing ``latency``
+    more (by default the profile's: :func:`tp_latencies`). t = 1 is ``profile`` itself.
 
     Example:
         >>> from autopipe.costs.layer_costs import LayerCost, TpShape
@@ -199,11 +215,12 @@ def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidt
         return profile
     if sequence_parallel and not any(l.tp is not None and l.tp.pairs for l in profile.layers):
         raise PartitionError("sequence parallelism needs a layer with a colwise→rowwise pair; this profile has none.")
-    key = (id(profile), t, sequence_parallel, bandwidth, latency)
+    lat = tp_latencies(profile, latency)
+    key = (id(profile), t, sequence_parallel, bandwidth, lat)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is profile:
         return hit[1]
-    layers = tuple(_layer(l, t, sequence_parallel, bandwidth, latency) for l in profile.layers)
+    layers = tuple(_layer(l, t, sequence_parallel, bandwidth, lat) for l in profile.layers)
     tied_k: dict[str, float] = {}
     for l in profile.layers:
         kp = _factors(l.tp, t, sequence_parallel)[2]
@@ -223,15 +240,16 @@ def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidt
 
 
 def tp_terms(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidth: float,
-             latency: float = TP_LATENCY) -> list[TpTerms]:  # fmt: skip
+             latency: float | None = None) -> list[TpTerms]:  # fmt: skip
     """Per layer, the predicted forward/backward compute and collective seconds and bytes at degree t
     (what a bench holds a measured tp run's per-layer figures to). The sums of compute + collective
     are :func:`at_tp`'s forward and backward times."""
     check_tp(profile, t)
+    lat = tp_latencies(profile, latency)
     out = []
     for l in profile.layers:
         kf, kb, kp, ka, _ = _factors(l.tp, t, sequence_parallel)
-        cf, cb, fb, bb, nf, nb = _collectives(l.tp, t, sequence_parallel, bandwidth, latency)
+        cf, cb, fb, bb, nf, nb = _collectives(l.tp, t, sequence_parallel, bandwidth, lat)
         out.append(TpTerms(l.index, l.name, (l.forward_time + l.forward_gap) * kf, (l.backward_time + l.backward_gap) * kb,
                            cf, cb, fb, bb, nf, nb, int(round(l.param_bytes * kp)), int(round(l.activation_bytes * ka))))  # fmt: skip
     return out

@@ -236,7 +236,7 @@ def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profi
                    progress=s.progress, reserve=_reserve(loaded.spec, s) if loaded.reserve is None else loaded.reserve,
                    optimizer=s.optimizer_state, tp_shapes=s.tp > 1)  # fmt: skip
     prof = _with_expert_loads(model, loaded, seq, s, prof)
-    return replace(prof, model=model, rank_excess_bytes=_excess(loaded.spec, s))
+    return replace(prof, model=model, rank_excess_bytes=_excess(loaded.spec, s), device=with_host_links(prof.device))
 
 
 # Batches whose routing a MoE profile counts (autopipe.costs.moe_shape): the micro-batch profiled and,
@@ -263,6 +263,24 @@ def _with_expert_loads(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings
             args, kwargs, _ = data.batch(step, rows)
             batches.append(_move((args, kwargs), device) if device else (args, kwargs))
     return with_moe_shapes(prof, moe_shapes(loaded.model, seq, batches))
+
+
+def with_host_links(device: Any) -> Any:
+    """A CPU profile's DeviceInfo with its host's gloo collectives (measured once per host and cached:
+    autopipe.runtime.checks.links), which tp and ep are priced at; a GPU's as it is."""
+    if device.type != "cpu":
+        return device
+    from ..runtime.checks.links import host_links
+
+    try:
+        links = host_links()
+    except (AutopipeError, OSError) as e:  # the probe's 2 gloo processes could not run here: a plan still can
+        import warnings
+
+        warnings.warn(f"could not measure this host's gloo collectives ({e}); tp and ep on this CPU are "
+                      "priced at the stated link figures", stacklevel=2)  # fmt: skip
+        return device
+    return replace(device, links=links)
 
 
 def _reserve(spec: Any, s: ConvertSettings) -> int:

@@ -48,7 +48,7 @@ from torch import nn
 
 from ...errors import AutopipeError
 
-__all__ = ["EPLayout", "apply_expert_parallel_", "as_global", "check_ep_composes", "plan_expert_parallel",
+__all__ = ["EPLayout", "apply_expert_parallel_", "as_global", "check_ep_composes", "exchange_counts", "plan_expert_parallel",
            "reduce_expert_grads_"]
 
 
@@ -134,9 +134,24 @@ def _dispatching(layout: EPLayout) -> Any:
     return run
 
 
+def exchange_counts(counts: torch.Tensor, ep: int, group: Any) -> tuple[torch.Tensor, list[int], list[int]]:
+    """The count exchange before a dispatch: each rank's ``counts`` of slots per expert (E of them)
+    sent by one all-to-all, so rank r learns what every rank sends its experts. Returns (got, viewed
+    ``(ep, E/ep)``: ``got[s, j]`` the slots rank s sends my expert j; the rows I send each rank; the
+    rows each rank sends me). A collective of E integers and two host reads per MoE layer per forward,
+    which autopipe/costs/ep.py prices as its own term (bench/bench_gloo_links.py times this function)."""
+    import torch.distributed as dist
+
+    got = torch.empty_like(counts)
+    dist.all_to_all_single(got, counts, group=group)  # got[s * per + j]: slots rank s sends my expert j
+    per = counts.numel() // ep
+    send = counts.view(ep, per).sum(1).tolist()  # one host read per layer: the split sizes
+    got = got.view(ep, per)
+    return got, send, got.sum(1).tolist()
+
+
 def _dispatch_combine(call: Any, layout: EPLayout, hidden: torch.Tensor, top_k_index: torch.Tensor,
                       top_k_weights: torch.Tensor, state: list[torch.Tensor]) -> torch.Tensor:
-    import torch.distributed as dist
     from torch.distributed.nn.functional import all_to_all_single
 
     ep, group = layout.ep, layout.group
@@ -147,11 +162,7 @@ def _dispatch_combine(call: Any, layout: EPLayout, hidden: torch.Tensor, top_k_i
     order = torch.argsort(slots, stable=True)  # slots by expert, so by the rank holding it
     rows = hidden[order // k]
     counts = torch.bincount(slots, minlength=experts)
-    got = torch.empty_like(counts)
-    dist.all_to_all_single(got, counts, group=group)  # got[s * per + j]: slots rank s sends my expert j
-    send = counts.view(ep, per).sum(1).tolist()  # one host read per layer: the split sizes
-    got = got.view(ep, per)
-    recv = got.sum(1).tolist()
+    got, send, recv = exchange_counts(counts, ep, group)
     arrived = all_to_all_single(rows.new_empty((sum(recv), rows.shape[1])), rows, recv, send, group=group)
     local = torch.repeat_interleave(torch.arange(per, device=hidden.device).repeat(ep), got.reshape(-1))
     ones = torch.ones((local.numel(), 1), dtype=top_k_weights.dtype, device=hidden.device)
