@@ -171,8 +171,9 @@ def steps_above(
         >>> c = ChunkCosts(forward=[1, 1, 1, 1], backward=[2, 2, 2, 2])
         >>> st = [((1, 0),), ((1, 0),)]
         >>> sol = solve_step(c, "1f1b", ranks=2, microbatches=2, states=st)
-        >>> steps_above(c, "1f1b", sol.step * 0.999, ranks=2, microbatches=2, states=st), \
-        ...     steps_above(c, "1f1b", sol.step, ranks=2, microbatches=2, states=st)
+        >>> below = steps_above(c, "1f1b", sol.step * 0.999, ranks=2, microbatches=2, states=st)
+        >>> at = steps_above(c, "1f1b", sol.step, ranks=2, microbatches=2, states=st)
+        >>> below, at
         (True, False)
     """
     schedule = check_schedule(schedule, ranks, 1, microbatches)
