@@ -49,6 +49,10 @@ _AT_START = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "LD_", "MALLOC
              "DS_", "TRANSFORMERS", "HF_", "TOKENIZERS")
 # ... except what torchrun gives each run and the runtime reads when it sets up (a new run id each launch)
 _PER_RUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# ... and what a library sets in the pytest process itself when a test imports it (inductor: its cache folder,
+# at its default; DeepSpeed: KMP_DUPLICATE_LIB_OK, which a rank importing DeepSpeed sets again): read later,
+# not at start, they would otherwise start a second and third server pair mid-session (~20 s of CPU each)
+_SET_IN_SESSION = ("TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "torch.export", "torch.utils.checkpoint",
             "transformers", "transformers.modeling_utils", "safetensors.torch",
             # what every rank's first torch.export imports (aot_autograd brings networkx: ~0.5 s of CPU)
@@ -234,7 +238,7 @@ _MAX_KINDS = 3  # start environments served; beyond them a rank starts fresh (ea
 
 def _at_start(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items()
-            if k.startswith(_AT_START) and not k.startswith(_PER_RUN) and k != "PYTHONPATH"}
+            if k.startswith(_AT_START) and not k.startswith(_PER_RUN) and k not in ("PYTHONPATH", *_SET_IN_SESSION)}
 
 
 def _key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
