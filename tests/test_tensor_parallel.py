@@ -157,6 +157,22 @@ def test_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path,
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sequence_parallel_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path, name: str) -> None:
+    """--sequence-parallel on tp 2 x 2 stages: the activations between layers (and across the cut)
+    travel as half sequences, the norms' weights get their gradients summed over the tp ranks, and the
+    loss, every gradient and every weight after one AdamW step still equal the untouched model's."""
+    job = root / f"{name}_tp2" if (root / f"{name}_tp2").exists() else make_job(root, name)
+    loss, grads, weights, out = train(torchrun, job, 4, "--sequence-parallel", tag="sp")
+    figures = compare(f"{name} sp", (loss, grads, weights), reference(name))
+    (said,) = [line for line in out.splitlines() if line.startswith("tp 2: ")]
+    # gpt2: embedding, 2 blocks and ln_f each send their hidden states on (the head's logits go to the loss whole)
+    assert "sequence parallel: 4 activations sent sharded on the sequence" in said, said
+    print(f"\n{name} tp2 x pp2 sequence parallel: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_verify_under_tp_compares_whole_gradients(torchrun: Launcher, root: Path) -> None:
     """--verify on tp 2 x 2 stages gathers each sharded gradient before comparing: it says ok."""
     job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
@@ -297,23 +313,27 @@ def test_tp_composes_with_every_schedule(torchrun: Launcher, root: Path, name: s
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_convert_with_tp_writes_a_job_that_autopipe_run_launches_on_stages_x_tp(tmp_path: Path) -> None:
-    """``convert --stages 2 --tp 2``: plan.tp 2, train.py's default --tp 2, the launch lines and README
-    count 4 processes, and ``autopipe run`` starts 4 (its step logs tp 2)."""
+    """``convert --stages 2 --tp 2 --sequence-parallel``: plan.tp 2 with sequence parallelism, train.py's
+    defaults --tp 2 and --sequence-parallel, the launch lines and README count 4 processes, and
+    ``autopipe run`` starts 4 (its step logs tp 2, and the activations it sends sharded)."""
     import subprocess
 
     from autopipe.job.converter import convert
 
     job = tmp_path / "job"
-    convert(f"{MODELS}:llama", stages=2, tp=2, microbatches=MICRO, batch_size=ROWS, seq_len=SEQ, out=job, repeats=1,
-            warmup=0, progress=False, reserve="0", schedule="1f1b")
-    assert json.loads((job / "plan.json").read_text())["tp"] == 2
+    convert(f"{MODELS}:llama", stages=2, tp=2, sequence_parallel=True, microbatches=MICRO, batch_size=ROWS, seq_len=SEQ,
+            out=job, repeats=1, warmup=0, progress=False, reserve="0", schedule="1f1b")
+    plan = json.loads((job / "plan.json").read_text())
+    assert plan["tp"] == 2 and plan["sequence_parallel"] is True
     script, readme = (job / "train.py").read_text(), (job / "README.md").read_text()
     assert "    tp: int = 2" in script and "torchrun --nproc-per-node 4 train.py" in script
+    assert "    sequence_parallel: bool = True" in script
     assert f"torchrun --nproc-per-node 4 {job / 'train.py'}" in readme and "= 4 processes (nproc = stages x dp x tp)" in readme
     done = subprocess.run([sys.executable, "-m", "autopipe", "run", str(job), "--steps", "1"], cwd=job, capture_output=True,
                           text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "2 stage(s) x 1 replica(s) x tp 2" in done.stdout and "step     1/1" in done.stdout, done.stdout[-3000:]
+    assert "sequence parallel: 4 activations sent sharded on the sequence" in done.stdout, done.stdout[-3000:]
 
 
 @pytest.mark.slow
@@ -367,3 +387,32 @@ def test_what_tp_does_not_compose_with_is_one_line() -> None:
     assert ConvertSettings(stages=2, tp=2, engine="auto").engine == "torch"
     with pytest.raises(AutopipeError, match="--tp 16 does not fit nodes of 8"):
         ConvertSettings(stages=1, tp=16, gpus_per_node=8)
+
+
+def test_what_sequence_parallelism_refuses_is_one_line(tmp_path: Path) -> None:
+    """--sequence-parallel without tp, with replicas, on a sequence tp does not divide, on a model with
+    no token ids: one line each, before any model is built (or, for the last two, from the trace)."""
+    from types import SimpleNamespace
+
+    from autopipe.graph.sequence import TensorSig
+    from autopipe.runtime.stage.tensor_parallel import sequence_positions
+    from autopipe.runtime.training.preflight import preflight
+
+    def settings(**kw: object) -> SimpleNamespace:
+        base = dict(ckpt_dir=str(tmp_path / "ckpt"), resume=None, ckpt_every=0, plan="even", dp=1, tp=2, ep=1, zero=0,
+                    engine="torch", data=None, eval_data=None, sequence_parallel=True)
+        return SimpleNamespace(**{**base, **kw})
+
+    assert preflight(settings(), world=4) is None  # tp 2 x 2 stages: accepted
+    with pytest.raises(AutopipeError, match="--sequence-parallel shards the activations over the tp ranks"):
+        preflight(settings(tp=1), world=2)
+    with pytest.raises(AutopipeError, match="--sequence-parallel with --dp 2 is not supported yet"):
+        preflight(settings(dp=2), world=8)
+    preflight(settings(tp=1), world=1)  # one process runs the plan whole: nothing to shard, nothing refused
+    h = TensorSig("h", (2, 15, 8), "float32")
+    odd = SimpleNamespace(infos=[SimpleNamespace(inputs=(TensorSig("ids", (2, 15), "int64"),), outputs=(h,))])
+    with pytest.raises(AutopipeError, match="the sequence of 15 tokens does not split over tp 2"):
+        sequence_positions(odd, 2)
+    images = SimpleNamespace(infos=[SimpleNamespace(inputs=(TensorSig("x", (2, 3, 8, 8), "float32"),), outputs=(h,))])
+    with pytest.raises(AutopipeError, match="needs token inputs"):
+        sequence_positions(images, 2)

@@ -330,7 +330,7 @@ def _partition(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any, A
     if s.gpus_per_node is not None:  # the job's launch lines (and train.sbatch) span the nodes it needs
         plan = replace(plan, gpus_per_node=s.gpus_per_node)
     if s.tp > 1:
-        plan = replace(plan, tp=s.tp)
+        plan = replace(plan, tp=s.tp, sequence_parallel=s.sequence_parallel)
     if s.ep > 1:
         plan = replace(plan, ep=s.ep)
     return whole, plan, None, choice, schedule_choice
@@ -345,7 +345,7 @@ def _tp_rank_view(prof: Profile, s: ConvertSettings) -> Profile:
 
     world = s.stages * s.dp * s.tp  # type: ignore[operator]
     return node_tp_view(prof, s.tp, gpus=world, gpus_per_node=s.gpus_per_node or world,
-                        bandwidth_intra=s.bandwidth_intra)
+                        bandwidth_intra=s.bandwidth_intra, sequence_parallel=s.sequence_parallel)
 
 
 def _ep_rank_view(prof: Profile, s: ConvertSettings) -> Profile:

@@ -80,11 +80,11 @@ def render_train_script(settings: dict[str, Any], launch: dict[str, Any], templa
 
 def write_train_script(path: str | os.PathLike[str], job: JobSettings, plan: Plan | StagePlan | None = None, *,
                        dp: int | None = None, zero: int | None = None, tp: int | None = None,
-                       ep: int | None = None) -> Path:
+                       ep: int | None = None, sequence_parallel: bool | None = None) -> Path:
     """Write train.py for ``job`` at ``path`` (a file, or a folder to put train.py in).
 
-    ``plan`` is not embedded: the script reads plan.json beside it; its ``dp`` and ``zero`` become
-    the script's defaults unless ``dp`` / ``zero`` are given. The settings are checked now (an
+    ``plan`` is not embedded: the script reads plan.json beside it; its ``dp``, ``zero``, ``tp``,
+    ``ep`` and ``sequence_parallel`` become the script's defaults unless given here. The settings are checked now (an
     unknown schedule, engine or optimizer setting is refused here, not at launch).
 
     Example:
@@ -114,6 +114,8 @@ def write_train_script(path: str | os.PathLike[str], job: JobSettings, plan: Pla
         "zero": check_zero(zero if zero is not None else plan.zero if plan is not None else 0),
         "tp": int(tp if tp is not None else getattr(plan, "tp", 1) if plan is not None else 1),
         "ep": int(ep if ep is not None else getattr(plan, "ep", 1) if plan is not None else 1),
+        "sequence_parallel": bool(sequence_parallel if sequence_parallel is not None
+                                  else getattr(plan, "sequence_parallel", False) if plan is not None else False),
         "optimizer": str(job.optimizer).lower(), "lr": float(job.lr), "weight_decay": float(job.weight_decay),
         "betas": tuple(float(b) for b in job.betas), "momentum": float(job.momentum), "warmup": int(job.warmup),
         "lr_schedule": job.lr_schedule, "grad_clip": float(job.grad_clip), "eval_data": job.eval_data,

@@ -69,6 +69,7 @@ class ConvertSettings:
     schedule: str = "auto"  # auto (the fastest the engine runs), gpipe, 1f1b, interleaved1f1b or zbv
     dp: int = 1  # data-parallel replicas of each stage; the plan's memory is per rank
     tp: int = 1  # tensor-parallel ranks inside each stage (world = stages x dp x tp); the torch engine only
+    sequence_parallel: bool = False  # with tp > 1: the activations between layers sharded on the sequence
     ep: int = 1  # expert-parallel degree over each stage's dp replicas (divides dp; world unchanged); torch, ZeRO 0
     zero: int | str = 0  # ZeRO stage 0-3 the replicas shard with, or "auto" (the fastest that fits)
     gpus: int | None = None  # instead of stages: search the layout for this many devices (autopipe.cluster)
@@ -139,6 +140,12 @@ class ConvertSettings:
         if self.tp > 1 and self.gpus is not None:
             raise PartitionError("--tp with --gpus: the layout search does not choose tensor parallelism yet; give "
                                  "--stages (and --dp) with --tp.")
+        if self.sequence_parallel and self.tp == 1:
+            raise PartitionError("--sequence-parallel shards the activations over a stage's tp ranks: give --tp 2 or more "
+                                 "with it, or drop it.")
+        if self.sequence_parallel and self.dp > 1:
+            raise PartitionError(f"--sequence-parallel with --dp {self.dp}: the runtime does not compose it with "
+                                 "replicas yet; use --dp 1, or drop --sequence-parallel.")
         if self.tp > 1 and self.engine == "deepspeed":
             raise AutopipeError(f"--tp {self.tp} on DeepSpeed: its PipelineModule runs no tensor parallelism here; "
                                 "use --engine torch for --tp.")

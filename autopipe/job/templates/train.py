@@ -39,6 +39,8 @@ class Settings:
     # gradients, 3 and parameters (on deepspeed 0 or 1)
     tp: int = 1  # tensor-parallel ranks inside each stage (world size = dp x stages x tp; torch
     # engine only)
+    sequence_parallel: bool = False  # with tp: the activations between layers sharded on the
+    # sequence (Megatron's sequence parallelism; one replica)
     ep: int = 1  # expert-parallel degree: each MoE layer's experts shared out over ep of a stage's
     # dp replicas (ep divides dp; the world is unchanged; torch engine, ZeRO 0)
     # ---- what it trains on ------------------------------------------------------------------
@@ -113,6 +115,7 @@ else:
         schedule=cfg.schedule, seed=cfg.seed, weights=cfg.weights or source.weights,
         device=env.device, recompute=cfg.recompute, autocast=config.autocast_dtype,
         tp_mesh=env.tp_mesh,  # tensor parallelism inside the stage (None without --tp)
+        sequence_parallel=cfg.sequence_parallel,  # and its activations sharded on the sequence
         ep_group=env.ep_group,  # its experts shared out over ep replicas (None without --ep)
     )
     trainer = rt.Trainer(build, env, config, loss_fn=rt.make_loss(source.loss))

@@ -261,6 +261,7 @@ def build_stage(
     autocast: torch.dtype | None = None,
     tp_mesh: Any = None,
     ep_group: Any = None,
+    sequence_parallel: bool = False,
 ) -> StageBuild:
     """Build pipeline rank ``pp_rank``'s chunks of the model ``model_fn`` makes.
 
@@ -281,6 +282,9 @@ def build_stage(
             traced under it, as ``convert`` traced the plan's layers (``flatten``'s docstring).
         tp_mesh: this stage's 1-D tensor-parallel mesh (``DistEnv.tp_mesh``); None: no tensor
             parallelism. The chunks then run on DTensors (``autopipe.runtime.stage.tensor_parallel``).
+        sequence_parallel: with ``tp_mesh``, the activations between layers travel sharded on the
+            sequence (Megatron's sequence parallelism; the same module's docstring). Without tp
+            (one process runs the plan whole) there is nothing to shard over and it is ignored.
         ep_group: this stage's ep group (``DistEnv.ep_group``); None: every rank holds every expert.
             Each rank then keeps its share of each MoE layer's experts, and the experts calls
             dispatch and combine over it (``autopipe.runtime.stage.expert_parallel``).
@@ -334,7 +338,7 @@ def build_stage(
     if tp_mesh is not None and tp_mesh.size() > 1:  # decided on the meta model, alike on every rank
         from .tensor_parallel import plan_tensor_parallel
 
-        tp_layout = plan_tensor_parallel(seq, model, tp_mesh.size(), tp_mesh)
+        tp_layout = plan_tensor_parallel(seq, model, tp_mesh.size(), tp_mesh, sequence_parallel=sequence_parallel)
     modes = chunk_modes(recompute, placed.num_chunks, placed.recompute)
     chunk_ids = placed.chunks_of(pp_rank)
     needed: list[str] = []

@@ -42,9 +42,26 @@ rank, shard by shard); torch.distributed.checkpoint (resumable on another tp deg
 (sharded gradients gathered first). Refused in one line: ZeRO 1 with replicas
 (ZeroRedundancyOptimizer takes no DTensor), DeepSpeed's engine, heads or KV heads that tp does not
 divide, a tp that does not divide the world or exceeds a node. Limits: every tp rank materialises its stage's whole weights
-before keeping its shards (the build's peak is a tp=1 stage's); sequence parallelism is not done
-(a plan with ``sequence_parallel`` is refused by train.py's preflight); MoE experts stay replicated (expert parallelism is
+before keeping its shards (the build's peak is a tp=1 stage's); MoE experts stay replicated (expert parallelism is
 another matter); DeepSpeed's engine runs no tp.
+
+**Sequence parallelism** (``sequence_parallel=True``, Megatron's, arXiv 2205.05198): the activations
+*between* layers travel sharded on the sequence instead of whole. Which values those are is read off
+the trace, by position: a layer input or output that is floating, three-dimensional and as long as
+the token ids on dim 1 (``[batch, seq, hidden]``: the residual stream) is a ``Shard(1)`` DTensor
+inside a layer and its local piece outside it; the first layer's inputs (the data) and the last
+layer's outputs (what the loss reads) stay whole, and the last layer gathers its inputs whole on
+entry (Megatron gathers before its output layer too; DTensor would take the loss, a mean over the
+tokens not ignored, as the mean of the shards' means: measured 4.5817 for 4.5823). So a layer ending in a rowwise matmul
+reduce-scatters where it all-reduced, the norms and residual adds run on 1/tp of the tokens, a
+colwise matmul all-gathers its input first (DTensor's sharding propagation decides, and the numbers
+stay the untouched model's), and the pipeline sends 1/tp of each activation. A layer run replicated
+gathers its sequence inputs whole and keeps its part of its outputs, gradients included. A
+replicated parameter (a norm's weight) meeting sharded tokens gets a ``Partial`` gradient, one part
+per tp rank: :func:`reduce_partial_grads_` sums it once per step, before the norm (Megatron's
+all-reduce of the layernorm gradients). Refused in one line: a sequence tp does not divide, a model
+with no token ids, sequence parallelism with data-parallel replicas (not yet composed with
+``replicate``/FSDP2).
 """
 
 from __future__ import annotations
@@ -61,7 +78,8 @@ from ...errors import AutopipeError
 from ...graph.rng import draws_random
 from ...graph.tp_plan import shard_dims, tp_plan
 
-__all__ = ["TPLayout", "apply_tensor_parallel_", "check_heads", "plan_tensor_parallel", "replicated_over_tp", "tp_sharded"]
+__all__ = ["TPLayout", "apply_tensor_parallel_", "check_heads", "plan_tensor_parallel", "reduce_partial_grads_",
+           "replicated_over_tp", "sequence_positions", "tp_sharded"]
 
 
 @dataclass
@@ -73,12 +91,21 @@ class TPLayout:
     dims: dict[str, int | None] = field(default_factory=dict)  # parameter -> shard dim (None: Replicate)
     replicated: dict[int, str] = field(default_factory=dict)  # layer index -> why it runs with plain tensors
     plan_source: str = "derived"  # "hf" when the model's own _tp_plan decided the kinds
+    sequence_parallel: bool = False
+    # layer index -> positions of its inputs / outputs that travel sharded on the sequence (dim 1)
+    seq_in: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    seq_out: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # layers whose sequence inputs are gathered whole on entry: the last (its loss is a mean over the tokens
+    # that are not ignored, which DTensor takes as a mean of the shards' means on a sequence-sharded input)
+    gather_in: tuple[int, ...] = ()
 
     def describe(self, seq: Any) -> str:
         """One line for the log: the plan's source, what is sharded, which layers run replicated and why."""
         sharded = sum(1 for d in self.dims.values() if d is not None)
         head = (f"tp {self.tp}: {sharded} of {len(self.dims)} parameters sharded "
                 f"({'the model' + chr(39) + 's HF tp_plan' if self.plan_source == 'hf' else 'plan derived from the graph'})")
+        if self.sequence_parallel:
+            head += f"; sequence parallel: {sum(map(len, self.seq_out.values()))} activations sent sharded on the sequence"
         if not self.replicated:
             return head + "; every layer runs on DTensors"
         why: dict[str, list[str]] = {}
@@ -106,12 +133,48 @@ def _hf_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan) if isinstance(plan, Mapping) else {}
 
 
-def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any) -> TPLayout:
+def sequence_positions(seq: Any, tp: int) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+    """Which inputs and outputs of each layer travel sharded on the sequence under sequence parallelism:
+    by position, those floating, 3-D and as long as the token ids on dim 1 (the first layer's inputs and
+    the last layer's outputs stay whole: the data and what the loss reads). One line when the model has
+    no token ids or ``tp`` does not divide their length.
+
+    >>> from types import SimpleNamespace as NS
+    >>> from autopipe.graph.sequence import TensorSig
+    >>> ids, h = TensorSig("ids", (2, 16), "int64"), TensorSig("h", (2, 16, 64), "float32")
+    >>> infos = [NS(inputs=(ids,), outputs=(h,)), NS(inputs=(h,), outputs=(ids, h)), NS(inputs=(ids, h), outputs=(h,))]
+    >>> sequence_positions(NS(infos=infos), 2)
+    ({0: (), 1: (0,), 2: (1,)}, {0: (0,), 1: (1,), 2: ()})
+    """
+    first = seq.infos[0].inputs if seq.infos else ()
+    length = next((s.shape[1] for s in first if len(s.shape) == 2 and not getattr(torch, s.dtype).is_floating_point), None)
+    if length is None:
+        raise AutopipeError("--sequence-parallel needs token inputs ([batch, seq] ids) to find the sequence by; this "
+                            "model's first layer takes none: run tp without --sequence-parallel.")
+    if length % tp:
+        raise AutopipeError(f"--sequence-parallel: the sequence of {length} tokens does not split over tp {tp}; pick "
+                            f"a --seq-len that tp divides, or run without --sequence-parallel.")
+
+    def along(sigs: Any) -> tuple[int, ...]:
+        return tuple(k for k, s in enumerate(sigs) if len(s.shape) == 3 and s.shape[1] == length
+                     and getattr(torch, s.dtype).is_floating_point)
+
+    last = len(seq.infos) - 1
+    seq_in = {i: () if i == 0 else along(info.inputs) for i, info in enumerate(seq.infos)}
+    seq_out = {i: () if i == last else along(info.outputs) for i, info in enumerate(seq.infos)}
+    return seq_in, seq_out
+
+
+def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequence_parallel: bool = False) -> TPLayout:
     """Every layer's placements and whether it runs replicated, decided on the meta model (call it
-    before any tensor is materialised; every rank gets the same answer)."""
+    before any tensor is materialised; every rank gets the same answer). ``sequence_parallel``: the
+    activations between layers travel sharded on the sequence (the module docstring)."""
     check_heads(model, tp)
     hf = _hf_plan(model)
-    layout = TPLayout(tp=tp, plan_source="hf" if hf else "derived")
+    layout = TPLayout(tp=tp, plan_source="hf" if hf else "derived", sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        layout.seq_in, layout.seq_out = sequence_positions(seq, tp)
+        layout.gather_in = (len(seq.layers) - 1,)
     for i, layer in enumerate(seq.layers):
         kinds = tp_plan(layer, hf or None)
         dims = shard_dims(layer, kinds, tp)
@@ -123,7 +186,7 @@ def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any) -> TPLa
         # an embedding's vocab shard runs as replicated in the trial: DTensor's MaskPartial keeps a mask
         # buffer in its cached sharding decision, and a meta one left there broke the real steps
         trial = {n: (None if kinds.get(n) == "vocab" else d) for n, d in dims.items()}
-        why = _meta_trial(layer, seq.infos[i], trial, mesh)
+        why = _meta_trial(layer, seq.infos[i], trial, mesh, () if i in layout.gather_in else layout.seq_in.get(i, ()))
         if why:
             layout.replicated[i] = why
     _agree_on_tied(seq, layout)
@@ -167,9 +230,11 @@ def _placements(dim: int | None) -> list[Any]:
     return [Replicate()] if dim is None else [Shard(dim)]
 
 
-def _meta_trial(layer: nn.Module, info: Any, dims: Mapping[str, int | None], mesh: Any) -> str:
-    """'' when ``layer`` runs forward and backward on meta DTensors placed by ``dims``, else why not."""
-    from torch.distributed.tensor import distribute_tensor
+def _meta_trial(layer: nn.Module, info: Any, dims: Mapping[str, int | None], mesh: Any,
+                seq_in: tuple[int, ...] = ()) -> str:
+    """'' when ``layer`` runs forward and backward on meta DTensors placed by ``dims``, else why not
+    (the inputs at ``seq_in`` sharded on the sequence, as sequence parallelism sends them)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     try:
         state: dict[str, torch.Tensor] = {}
@@ -179,10 +244,12 @@ def _meta_trial(layer: nn.Module, info: Any, dims: Mapping[str, int | None], mes
             state[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
         for name, b in layer.named_buffers(remove_duplicate=False):
             state[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-        xs = []
-        for sig in info.inputs:
+        xs: list[Any] = []
+        for k, sig in enumerate(info.inputs):
             dtype = getattr(torch, sig.dtype)
             t = torch.zeros(sig.shape, dtype=dtype, device="meta")
+            if k in seq_in:
+                t = distribute_tensor(t, mesh, [Shard(1)], src_data_rank=None)
             if dtype.is_floating_point:
                 t.requires_grad_(True)
             xs.append(t)
@@ -204,21 +271,57 @@ def _call_with(layer: nn.Module, state: Mapping[str, torch.Tensor], x: Any, mesh
         return _dtensor_forward(layer.forward, mesh)(x)
 
 
-def _to_dtensors(x: Any, mesh: Any) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate
+def _positions(x: Any) -> list[Any]:
+    """A layer's inputs or outputs by position: a tuple's items, else the one value."""
+    return list(x) if isinstance(x, tuple) else [x]
 
-    def conv(t: Any) -> Any:
+
+def _repack(like: Any, items: list[Any]) -> Any:
+    return tuple(items) if isinstance(like, tuple) else items[0]
+
+
+def _to_dtensors(x: Any, mesh: Any, seq_in: tuple[int, ...] = ()) -> Any:
+    """Plain inputs as DTensors: replicated (every tp rank holds the same whole value), or, at the
+    positions in ``seq_in``, this rank's piece of the sequence (``Shard(1)``)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def conv(k: int, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-            return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+            return DTensor.from_local(t, mesh, [Shard(1) if k in seq_in else Replicate()], run_check=False)
         return t
 
-    return tuple(conv(t) for t in x) if isinstance(x, tuple) else conv(x)
+    return _repack(x, [conv(k, t) for k, t in enumerate(_positions(x))])
 
 
-def _to_plain(out: Any) -> Any:
-    from torch.distributed.tensor import DTensor
+def _to_plain(out: Any, mesh: Any = None, seq_out: tuple[int, ...] = ()) -> Any:
+    """DTensor outputs as plain tensors: whole (``full_tensor``: the all-reduce of a partial sum, the
+    all-gather of a shard), or, at the positions in ``seq_out``, this rank's piece of the sequence
+    (the reduce-scatter of a partial sum; a whole value is cut locally)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return pytree.tree_map(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, out)
+    def whole(t: Any) -> Any:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    if not seq_out:
+        return pytree.tree_map(whole, out)
+
+    def piece(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if not isinstance(t, DTensor):  # a whole value (made from replicated ones): every tp rank keeps its part
+            t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return t.redistribute(mesh, [Shard(1)]).to_local().contiguous()  # sent as is: gloo sends contiguous tensors
+
+    return _repack(out, [piece(t) if k in seq_out else pytree.tree_map(whole, t) for k, t in enumerate(_positions(out))])
+
+
+def _gathered(x: Any, mesh: Any, seq_in: tuple[int, ...]) -> Any:
+    """The inputs at ``seq_in`` made whole from this rank's pieces (differentiable: the gradient
+    goes back as this rank's piece); the others as they are."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return _repack(x, [DTensor.from_local(t, mesh, [Shard(1)], run_check=False).full_tensor()
+                       if k in seq_in and isinstance(t, torch.Tensor) else t for k, t in enumerate(_positions(x))])
 
 
 def allow_implicit_replication() -> None:
@@ -244,16 +347,55 @@ def _attention_kernels(device_type: str) -> Any:
     return sdpa_kernel([SDPBackend.MATH])
 
 
-def _dtensor_forward(forward: Any, mesh: Any, layer: nn.Module | None = None) -> Any:
+def _dtensor_forward(forward: Any, mesh: Any, layer: nn.Module | None = None, seq_in: tuple[int, ...] = (),
+                     seq_out: tuple[int, ...] = (), whole_in: bool = False) -> Any:
+    """``forward`` on DTensors: the inputs at ``seq_in`` arrive as sequence pieces (gathered whole
+    first with ``whole_in``), the outputs at ``seq_out`` leave as pieces, everything else whole."""
     def run(x: Any) -> Any:
         if layer is not None and _on_meta(x):  # a data-free pass (shapes, FLOPs): plain, global shapes
-            return _meta_forward(layer, forward, x)
+            return _local_meta(_meta_forward(layer, forward, _global_meta(x, mesh.size(), seq_in)), mesh.size(), seq_out)
         allow_implicit_replication()
+        if whole_in:
+            x = _gathered(x, mesh, seq_in)
         with _attention_kernels(mesh.device_type):
-            return _to_plain(forward(_to_dtensors(x, mesh)))
+            return _to_plain(forward(_to_dtensors(x, mesh, () if whole_in else seq_in)), mesh, seq_out)
 
     run.autopipe_tp = True  # type: ignore[attr-defined]
     return run
+
+
+def _replicated_forward(forward: Any, mesh: Any, seq_in: tuple[int, ...], seq_out: tuple[int, ...]) -> Any:
+    """A layer run with plain tensors under sequence parallelism: its sequence inputs gathered whole,
+    its sequence outputs cut to this rank's part (the gradient coming back is gathered whole, so
+    every tp rank computes the same parameter gradients, as without sequence parallelism)."""
+    def run(x: Any) -> Any:
+        if _on_meta(x):
+            return _local_meta(forward(_global_meta(x, mesh.size(), seq_in)), mesh.size(), seq_out)
+        return _to_plain(forward(_gathered(x, mesh, seq_in)), mesh, seq_out)
+
+    run.autopipe_tp = True  # type: ignore[attr-defined]
+    return run
+
+
+def _global_meta(x: Any, tp: int, seq_in: tuple[int, ...]) -> Any:
+    """Meta stand-ins of the whole values for this rank's sequence pieces (the shape-inference pass)."""
+    if not seq_in:
+        return x
+
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[1] *= tp
+        return torch.empty(shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad)
+
+    return _repack(x, [grow(t) if k in seq_in and isinstance(t, torch.Tensor) else t for k, t in enumerate(_positions(x))])
+
+
+def _local_meta(out: Any, tp: int, seq_out: tuple[int, ...]) -> Any:
+    """What a rank sends of each sequence output on meta: a 1/tp slice of dim 1."""
+    if not seq_out:
+        return out
+    return _repack(out, [t.narrow(1, 0, t.shape[1] // tp).contiguous() if k in seq_out and isinstance(t, torch.Tensor) else t
+                         for k, t in enumerate(_positions(out))])
 
 
 def _on_meta(x: Any) -> bool:
@@ -295,7 +437,10 @@ def apply_tensor_parallel_(build: Any, layout: TPLayout, mesh: Any) -> None:
     for chunk in build.chunks:
         first = chunk.layer_range[0]
         for k, layer in enumerate(chunk.layers):
+            seq_in, seq_out = layout.seq_in.get(first + k, ()), layout.seq_out.get(first + k, ())
             if first + k in layout.replicated:
+                if seq_in or seq_out:
+                    layer.forward = _replicated_forward(layer.forward, mesh, seq_in, seq_out)
                 continue
             dt_layers.append(layer)
             for name, p in layer.named_parameters(remove_duplicate=False):
@@ -303,7 +448,7 @@ def apply_tensor_parallel_(build: Any, layout: TPLayout, mesh: Any) -> None:
                     continue
                 dt = distribute_tensor(p.detach(), mesh, _placements(layout.dims.get(name)), src_data_rank=None)
                 lo[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-            layer.forward = _dtensor_forward(layer.forward, mesh, layer)
+            layer.forward = _dtensor_forward(layer.forward, mesh, layer, seq_in, seq_out, first + k in layout.gather_in)
     for chunk in build.chunks:
         for mod in chunk.modules():
             for attr, p in list(mod._parameters.items()):
@@ -332,3 +477,22 @@ def replicated_over_tp(params: Mapping[str, torch.Tensor]) -> set[str]:
     """Parameters every tp rank holds whole (a replicated DTensor or a plain tensor)."""
     return {n for n, p in params.items() if not tp_sharded(p)}
 
+
+def reduce_partial_grads_(modules: Any) -> int:
+    """Sum over the tp ranks each gradient left as a ``Partial`` DTensor (a replicated parameter, such
+    as a norm's weight, that met sequence-sharded tokens: each tp rank holds its tokens' part), so
+    every gradient has its parameter's placement before the norm and the step. Once per step; returns
+    how many were summed."""
+    from torch.distributed.tensor import DTensor
+
+    done = 0
+    seen: set[int] = set()
+    for mod in modules:
+        for _, p in mod.named_parameters(remove_duplicate=False):
+            g = p.grad
+            if id(p) in seen or not isinstance(g, DTensor) or not any(pl.is_partial() for pl in g.placements):
+                continue
+            seen.add(id(p))
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+            done += 1
+    return done

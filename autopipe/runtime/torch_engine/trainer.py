@@ -28,6 +28,7 @@ from ..logs.steps import StepStats
 from ..process.distenv import DistEnv
 from ..stage.build import MicrobatchSeeds, StageBuild, local
 from ..stage.expert_parallel import as_global, check_ep_composes, reduce_expert_grads_
+from ..stage.tensor_parallel import reduce_partial_grads_
 from ..training.optim import LossScaler, TrainConfig, lr_factor, make_lr_scheduler, preallocate_
 from ..training.grads import clip_grads_, global_grad_norm, sync_tied_grads, zero_grads_
 from .pipeline import PipelineEngine, Stopwatch
@@ -200,6 +201,9 @@ class Trainer:
         env, comm = self.env, self.env.comm
         with comm.step():
             params = list(self.params.values())
+            if self.build.tp_layout is not None and self.build.tp_layout.sequence_parallel:
+                # norms met sequence-sharded tokens: their replicated weights hold one part per tp rank
+                reduce_partial_grads_(self.build.chunks)
             self.build.fold_alias_grads_()  # before unscaling: alias leaves hold scaled gradients too
             if self.scaler.enabled:
                 for p in params:

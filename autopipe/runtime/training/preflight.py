@@ -53,9 +53,13 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
         raise AutopipeError(f"world size {world} is not a multiple of --dp {dp}{f' x --tp {tp}' if tp > 1 else ''}; "
                             f"launch dp x stages{' x tp' if tp > 1 else ''} processes.")
     _check_ep(settings, dp, tp, world)
-    if plan is not None and getattr(plan, "sequence_parallel", False) and tp > 1:
-        raise AutopipeError(f"{settings.plan} asks for sequence parallelism, which the runtime does not run yet; "
-                            "plan without it (tp alone is exact), or run --tp 1.")
+    if getattr(settings, "sequence_parallel", False) and world > 1:
+        if tp == 1:
+            raise AutopipeError("--sequence-parallel shards the activations over the tp ranks of a stage: it needs "
+                                "--tp 2 or more; add --tp, or drop --sequence-parallel.")
+        if dp > 1:
+            raise AutopipeError(f"--sequence-parallel with --dp {dp} is not supported yet (its replicas' gradient "
+                                "reduction is not composed with it); use --dp 1, or drop --sequence-parallel.")
     if plan is not None:
         check_launch(plan, world // (dp * tp), dp, plan_path=str(settings.plan), tp=tp)
     return plan
