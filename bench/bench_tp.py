@@ -4,9 +4,9 @@ collective term alone.
     python bench/bench_tp.py            # writes bench/results/tp.md and tp.json
 
 1. A Llama-shaped model (bench_accuracy's "llama": 6 layers, hidden 256, 4 heads, 2 KV heads, vocab 4096;
-   4 x 128 tokens per micro-batch, 4 micro-batches, 1 stage) is converted at tp 1 and at tp 2
-   (``autopipe convert --tp``: the cut solved on ``autopipe.costs.tp.at_tp``, the profile one tp rank
-   sees) and trained by its train.py under torchrun (1 and 2 processes, gloo, one thread each). The
+   4 x 128 tokens per micro-batch, 4 micro-batches, 1 stage) is converted at tp 1, at tp 2 and at tp 2
+   with sequence parallelism (``autopipe convert --tp [--sequence-parallel]``: the cut solved on
+   ``autopipe.costs.tp.at_tp``, the profile one tp rank sees) and trained by its train.py under torchrun (1 and 2 processes, gloo, one thread each). The
    whole step (median after warm-up, min-max beside it) and each rank's peak memory (a second run
    under ``--exact-memory``) are set against plan.json's ``total_step_time`` and ``rank_memory``.
 2. The collective tp adds: a gloo all-reduce of each size the tp 2 profile's layers all-reduce
@@ -95,9 +95,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def convert(folder: Path, tp: int, out: Path) -> dict:
+def convert(folder: Path, tp: int, out: Path, sp: bool = False) -> dict:
     cmd = [sys.executable, "-m", "autopipe", "convert", str(folder), "--stages", "1", "--tp", str(tp), "--batch-size",
-           str(ROWS), "--seq-len", str(SEQ), "--microbatches", str(MICRO), "--schedule", "1f1b", "--out", str(out), "--force"]
+           str(ROWS), "--seq-len", str(SEQ), "--microbatches", str(MICRO), "--schedule", "1f1b", "--out", str(out), "--force",
+           *(["--sequence-parallel"] if sp else [])]
     done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1200)
     if done.returncode:
         raise RuntimeError(f"convert --tp {tp} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
@@ -146,7 +147,7 @@ def phases(prefix: Path, ranks: int) -> dict:
     return max(per, key=lambda p: p["wall_s"])
 
 
-def _terms(job: Path, tp: int) -> dict:
+def _terms(job: Path, tp: int, sp: bool = False) -> dict:
     """The plan's per-step compute and collective seconds (costs.tp.tp_terms at the profile's link)."""
     from autopipe.costs.layer_costs import Profile
     from autopipe.costs.links import link_bandwidth
@@ -155,7 +156,7 @@ def _terms(job: Path, tp: int) -> dict:
     prof = Profile.load(job / "profile.json")
     if tp == 1:
         return {"compute_s": MICRO * sum(l.time for l in prof.layers), "collective_s": 0.0, "collectives": 0}
-    terms = tp_terms(prof, tp, bandwidth=link_bandwidth(prof, "all_reduce") or 5e9)
+    terms = tp_terms(prof, tp, sequence_parallel=sp, bandwidth=link_bandwidth(prof, "all_reduce") or 5e9)
     return {"compute_s": MICRO * sum(t.forward_compute + t.backward_compute for t in terms),
             "collective_s": MICRO * sum(t.forward_collective + t.backward_collective for t in terms),
             "collectives": MICRO * sum(t.forward_collectives + t.backward_collectives for t in terms),
@@ -173,9 +174,9 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="autopipe-tp-"))
     folder = make_folder(root, "llama")
     rows = []
-    for tp in (1, 2):
-        job = root / f"tp{tp}"
-        plan = convert(folder, tp, job)
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        job = root / f"tp{tp}{'sp' if sp else ''}"
+        plan = convert(folder, tp, job, sp)
         records = train(job, tp)
         tokens = ROWS * SEQ * MICRO
         steps = [tokens / r["tokens_per_s"] for r in records[WARMUP:]]
@@ -183,10 +184,10 @@ def main() -> None:
         peaks = [max(r.get("peak_memory") or [0]) for r in memory[4:]]  # every rank's, from the 5th step on
         train(job, tp, phases=job / "phases-")
         predicted = plan["step_time"] + plan.get("step_overhead", 0.0)
-        rows.append({"tp": tp, "predicted_step": predicted, "measured_step": statistics.median(steps),
+        rows.append({"tp": tp, "sequence_parallel": sp, "predicted_step": predicted, "measured_step": statistics.median(steps),
                      "step_range": [min(steps), max(steps)], "predicted_peak": max(plan["rank_memory"]),
                      "measured_peak": max(peaks) if peaks else None, "boundaries": plan["boundaries"],
-                     "profiled": phases(job / "phases-", tp), "terms": _terms(job, tp)})
+                     "profiled": phases(job / "phases-", tp), "terms": _terms(job, tp, sp)})
         print(rows[-1], flush=True)
     prof = Profile.load(root / "tp2" / "profile.json")
     sizes = sorted({int(b) for l in prof.layers if l.tp is not None for b in (*l.tp.allreduce_forward,
@@ -208,7 +209,7 @@ def main() -> None:
     for r in rows:
         ratio = r["measured_step"] / r["predicted_step"]
         peak = f"{r['measured_peak'] / 2**20:.0f} MiB" if r["measured_peak"] else "n/a"
-        lines.append(f"| {r['tp']} | {r['predicted_step']:.3f} s | {r['measured_step']:.3f} s ({r['step_range'][0]:.3f}-"
+        lines.append(f"| {r['tp']}{' SP' if r.get('sequence_parallel') else ''} | {r['predicted_step']:.3f} s | {r['measured_step']:.3f} s ({r['step_range'][0]:.3f}-"
                      f"{r['step_range'][1]:.3f}) | {ratio:.2f} | {r['predicted_peak'] / 2**20:.0f} MiB | {peak} |")
     lines += ["", "Per term, per step (one more run of each under torch.profiler, steps 5-7, the slower rank; the "
               "profiler's own cost is in its wall):", "",
@@ -216,7 +217,7 @@ def main() -> None:
               "compute priced | aten calls |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in rows:
         p, t = r["profiled"], r["terms"]
-        lines.append(f"| {r['tp']} | {p['wall_s']:.3f} s | {p['collective_s']:.3f} s | {t['collective_s']:.3f} s "
+        lines.append(f"| {r['tp']}{' SP' if r.get('sequence_parallel') else ''} | {p['wall_s']:.3f} s | {p['collective_s']:.3f} s | {t['collective_s']:.3f} s "
                      f"({t['collectives']}) | {p['wall_s'] - p['collective_s']:.3f} s | {t['compute_s']:.3f} s | "
                      f"{p['aten_calls']:.0f} |")  # fmt: skip
     lines += ["", "DTensor's dispatch per op (2 processes, a 1-D mesh of 2, median of 200, µs):", "",

@@ -157,11 +157,13 @@ def test_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path,
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen3_moe"])
 def test_sequence_parallel_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path, name: str) -> None:
     """--sequence-parallel on tp 2 x 2 stages: the activations between layers (and across the cut)
     travel as half sequences, the norms' weights get their gradients summed over the tp ranks, and the
-    loss, every gradient and every weight after one AdamW step still equal the untouched model's."""
+    loss, every gradient and every weight after one AdamW step still equal the untouched model's (GPT-2:
+    its head, tied to the embedding, replicated; Qwen3-MoE: its decoder blocks run replicated, gathering
+    their sequence inputs whole and keeping their part of the outputs)."""
     job = root / f"{name}_tp2" if (root / f"{name}_tp2").exists() else make_job(root, name)
     loss, grads, weights, out = train(torchrun, job, 4, "--sequence-parallel", tag="sp")
     figures = compare(f"{name} sp", (loss, grads, weights), reference(name))
