@@ -142,7 +142,10 @@ def phases(prefix: Path, ranks: int) -> dict:
         n = len(d["walls"])
         coll = sum(self_s for key, _c, self_s, _t in d["ops"] if any(k in key.lower() for k in COLLECTIVE_OPS))
         calls = sum(c for key, c, _s, _t in d["ops"] if key.startswith("aten::"))
+        # the collectives issued (gloo's ops; the functional waits on them are not counted again)
+        issued = sum(c for key, c, _s, _t in d["ops"] if key.startswith("c10d::"))
         per.append({"wall_s": sum(d["walls"]) / n, "collective_s": coll / n, "aten_calls": calls / n,
+                    "collective_calls": issued / n,
                     "top": sorted(([k, c / n, s_ / n] for k, c, s_, _t in d["ops"]), key=lambda x: -x[2])[:12]})
     return max(per, key=lambda p: p["wall_s"])
 
@@ -213,11 +216,12 @@ def main() -> None:
                      f"{r['step_range'][1]:.3f}) | {ratio:.2f} | {r['predicted_peak'] / 2**20:.0f} MiB | {peak} |")
     lines += ["", "Per term, per step (one more run of each under torch.profiler, steps 5-7, the slower rank; the "
               "profiler's own cost is in its wall):", "",
-              "| tp | profiled wall | collectives measured | collectives priced | rest measured (wall − collectives) | "
-              "compute priced | aten calls |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+              "| tp | profiled wall | collectives measured (issued) | collectives priced (count) | rest measured (wall − "
+              "collectives) | compute priced | aten calls |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in rows:
         p, t = r["profiled"], r["terms"]
-        lines.append(f"| {r['tp']}{' SP' if r.get('sequence_parallel') else ''} | {p['wall_s']:.3f} s | {p['collective_s']:.3f} s | {t['collective_s']:.3f} s "
+        lines.append(f"| {r['tp']}{' SP' if r.get('sequence_parallel') else ''} | {p['wall_s']:.3f} s | {p['collective_s']:.3f} s "
+                     f"({p.get('collective_calls', 0):.0f}) | {t['collective_s']:.3f} s "
                      f"({t['collectives']}) | {p['wall_s'] - p['collective_s']:.3f} s | {t['compute_s']:.3f} s | "
                      f"{p['aten_calls']:.0f} |")  # fmt: skip
     lines += ["", "DTensor's dispatch per op (2 processes, a 1-D mesh of 2, median of 200, µs):", "",
