@@ -198,6 +198,18 @@ def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: 
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_sequence_parallel_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path) -> None:
+    """--sequence-parallel on tp 2 x 2 stages x 2 replicas (ZeRO 0: ``replicate`` over the dp mesh): each
+    replica's partial norm gradients are averaged over the replicas, then summed over the tp ranks."""
+    job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
+    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--sequence-parallel", tag="sp_dp2")
+    figures = compare("llama sp dp2", (loss, grads, weights), reference("llama", dp=2))
+    assert "sequence parallel:" in out, out[-2000:]
+    print(f"\nllama tp2 x pp2 x dp2 sequence parallel: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_tp_refusals_are_one_line(torchrun: Launcher, root: Path) -> None:
     """DeepSpeed with --tp 2, and a tp that does not divide the heads: one line each, from rank 0."""
     job = make_job(root, "llama_bad_heads", tp=2)
@@ -408,9 +420,17 @@ def test_what_sequence_parallelism_refuses_is_one_line(tmp_path: Path) -> None:
     assert preflight(settings(), world=4) is None  # tp 2 x 2 stages: accepted
     with pytest.raises(AutopipeError, match="--sequence-parallel shards the activations over the tp ranks"):
         preflight(settings(tp=1), world=2)
-    with pytest.raises(AutopipeError, match="--sequence-parallel with --dp 2 is not supported yet"):
-        preflight(settings(dp=2), world=8)
+    with pytest.raises(AutopipeError, match="--sequence-parallel with --dp 2 and --zero 3 is not supported yet"):
+        preflight(settings(dp=2, zero=3), world=8)
+    preflight(settings(dp=2), world=8)  # ZeRO 0 replicas: accepted
     preflight(settings(tp=1), world=1)  # one process runs the plan whole: nothing to shard, nothing refused
+    from autopipe.job.settings import ConvertSettings
+
+    with pytest.raises(AutopipeError, match="give --tp 2 or more with it"):
+        ConvertSettings(stages=2, sequence_parallel=True)
+    with pytest.raises(AutopipeError, match="composes it with ZeRO 0 replicas only"):
+        ConvertSettings(stages=2, tp=2, dp=2, zero=2, sequence_parallel=True)
+    assert ConvertSettings(stages=2, tp=2, dp=2, sequence_parallel=True).sequence_parallel
     h = TensorSig("h", (2, 15, 8), "float32")
     odd = SimpleNamespace(infos=[SimpleNamespace(inputs=(TensorSig("ids", (2, 15), "int64"),), outputs=(h,))])
     with pytest.raises(AutopipeError, match="the sequence of 15 tokens does not split over tp 2"):

@@ -38,7 +38,7 @@ def convert_command(
     recompute: Annotated[str, typer.Option(help="Activation recompute per chunk: auto (the fastest that fits the limit), none, selective or full.")] = "auto",
     dp: Annotated[int, typer.Option("--dp", help="Data-parallel replicas of each stage (world = stages x dp); memory is per rank.")] = 1,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks inside each stage (world = stages x dp x tp; torch engine; DTensor, the model's HF tp_plan where it has one).")] = 1,
-    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="With --tp: the activations between layers sharded on the sequence over the tp ranks (Megatron's sequence parallelism; planned and run so; --dp 1).")] = False,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="With --tp: the activations between layers sharded on the sequence over the tp ranks (Megatron's sequence parallelism; planned and run so; with --dp, ZeRO 0).")] = False,
     ep: Annotated[int, typer.Option("--ep", help="Expert-parallel degree: each MoE layer's experts shared out over ep of a stage's dp replicas, tokens sent by all-to-all (divides --dp; world unchanged; torch engine, ZeRO 0).")] = 1,
     zero: Annotated[Optional[str], typer.Option("--zero", help="ZeRO stage over the replicas: 0, 1 (+ optimizer state sharded), 2 (+ gradients), 3 (+ parameters), or auto (the fastest that fits; the default with --gpus).")] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", help="Search the whole layout (stages x replicas, micro-batches, schedule, recompute, ZeRO) for this many devices.")] = None,

@@ -65,9 +65,10 @@ stay the untouched model's), and the pipeline sends 1/tp of each activation. A l
 gathers its sequence inputs whole and keeps its part of its outputs, gradients included. A
 replicated parameter (a norm's weight) meeting sharded tokens gets a ``Partial`` gradient, one part
 per tp rank: :func:`reduce_partial_grads_` sums it once per step, before the norm (Megatron's
-all-reduce of the layernorm gradients). Refused in one line: a sequence tp does not divide, a model
-with no token ids, sequence parallelism with data-parallel replicas (not yet composed with
-``replicate``/FSDP2).
+all-reduce of the layernorm gradients). With ZeRO 0 replicas (``replicate`` over the dp mesh) each replica's
+partial gradients are averaged over the replicas first, then summed over the tp ranks (the two
+sums commute). Refused in one line: a sequence tp does not divide, a model with no token ids,
+sequence parallelism with ZeRO 2/3 replicas (FSDP2's reduction is not composed with it yet).
 """
 
 from __future__ import annotations
