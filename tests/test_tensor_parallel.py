@@ -438,3 +438,38 @@ def test_what_sequence_parallelism_refuses_is_one_line(tmp_path: Path) -> None:
     images = SimpleNamespace(infos=[SimpleNamespace(inputs=(TensorSig("x", (2, 3, 8, 8), "float32"),), outputs=(h,))])
     with pytest.raises(AutopipeError, match="needs token inputs"):
         sequence_positions(images, 2)
+
+
+def test_a_run_at_another_tp_layout_than_its_plan_is_warned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan priced with sequence parallelism, run without it (or at another tp), still runs its cut, but
+    its predictions were for the other layout: train.py's rank 0 says so in one line; matching runs, one
+    process, the other ranks and ``autopipe run``'s own check (given ``world``) say nothing."""
+    import warnings
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import autopipe
+    from autopipe.costs.layer_costs import Profile
+    from autopipe.runtime.training.preflight import preflight
+
+    prof = Profile.from_costs([1.0] * 4, param_bytes=[100] * 4, activation_bytes=[10] * 4)
+    plan = replace(autopipe.partition(prof, 2, microbatches=4), tp=2, sequence_parallel=True)
+    plan.save(tmp_path / "plan.json")
+
+    def said(world: int, rank: int = 0, given: bool = False, **kw: object) -> list[str]:
+        base = dict(ckpt_dir=str(tmp_path / "ckpt"), resume=None, ckpt_every=0, plan=str(tmp_path / "plan.json"),
+                    dp=1, tp=2, ep=1, zero=0, engine="torch", data=None, eval_data=None, sequence_parallel=True)
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("RANK", str(rank))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            preflight(SimpleNamespace(**{**base, **kw}), world=world if given else None)
+        return [str(w.message) for w in caught]
+
+    assert said(4) == []  # as planned
+    (line,) = said(4, sequence_parallel=False)
+    assert "was priced for tp 2 with --sequence-parallel, this run has tp 2:" in line
+    assert "launch with --tp 2 --sequence-parallel, or re-plan" in line
+    assert said(4, rank=1, sequence_parallel=False) == []  # rank 0 alone
+    assert said(4, given=True, sequence_parallel=False) == []  # autopipe run's check: the job says it
+    assert said(1, tp=1, sequence_parallel=False) == []  # one process runs the plan whole

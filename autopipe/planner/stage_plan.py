@@ -107,7 +107,7 @@ class StagePlan:
     dp: int = 1  # data-parallel replicas of each stage
     zero: int = 0  # the ZeRO stage they shard with
     tp: int = 1  # tensor-parallel ranks inside each stage (world = stages x dp x tp, tp innermost)
-    sequence_parallel: bool = False  # the plan's Plan.sequence_parallel (the runtime refuses it: not done yet)
+    sequence_parallel: bool = False  # the plan's Plan.sequence_parallel (train.py's default; preflight warns on a mismatch)
     ep: int = 1  # expert-parallel degree over the dp replicas (Plan.ep; ep divides dp)
     trace_device: str = ""  # the device type the plan's layers were traced for; "": not recorded
     gpus_per_node: int = 0  # devices per node the world is laid out on; 0: one node

@@ -10,6 +10,7 @@ before any of that, and imports no torch.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
     (default torchrun's ``WORLD_SIZE``; one when run with plain python); ``autopipe run`` asks
     before it launches them.
     """
+    world_given = world
     check_ckpt_dir(settings.ckpt_dir, resume=settings.resume, saving=settings.ckpt_every > 0)
     if settings.resume == "must" and not _has_checkpoint(Path(settings.ckpt_dir), settings.engine):
         raise ResumeError(f"--resume: no checkpoint in {settings.ckpt_dir}; check --ckpt-dir, or use --resume auto to "
@@ -63,7 +65,36 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
                                 "--sequence-parallel.")
     if plan is not None:
         check_launch(plan, world // (dp * tp), dp, plan_path=str(settings.plan), tp=tp)
+        sp = bool(getattr(settings, "sequence_parallel", False)) and tp > 1
+        said = plan_mismatch(plan, tp, sp, plan_path=str(settings.plan)) if world > 1 else None  # one process: whole
+        # train.py's rank 0 says it (autopipe run's own preflight, given ``world``, leaves it to the job)
+        if said and world_given is None and os.environ.get("RANK", "0") == "0":
+            warnings.warn(said, stacklevel=2)
     return plan
+
+
+def plan_mismatch(plan: StagePlan, tp: int, sequence_parallel: bool, *, plan_path: str = "plan.json") -> str | None:
+    """One line when a run's tp degree or sequence parallelism differs from what its plan was priced for
+    (the cut still runs, its step and memory predictions do not hold); None when they agree.
+
+    Example:
+        >>> plan_mismatch(StagePlan((0, 2, 4), stages=2, microbatches=4, tp=2, sequence_parallel=True), 2, False)[:64]
+        'plan.json was priced for tp 2 with --sequence-parallel, this run'
+        >>> plan_mismatch(StagePlan((0, 2, 4), stages=2, microbatches=4, tp=2), 2, False) is None
+        True
+    """
+    if not plan.microbatches:  # a hand-written cut: priced for nothing
+        return None
+    planned_sp = bool(plan.sequence_parallel) and plan.tp > 1
+    if plan.tp == tp and planned_sp == sequence_parallel:
+        return None
+    fix = (f"--tp {plan.tp}" + (" --sequence-parallel" if planned_sp else "")) if plan.tp > 1 else "--tp 1"
+    return (f"{plan_path} was priced for {_degree(plan.tp, planned_sp)}, this run has {_degree(tp, sequence_parallel)}: "
+            f"the cut runs, its predicted step and memory do not hold; launch with {fix}, or re-plan at this layout.")
+
+
+def _degree(tp: int, sequence_parallel: bool) -> str:
+    return f"tp {tp}" + (" with --sequence-parallel" if sequence_parallel else "")
 
 
 def _check_ep(settings: Any, dp: int, tp: int, world: int) -> None:
