@@ -18,7 +18,7 @@ from ..planner.memory import LayerMemory, charged_units, layer_memory, rank_memo
 from ..planner.options import PartitionOptions
 from ..planner.partitioner import fits_memory, partition, resolve_limit
 from ..planner.plan import Plan
-from ..planner.schedules import chunk_ranks, inflight_counts
+from ..planner.schedules import chunk_ranks, inflight_counts, rank_ends
 from ..planner.targets import restricted_cuts
 from .layouts import Layout
 from .topology import Cluster, cluster_for, dp_reduce_time, place, tp_cluster
@@ -254,13 +254,14 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
                        sequence_parallel=x.sequence_parallel, ep=x.ep)  # fmt: skip
         peak = plan.peak_memory
     assert peak is not None
-    sim, cut, modes, rec = source.simulate(), source.boundaries, source.stage_recompute, source.stage_recompute_time
+    cut, modes, rec = source.boundaries, source.stage_recompute, source.stage_recompute_time
     fwd, bwd, comm = source.stage_forward, source.stage_backward, source.stage_comm
-    ranks = sim.timeline
+    ends = rank_ends(source.schedule, forward=fwd, backward=bwd, comm=comm, ranks=source.stages,
+                     microbatches=source.microbatches, weight_share=source.weight_share)  # Plan.simulate's
     owners = chunk_ranks(x.schedule, x.stages, x.virtual_stages)
     lm = layer_memory(prof, optimizer)
     step = reduce_max = 0.0
-    for r, ops in enumerate(ranks):
+    for r, end in enumerate(ends):
         held = sorted({i for c, owner in enumerate(owners) if owner == r for i in range(cut[c], cut[c + 1])})
         g, w = sum(lm.gradients[i] for i in held), sum(lm.weights[i] for i in held)
         for _size, users, tw, tg, *_ in lm.tied:  # a tied tensor is reduced once per rank
@@ -268,11 +269,11 @@ def evaluate(profile: Profile, cluster: Cluster, x: Layout, *, memory_limit: int
             g, w = g - extra * tg, w - extra * tw
         red = dp_reduce_time(g, w, x.dp, p.dp_bandwidth, x.zero)
         reduce_max = max(reduce_max, red)
-        step = max(step, (ops[-1][1] if ops else 0.0) + red)
+        step = max(step, end + red)
     m, s, k = x.microbatches, x.stages, len(cut) - 1
     tokens = tokens_per_sample(profile)
     done = replace(
-        x, step_time=step, pipeline_time=sim.step_time, reduce_time=reduce_max, throughput=x.global_batch / step,
+        x, step_time=step, pipeline_time=max(ends, default=0.0), reduce_time=reduce_max, throughput=x.global_batch / step,
         tokens_per_second=None if tokens is None else x.global_batch * tokens / step, peak_memory=int(peak),
         fits=limit is None or peak <= limit, recompute=tuple(modes), boundaries=tuple(cut),
         ideal_time=m * sum(fwd[c] + bwd[c] - rec[c] for c in range(k)) / s, recompute_time=m * sum(rec) / s,

@@ -33,11 +33,17 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 from typing import Mapping, Sequence
 
 import numpy as np
 
 __all__ = ["ChunkCosts", "position", "state_arrays"]
+
+# Windows by (a digest of a costs object's bytes, the window's key), shared by every costs object
+# with those bytes (ChunkCosts.window_start); cleared when it holds this many (a 70B search makes ~14k).
+_SHARED_WINDOWS: dict[tuple[bytes, tuple], np.ndarray] = {}
+_SHARED_MOST = 20_000
 
 
 def state_arrays(states) -> tuple[np.ndarray, np.ndarray]:
@@ -171,6 +177,7 @@ class ChunkCosts:
                                 and all(np.all(np.diff(x) >= 0) for x in extra))  # fmt: skip
         self._windows: dict[tuple[int, int, int], np.ndarray] = {}
         self._window_limit: int | None = None
+        self._digest: bytes | None = None
         self._hold_ranges: dict[int, tuple[float, float]] = {}
         self.positions = np.arange(n + 1)  # this object's boundary j is layer positions[j] of the model
 
@@ -209,7 +216,7 @@ class ChunkCosts:
         # a group's one-layer peak: the largest of its layers' (max over a chunk is max over its groups)
         out._tables = [_SparseMax(np.asarray(t.query(p[:-1], p[1:]), dtype=t.table.dtype)) for t in self._tables]
         out.buf_in, out.buf_out = self.buf_in[p], self.buf_out[p]
-        out._windows, out._window_limit, out._hold_ranges = {}, None, {}
+        out._windows, out._window_limit, out._hold_ranges, out._digest = {}, None, {}, None
         return out
 
     # ---- time -----------------------------------------------------------------------------------
@@ -310,8 +317,30 @@ class ChunkCosts:
             if limit != self._window_limit:  # a search holds one limit at a time: keep only its windows
                 self._windows.clear()
                 self._window_limit = limit
-            window = self._windows[key] = self._window_start(mode, inflight, limit, position, waiting)
+            # the cluster search builds many costs with the same bytes (they differ in seconds: links,
+            # micro-batch counts): a window depends on the bytes alone, so they share it
+            shared = (self._memory_digest(), key)
+            window = _SHARED_WINDOWS.get(shared)
+            if window is None:
+                if len(_SHARED_WINDOWS) >= _SHARED_MOST:
+                    _SHARED_WINDOWS.clear()
+                window = _SHARED_WINDOWS[shared] = self._window_start(mode, inflight, limit, position, waiting)
+                window.flags.writeable = False  # shared between objects: nobody may change it
+            self._windows[key] = window
         return window
+
+    def _memory_digest(self) -> bytes:
+        """A digest of every figure ``memory`` and ``window_start`` read (bytes, never seconds): two
+        costs with the same digest have the same windows."""
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(repr((self.n, self.held, self.tied_most, self.tied_step, [w for w, _ in self.tied])).encode())
+            for a in (self.static_prefix, self.step_prefix, self.buf_in, self.buf_out, *self.kept, *self.hold_extra,
+                      *(t.table for t in self._tables), *(count for _, count in self.tied)):
+                h.update(np.ascontiguousarray(a).view(np.uint8).tobytes())
+                h.update(str(a.dtype).encode())
+            self._digest = h.digest()
+        return self._digest
 
     def window_is_exact(self, mode: int, inflight: int, position: str = "middle", waiting: int = 0) -> bool:
         """Whether ``window_start`` admits every chunk that fits, not only some: its envelopes of the
@@ -346,8 +375,8 @@ class ChunkCosts:
         # largest transient and end terms a chunk fits less (hi); with every saving and none, more (lo).
         top = int(self._tables[mode].table[0].max(initial=0)) + int(in_env[1:].max(initial=0))
         qs = q + self.step_prefix  # the optimizer step's temporaries, at most added to the rest
-        hi = np.minimum(np.searchsorted(qs, qs[b] - (limit - top - out - held), side="left"), b)
-        lo = np.minimum(np.searchsorted(q, q[b] - (limit + self.tied_most), side="left"), b)
+        hi = np.minimum(qs.searchsorted(qs[b] - (limit - top - out - held), side="left"), b)
+        lo = np.minimum(q.searchsorted(q[b] - (limit + self.tied_most), side="left"), b)
         lo, hi = np.maximum(lo, 1), np.maximum(hi, 1)
         open_ = np.flatnonzero(lo < hi)
         while open_.size:  # bisect where the bracket is open; the window memory only shrinks as a grows
@@ -402,12 +431,17 @@ class _SparseMax:
             np.maximum(table[j - 1, : n - span], table[j - 1, span:n], out=table[j, : n - span])
             span *= 2
         self.table = table
+        # floor(log2(length)) and 2**that for every length 0..n (0 and 1 both level 0): looked up, not
+        # computed, as the solver asks this tens of thousands of times a search
+        lengths = np.maximum(np.arange(n + 2), 1)
+        self._level = (np.frexp(lengths)[1] - 1).astype(np.int64)
+        self._width = np.left_shift(1, self._level)
 
     def query(self, a, b):
         a, b = np.asarray(a), np.asarray(b)
-        length = np.maximum(b - a, 1)
-        k = np.log2(length).astype(np.int64) if length.ndim else int(np.log2(int(length)))
+        length = b - a
+        k = self._level[np.maximum(length, 0)]
         n = self.table.shape[1]
         left = self.table[k, np.minimum(a, n - 1)]
-        right = self.table[k, np.clip(b - (1 << k), 0, n - 1)]
+        right = self.table[k, np.minimum(np.maximum(b - self._width[np.maximum(length, 0)], 0), n - 1)]
         return np.where(b > a, np.maximum(left, right), 0)

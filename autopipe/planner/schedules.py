@@ -53,6 +53,7 @@ from .simulator import (
 
 __all__ = [
     "SCHEDULES",
+    "rank_ends",
     "Simulation",
     "normalize_schedule",
     "check_schedule",
@@ -215,6 +216,21 @@ def simulate(
     return Simulation(schedule, ranks, microbatches, step, bubble, busy, tuple(tuple(tl) for tl in timeline))
 
 
+def rank_ends(schedule: str, *, forward: Sequence[float], backward: Sequence[float], comm: Sequence[float],
+              ranks: int, microbatches: int, weight_share: float = 0.5) -> tuple[float, ...]:
+    """When each rank's last op ends: ``simulate(...).timeline[r][-1][1]`` for every rank r (0.0 for a
+    rank with no ops), the same floats, without building the timeline (the cluster search asks this of
+    every layout it solves, and a 70B layout's timeline holds ~10^4 ops).
+
+    >>> args = dict(forward=[1.0, 1.0], backward=[2.0, 2.0], comm=[0.0, 0.0], microbatches=4)
+    >>> rank_ends("1f1b", ranks=2, **args) == tuple(tl[-1][1] for tl in simulate("1f1b", ranks=2, **args).timeline)
+    True
+    """
+    _, prog, ops = _compiled(schedule, forward, backward, comm, ranks, microbatches, weight_share)
+    end = run_fixed(prog, *ops, starts=False)[1].tolist()
+    return tuple(end[prog.last[r]] if prog.bounds[r + 1] > prog.bounds[r] else 0.0 for r in range(ranks))
+
+
 def shared_step(
     schedule: str,
     *,
@@ -290,7 +306,7 @@ def zbv_split(weight_share: float, prog: Program) -> np.ndarray:
     return share
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=64)  # a cluster search asks ~30 shapes, each many times
 def _program(schedule: str, ranks: int, virtual: int, m: int) -> Program:
     """The compiled op graph of a fixed-order schedule, once per process and shape."""
     return compile_orders(fixed_orders(schedule, ranks, virtual, m), ranks * virtual)

@@ -119,9 +119,11 @@ def run_fixed(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray |
 
 def _op_durations(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray | None) -> np.ndarray:
     """Each op's seconds (one row per op; a column per cut when the chunk arrays have columns)."""
-    kind = prog.kind.reshape((-1,) + (1,) * (fwd.ndim - 1))
-    dur = np.where(kind == 0, fwd[prog.chunk], bwd[prog.chunk])
-    return dur if wgt is None else np.where(kind == 2, wgt[prog.chunk], dur)
+    # one gather from the stacked (F; B; W) rows: op i reads row kind_i * chunks + chunk_i
+    parts = np.broadcast_arrays(fwd, bwd) if wgt is None else np.broadcast_arrays(fwd, bwd, wgt)
+    k = parts[0].shape[0]
+    table = np.concatenate(parts)
+    return table[prog.kind.astype(np.int64) * k + prog.chunk]
 
 
 def run_shared(prog: Program, fwd: np.ndarray, bwd: np.ndarray, wgt: np.ndarray | None, cores: float) -> float:

@@ -394,14 +394,14 @@ class _StepSearch:
             lo = (np.zeros_like(b) if self.limit is None
                   else self._window(md, s)[b])  # fmt: skip
             if v is not None:
-                lo = np.maximum(lo, np.searchsorted(self.g[i], self.h[i][b] - v / self.scale, side="left"))
+                lo = np.maximum(lo, self.g[i].searchsorted(self.h[i][b] - v / self.scale, side="left"))
                 if self._arrays is not None:
                     for g, h, _ in self._arrays[s][i]:
-                        lo = np.maximum(lo, np.searchsorted(g, h[b] - v, side="left"))
+                        lo = np.maximum(lo, g.searchsorted(h[b] - v, side="left"))
                 else:  # only starts in [first, top] matter: the band's arrays, monotonised from first
                     for form in self.forms[s]:
                         g, h = form.arrays(c, c.extra[md], first, top)
-                        lo = np.maximum(lo, first + np.searchsorted(g, h[b - first] - v, side="left"))
+                        lo = np.maximum(lo, first + g.searchsorted(h[b - first] - v, side="left"))
             out = lo if out is None else np.minimum(out, lo)
         return out
 
