@@ -13,7 +13,7 @@ from autopipe.cluster.layout_search import search
 from autopipe.cluster.layouts import Layout, SearchResult, enumerate_layouts
 from autopipe.cluster.topology import Cluster
 from autopipe.costs.rescale import scale_microbatch
-from autopipe.errors import InfeasibleMemoryError
+from autopipe.errors import AutopipeError, InfeasibleMemoryError
 
 # Two nodes of two devices: intra-node links ten times the inter-node ones, so placement matters.
 CLUSTER = Cluster(gpus=4, gpus_per_node=2, intra=2000.0, inter=200.0)
@@ -70,6 +70,26 @@ def test_search_returns_the_best_layouts_of_brute_force(seed: int) -> None:
     assert res.plan.stages == res.best.stages and res.plan.microbatches == res.best.microbatches
     assert res.solved < res.considered  # something was pruned
     assert res.considered == res.pruned_memory + res.pruned_dominated + res.pruned_bound + res.solved
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_search_on_several_workers_keeps_the_best_layouts(seed: int) -> None:
+    """Solving layouts on 3 forked workers (each result raising the bar for the layouts handed out after it)
+    gives the same top layouts, best plan and cut as solving them in this process, and as brute force;
+    every layout is still counted once (solved or pruned)."""
+    prof = _profile(seed)
+    limit = _binding_limit(prof)
+    one = search(prof, CLUSTER, global_batch=8, memory_limit=limit, workers=1)
+    many = search(prof, CLUSTER, global_batch=8, memory_limit=limit, workers=3)
+    brute = [x for x in _solve_all(prof, limit, {}) if x.dp == 1 or x.zero != 3]
+    assert [x.throughput for x in many.layouts[:3]] == pytest.approx([x.throughput for x in brute[:3]], rel=1e-9)
+    assert [x.key() for x in many.layouts[:3]] == [x.key() for x in one.layouts[:3]]
+    assert many.best.boundaries == one.best.boundaries and many.best.step_time == one.best.step_time
+    assert many.plan is not None and many.plan.boundaries == one.plan.boundaries
+    assert many.considered == many.pruned_memory + many.pruned_dominated + many.pruned_bound + many.solved
+    assert many.considered == one.considered and many.solved >= 1
+    with pytest.raises(AutopipeError, match="workers must be 1 or more"):
+        search(prof, CLUSTER, global_batch=8, memory_limit=limit, workers=0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

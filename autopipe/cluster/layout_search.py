@@ -61,7 +61,10 @@ layouts are in the result.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import replace
 from typing import Sequence
 
@@ -94,14 +97,17 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
            schedules: Sequence[tuple[str, int]] = SEARCH_SCHEDULES, microbatch_sizes: Sequence[int] | None = None,
            top: int = 3, prune: bool = True, weight_share: float | None = None,
            target: str | None = None, progress: bool | Progress = False, tps: Sequence[int] = (1,),
-           sequence_parallel: bool = False, eps: Sequence[int] = (1,)) -> SearchResult:  # fmt: skip
+           sequence_parallel: bool = False, eps: Sequence[int] = (1,), workers: int | None = None) -> SearchResult:  # fmt: skip
     """The layouts of ``cluster`` for ``global_batch`` samples per step, best predicted throughput first.
 
     ``prune=False`` solves every layout (what the tests compare the pruned search with). Raises
     InfeasibleMemoryError, with what would fit in one line (autopipe.cluster.layout_search), when none fits.
     ``target``: only layouts that engine runs (its schedules, virtual stages, ZeRO stages), each cut
     where it can (autopipe.planner.targets). ``progress``: how the layouts solved are shown
-    (autopipe.progress: the caller's display; the search itself prints nothing).
+    (autopipe.progress: the caller's display; the search itself prints nothing). ``workers``: processes
+    that solve layouts at once (default: one per core when there are many to solve, where the OS forks;
+    1: in this process). The best ``top`` are the same on any count; which layouts below them get solved
+    before the bar rises (``solved`` and the prunes) depends on the order the workers finish in.
 
     Example:
         >>> from autopipe.cluster.topology import cluster_for
@@ -148,62 +154,64 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
                 continue
             todo.append(replace(x, bound=bounds.throughput(x, scale)))
     todo.sort(key=lambda x: (-x.bound, x.key()))
+    solver = _LayoutSolver(profile, cluster, views, limit=limit, optimizer=optimizer, recompute=recompute,
+                           weight_share=weight_share, target=target, cuts=cuts, profile_mb=profile_mb)
     found: list[Layout] = []
     solved = infeasible = pruned_bound = 0
-    per_size: dict[tuple[int, int, int], Profile] = {}
+    n_workers = _workers(workers, len(todo))
 
-    fitting: dict[tuple, bool] = {}
+    def kth() -> float | None:
+        """The throughput a layout must beat to enter the top ones; None while fewer are solved."""
+        if not prune or len(found) < top:
+            return None
+        return sorted(found, key=_rank)[top - 1].throughput or 0.0
 
-    def fits(x: Layout) -> bool:
-        """fits_memory for x, once for the layouts that differ in placement alone (it prices no link)."""
-        key = (x.tp, x.ep, x.microbatch_size, x.stages, x.microbatches, x.schedule, x.virtual_stages, x.dp, x.zero)
-        if key not in fitting:
-            fitting[key] = fits_memory(scaled(x), x.stages, microbatches=x.microbatches, schedule=x.schedule,
-                                       virtual_stages=x.virtual_stages, memory_limit=limit, optimizer=optimizer,
-                                       recompute=recompute, dp=x.dp, zero=x.zero, cuts=cuts)  # fmt: skip
-        return fitting[key]
-
-    def scaled(x: Layout) -> Profile:
-        """The profile a rank of x's tp/ep view sees at x's micro-batch size, once per (tp, ep, size)."""
-        key = (x.tp, x.ep, x.microbatch_size)
-        if key not in per_size:
-            per_size[key] = scale_microbatch(views[x.tp, x.ep][0], x.microbatch_size)
-        return per_size[key]
+    def tally(kind: str, x: Layout, done: Layout | None) -> None:
+        nonlocal solved, infeasible, pruned_bound
+        if kind == "pruned":
+            pruned_bound += 1
+            return
+        solved += 1
+        phase.advance(what=x.label)
+        if kind == "infeasible":
+            infeasible += 1
+        else:
+            found.append(done)  # type: ignore[arg-type]
 
     with progress_for(progress).phase("search", total=len(todo), unit="layouts solved") as phase:
-        for i, x in enumerate(todo):
-            prof_t, bounds, cache = views[x.tp, x.ep]
-            scale = x.microbatch_size / profile_mb
-            if prune and len(found) >= top:
-                kth = sorted(found, key=_rank)[top - 1].throughput or 0.0
-                if x.bound < kth * (1 - 1e-12):  # sorted by bound: none after it can beat the top ones either
+        if n_workers == 1:
+            for i, x in enumerate(todo):
+                least = kth()
+                if least is not None and x.bound < least * (1 - 1e-12):  # sorted by bound: none after it can either
                     pruned_bound += len(todo) - i
                     phase.finish(f"the other {len(todo) - i} cannot beat the best {top}")
                     break
-                # the tighter bound, with the recompute every cut needs to fit (method, step 2)
-                if bounds.throughput_with_recompute(x, scale) < kth * (1 - 1e-12):
-                    pruned_bound += 1
-                    continue
-                # one chunk per rank: the solver's own bound at the step that would tie the top ones (step 3)
-                # (each of its paths ends at rank 0, which then reduces what its chunk holds)
-                tie = x.global_batch / (kth * (1 - 1e-12)) * (1 + 1e-9)
-                if x.virtual_stages == 1 and steps_above(
-                        scaled(x), _options(x, bounds, limit, optimizer, recompute, weight_share, target), tie,
-                        _reduce_seconds(x, scaled(x), bounds.cluster, optimizer)):  # fmt: skip
-                    pruned_bound += 1
-                    continue
-            solved += 1
-            phase.advance(what=x.label)
-            if limit is not None and not fits(x):
-                infeasible += 1  # no cut fits: known from one reachability, no solve (or explanation) needed
-                continue
+                tally(*solver.solve(x, least))
+        else:  # the same tests, a layout per worker; each result raises the bar for those handed out after it
+            global _WORKER
+            _WORKER = solver
             try:
-                done, _ = evaluate(profile, cluster, x, memory_limit=limit, optimizer=optimizer, recompute=recompute,
-                                   weight_share=weight_share, cache=cache, target=target)  # fmt: skip
-            except InfeasibleMemoryError:
-                infeasible += 1
-                continue
-            found.append(done)
+                with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                    pending: dict = {}
+                    i = 0
+                    while True:
+                        while i < len(todo) and len(pending) < 2 * n_workers:
+                            least = kth()
+                            if least is not None and todo[i].bound < least * (1 - 1e-12):
+                                pruned_bound += len(todo) - i
+                                phase.finish(f"the other {len(todo) - i} cannot beat the best {top}")
+                                i = len(todo)
+                                break
+                            pending[pool.submit(_solve_in_worker, todo[i], least)] = todo[i]
+                            i += 1
+                        if not pending:
+                            break
+                        ready, _ = wait(pending, return_when=FIRST_COMPLETED)
+                        for f in ready:
+                            tally(*f.result())
+                            del pending[f]
+            finally:
+                _WORKER = None
     found.sort(key=_rank)
     if not found:
         raise InfeasibleMemoryError(why_nothing_fits(profile, cluster, global_batch=global_batch, limit=limit,
@@ -225,6 +233,87 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
         pruned_memory=pruned_memory, pruned_bound=pruned_bound, pruned_dominated=dominated, solved=solved, infeasible=infeasible,
         seconds=time.perf_counter() - clock, top=top, plan=plan,
     )  # fmt: skip
+
+
+class _LayoutSolver:
+    """Solves one layout of a search: the tighter bounds against the bar (``kth``: the throughput the
+    top ones reach, None while fewer are solved), the memory reachability, then ``evaluate``. It keeps
+    caches across the layouts it solves (one per worker when the search runs on several)."""
+
+    def __init__(self, profile: Profile, cluster: Cluster, views: dict, *, limit: int | None, optimizer: str | None,
+                 recompute: str, weight_share: float | None, target: str | None, cuts: tuple[int, ...] | None,
+                 profile_mb: int) -> None:  # fmt: skip
+        self.profile, self.cluster, self.views = profile, cluster, views
+        self.limit, self.optimizer, self.recompute = limit, optimizer, recompute
+        self.weight_share, self.target, self.cuts, self.profile_mb = weight_share, target, cuts, profile_mb
+        self._fitting: dict[tuple, bool] = {}
+        self._per_size: dict[tuple[int, int, int], Profile] = {}
+
+    def solve(self, x: Layout, kth: float | None) -> tuple[str, Layout, Layout | None]:
+        """("pruned", x, None): a bound proves x below the bar; ("infeasible", x, None): no cut fits;
+        ("found", x, x solved)."""
+        _prof_t, bounds, cache = self.views[x.tp, x.ep]
+        scale = x.microbatch_size / self.profile_mb
+        if kth is not None:
+            # the tighter bound, with the recompute every cut needs to fit (method, step 2)
+            if bounds.throughput_with_recompute(x, scale) < kth * (1 - 1e-12):
+                return "pruned", x, None
+            # one chunk per rank: the solver's own bound at the step that would tie the top ones (step 3)
+            # (each of its paths ends at rank 0, which then reduces what its chunk holds)
+            tie = x.global_batch / (kth * (1 - 1e-12)) * (1 + 1e-9)
+            opts = _options(x, bounds, self.limit, self.optimizer, self.recompute, self.weight_share, self.target)
+            if x.virtual_stages == 1 and steps_above(self.scaled(x), opts, tie, _reduce_seconds(
+                    x, self.scaled(x), bounds.cluster, self.optimizer)):  # fmt: skip
+                return "pruned", x, None
+        if self.limit is not None and not self.fits(x):
+            return "infeasible", x, None  # known from one reachability, no solve (or explanation) needed
+        try:
+            done, _ = evaluate(self.profile, self.cluster, x, memory_limit=self.limit, optimizer=self.optimizer,
+                               recompute=self.recompute, weight_share=self.weight_share, cache=cache,
+                               target=self.target)  # fmt: skip
+        except InfeasibleMemoryError:
+            return "infeasible", x, None
+        return "found", x, done
+
+    def fits(self, x: Layout) -> bool:
+        """fits_memory for x, once for the layouts that differ in placement alone (it prices no link)."""
+        key = (x.tp, x.ep, x.microbatch_size, x.stages, x.microbatches, x.schedule, x.virtual_stages, x.dp, x.zero)
+        if key not in self._fitting:
+            self._fitting[key] = fits_memory(
+                self.scaled(x), x.stages, microbatches=x.microbatches, schedule=x.schedule,
+                virtual_stages=x.virtual_stages, memory_limit=self.limit, optimizer=self.optimizer,
+                recompute=self.recompute, dp=x.dp, zero=x.zero, cuts=self.cuts)  # fmt: skip
+        return self._fitting[key]
+
+    def scaled(self, x: Layout) -> Profile:
+        """The profile a rank of x's tp/ep view sees at x's micro-batch size, once per (tp, ep, size)."""
+        key = (x.tp, x.ep, x.microbatch_size)
+        if key not in self._per_size:
+            self._per_size[key] = scale_microbatch(self.views[x.tp, x.ep][0], x.microbatch_size)
+        return self._per_size[key]
+
+
+# The solver a forked worker inherits (set by search() just before its pool forks, cleared after).
+_WORKER: _LayoutSolver | None = None
+PARALLEL_FROM = 64  # layouts left to solve from which ``workers=None`` uses the cores
+
+
+def _solve_in_worker(x: Layout, kth: float | None) -> tuple[str, Layout, Layout | None]:
+    assert _WORKER is not None, "a search worker started without its solver"
+    return _WORKER.solve(x, kth)
+
+
+def _workers(asked: int | None, layouts: int) -> int:
+    """Processes to solve on: ``asked``, or (None) one per core this process may use when there are
+    ``PARALLEL_FROM`` layouts or more and the OS forks (the workers inherit the search's state)."""
+    if asked is not None:
+        if asked < 1:
+            raise AutopipeError(f"workers must be 1 or more, got {asked}.")
+        return asked if "fork" in multiprocessing.get_all_start_methods() else 1
+    if layouts < PARALLEL_FROM or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 8, layouts // 8))
 
 
 def _reduce_seconds(x: Layout, profile: Profile, cluster: Cluster, optimizer: str | None) -> list[float]:
