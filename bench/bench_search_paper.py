@@ -262,14 +262,18 @@ def _tp_section(rows: list[dict]) -> list[str]:
 
 # The reading of the tables above, in the model's terms (written from the recorded figures).
 TP_NOTES = {
-    "search": ("Search time. With tp 1, 2, 4, 8 the 70B × 512 search considers 2,444 layouts and solves 212 (94 of them "
-               "refused by one reachability, no cut fitting) where it solved 254: median 31.7 CPU s over 3 runs "
-               "(walls 127.6, 95.7, 85.8 s at load 4.6-11 on this shared 2-core machine; 45.1 CPU s before), the same "
-               "best layout and figures, still short of the 10 s asked. What changed: a layout with one chunk per "
-               "rank (gpipe, 1f1b) that must beat the top ones is first refuted by the solver's own bound at the "
-               "tying step, rank 0's data-parallel tail coupled to the end of its chunk (step_solver.steps_above), "
-               "and the solver simulates each cut once and checks each distinct chunk's memory once. What is left: "
-               "interleaved and zbv layouts (about 60 % of what is solved), whose bound here counts their bubble "
+    "search": ("Search time. With tp 1, 2, 4, 8 the 70B × 512 search considers 2,444 layouts and solves 216 (95 of them "
+               "refused by one reachability, no cut fitting): median 7.5 s wall over 3 runs (7.4-7.6 s at load 1.5 on this "
+               "2-core machine, 14.7 CPU s over its 2 workers), under the 10 s asked; the same best layouts, cuts and "
+               "figures as before. The run before this one: 31.7 CPU s at load 4.6, one process; the same search in one "
+               "process on a quiet machine took 19.4 s before these changes and 14.6-15.5 s after. What changed: (1) "
+               "the layouts are solved on forked workers, one per core (layout_search: a layout's tighter bounds, "
+               "its memory reachability and its solve run in the worker against the bar when it was handed out, so a "
+               "few more are solved than in one process: 216 against 212); (2) the solver's memory windows are shared by "
+               "every costs object with the same bytes (a search builds ~470 of them with ~170 distinct memory "
+               "contents: 44 % of its 25,853 windows were recomputations), the evaluator reads each rank's last op end "
+               "without building the 10^4-op timeline, and the simulator gathers op durations in one take. What is "
+               "left: interleaved and zbv layouts (about 60 % of what is solved), whose bound here counts their bubble "
                "only as fill; a weighted-path bound for them (each rank's fill, chain and drain, dual weights found by "
                "an LP) was tried and stayed 10-25 % under their solved steps, so it pruned almost nothing."),
     512: ("Why they differ on 512. With sequence parallelism the search's tp 8 × 8 stages × 8 replicas, zbv, beats "
