@@ -166,7 +166,16 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
             return None
         return sorted(found, key=_rank)[top - 1].throughput or 0.0
 
-    def tally(kind: str, x: Layout, done: Layout | None) -> None:
+    def below_bar(i: int, least: float | None) -> bool:
+        """Whether todo[i]'s bound cannot beat the top ones: sorted by bound, none after it can either (counted)."""
+        nonlocal pruned_bound
+        if least is None or todo[i].bound >= least * (1 - 1e-12):
+            return False
+        pruned_bound += len(todo) - i
+        phase.finish(f"the other {len(todo) - i} cannot beat the best {top}")
+        return True
+
+    def tally(x: Layout, kind: str, done: Layout | None) -> None:
         nonlocal solved, infeasible, pruned_bound
         if kind == "pruned":
             pruned_bound += 1
@@ -182,24 +191,20 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
         if n_workers == 1:
             for i, x in enumerate(todo):
                 least = kth()
-                if least is not None and x.bound < least * (1 - 1e-12):  # sorted by bound: none after it can either
-                    pruned_bound += len(todo) - i
-                    phase.finish(f"the other {len(todo) - i} cannot beat the best {top}")
+                if below_bar(i, least):
                     break
-                tally(*solver.solve(x, least))
+                tally(x, *solver.solve(x, least))
         else:  # the same tests, a layout per worker; each result raises the bar for those handed out after it
             global _WORKER
             _WORKER = solver
             try:
                 with ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("fork")) as pool:
-                    pending: dict = {}
+                    pending: dict = {}  # future -> the layout it solves
                     i = 0
                     while True:
                         while i < len(todo) and len(pending) < 2 * n_workers:
                             least = kth()
-                            if least is not None and todo[i].bound < least * (1 - 1e-12):
-                                pruned_bound += len(todo) - i
-                                phase.finish(f"the other {len(todo) - i} cannot beat the best {top}")
+                            if below_bar(i, least):
                                 i = len(todo)
                                 break
                             pending[pool.submit(_solve_in_worker, todo[i], least)] = todo[i]
@@ -208,8 +213,7 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
                             break
                         ready, _ = wait(pending, return_when=FIRST_COMPLETED)
                         for f in ready:
-                            tally(*f.result())
-                            del pending[f]
+                            tally(pending.pop(f), *f.result())
             finally:
                 _WORKER = None
     found.sort(key=_rank)
@@ -249,31 +253,31 @@ class _LayoutSolver:
         self._fitting: dict[tuple, bool] = {}
         self._per_size: dict[tuple[int, int, int], Profile] = {}
 
-    def solve(self, x: Layout, kth: float | None) -> tuple[str, Layout, Layout | None]:
-        """("pruned", x, None): a bound proves x below the bar; ("infeasible", x, None): no cut fits;
-        ("found", x, x solved)."""
+    def solve(self, x: Layout, kth: float | None) -> tuple[str, Layout | None]:
+        """("pruned", None): a bound proves x below the bar; ("infeasible", None): no cut fits;
+        ("found", x solved)."""
         _prof_t, bounds, cache = self.views[x.tp, x.ep]
         scale = x.microbatch_size / self.profile_mb
         if kth is not None:
             # the tighter bound, with the recompute every cut needs to fit (method, step 2)
             if bounds.throughput_with_recompute(x, scale) < kth * (1 - 1e-12):
-                return "pruned", x, None
+                return "pruned", None
             # one chunk per rank: the solver's own bound at the step that would tie the top ones (step 3)
             # (each of its paths ends at rank 0, which then reduces what its chunk holds)
             tie = x.global_batch / (kth * (1 - 1e-12)) * (1 + 1e-9)
             opts = _options(x, bounds, self.limit, self.optimizer, self.recompute, self.weight_share, self.target)
             if x.virtual_stages == 1 and steps_above(self.scaled(x), opts, tie, _reduce_seconds(
                     x, self.scaled(x), bounds.cluster, self.optimizer)):  # fmt: skip
-                return "pruned", x, None
+                return "pruned", None
         if self.limit is not None and not self.fits(x):
-            return "infeasible", x, None  # known from one reachability, no solve (or explanation) needed
+            return "infeasible", None  # known from one reachability, no solve (or explanation) needed
         try:
             done, _ = evaluate(self.profile, self.cluster, x, memory_limit=self.limit, optimizer=self.optimizer,
                                recompute=self.recompute, weight_share=self.weight_share, cache=cache,
                                target=self.target)  # fmt: skip
         except InfeasibleMemoryError:
-            return "infeasible", x, None
-        return "found", x, done
+            return "infeasible", None
+        return "found", done
 
     def fits(self, x: Layout) -> bool:
         """fits_memory for x, once for the layouts that differ in placement alone (it prices no link)."""
@@ -298,7 +302,7 @@ _WORKER: _LayoutSolver | None = None
 PARALLEL_FROM = 64  # layouts left to solve from which ``workers=None`` uses the cores
 
 
-def _solve_in_worker(x: Layout, kth: float | None) -> tuple[str, Layout, Layout | None]:
+def _solve_in_worker(x: Layout, kth: float | None) -> tuple[str, Layout | None]:
     assert _WORKER is not None, "a search worker started without its solver"
     return _WORKER.solve(x, kth)
 
@@ -306,11 +310,13 @@ def _solve_in_worker(x: Layout, kth: float | None) -> tuple[str, Layout, Layout 
 def _workers(asked: int | None, layouts: int) -> int:
     """Processes to solve on: ``asked``, or (None) one per core this process may use when there are
     ``PARALLEL_FROM`` layouts or more and the OS forks (the workers inherit the search's state)."""
+    if asked is not None and asked < 1:
+        raise AutopipeError(f"workers must be 1 or more, got {asked}.")
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
     if asked is not None:
-        if asked < 1:
-            raise AutopipeError(f"workers must be 1 or more, got {asked}.")
-        return asked if "fork" in multiprocessing.get_all_start_methods() else 1
-    if layouts < PARALLEL_FROM or "fork" not in multiprocessing.get_all_start_methods():
+        return asked
+    if layouts < PARALLEL_FROM:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, 8, layouts // 8))

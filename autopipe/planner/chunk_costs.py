@@ -439,9 +439,9 @@ class _SparseMax:
 
     def query(self, a, b):
         a, b = np.asarray(a), np.asarray(b)
-        length = b - a
-        k = self._level[np.maximum(length, 0)]
+        length = np.maximum(b - a, 0)
+        k = self._level[length]
         n = self.table.shape[1]
         left = self.table[k, np.minimum(a, n - 1)]
-        right = self.table[k, np.minimum(np.maximum(b - self._width[np.maximum(length, 0)], 0), n - 1)]
+        right = self.table[k, np.minimum(np.maximum(b - self._width[length], 0), n - 1)]
         return np.where(b > a, np.maximum(left, right), 0)

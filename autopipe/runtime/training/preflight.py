@@ -34,7 +34,6 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
     (default torchrun's ``WORLD_SIZE``; one when run with plain python); ``autopipe run`` asks
     before it launches them.
     """
-    world_given = world
     check_ckpt_dir(settings.ckpt_dir, resume=settings.resume, saving=settings.ckpt_every > 0)
     if settings.resume == "must" and not _has_checkpoint(Path(settings.ckpt_dir), settings.engine):
         raise ResumeError(f"--resume: no checkpoint in {settings.ckpt_dir}; check --ckpt-dir, or use --resume auto to "
@@ -43,6 +42,7 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
         if value is not None:  # every source a job reads is a file; synthetic data is None
             check_data_path(Path(value), flag=flag)
     plan = None if str(settings.plan) == "even" else load_plan(settings.plan)
+    in_job = world is None  # train.py's own check, not autopipe run's before it launches
     world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
     dp = int(settings.dp)
     tp = int(getattr(settings, "tp", 1) or 1) if world > 1 else 1  # one process runs the plan whole
@@ -67,8 +67,7 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
         check_launch(plan, world // (dp * tp), dp, plan_path=str(settings.plan), tp=tp)
         sp = bool(getattr(settings, "sequence_parallel", False)) and tp > 1
         said = plan_mismatch(plan, tp, sp, plan_path=str(settings.plan)) if world > 1 else None  # one process: whole
-        # train.py's rank 0 says it (autopipe run's own preflight, given ``world``, leaves it to the job)
-        if said and world_given is None and os.environ.get("RANK", "0") == "0":
+        if said and in_job and os.environ.get("RANK", "0") == "0":  # said once, by the job's rank 0
             warnings.warn(said, stacklevel=2)
     return plan
 
