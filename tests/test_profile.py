@@ -421,3 +421,53 @@ def test_tp_shapes_are_traced_unless_asked_not_to_and_then_tp_is_refused() -> No
     assert at_tp(without, 1, bandwidth=1e9) is without
     with pytest.raises(PartitionError, match="records no tensor-parallel shapes"):
         at_tp(without, 2, bandwidth=1e9)
+
+
+_THREADS_SEEN: list[int] = []
+
+
+@torch.library.custom_op("autopipe_test::threads_seen", mutates_args=())
+def _threads_seen(x: Tensor) -> Tensor:
+    _THREADS_SEEN.append(torch.get_num_threads())  # a custom op runs at profile time, not only when traced
+    return x.clone()
+
+
+@_threads_seen.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+_threads_seen.register_autograd(lambda ctx, grad: grad)
+
+
+class _ThreadsSeen(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return _threads_seen(x)
+
+
+@pytest.mark.parametrize("omp", [None, "2"])
+def test_a_cpu_profile_times_its_layers_at_the_threads_a_rank_runs_with(monkeypatch: pytest.MonkeyPatch, omp: str | None) -> None:
+    """A CPU job's ranks run OMP_NUM_THREADS threads each, 1 where it is unset (autopipe run, torchrun):
+    the profile times at that count whatever the profiling process uses, records it, and gives the
+    process its own count back. (It timed at torch's count: 2 threads on a 2-core machine, where two
+    profiles of one model priced its step 19 % apart, bench/results/moe-ep-step.md.)"""
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    model = nn.Sequential(nn.Linear(8, 8), _ThreadsSeen(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    seq = _flatten(model, x)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        _THREADS_SEEN.clear()
+        prof = autopipe.profile(seq, (x,), repeats=3, warmup=1, progress=False)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    want = 1 if omp is None else 2
+    assert _THREADS_SEEN and set(_THREADS_SEEN) == {want}
+    assert prof.device.threads == want
+    explicit = autopipe.profile(seq, (x,), repeats=3, warmup=1, progress=False, threads=2)
+    assert explicit.device.threads == 2

@@ -254,8 +254,20 @@ def device_spec(target: str, dtype: str = "float32") -> DeviceSpec:
     )
 
 
+def rank_threads() -> int:
+    """The torch threads each rank of a CPU job runs with: ``OMP_NUM_THREADS`` where the shell sets it,
+    else 1 (``autopipe run`` sets 1 where it is unset, as torchrun does for its workers). A CPU profile
+    times its layers at this count, so its seconds are a rank's, not a whole-machine process's."""
+    try:
+        return max(int(os.environ.get("OMP_NUM_THREADS") or 1), 1)
+    except ValueError:  # "4,2" (nested OpenMP levels) or junk: torch's workers take the first level
+        head = os.environ["OMP_NUM_THREADS"].split(",")[0].strip()
+        return max(int(head), 1) if head.isdigit() else 1
+
+
 def describe_device(device: torch.device) -> DeviceInfo:
-    """Name, type, memory and thread count of the device a profile is measured on."""
+    """Name, type, memory and thread count of the device a profile is measured on (the threads in
+    use when it is called: the profiler calls it while its timing threads are set)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return DeviceInfo(name=props.name, type="cuda", memory_bytes=int(props.total_memory),

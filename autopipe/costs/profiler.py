@@ -32,7 +32,7 @@ from .accounting import (
     layer_cost,
     tied_bytes,
 )
-from .devices import describe_device, device_spec, dtype_name, slow_16bit_cpu_note, steady_heap
+from .devices import describe_device, device_spec, rank_threads, dtype_name, slow_16bit_cpu_note, steady_heap
 from .estimate import data_free, estimate_layer, meta_copy
 from .tp_shape import layer_tp_shape
 from .in_model import InModelTiming, charge_in_model, time_in_model
@@ -97,7 +97,9 @@ def profile(
             weight copies are added from the parameters each matmul-like operator reads.
         warmup: untimed runs per measured layer.
         repeats: timed runs per measured layer.
-        threads: CPU threads to time with (default: torch's current setting), fixed for the run.
+        threads: CPU threads to time with, fixed for the run. Default: what each rank of a CPU job
+            runs with (``devices.rank_threads``: ``OMP_NUM_THREADS``, else 1), since a job's ranks
+            are single-thread processes and a 2-thread timing of small matmuls underprices them.
         progress: show progress on stderr (a live bar on a terminal, a plain line per phase
             elsewhere: autopipe.progress), or report it to the ``Progress`` given; False: quiet.
 
@@ -138,8 +140,7 @@ def profile(
     old_threads = torch.get_num_threads()
     if run.device.type == "cpu" and not estimate:
         steady_heap()  # as every CPU rank of a job runs (autopipe.runtime.process.distenv): one allocator state timed
-    if run.device.type == "cpu" and threads:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads or rank_threads())
     shown = progress_for(progress)
     weights = _layer_work(infos)
     verb = "estimated" if estimate else "measured"
@@ -162,6 +163,7 @@ def profile(
             sequence = None
             if not estimate:
                 sequence = _whole_model(layers, first, run, walk.warnings, shown)
+                info = describe_device(run.device)  # with the threads it timed at
     finally:
         torch.set_num_threads(old_threads)
 
@@ -181,7 +183,7 @@ def profile(
         warnings = [*([emulated] if emulated else []), *warnings]
     return Profile(
         layers=layer_costs,
-        device=run.spec.info(dtype_name(tdtype)) if estimate else describe_device(run.device),
+        device=run.spec.info(dtype_name(tdtype)) if estimate else info,
         dtype="float32" if amp is not None else dtype_name(tdtype),
         autocast=dtype_name(amp) if amp is not None else "",
         mode="estimated" if estimate else "measured",
