@@ -186,7 +186,7 @@ def main() -> None:
     lines = ["# ep 2 jobs on CPU: measured step against the skewed (p95) and the balanced prediction", "",
              f"`bench/bench_moe_ep_step.py`: {STAGES} stage × dp {DP}, {MICRO} micro-batches, 1 thread per rank, "
              f"median of steps {WARMUP + 1}-{STEPS}, {ROUNDS} rounds interleaved; host load {load_before:.1f} before, "
-             f"{record['load_after']:.1f} after (2 cores shared by three agents); per round "
+             f"{record['load_after']:.1f} after (2 cores; its own 2 ranks make a load of 2); per round "
              f"{loads}.", "",
              "| job | predicted p95 (ms) | predicted balanced (ms) | measured per round (ms) [IQR of its steps] | "
              "measured / p95 | measured / balanced |", "|---|---:|---:|---|---:|---:|"]  # fmt: skip
