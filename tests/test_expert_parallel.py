@@ -21,7 +21,7 @@ import pytest
 import torch
 import tp_models
 from _launch import Launcher
-from test_tensor_parallel import MICRO, ROWS, SEQ, compare, make_job, reference, train, untouched
+from test_tensor_parallel import MICRO, MODELS, ROWS, SEQ, compare, make_job, reference, train, untouched
 
 from autopipe.choices import world_rank
 from autopipe.errors import AutopipeError
@@ -374,3 +374,42 @@ def test_a_rank_that_receives_no_tokens_still_meets_the_others(torchrun: Launche
     untouched experts module's."""
     proc = torchrun(Path(__file__).parent / "_ep_one_sided.py", nproc=2, cwd=tmp_path, timeout=300)
     assert "ok 0" in proc.stdout and "ok 1" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_aux", "mixtral"])
+def test_the_step_log_s_flops_count_the_experts_with_and_without_ep(name: str) -> None:
+    """The step log's MFU divides a step's FLOPs, counted without data. transformers runs the experts
+    by torch._grouped_mm (on CPU its opaque grouped_mm_fallback), which torch's FlopCounterMode counts
+    as nothing, and under --ep an experts call returns no rows without data: the ep 2 count was 56 %
+    of this Qwen3-MoE's, and at ep 1 another stage's MoE layer failed to run data-free, so the step
+    log had no MFU at all. Each stage of a 2-stage build, at ep 1 and at ep 2 (fake process groups, one
+    process), now counts 3x torch's own count of the untouched model's forward, run for real on
+    random tokens with transformers' eager experts (a matmul per expert, which torch counts), per
+    micro-batch and replica."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autopipe.runtime import build_stage, model_factory, step_flops
+
+    source = model_factory(f"{MODELS}:{name}", batch_size=ROWS, seq_len=SEQ)
+    model = untouched(name)
+    model.set_experts_implementation("eager")
+    ids = torch.randint(0, model.config.vocab_size, tuple(source.args[0].shape), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(ids, labels=ids, use_cache=False)
+    forward = counter.get_total_flops()
+    want = 3 * forward * 4 * 2
+    for pp_rank in (0, 1):  # ep 1: the experts run transformers' default (grouped_mm) on fake tensors
+        build = build_stage(source.factory, source.args, source.kwargs, CUT, pp_rank=pp_rank, pp_size=2)
+        assert step_flops(build.seq, source, microbatches=4, replicas=2) == want
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        for pp_rank in (0, 1):
+            build = build_stage(source.factory, source.args, source.kwargs, CUT, pp_rank=pp_rank, pp_size=2,
+                                ep_group=dist.group.WORLD)
+            assert build.ep_layout is not None and build.ep_layout.ep == 2
+            assert step_flops(build.seq, source, microbatches=4, replicas=2) == want
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,8 @@ experts' default kernel), so the larger of that and what it counted stands for t
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .layer_costs import MoeShape, Profile
 
-__all__ = ["expert_modules", "count_loads", "moe_shapes", "with_moe_shapes"]
+__all__ = ["counting_expert_flops", "expert_flops", "tally_expert_flops", "expert_modules", "count_loads", "moe_shapes", "with_moe_shapes"]
 
 Batch = tuple[Sequence[Any], dict[str, Any]]
 
@@ -193,3 +194,38 @@ def with_moe_shapes(profile: Profile, shapes: dict[int, MoeShape]) -> Profile:
     if not shapes:
         return profile
     return profile.with_layers([replace(l, moe=shapes.get(l.index, l.moe)) for l in profile.layers])
+
+
+_TALLY: list[list[float]] = []  # open counting_expert_flops tallies, innermost last
+
+
+def expert_flops(slots: int, state: list[torch.Tensor]) -> float:
+    """Forward FLOPs of ``slots`` routed (token, expert) slots through experts whose stacked weights
+    are ``state``: 2 per weight of one expert per slot, its matrices only (dim 3: experts × in × out;
+    a bias adds no matmul FLOPs, as torch's FlopCounterMode counts). Every slot runs on some rank of
+    the ep group, so the group's FLOPs are the untouched model's, whichever rank holds the expert.
+
+    Example:
+        >>> expert_flops(6, [torch.empty(4, 8, 16, device="meta"), torch.empty(4, 16, device="meta")])
+        1536.0
+    """
+    return 2.0 * slots * sum(t.shape[1] * t.shape[2] for t in state if t.dim() == 3)
+
+
+@contextmanager
+def counting_expert_flops() -> Iterator[list[float]]:
+    """Tally the experts' forward FLOPs of the data-free passes run inside (a one-element list, read
+    after the block): their dispatching call returns no rows there, so FlopCounterMode sees none."""
+    tally = [0.0]
+    _TALLY.append(tally)
+    try:
+        yield tally
+    finally:
+        _TALLY.remove(tally)
+
+
+def tally_expert_flops(slots: int, state: list[torch.Tensor]) -> None:
+    """Add ``expert_flops(slots, state)`` to the innermost open :func:`counting_expert_flops` tally;
+    nothing when none is open (a data-free pass for shapes only)."""
+    if _TALLY:
+        _TALLY[-1][0] += expert_flops(slots, state)

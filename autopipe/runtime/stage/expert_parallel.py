@@ -46,10 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...costs.moe_shape import tally_expert_flops
 from ...errors import AutopipeError
 
-__all__ = ["EPLayout", "apply_expert_parallel_", "as_global", "check_ep_composes", "exchange_counts", "plan_expert_parallel",
-           "reduce_expert_grads_"]
+__all__ = ["EPLayout", "apply_expert_parallel_", "as_global", "check_ep_composes", "exchange_counts",
+           "plan_expert_parallel", "reduce_expert_grads_"]
 
 
 @dataclass
@@ -127,7 +128,8 @@ def _dispatching(layout: EPLayout) -> Any:
         if hidden.device.type == "meta" or is_fake(hidden):  # a data-free pass (shapes, FLOPs; rank 0
             # alone may run it): no collective, one row per token. transformers' implementations pick
             # torch._grouped_mm off the CPU, which meta tensors run in bf16 only, so the experts' FLOPs
-            # are left out of such a pass (the step log's MFU under --ep)
+            # are tallied from the shapes instead (counting_expert_flops: the step log's MFU)
+            tally_expert_flops(top_k_index.numel(), state)
             return hidden.new_empty(hidden.shape)
         return _dispatch_combine(call, layout, hidden, top_k_index, top_k_weights, state)
 
