@@ -339,6 +339,10 @@ def test_convert_with_tp_writes_a_job_that_autopipe_run_launches_on_stages_x_tp(
             out=job, repeats=1, warmup=0, progress=False, reserve="0", schedule="1f1b")
     plan = json.loads((job / "plan.json").read_text())
     assert plan["tp"] == 2 and plan["sequence_parallel"] is True
+    # each layer timed at tp 2 with sequence parallelism as the runtime runs it (runtime/checks/tp_timing)
+    shapes = [l["tp"] for l in json.loads((job / "profile.json").read_text())["layers"] if l.get("tp")]
+    assert shapes and all(len(s["timed"]) == 1 and s["timed"][0][:2] == [2, True] and min(s["timed"][0][2:]) > 0
+                          for s in shapes), shapes
     script, readme = (job / "train.py").read_text(), (job / "README.md").read_text()
     assert "    tp: int = 2" in script and "torchrun --nproc-per-node 4 train.py" in script
     assert "    sequence_parallel: bool = True" in script

@@ -269,3 +269,36 @@ def test_recompute_floor_holds_on_a_traced_llama(llama: Profile) -> None:
             scale = x.microbatch_size / B  # the profile's own micro-batch is B samples
             assert done.throughput <= bounds.throughput_with_recompute(x, scale) * (1 + 1e-9), x
     assert checked and recomputed
+
+
+def test_a_layer_timed_at_tp_is_priced_by_its_ratio_and_its_flops_by_the_shares(llama: Profile, tmp_path) -> None:
+    """``TpShape.timed`` (what convert --tp records on a CPU): at the degree timed, each layer's compute
+    is its seconds times the ratio, the collectives priced on top as before; its FLOPs and memory still
+    divide by the shares; another degree (or sequence parallelism) is priced by the shares alone; the
+    record saves and loads."""
+    from autopipe.costs.tp import with_tp_timed
+
+    ratios = [(1.3 + 0.01 * i, 0.9 - 0.01 * i) for i in range(len(llama.layers))]
+    timed = with_tp_timed(llama, 2, ratios)
+    timed.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == timed
+    shares, at2 = at_tp(llama, 2, bandwidth=450e9), at_tp(timed, 2, bandwidth=450e9)
+    for l, s, q, term, (rf, rb) in zip(llama.layers, shares.layers, at2.layers, tp_terms(timed, 2, bandwidth=450e9), ratios):
+        if l.tp is None:
+            assert q == s
+            continue
+        assert q.forward_time == pytest.approx(l.forward_time * rf + term.forward_collective, rel=1e-12)
+        assert q.backward_time == pytest.approx(l.backward_time * rb + term.backward_collective, rel=1e-12)
+        assert term.forward_compute == pytest.approx((l.forward_time + l.forward_gap) * rf, rel=1e-12)
+        assert (q.flops, q.param_bytes, q.activation_bytes) == (s.flops, s.param_bytes, s.activation_bytes)
+    def times(p: Profile) -> list[tuple[float, float]]:
+        return [(l.forward_time, l.backward_time) for l in p.layers]
+
+    assert times(at_tp(timed, 4, bandwidth=450e9)) == times(at_tp(llama, 4, bandwidth=450e9))
+    assert times(at_tp(timed, 2, bandwidth=450e9, sequence_parallel=True)) == \
+        times(at_tp(llama, 2, bandwidth=450e9, sequence_parallel=True))
+    assert times(at2) != times(shares)
+    again = with_tp_timed(timed, 2, [(1.0, 1.0)] * len(llama.layers))  # a second timing replaces the first
+    assert all(l.tp is None or l.tp.timed == ((2, False, 1.0, 1.0),) for l in again.layers)
+    with pytest.raises(PartitionError, match="timed ratios for a profile of"):
+        with_tp_timed(llama, 2, ratios[:-1])

@@ -56,6 +56,18 @@ class TpShape:
     gather_forward: tuple[int, ...] = ()
     divisor: int = 0  # a degree must divide it (sharded features, attention heads); 0: nothing to shard
     source: str = "traced"
+    # measured on the profile's host (autopipe.runtime.checks.tp_timing): (degree, sequence parallel,
+    # forward ratio, backward ratio), the layer's seconds as the runtime runs it at that degree (DTensor,
+    # collectives left out) over its seconds at tp 1, timed beside each other; where one is recorded for
+    # the degree asked, autopipe.costs.tp prices the layer's compute by it instead of the shares above
+    timed: tuple[tuple[int, bool, float, float], ...] = ()
+
+    def timed_at(self, t: int, sequence_parallel: bool) -> tuple[float, float] | None:
+        """The measured (forward, backward) ratios at degree ``t``, or None where none was timed."""
+        for degree, sp, f, b in self.timed:
+            if degree == t and sp == sequence_parallel:
+                return f, b
+        return None
 
     @property
     def pairs(self) -> bool:
@@ -375,6 +387,7 @@ class Profile:
                 tp = {k: v for k, v in ld["tp"].items() if k in _TP_FIELDS}
                 for k in ("allreduce_forward", "allreduce_backward", "gather_forward"):
                     tp[k] = tuple(int(b) for b in tp.get(k, ()))
+                tp["timed"] = tuple((int(t), bool(sp), float(f), float(b)) for t, sp, f, b in tp.get("timed", ()))
                 ld["tp"] = TpShape(**tp)
             if ld.get("moe") is not None:
                 moe = {k: v for k, v in ld["moe"].items() if k in _MOE_FIELDS}

@@ -46,6 +46,17 @@ only the attention core, which is sharded by heads (÷t). The tensor leaving a l
 pipeline cut) is whole on every tp rank, or 1/t of it under SP. Tied parameters divide as the
 layers holding them do.
 
+Timed. The shares divide a layer's seconds as its FLOPs divide, which a GPU's large matmuls come near
+and a CPU's small ones do not: DTensor dispatches every op of a tp layer in Python (12-18 µs a small
+op, ~120 µs a matmul on a 2026 Xeon, bench/results/tp.md), so a Llama block of hidden 256 at tp 2 took
+as long as at tp 1 where the shares said 0.6 of it. Where the profile's layer records a ratio timed
+at the degree asked (``TpShape.timed``: the layer run as the runtime runs it at tp on a fake process
+group in one process, its collectives free, over the same layer plain, timed beside each other:
+autopipe.runtime.checks.tp_timing, what ``convert --tp`` does on a CPU), the compute is that ratio
+of the layer's seconds instead, the collectives priced as below on top::
+
+    f_t = f·r_f + collectives        b_t = b·r_b + collectives
+
 t = 1 returns the profile itself (the same object): today's numbers, exactly.
 """
 
@@ -59,7 +70,7 @@ from .layer_costs import LayerCost, Profile, RecomputeCost, TpShape
 from .links import link_latency
 
 __all__ = ["TP_DEGREES", "TP_LATENCY", "TpTerms", "at_tp", "tp_terms", "tp_degrees_for", "check_tp",
-           "ring_all_reduce", "ring_all_gather", "tp_latencies"]  # fmt: skip
+           "ring_all_reduce", "ring_all_gather", "tp_latencies", "with_tp_timed"]  # fmt: skip
 
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 # Per-collective latency: NCCL's intra-node ring over NVLink reaches its bus bandwidth from about a
@@ -138,6 +149,13 @@ def _factors(shape: TpShape | None, t: int, sp: bool) -> tuple[float, float, flo
     return fwd, bwd, par, act, rho
 
 
+def _seconds_factors(shape: TpShape | None, t: int, sp: bool, kf: float, kb: float) -> tuple[float, float]:
+    """(forward, backward) multipliers of a layer's seconds at t: the ratios timed on the host where
+    the profile records them (DTensor's dispatch included), else the shares' ``kf``, ``kb``."""
+    timed = shape.timed_at(t, sp) if shape is not None and t > 1 else None
+    return timed if timed is not None else (kf, kb)
+
+
 def tp_latencies(profile: Profile, latency: float | None = None) -> tuple[float, float, float]:
     """(α of an all-reduce, of an all-gather, of a reduce-scatter) for ``profile``: ``latency`` for
     all three where given, else its host's measured gloo figures on a CPU profile, else ``TP_LATENCY``."""
@@ -164,6 +182,7 @@ def _collectives(shape: TpShape | None, t: int, sp: bool, bw: float,
 
 def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float]) -> LayerCost:
     kf, kb, kp, ka, rho = _factors(l.tp, t, sp)
+    sf, sb = _seconds_factors(l.tp, t, sp, kf, kb)  # FLOPs still divide by the shares
     cf, cb, *_ = _collectives(l.tp, t, sp, bw, lat)
 
     def b(x: int, k: float) -> int:
@@ -172,18 +191,18 @@ def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, f
     rec = {}
     for mode, r in l.recompute.items():
         if mode == "full":  # the input alone is kept; the forward runs again, its collectives too
-            rec[mode] = RecomputeCost(b(r.activation_bytes, rho), r.extra_backward_time * kf + cf)
+            rec[mode] = RecomputeCost(b(r.activation_bytes, rho), r.extra_backward_time * sf + cf)
         else:  # selective: the attention core again, sharded by heads
             sel = 1.0 / t if l.tp is not None and l.tp.divisor else 1.0
             rec[mode] = RecomputeCost(b(r.activation_bytes, ka), r.extra_backward_time * sel)
     hold = {m: b(v, rho if m == "full" else ka) for m, v in l.weight_hold_bytes.items()}
     split = l.split_timed
     return replace(
-        l, forward_time=l.forward_time * kf + cf, backward_time=l.backward_time * kb + cb,
-        forward_gap=l.forward_gap * kf, backward_gap=l.backward_gap * kb,
-        forward_spread=l.forward_spread * kf, backward_spread=l.backward_spread * kb,
-        backward_input_time=l.backward_input_time * kb + (cb if split else 0.0),
-        backward_weight_time=l.backward_weight_time * kb,
+        l, forward_time=l.forward_time * sf + cf, backward_time=l.backward_time * sb + cb,
+        forward_gap=l.forward_gap * sf, backward_gap=l.backward_gap * sb,
+        forward_spread=l.forward_spread * sf, backward_spread=l.backward_spread * sb,
+        backward_input_time=l.backward_input_time * sb + (cb if split else 0.0),
+        backward_weight_time=l.backward_weight_time * sb,
         params=b(l.params, kp), param_bytes=b(l.param_bytes, kp), grad_bytes=b(l.grad_bytes, kp),
         optimizer_bytes=b(l.optimizer_bytes, kp), activation_bytes=b(l.activation_bytes, ka),
         peak_forward_bytes=b(l.peak_forward_bytes, ka), peak_backward_bytes=b(l.peak_backward_bytes, ka),
@@ -209,6 +228,13 @@ def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidt
         >>> q = at_tp(Profile(layers=(l,)), 2, bandwidth=100.0, latency=0.0).layers[0]
         >>> round(q.forward_time, 6), round(q.backward_time, 6), q.param_bytes, q.activation_bytes
         (1.6, 2.2, 20, 60)
+
+        Timed at tp 2 on the host (forward 0.9, backward 0.7 of tp 1's), the compute is those ratios:
+
+        >>> timed = replace(l, tp=replace(shape, timed=((2, False, 0.9, 0.7),)))
+        >>> q = at_tp(Profile(layers=(timed,)), 2, bandwidth=100.0, latency=0.0).layers[0]
+        >>> round(q.forward_time, 6), round(q.backward_time, 6)
+        (1.9, 2.4)
     """
     check_tp(profile, t)
     if t == 1:
@@ -249,7 +275,32 @@ def tp_terms(profile: Profile, t: int, *, sequence_parallel: bool = False, bandw
     out = []
     for l in profile.layers:
         kf, kb, kp, ka, _ = _factors(l.tp, t, sequence_parallel)
+        sf, sb = _seconds_factors(l.tp, t, sequence_parallel, kf, kb)
         cf, cb, fb, bb, nf, nb = _collectives(l.tp, t, sequence_parallel, bandwidth, lat)
-        out.append(TpTerms(l.index, l.name, (l.forward_time + l.forward_gap) * kf, (l.backward_time + l.backward_gap) * kb,
+        out.append(TpTerms(l.index, l.name, (l.forward_time + l.forward_gap) * sf, (l.backward_time + l.backward_gap) * sb,
                            cf, cb, fb, bb, nf, nb, int(round(l.param_bytes * kp)), int(round(l.activation_bytes * ka))))  # fmt: skip
     return out
+
+
+def with_tp_timed(profile: Profile, t: int, ratios: Sequence[tuple[float, float]], *,
+                  sequence_parallel: bool = False) -> Profile:  # fmt: skip
+    """``profile`` with each layer's TpShape recording the (forward, backward) ratios timed at degree
+    ``t`` (autopipe.runtime.checks.tp_timing), in the layers' order; any earlier ratios at the same
+    degree and sequence parallelism are replaced. A layer with no TpShape is priced replicated as before.
+
+    Example:
+        >>> from autopipe.costs.layer_costs import LayerCost, TpShape
+        >>> p = Profile(layers=(LayerCost(0, forward_time=1.0, tp=TpShape(divisor=4)), LayerCost(1, forward_time=1.0)))
+        >>> [l.tp.timed if l.tp else None for l in with_tp_timed(p, 2, [(0.9, 0.8), (1.0, 1.0)]).layers]
+        [((2, False, 0.9, 0.8),), None]
+    """
+    if len(ratios) != len(profile.layers):
+        raise PartitionError(f"{len(ratios)} timed ratios for a profile of {len(profile.layers)} layers; time the "
+                             "sequence this profile was made of.")  # fmt: skip
+    layers = []
+    for l, (f, b) in zip(profile.layers, ratios):
+        if l.tp is not None:
+            kept = tuple(e for e in l.tp.timed if (e[0], e[1]) != (t, sequence_parallel))
+            l = replace(l, tp=replace(l.tp, timed=(*kept, (t, sequence_parallel, float(f), float(b)))))
+        layers.append(l)
+    return profile.with_layers(layers)

@@ -236,6 +236,7 @@ def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profi
                    progress=s.progress, reserve=_reserve(loaded.spec, s) if loaded.reserve is None else loaded.reserve,
                    optimizer=s.optimizer_state, tp_shapes=s.tp > 1)  # fmt: skip
     prof = _with_expert_loads(model, loaded, seq, s, prof)
+    prof = _with_tp_timing(loaded, seq, s, prof)
     return replace(prof, model=model, rank_excess_bytes=_excess(loaded.spec, s), device=with_host_links(prof.device))
 
 
@@ -263,6 +264,27 @@ def _with_expert_loads(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings
             args, kwargs, _ = data.batch(step, rows)
             batches.append(_move((args, kwargs), device) if device else (args, kwargs))
     return with_moe_shapes(prof, moe_shapes(loaded.model, seq, batches))
+
+
+def _with_tp_timing(loaded: _Loaded, seq: Any, s: ConvertSettings, prof: Profile) -> Profile:
+    """A measured CPU profile with each layer timed at ``--tp`` as the runtime runs it (DTensor, on a
+    fake process group here: autopipe.runtime.checks.tp_timing), which the plan then prices a tp
+    rank's compute by (autopipe.costs.tp); an estimate or a GPU's profile as it is (priced by shares)."""
+    if s.tp == 1 or s.estimate or prof.device.type != "cpu":
+        return prof
+    from ..costs.tp import with_tp_timed
+    from ..runtime.checks.tp_timing import time_at_tp
+
+    try:
+        ratios = time_at_tp(seq, loaded.model, loaded.args, loaded.kwargs, s.tp, sequence_parallel=s.sequence_parallel,
+                            warmup=s.warmup, repeats=s.repeats)  # fmt: skip
+    except AutopipeError as e:  # a plan still can: by the shares tp divides
+        import warnings
+
+        warnings.warn(f"could not time the layers at tp {s.tp} here ({e}); a tp rank's compute is priced by the "
+                      "shares tp divides", stacklevel=2)  # fmt: skip
+        return prof
+    return with_tp_timed(prof, s.tp, ratios, sequence_parallel=s.sequence_parallel)
 
 
 def with_host_links(device: Any) -> Any:

@@ -86,7 +86,8 @@ from ...graph.rng import draws_random
 from ...graph.tp_plan import shard_dims, tp_plan
 
 __all__ = ["TPLayout", "apply_tensor_parallel_", "check_heads", "plan_tensor_parallel", "reduce_partial_grads_",
-           "replicated_over_tp", "sequence_length", "sequence_positions", "settle_partials_", "tp_sharded"]
+           "replicated_over_tp", "sequence_length", "sequence_positions", "settle_partials_", "shard_layer_",
+           "swap_parameters_", "tp_sharded"]
 
 
 @dataclass
@@ -533,35 +534,50 @@ def tp_sharded(p: torch.Tensor) -> bool:
     return p.placements[names.index("tp")].is_shard()
 
 
+def shard_layer_(layer: nn.Module, index: int, layout: TPLayout, mesh: Any, made: dict[int, nn.Parameter]) -> bool:
+    """Make layer ``index`` of the sequence run as ``layout`` says, in place: a replicated layer keeps
+    plain parameters (under sequence parallelism its forward gathers and cuts the sequence values); a
+    DTensor layer gets its partial sums settled, a DTensor of each parameter in ``made`` (by the old
+    parameter's id, so a tensor shared with an earlier layer is made once) and a forward converting
+    its inputs and outputs. The caller swaps the new parameters in (:func:`swap_parameters_`).
+    Returns whether the layer runs on DTensors."""
+    from torch.distributed.tensor import distribute_tensor
+
+    seq_in, seq_out = layout.seq_in.get(index, ()), layout.seq_out.get(index, ())
+    if index in layout.replicated:
+        if seq_in or seq_out:
+            layer.forward = _replicated_forward(layer.forward, mesh, seq_in, seq_out)
+        return False
+    settle_partials_(layer, layout.seq_len)  # a no-op where planning settled this layer already
+    for name, p in layer.named_parameters(remove_duplicate=False):
+        if id(p) not in made:
+            dt = distribute_tensor(p.detach(), mesh, _placements(layout.dims.get(name)), src_data_rank=None)
+            made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+    layer.forward = _dtensor_forward(layer.forward, mesh, layer, seq_in, seq_out, index in layout.gather_in)
+    return True
+
+
+def swap_parameters_(module: nn.Module, made: Mapping[int, nn.Parameter]) -> None:
+    """Put the parameters ``shard_layer_`` made in place of the ones they were made from."""
+    for mod in module.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and id(p) in made:
+                mod._parameters[attr] = made[id(p)]
+
+
 def apply_tensor_parallel_(build: Any, layout: TPLayout, mesh: Any) -> None:
     """Turn this rank's chunks into tensor-parallel ones (see the module docstring): each parameter of
     a DTensor layer a DTensor on ``mesh``, each such layer's forward converting its inputs and outputs;
     ``build.params`` and ``build.aliases`` then hold the DTensor parameters."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
-    lo = {}  # old parameter id -> new parameter
-    dt_layers: list[nn.Module] = []
+    lo: dict[int, nn.Parameter] = {}  # old parameter id -> new parameter
     for chunk in build.chunks:
         first = chunk.layer_range[0]
         for k, layer in enumerate(chunk.layers):
-            seq_in, seq_out = layout.seq_in.get(first + k, ()), layout.seq_out.get(first + k, ())
-            if first + k in layout.replicated:
-                if seq_in or seq_out:
-                    layer.forward = _replicated_forward(layer.forward, mesh, seq_in, seq_out)
-                continue
-            dt_layers.append(layer)
-            settle_partials_(layer, layout.seq_len)  # a no-op where planning settled this layer already
-            for name, p in layer.named_parameters(remove_duplicate=False):
-                if id(p) in lo:
-                    continue
-                dt = distribute_tensor(p.detach(), mesh, _placements(layout.dims.get(name)), src_data_rank=None)
-                lo[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-            layer.forward = _dtensor_forward(layer.forward, mesh, layer, seq_in, seq_out, first + k in layout.gather_in)
+            shard_layer_(layer, first + k, layout, mesh, lo)
     for chunk in build.chunks:
-        for mod in chunk.modules():
-            for attr, p in list(mod._parameters.items()):
-                if p is not None and id(p) in lo:
-                    mod._parameters[attr] = lo[id(p)]
+        swap_parameters_(chunk, lo)
     build.params = {n: lo.get(id(p), p) for n, p in build.params.items()}
     for name, leaves in build.aliases.items():
         main = build.params[name]
