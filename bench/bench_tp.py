@@ -6,7 +6,8 @@ collective term alone.
 1. A Llama-shaped model (bench_accuracy's "llama": 6 layers, hidden 256, 4 heads, 2 KV heads, vocab 4096;
    4 x 128 tokens per micro-batch, 4 micro-batches, 1 stage) is converted at tp 1, at tp 2 and at tp 2
    with sequence parallelism (``autopipe convert --tp [--sequence-parallel]``: the cut solved on
-   ``autopipe.costs.tp.at_tp``, the profile one tp rank sees) and trained by its train.py under torchrun (1 and 2 processes, gloo, one thread each). The
+   ``autopipe.costs.tp.at_tp``, the profile one tp rank sees, each layer's compute timed at the degree by
+   ``autopipe.runtime.checks.tp_timing``) and trained by its train.py under torchrun (1 and 2 processes, gloo, one thread each). The
    whole step (median after warm-up, min-max beside it) and each rank's peak memory (a second run
    under ``--exact-memory``) are set against plan.json's ``total_step_time`` and ``rank_memory``.
 2. The collective tp adds: a gloo all-reduce of each size the tp 2 profile's layers all-reduce
