@@ -256,6 +256,8 @@ def test_convert_with_ep_writes_a_job_that_runs_it(tmp_path: Path) -> None:
 
     plan, prof = Plan.load(job / "plan.json"), Profile.load(job / "profile.json")
     assert all(l.moe is not None for l in prof.layers if "mlp" in l.name or "layers" in l.name)
+    # what the runner's own ops cost a rank at ep > 1, timed at convert (autopipe.runtime.checks.ep_timing)
+    assert all(l.moe.local_forward > 0 and l.moe.local_backward > 0 for l in prof.layers if l.moe is not None)
     ep1 = autopipe.partition(prof, 2, microbatches=plan.microbatches, schedule=plan.schedule, boundaries=plan.boundaries)
     assert sum(plan.stage_forward) > sum(ep1.stage_forward) * 1.001, (plan.stage_forward, ep1.stage_forward)
     assert "    ep: int = 2" in (job / "train.py").read_text()

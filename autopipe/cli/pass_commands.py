@@ -129,6 +129,10 @@ def profile_command(
     from ..costs.moe_shape import moe_shapes, with_moe_shapes
 
     prof = with_moe_shapes(prof, moe_shapes(m, seq, [(args, kwargs)]))  # MoE layers: their routing, counted
+    if not estimate:
+        from ..runtime.checks.ep_timing import with_ep_local_timed  # what ep adds of its own ops (costs.ep's ℓ)
+
+        prof = with_ep_local_timed(prof, device=device, warmup=warmup, repeats=repeats)
     # a CPU rank's most beyond its predicted tensors, from the reserve's probe: the memory advice's figure
     excess = excess_for(device, estimate=estimate, given=reserve, dtype=precision(autocast) if autocast else "fp32",
                         config=getattr(m, "config", None)) or 0  # fmt: skip

@@ -35,9 +35,20 @@ expert (an all-to-all of E integers) and reads the split sizes to the host (the 
 depend on them): a fixed cost ``κ`` per MoE layer per micro-batch forward, its bytes negligible, on
 the critical path (nothing of the layer's dispatch can start before it). The backward has none (the
 all-to-alls' backward reuse the forward's splits); full recompute runs the forward again, so pays it
-again. So, per micro-batch::
+again.
 
-    f_ep += 2·a2a + κ          b_ep += 2·a2a
+The runner's own ops. At ep > 1 each experts call runs autopipe.runtime.stage.expert_parallel's
+dispatch and combine around the experts: the slots sorted by expert, their rows gathered, the split
+sizes expanded, and after the combine put back in slot order, weighted and summed over the top-k,
+with the backward of each. None of it runs at ep 1, so the profile's layer time holds none of it.
+Each rank does it on its own ``T·k`` slots whatever the degree and the skew, so it is one figure per
+layer, ``ℓ_f`` forward and ``ℓ_b`` backward (``MoeShape.local_forward``/``local_backward``): that
+function timed on the profiling host on one rank, its collectives a loopback and its experts the
+identity (autopipe/runtime/checks/ep_timing.py; 0 where not timed: an estimate). On the bench's
+tiny Mixtral it was ~0.5 ms a layer a micro-batch, ~12 ms of a 241 ms ep 2 step. Full recompute
+runs the forward's again. So, per micro-batch::
+
+    f_ep += 2·a2a + κ + ℓ_f          b_ep += 2·a2a + ℓ_b
 
 α and κ: a CPU profile's host's own gloo figures (``DeviceInfo.links``, measured once per host by
 autopipe/runtime/checks/links.py: gloo's all-to-all costs ~0.25 ms, the count exchange ~0.3-0.5 ms
@@ -136,6 +147,7 @@ class EpTerms:
     backward_compute: float
     all_to_all: float  # seconds of one all-to-all (four per micro-batch)
     count_exchange: float  # seconds of the count exchange (one per micro-batch, in the forward)
+    local: float  # seconds of the runner's own ops (forward + backward; MoeShape.local_forward/backward)
     skew_seconds: float  # what the skew adds to forward + backward over the balanced pricing
     param_bytes: int  # per ep rank
     activation_bytes: int
@@ -169,15 +181,16 @@ def _layer(l: LayerCost, ep: int, skew: str, bw: float, lat: float, kappa: float
     def b(x: int, k: float) -> int:
         return int(round(x * k))
 
+    lf, lb = shape.local_forward, shape.local_backward
     rec = {mode: replace(r, activation_bytes=r.activation_bytes + (extra_act if mode != "full" else 0),
-                         extra_backward_time=r.extra_backward_time * kc + (2 * a2a + kappa if mode == "full" else 0.0))
+                         extra_backward_time=r.extra_backward_time * kc + (2 * a2a + kappa + lf if mode == "full" else 0.0))
            for mode, r in l.recompute.items()}  # fmt: skip
     split = l.split_timed
     return replace(
-        l, forward_time=l.forward_time * kc + 2 * a2a + kappa, backward_time=l.backward_time * kc + 2 * a2a,
+        l, forward_time=l.forward_time * kc + 2 * a2a + kappa + lf, backward_time=l.backward_time * kc + 2 * a2a + lb,
         forward_gap=l.forward_gap * kc, backward_gap=l.backward_gap * kc,
         forward_spread=l.forward_spread * kc, backward_spread=l.backward_spread * kc,
-        backward_input_time=l.backward_input_time * kc + (2 * a2a if split else 0.0),
+        backward_input_time=l.backward_input_time * kc + (2 * a2a + lb if split else 0.0),
         backward_weight_time=l.backward_weight_time * kc,
         params=b(l.params, kp), param_bytes=b(l.param_bytes, kp), grad_bytes=b(l.grad_bytes, kp),
         optimizer_bytes=b(l.optimizer_bytes, kp), activation_bytes=l.activation_bytes + extra_act,
@@ -209,6 +222,11 @@ def at_ep(profile: Profile, ep: int, *, bandwidth: float, skew: str = "p95", lat
         1.1
         >>> round(at_ep(p, 2, bandwidth=1000.0, latency=0.0, count_latency=0.01).layers[0].forward_time, 6)  # + κ
         1.47
+        >>> timed = Profile(layers=(replace(l, moe=replace(moe, local_forward=0.02, local_backward=0.03)),))
+        >>> q = at_ep(timed, 2, bandwidth=1000.0, latency=0.0, count_latency=0.0).layers[0]  # + ℓ_f, + ℓ_b
+        >>> round(q.forward_time, 6), round(q.backward_time - at_ep(p, 2, bandwidth=1000.0, latency=0.0,
+        ...                                                          count_latency=0.0).layers[0].backward_time, 6)
+        (1.48, 0.03)
     """
     check_ep(profile, ep, skew)
     if ep == 1:
@@ -244,6 +262,7 @@ def ep_terms(profile: Profile, ep: int, *, bandwidth: float, skew: str = "p95", 
         base = l.forward_time + l.backward_time + l.forward_gap + l.backward_gap
         skew_s = base * (kc - kb) + 4 * (a2a - a2a_b)
         out.append(EpTerms(l.index, l.name, s, (l.forward_time + l.forward_gap) * kc,
-                           (l.backward_time + l.backward_gap) * kc, a2a, kappa if ep > 1 else 0.0, skew_s, int(round(l.param_bytes * kp)),
+                           (l.backward_time + l.backward_gap) * kc, a2a, kappa if ep > 1 else 0.0,
+                           l.moe.local_forward + l.moe.local_backward if ep > 1 else 0.0, skew_s, int(round(l.param_bytes * kp)),
                            l.activation_bytes + int(round(max(ep * s - 1.0, 0.0) * l.moe.expert_activation_bytes))))  # fmt: skip
     return out

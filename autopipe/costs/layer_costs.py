@@ -105,6 +105,10 @@ class MoeShape:
     expert_forward_share: float = 0.0  # share of the layer's forward FLOPs in the routed experts
     expert_activation_bytes: int = 0  # bytes the experts keep for backward per micro-batch
     loads: tuple[tuple[int, ...], ...] = ()  # per batch, per expert: routed slots
+    # the ep runner's own ops (sort, gather, put back, weight) per micro-batch, forward and backward:
+    # timed on the profiling host (autopipe.runtime.checks.ep_timing), 0 where not timed (an estimate)
+    local_forward: float = 0.0
+    local_backward: float = 0.0
 
     def shares(self) -> tuple[float, ...]:
         """Each expert's mean share of the routed slots over the batches seen."""

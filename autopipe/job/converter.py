@@ -263,7 +263,12 @@ def _with_expert_loads(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings
         for step in range(MOE_BATCHES - 1):
             args, kwargs, _ = data.batch(step, rows)
             batches.append(_move((args, kwargs), device) if device else (args, kwargs))
-    return with_moe_shapes(prof, moe_shapes(loaded.model, seq, batches))
+    prof = with_moe_shapes(prof, moe_shapes(loaded.model, seq, batches))
+    if s.estimate:
+        return prof
+    from ..runtime.checks.ep_timing import with_ep_local_timed  # what ep adds of its own ops (costs.ep's ℓ)
+
+    return with_ep_local_timed(prof, device=s.device, warmup=s.warmup, repeats=s.repeats)
 
 
 def _with_tp_timing(loaded: _Loaded, seq: Any, s: ConvertSettings, prof: Profile) -> Profile:

@@ -33,7 +33,7 @@ if _PREFIX:
     from autopipe.runtime.stage import expert_parallel as _ep
 
     _ep.exchange_counts = _timed("count_exchange", _ep.exchange_counts)
-    _real = _ep._dispatch_combine
+    _real = _ep.dispatch_combine
 
     def _layer(call, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         if not getattr(call, "_phase_timed", False):
@@ -41,7 +41,7 @@ if _PREFIX:
             call._phase_timed = True
         return _real(call, *args, **kwargs)
 
-    _ep._dispatch_combine = _timed("moe_forward", _layer)
+    _ep.dispatch_combine = _timed("moe_forward", _layer)
 
     @atexit.register
     def _dump() -> None:

@@ -49,7 +49,7 @@ from torch import nn
 from ...costs.moe_shape import tally_expert_flops
 from ...errors import AutopipeError
 
-__all__ = ["EPLayout", "apply_expert_parallel_", "as_global", "check_ep_composes", "exchange_counts",
+__all__ = ["EPLayout", "apply_expert_parallel_", "as_global", "check_ep_composes", "dispatch_combine", "exchange_counts",
            "plan_expert_parallel", "reduce_expert_grads_"]
 
 
@@ -131,7 +131,7 @@ def _dispatching(layout: EPLayout) -> Any:
             # are tallied from the shapes instead (counting_expert_flops: the step log's MFU)
             tally_expert_flops(top_k_index.numel(), state)
             return hidden.new_empty(hidden.shape)
-        return _dispatch_combine(call, layout, hidden, top_k_index, top_k_weights, state)
+        return dispatch_combine(call, layout, hidden, top_k_index, top_k_weights, state)
 
     return run
 
@@ -152,9 +152,15 @@ def exchange_counts(counts: torch.Tensor, ep: int, group: Any) -> tuple[torch.Te
     return got, send, got.sum(1).tolist()
 
 
-def _dispatch_combine(call: Any, layout: EPLayout, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                      top_k_weights: torch.Tensor, state: list[torch.Tensor]) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single
+def dispatch_combine(call: Any, layout: EPLayout, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, state: list[torch.Tensor], *, exchange: Any = None,
+                      all_to_all_single: Any = None) -> torch.Tensor:
+    """One MoE layer's experts over the ep group (the module docstring's steps 1-3). ``exchange`` and
+    ``all_to_all_single`` stand in for the collectives where given: autopipe.runtime.checks.ep_timing
+    times this function's own ops on one rank with a loopback pair."""
+    if all_to_all_single is None:
+        from torch.distributed.nn.functional import all_to_all_single
+    exchange = exchange_counts if exchange is None else exchange
 
     ep, group = layout.ep, layout.group
     experts = call.num_experts
@@ -164,7 +170,7 @@ def _dispatch_combine(call: Any, layout: EPLayout, hidden: torch.Tensor, top_k_i
     order = torch.argsort(slots, stable=True)  # slots by expert, so by the rank holding it
     rows = hidden[order // k]
     counts = torch.bincount(slots, minlength=experts)
-    got, send, recv = exchange_counts(counts, ep, group)
+    got, send, recv = exchange(counts, ep, group)
     arrived = all_to_all_single(rows.new_empty((sum(recv), rows.shape[1])), rows, recv, send, group=group)
     local = torch.repeat_interleave(torch.arange(per, device=hidden.device).repeat(ep), got.reshape(-1))
     ones = torch.ones((local.numel(), 1), dtype=top_k_weights.dtype, device=hidden.device)
