@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # this folder's _notes, when imported from elsewhere
+from _notes import write_keeping_notes  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 EP, DP, STAGES, MICRO, STEPS, WARMUP, ROUNDS = 2, 2, 1, 4, 24, 6, 3
 JOBS = (("mixtral_skewed", EP), ("mixtral_balanced", EP), ("mixtral_skewed", 1))
@@ -159,6 +161,16 @@ def _split_all_to_alls(calls: dict) -> dict:
     return out
 
 
+def _cpu() -> str:
+    try:
+        return next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                    if l.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown CPU"
+
+
 def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     load_before = os.getloadavg()[0]
@@ -196,7 +208,7 @@ def main() -> None:
              f"`bench/bench_moe_ep_step.py`: {STAGES} stage × dp {DP}, {MICRO} micro-batches, 1 thread per rank, "
              f"median of steps {WARMUP + 1}-{STEPS}, {ROUNDS} rounds interleaved; host load {load_before:.1f} before, "
              f"{record['load_after']:.1f} after (2 cores; its own 2 ranks make a load of 2); per round "
-             f"{loads}.", "",
+             f"{loads}; host {_cpu()}.", "",
              "| job | predicted p95 (ms) | p95 without the runner's ops (ms) | predicted balanced (ms) | "
              "measured per round (ms) [IQR of its steps] | measured / p95 | / p95 without the ops | measured / balanced |",
              "|---|---:|---:|---:|---|---:|---:|---:|"]  # fmt: skip
@@ -238,7 +250,7 @@ def main() -> None:
                          f"{MICRO * t['local_s'] * 1e3:.1f} ms a step (timed on one rank at convert); the MoE layers' compute "
                          f"{MICRO * (t['forward_compute_s'] + t['backward_compute_s']) * 1e3:.0f} ms a step (forward "
                          f"{MICRO * t['forward_compute_s'] * 1e3:.0f}).")  # fmt: skip
-    (RESULTS / "moe-ep-step.md").write_text("\n".join(lines) + "\n")
+    write_keeping_notes(RESULTS / "moe-ep-step.md", "\n".join(lines))
     print("\n".join(lines))
 
 
