@@ -66,7 +66,7 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..choices import ZERO_STAGES
 from ..costs.layer_costs import Profile
@@ -97,7 +97,8 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
            schedules: Sequence[tuple[str, int]] = SEARCH_SCHEDULES, microbatch_sizes: Sequence[int] | None = None,
            top: int = 3, prune: bool = True, weight_share: float | None = None,
            target: str | None = None, progress: bool | Progress = False, tps: Sequence[int] = (1,),
-           sequence_parallel: bool = False, eps: Sequence[int] = (1,), workers: int | None = None) -> SearchResult:  # fmt: skip
+           sequence_parallel: bool = False, eps: Sequence[int] = (1,), workers: int | None = None,
+           keep: Callable[[Layout], bool] | None = None) -> SearchResult:  # fmt: skip
     """The layouts of ``cluster`` for ``global_batch`` samples per step, best predicted throughput first.
 
     ``prune=False`` solves every layout (what the tests compare the pruned search with). Raises
@@ -108,6 +109,7 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
     that solve layouts at once (default: one per core when there are many to solve, where the OS forks;
     1: in this process). The best ``top`` are the same on any count; which layouts below them get solved
     before the bar rises (``solved`` and the prunes) depends on the order the workers finish in.
+    ``keep``: only the layouts it says yes to are considered (convert: those autopipe's runtime composes).
 
     Example:
         >>> from autopipe.cluster.topology import cluster_for
@@ -141,6 +143,8 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
             if x.dp % e:
                 continue
             x = replace(x, ep=e) if e > 1 else x
+            if keep is not None and not keep(x):
+                continue
             considered += 1
             # ZeRO 3 holds what 2 holds under a pipeline (autopipe.planner.memory), so partition gives it the same
             # cut, and it gathers the weights twice: never faster. (ZeRO 0 against 1 is no such case: a

@@ -234,7 +234,7 @@ def _profile(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings) -> Profi
     prof = profile(seq, loaded.args, loaded.kwargs, device=s.device, estimate=s.estimate, repeats=s.repeats,
                    warmup=s.warmup, autocast=PRECISIONS[s.dtype] if s.dtype != "fp32" else None,
                    progress=s.progress, reserve=_reserve(loaded.spec, s) if loaded.reserve is None else loaded.reserve,
-                   optimizer=s.optimizer_state, tp_shapes=s.tp > 1)  # fmt: skip
+                   optimizer=s.optimizer_state, tp_shapes=s.tp > 1 or s.gpus is not None)  # fmt: skip
     prof = _with_expert_loads(model, loaded, seq, s, prof)
     prof = _with_tp_timing(loaded, seq, s, prof)
     return replace(prof, model=model, rank_excess_bytes=_excess(loaded.spec, s), device=with_host_links(prof.device))
@@ -272,24 +272,46 @@ def _with_expert_loads(model: str, loaded: _Loaded, seq: Any, s: ConvertSettings
 
 
 def _with_tp_timing(loaded: _Loaded, seq: Any, s: ConvertSettings, prof: Profile) -> Profile:
-    """A measured CPU profile with each layer timed at ``--tp`` as the runtime runs it (DTensor, on a
-    fake process group here: autopipe.runtime.checks.tp_timing), which the plan then prices a tp
-    rank's compute by (autopipe.costs.tp); an estimate or a GPU's profile as it is (priced by shares)."""
-    if s.tp == 1 or s.estimate or prof.device.type != "cpu":
+    """A measured CPU profile with each layer timed at ``--tp`` (with --gpus: at every degree the search
+    tries) as the runtime runs it (DTensor, on a fake process group here: autopipe.runtime.checks.tp_timing),
+    which the plan then prices a tp rank's compute by (autopipe.costs.tp); an estimate or a GPU's
+    profile as it is (priced by shares)."""
+    if s.estimate or prof.device.type != "cpu":
         return prof
     from ..costs.tp import with_tp_timed
     from ..runtime.checks.tp_timing import time_at_tp
 
-    try:
-        ratios = time_at_tp(seq, loaded.model, loaded.args, loaded.kwargs, s.tp, sequence_parallel=s.sequence_parallel,
-                            warmup=s.warmup, repeats=s.repeats)  # fmt: skip
-    except AutopipeError as e:  # a plan still can: by the shares tp divides
-        import warnings
+    for t in (t for t in _searched_tps(prof, s) if t > 1):
+        try:
+            ratios = time_at_tp(seq, loaded.model, loaded.args, loaded.kwargs, t, sequence_parallel=s.sequence_parallel,
+                                warmup=s.warmup, repeats=s.repeats)  # fmt: skip
+        except AutopipeError as e:  # a plan still can: by the shares tp divides
+            import warnings
 
-        warnings.warn(f"could not time the layers at tp {s.tp} here ({e}); a tp rank's compute is priced by the "
-                      "shares tp divides", stacklevel=2)  # fmt: skip
-        return prof
-    return with_tp_timed(prof, s.tp, ratios, sequence_parallel=s.sequence_parallel)
+            warnings.warn(f"could not time the layers at tp {t} here ({e}); a tp rank's compute is priced by the "
+                          "shares tp divides", stacklevel=2)  # fmt: skip
+            continue
+        prof = with_tp_timed(prof, t, ratios, sequence_parallel=s.sequence_parallel)
+    return prof
+
+
+def _searched_tps(prof: Profile, s: ConvertSettings) -> list[int]:
+    """The tp degrees convert plans at: ``--tp``; with --gpus and --tp 1 every degree dividing a node's
+    devices that the profile's layers can be split at (torch's engine only: DeepSpeed's runs none)."""
+    if s.gpus is None or s.tp > 1:
+        return [s.tp]
+    if s.engine == "deepspeed":
+        return [1]
+    from ..costs.tp import tp_degrees_for
+
+    return tp_degrees_for(prof, _cluster(prof, s).gpus_per_node) or [1]
+
+
+def _cluster(prof: Profile, s: ConvertSettings) -> Any:
+    from ..cluster.topology import cluster_for
+
+    device = prof.device.name if prof.device.type == "cuda" else s.device
+    return cluster_for(device, s.gpus, s.gpus_per_node, s.bandwidth_intra, s.bandwidth_inter)  # type: ignore[arg-type]
 
 
 def with_host_links(device: Any) -> Any:
@@ -394,24 +416,42 @@ def _job_engine(s: ConvertSettings, plan: Plan) -> str:
 
 
 def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
-    """The cluster search for convert. DeepSpeed's pipeline engine runs its own 1F1B (or GPipe-like)
-    order and ZeRO 0/1 only."""
+    """The cluster search for convert: stages x replicas x micro-batches x schedule x ZeRO, with tp and
+    ep (each searched, or fixed by --tp/--ep), over the layouts the job's runtime runs (``runs_here``).
+    DeepSpeed's pipeline engine runs its own 1F1B (or GPipe-like) order, ZeRO 0/1, no tp or ep."""
     from ..cluster.layout_search import search
     from ..cluster.layouts import SEARCH_SCHEDULES
-    from ..cluster.topology import cluster_for
+    from ..costs.ep import ep_degrees_for
     from ..costs.rescale import scale_microbatch
 
-    device = prof.device.name if prof.device.type == "cuda" else s.device
-    cluster = cluster_for(device, s.gpus, s.gpus_per_node, s.bandwidth_intra, s.bandwidth_inter)  # type: ignore[arg-type]
     zeros = ZERO_STAGES if s.zero == "auto" else (int(s.zero),)
     schedules = SEARCH_SCHEDULES
+    eps = [s.ep] if s.ep > 1 else ep_degrees_for(prof, s.gpus)  # type: ignore[arg-type]
     if s.engine == "deepspeed":
-        zeros, schedules = tuple(z for z in zeros if z <= 1), (("1f1b", 1),)
+        zeros, schedules, eps = tuple(z for z in zeros if z <= 1), (("1f1b", 1),), [1]
+    tps = _searched_tps(prof, s)
+    if s.sequence_parallel and max(tps) == 1:
+        raise PartitionError("--sequence-parallel needs a tp of 2 or more, and no tp degree above 1 is searched here "
+                             "(the profile's layers do not split, or DeepSpeed's engine); drop --sequence-parallel.")
     # the layout search costs the layers alone (no engine terms); auto then trains on torch
-    found = search(prof, cluster, global_batch=s.global_batch, memory_limit=s.memory_limit, recompute=s.recompute,
-                   zeros=zeros, schedules=schedules, target=s.target, optimizer=s.optimizer_state,
-                   progress=s.progress)  # fmt: skip
+    found = search(prof, _cluster(prof, s), global_batch=s.global_batch, memory_limit=s.memory_limit,
+                   recompute=s.recompute, zeros=zeros, schedules=schedules, target=s.target,
+                   optimizer=s.optimizer_state, progress=s.progress, tps=tps,
+                   sequence_parallel=s.sequence_parallel, eps=eps or [1], keep=runs_here)  # fmt: skip
     return scale_microbatch(prof, found.best.microbatch_size), found.plan, found
+
+
+def runs_here(x: Any) -> bool:
+    """Whether autopipe's torch runtime runs layout ``x`` (a cluster Layout) as it composes today: tp with
+    replicas on ZeRO 0, 2 or 3 (ZeroRedundancyOptimizer takes no DTensor); sequence parallelism with
+    replicas on ZeRO 0; ep on ZeRO 0 without tp (autopipe.runtime.stage.expert_parallel). The same rules
+    train.py's preflight refuses in one line; a cluster plan (``autopipe plan --gpus``) for another
+    engine is not held to them."""
+    if x.dp > 1 and x.tp > 1 and x.zero == 1:
+        return False
+    if x.dp > 1 and x.sequence_parallel and x.zero != 0:
+        return False
+    return x.ep == 1 or (x.zero == 0 and x.tp == 1)
 
 
 def _absolute_spec(model: str) -> str:

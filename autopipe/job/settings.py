@@ -68,7 +68,9 @@ class ConvertSettings:
     microbatches: int | None = None  # per step; default 2 x stages
     schedule: str = "auto"  # auto (the fastest the engine runs), gpipe, 1f1b, interleaved1f1b or zbv
     dp: int = 1  # data-parallel replicas of each stage; the plan's memory is per rank
-    tp: int = 1  # tensor-parallel ranks inside each stage (world = stages x dp x tp); the torch engine only
+    # tensor-parallel ranks inside each stage (world = stages x dp x tp); the torch engine only. With gpus:
+    # 1 searches every degree dividing a node (1, 2, 4, 8), N > 1 fixes it (and ep likewise)
+    tp: int = 1
     sequence_parallel: bool = False  # with tp > 1: the activations between layers sharded on the sequence
     ep: int = 1  # expert-parallel degree over each stage's dp replicas (divides dp; world unchanged); torch, ZeRO 0
     zero: int | str = 0  # ZeRO stage 0-3 the replicas shard with, or "auto" (the fastest that fits)
@@ -137,10 +139,10 @@ class ConvertSettings:
                                      f"tp ranks share one node; use a tp that divides {self.gpus_per_node}.")
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise PartitionError(f"--tp must be a whole number of ranks, at least 1, got {self.tp!r}.")
-        if self.tp > 1 and self.gpus is not None:
-            raise PartitionError("--tp with --gpus: the layout search does not choose tensor parallelism yet; give "
-                                 "--stages (and --dp) with --tp.")
-        if self.sequence_parallel and self.tp == 1:
+        if self.gpus is not None and self.gpus_per_node is not None and self.tp > 1 and self.gpus_per_node % self.tp:
+            raise PartitionError(f"--tp {self.tp} does not fit nodes of {self.gpus_per_node} (--gpus-per-node): a stage's "
+                                 f"tp ranks share one node; use a tp that divides {self.gpus_per_node}.")
+        if self.sequence_parallel and self.tp == 1 and self.gpus is None:  # with --gpus: where the search picks tp > 1
             raise PartitionError("--sequence-parallel shards the activations over a stage's tp ranks: give --tp 2 or more "
                                  "with it, or drop it.")
         if self.sequence_parallel and self.dp > 1 and str(self.zero) != "0":
@@ -226,17 +228,17 @@ class ConvertSettings:
         return asdict(self)
 
     def _check_ep(self) -> None:
-        """Expert parallelism (autopipe.runtime.stage.expert_parallel): ep divides dp, on torch's engine,
-        ZeRO 0, tp 1, a fixed --stages layout (the search does not choose ep here)."""
+        """Expert parallelism (autopipe.runtime.stage.expert_parallel): ep divides dp (with --gpus: the
+        devices; the search keeps the layouts whose dp it divides), on torch's engine, ZeRO 0, tp 1."""
         ep = self.ep
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
             raise PartitionError(f"--ep must be a whole number of replicas, at least 1, got {ep!r}.")
         if ep == 1:
             return
-        if self.gpus is not None:
-            raise PartitionError("--ep with --gpus: give --stages and --dp with --ep (the layout search does not "
-                                 "choose expert parallelism here).")
-        if self.dp % ep:
+        if self.gpus is not None and self.gpus % ep:
+            raise PartitionError(f"--ep {ep} does not divide --gpus {self.gpus}: the experts are shared out over ep "
+                                 "replicas of a stage; pick an ep that divides the devices.")
+        if self.gpus is None and self.dp % ep:
             raise PartitionError(f"--ep {ep} must divide --dp {self.dp}: the experts are shared out over ep of a stage's "
                                  "replicas; pick an ep that divides dp.")
         if self.engine == "deepspeed":
