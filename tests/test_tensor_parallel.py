@@ -198,14 +198,18 @@ def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sequence_parallel_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path) -> None:
-    """--sequence-parallel on tp 2 x 2 stages x 2 replicas (ZeRO 0: ``replicate`` over the dp mesh): each
-    replica's partial norm gradients are averaged over the replicas, then summed over the tp ranks."""
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_sequence_parallel_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path,
+                                                                              zero: int) -> None:  # fmt: skip
+    """--sequence-parallel on tp 2 x 2 stages x 2 replicas (ZeRO 0: ``replicate`` over the dp mesh; 2 and 3:
+    FSDP2 on the 2-D mesh): each replica's partial norm gradients are averaged over the replicas, then
+    summed over the tp ranks."""
     job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
-    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--sequence-parallel", tag="sp_dp2")
-    figures = compare("llama sp dp2", (loss, grads, weights), reference("llama", dp=2))
+    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", zero, "--sequence-parallel",
+                                      tag=f"sp_dp2_zero{zero}")  # fmt: skip
+    figures = compare(f"llama sp dp2 zero {zero}", (loss, grads, weights), reference("llama", dp=2))
     assert "sequence parallel:" in out, out[-2000:]
-    print(f"\nllama tp2 x pp2 x dp2 sequence parallel: {figures}", file=sys.stderr)
+    print(f"\nllama tp2 x pp2 x dp2 zero {zero} sequence parallel: {figures}", file=sys.stderr)
 
 
 @pytest.mark.slow
@@ -408,8 +412,9 @@ def test_what_tp_does_not_compose_with_is_one_line() -> None:
 
 
 def test_what_sequence_parallelism_refuses_is_one_line(tmp_path: Path) -> None:
-    """--sequence-parallel without tp, with replicas, on a sequence tp does not divide, on a model with
-    no token ids: one line each, before any model is built (or, for the last two, from the trace)."""
+    """--sequence-parallel without tp, on a sequence tp does not divide, on a model with no token ids:
+    one line each, before any model is built (or, for the last two, from the trace). Replicas on any
+    ZeRO but 1 (which tp refuses) are accepted."""
     from types import SimpleNamespace
 
     from autopipe.graph.sequence import TensorSig
@@ -424,16 +429,14 @@ def test_what_sequence_parallelism_refuses_is_one_line(tmp_path: Path) -> None:
     assert preflight(settings(), world=4) is None  # tp 2 x 2 stages: accepted
     with pytest.raises(AutopipeError, match="--sequence-parallel shards the activations over the tp ranks"):
         preflight(settings(tp=1), world=2)
-    with pytest.raises(AutopipeError, match="--sequence-parallel with --dp 2 and --zero 3 is not supported yet"):
-        preflight(settings(dp=2, zero=3), world=8)
-    preflight(settings(dp=2), world=8)  # ZeRO 0 replicas: accepted
+    for zero in (0, 2, 3):  # replicas: accepted (ZeRO 1 is tp's refusal, at the build)
+        preflight(settings(dp=2, zero=zero), world=8)
     preflight(settings(tp=1), world=1)  # one process runs the plan whole: nothing to shard, nothing refused
     from autopipe.job.settings import ConvertSettings
 
     with pytest.raises(AutopipeError, match="give --tp 2 or more with it"):
         ConvertSettings(stages=2, sequence_parallel=True)
-    with pytest.raises(AutopipeError, match="composes it with ZeRO 0 replicas only"):
-        ConvertSettings(stages=2, tp=2, dp=2, zero=2, sequence_parallel=True)
+    assert ConvertSettings(stages=2, tp=2, dp=2, zero=2, sequence_parallel=True).sequence_parallel
     assert ConvertSettings(stages=2, tp=2, dp=2, sequence_parallel=True).sequence_parallel
     h = TensorSig("h", (2, 15, 8), "float32")
     odd = SimpleNamespace(infos=[SimpleNamespace(inputs=(TensorSig("ids", (2, 15), "int64"),), outputs=(h,))])

@@ -145,9 +145,6 @@ class ConvertSettings:
         if self.sequence_parallel and self.tp == 1 and self.gpus is None:  # with --gpus: where the search picks tp > 1
             raise PartitionError("--sequence-parallel shards the activations over a stage's tp ranks: give --tp 2 or more "
                                  "with it, or drop it.")
-        if self.sequence_parallel and self.dp > 1 and str(self.zero) != "0":
-            raise PartitionError(f"--sequence-parallel with --dp {self.dp} and --zero {self.zero}: the runtime composes it "
-                                 "with ZeRO 0 replicas only yet; use --zero 0, or drop --sequence-parallel.")
         if self.tp > 1 and self.engine == "deepspeed":
             raise AutopipeError(f"--tp {self.tp} on DeepSpeed: its PipelineModule runs no tensor parallelism here; "
                                 "use --engine torch for --tp.")

@@ -63,12 +63,15 @@ reduce-scatters where it all-reduced, the norms and residual adds run on 1/tp of
 colwise matmul all-gathers its input first (DTensor's sharding propagation decides, and the numbers
 stay the untouched model's), and the pipeline sends 1/tp of each activation. A layer run replicated
 gathers its sequence inputs whole and keeps its part of its outputs, gradients included. A
-replicated parameter (a norm's weight) meeting sharded tokens gets a ``Partial`` gradient, one part
-per tp rank: :func:`reduce_partial_grads_` sums it once per step, before the norm (Megatron's
-all-reduce of the layernorm gradients). With ZeRO 0 replicas (``replicate`` over the dp mesh) each replica's
-partial gradients are averaged over the replicas first, then summed over the tp ranks (the two
-sums commute). Refused in one line: a sequence tp does not divide, a model with no token ids,
-sequence parallelism with ZeRO 2/3 replicas (FSDP2's reduction is not composed with it yet).
+replicated parameter (a norm's weight) meeting sharded tokens has one part of its gradient per tp
+rank (Megatron all-reduces the layernorm gradients for it): DTensor's backward sums them into the
+parameter's own placement already (Llama, GPT-2 and Qwen3-MoE under SP left 0 ``Partial`` gradients
+on every rank, counted 2026-12-07); :func:`reduce_partial_grads_` sums any that a layer leaves
+``Partial``, once per step, before the norm. With replicas (ZeRO 0: ``replicate``; ZeRO 2/3: FSDP2, its
+gradients sharded on the dp dimension of the same 2-D mesh) each replica's partial gradients are
+averaged (reduce-scattered) over the replicas first, then summed over the tp ranks (the two sums
+commute; each tp rank's FSDP2 shard keeps its part of the sum until then). Refused in one line: a
+sequence tp does not divide, a model with no token ids.
 """
 
 from __future__ import annotations

@@ -59,10 +59,6 @@ def preflight(settings: Any, *, world: int | None = None) -> StagePlan | None:
         if tp == 1:
             raise AutopipeError("--sequence-parallel shards the activations over the tp ranks of a stage: it needs "
                                 "--tp 2 or more; add --tp, or drop --sequence-parallel.")
-        if dp > 1 and int(settings.zero) != 0:
-            raise AutopipeError(f"--sequence-parallel with --dp {dp} and --zero {settings.zero} is not supported yet "
-                                "(FSDP2's gradient reduction is not composed with it); use --zero 0, or drop "
-                                "--sequence-parallel.")
     if plan is not None:
         check_launch(plan, world // (dp * tp), dp, plan_path=str(settings.plan), tp=tp)
         sp = bool(getattr(settings, "sequence_parallel", False)) and tp > 1
