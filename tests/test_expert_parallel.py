@@ -126,6 +126,26 @@ def test_ep2_x_pp2_trains_as_the_untouched_model(job: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.parametrize(("name", "zero"), [("mixtral", 2), ("qwen3_moe_aux", 3)])
+def test_ep2_x_pp2_on_fsdp2_replicas_trains_as_the_untouched_model(torchrun: Launcher, root: Path, name: str,
+                                                                   zero: int) -> None:  # fmt: skip
+    """ZeRO 2 and 3 (FSDP2 over the replicas, the expert slices left out of it: ``ignored_params``): the
+    non-expert weights sharded and their gradients reduce-scattered, each expert slice's gradient summed
+    over its expert data-parallel group by autopipe, the norm summed over the world with each slice
+    counted once. The same step as the untouched model's, as on ZeRO 0."""
+    path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
+    plan = path / "cut.json"
+    plan.write_text(json.dumps({"boundaries": CUT}))
+    held: dict[int, dict[str, tuple]] = {}
+    loss, grads, weights, out = train(torchrun, path, DP * PP, "--dp", DP, "--ep", EP, "--zero", zero, plan=plan,
+                                      tag=f"zero{zero}", merge=lambda run, n: _assembled(run, n, name, held))  # fmt: skip
+    figures = compare(f"{name} zero {zero}", (loss, grads, weights), reference(name, dp=DP))
+    assert f"ZeRO {zero}" in out, out[-2000:]
+    print(f"\n{name} ep2 x pp2 (dp 2) ZeRO {zero}: {figures}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_each_rank_holds_only_its_experts_and_tokens_cross(job: dict) -> None:
     """Every rank's expert tensors hold E/ep experts (its parameter bytes shrink by that much),
     and the test batch routes slots of every micro-batch to both halves of the experts in every
@@ -161,8 +181,10 @@ def test_the_load_balancing_loss_is_in_the_reference() -> None:
 def test_what_ep_does_not_compose_with_is_one_line() -> None:
     from autopipe.runtime.stage.expert_parallel import check_ep_composes, plan_expert_parallel
 
-    with pytest.raises(AutopipeError, match="--zero 2 with expert parallelism is not supported yet"):
-        check_ep_composes(2, 1)
+    with pytest.raises(AutopipeError, match="--zero 1 with expert parallelism is not supported yet"):
+        check_ep_composes(1, 1)
+    check_ep_composes(2, 1)  # FSDP2 leaves the expert slices alone: runs
+    check_ep_composes(3, 1)
     with pytest.raises(AutopipeError, match="--ep with --tp > 1 is not supported yet"):
         check_ep_composes(0, 2)
     with pytest.raises(AutopipeError, match="--ep 2: the model has no MoE experts module"):
@@ -191,7 +213,7 @@ def test_ep_composes_with_every_schedule(torchrun: Launcher, root: Path, schedul
 
 
 def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> None:
-    """Before any model is built: ep not dividing dp, DeepSpeed, tp > 1, ZeRO 1-3, and --verify (not
+    """Before any model is built: ep not dividing dp, DeepSpeed, tp > 1, ZeRO 1, and --verify (not
     done under ep yet); checkpoints and --export pass."""
     from types import SimpleNamespace
 
@@ -207,6 +229,7 @@ def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> N
                           ({"engine": "deepspeed"}, "--ep 2 on DeepSpeed"),
                           ({"tp": 2}, "--ep with --tp > 1 is not supported yet"),
                           ({"zero": 1}, "--zero 1 with expert parallelism is not supported yet"),
+                          ({"zero": 2}, None), ({"zero": 3}, None),
                           ({"ckpt_every": 1, "export": "out"}, None),
                           ({"verify": True}, "--verify with --ep 2 is not done yet")]:
         world = 3 * 2 if changes.get("dp") == 3 else 8 if changes.get("tp") else 4
@@ -415,3 +438,42 @@ def test_the_step_log_s_flops_count_the_experts_with_and_without_ep(name: str) -
             assert step_flops(build.seq, source, microbatches=4, replicas=2) == want
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ep_on_zero_3_checkpoints_resumes_and_exports_as_without_ep(torchrun: Launcher, root: Path) -> None:
+    """Mixtral, dp 2 x 2 stages on ZeRO 3 (FSDP2, expert slices left out of it): two steps with --ep 2
+    log the losses and norms of the same two steps with --ep 1; the ep 2 run's export equals the ep 1
+    run's; step 2 resumed from its step 1 checkpoint (FSDP2 shards and expert slices, each tensor by its
+    global offsets) logs the same loss, on ep 2 and on ep 1."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    name = "mixtral"
+    path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
+    plan = path / "cut_z3.json"
+    plan.write_text(json.dumps({"boundaries": CUT}))
+
+    def steps(ep: int, log: Path, *flags: object) -> list[dict]:
+        torchrun(path / "train.py", "--steps", 2, "--plan", plan, "--weights", path / "weights.safetensors", "--dp", DP,
+                 "--ep", ep, "--zero", 3, "--log-json", log, *flags, nproc=DP * PP, cwd=path, timeout=600)
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    logs = {ep: steps(ep, path / f"z3_ep{ep}.json", "--export", path / f"z3_out_ep{ep}",
+                      *(["--ckpt-dir", path / "z3_ckpt", "--ckpt-every", 1] if ep == EP else []))
+            for ep in (1, EP)}  # fmt: skip
+    for a, b in zip(logs[1], logs[EP]):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert logs[EP][1]["loss"] != logs[EP][0]["loss"]
+    whole, sliced = (load_file(path / f"z3_out_ep{ep}" / "model.safetensors") for ep in (1, EP))
+    assert sliced.keys() == whole.keys() and any("experts" in k for k in whole)
+    for k in whole:
+        torch.testing.assert_close(sliced[k], whole[k], atol=1e-5, rtol=0, msg=k)
+    for ep in (EP, 1):
+        ckpt = path / f"z3_resume_ep{ep}"
+        shutil.copytree(path / "z3_ckpt", ckpt)
+        shutil.rmtree(ckpt / "step_00000002")
+        (second,) = steps(ep, path / f"z3_resumed_ep{ep}.json", "--ckpt-dir", ckpt, "--resume")[-1:]
+        assert second["step"] == 2 and second["loss"] == pytest.approx(logs[EP][1]["loss"], abs=1e-5), ep

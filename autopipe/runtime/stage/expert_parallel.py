@@ -20,8 +20,9 @@ runs the same schedule, so the ep group meets in each MoE layer's forward and ba
 order; routing to no expert of a rank still sends (and back-propagates) zero rows.
 
 Gradients: a non-expert parameter is averaged over all dp replicas by the data-parallel engine, as
-without ep; the expert slices are left out of it (DDP's ignored parameters, ``replicate``'s
-``ignored_params``). An expert slice's gradient already sums what every replica of its ep group
+without ep (ZeRO 2/3: reduce-scattered, each replica keeping its shard); the expert slices are left
+out of it (DDP's ignored parameters, ``replicate``'s and ``fully_shard``'s ``ignored_params``): whole
+on their ranks, their optimizer state too. An expert slice's gradient already sums what every replica of its ep group
 routed to it (each replica's loss the mean over its micro-batches), so it is summed over the expert
 data-parallel group (the same slice in the other ep groups) and divided by dp: the untouched
 model's mean over the global batch. The gradient norm sums over the pipelines of an ep group, each
@@ -34,7 +35,7 @@ kept once) and loads it back into any ep degree, ep 1 included; ``export`` reads
 and the run's own ``--export`` gathers each slice over the ep group.
 
 Refused in one line: ep not dividing dp or the experts, a model without transformers experts
-modules, ep with tp > 1, ZeRO 1/2/3, DeepSpeed's engine; --verify is not done yet.
+modules, ep with tp > 1, ZeRO 1, DeepSpeed's engine; --verify is not done yet.
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ def check_ep_composes(zero: int, tp: int) -> None:
     """One line for what expert parallelism does not run with (yet)."""
     if tp > 1:
         raise AutopipeError("--ep with --tp > 1 is not supported yet; use --tp 1 with expert parallelism.")
-    if zero != 0:
-        raise AutopipeError(f"--zero {zero} with expert parallelism is not supported yet (its engines would shard or "
-                            "average the expert slices each rank holds alone); use --zero 0 with --ep.")
+    if zero == 1:
+        raise AutopipeError("--zero 1 with expert parallelism is not supported yet (ZeroRedundancyOptimizer would "
+                            "broadcast one rank's expert slices over the others); use --zero 0, 2 or 3 with --ep.")
 
 
 def apply_expert_parallel_(build: Any, layout: EPLayout) -> None:

@@ -134,8 +134,13 @@ class Trainer:
             from ..stage.tensor_parallel import replicated_over_tp
 
             self._counted_elsewhere |= replicated_over_tp(self.params)
-        if ep is not None and env.ep_rank != 0:  # what every rank of an ep group holds alike: counted by its rank 0
+        if ep is not None and self._norm_group is not None and env.ep_rank != 0:
+            # what every rank of an ep group holds alike (ZeRO 0): counted by its rank 0
             self._counted_elsewhere |= set(self.params) - ep.expert_params
+        if ep is not None and self._norm_group is None and env.dp_rank >= ep.ep:
+            # ZeRO 2/3: the norm sums over the world, each replica's shards its own; an expert slice is
+            # the same in every ep group (reduce_expert_grads_): counted in the first ep group only
+            self._counted_elsewhere |= ep.expert_params
         self.optimizer = make_dp_optimizer(self.params, config, zero=config.zero, dp_size=env.dp_size,
                                            group=env.dp_group)
         # gradients and state once, before any activation (see preallocate_)

@@ -121,7 +121,8 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int,
         if zero <= 1:
             replicate(module, mesh=mesh, ignored_params={p for p in module.parameters() if id(p) in ignored} or None)
         else:
-            fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, **mixed)
+            fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3,
+                        ignored_params={p for p in module.parameters() if id(p) in ignored} or None, **mixed)
 
     for chunk in chunks:
         counts: dict[int, int] = {}

@@ -106,9 +106,9 @@ def _check_ep(settings: Any, dp: int, tp: int, world: int) -> None:
                             "torch for --ep, or --ep 1.")
     if tp > 1:
         raise AutopipeError("--ep with --tp > 1 is not supported yet; use --tp 1 with expert parallelism.")
-    if int(settings.zero) != 0:
-        raise AutopipeError(f"--zero {settings.zero} with expert parallelism is not supported yet (its engines would "
-                            "shard or average the expert slices each rank holds alone); use --zero 0 with --ep.")
+    if int(settings.zero) == 1:
+        raise AutopipeError("--zero 1 with expert parallelism is not supported yet (ZeroRedundancyOptimizer would "
+                            "broadcast one rank's expert slices over the others); use --zero 0, 2 or 3 with --ep.")
     if getattr(settings, "verify", False):
         raise AutopipeError(f"--verify with --ep {ep} is not done yet (its whole-model check sees each rank's slice of "
                             "the experts under their whole names); run it with --ep 1.")
