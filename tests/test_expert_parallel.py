@@ -98,14 +98,14 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe_aux"])
 def job(request: pytest.FixtureRequest, torchrun: Launcher, root: Path) -> dict:
-    """One ep 2 x pp 2 step of the model (1F1B, ZeRO 0), and the untouched model's reference."""
+    """One ep 2 x pp 2 step of the model (1F1B, ZeRO 0; --verify first), and the untouched model's reference."""
     name = request.param
     path = make_job(root, name, tp=1)
     plan = path / "cut.json"  # one MoE block on each stage: embedding + layer 0 | layer 1 + norm + head
     plan.write_text(json.dumps({"boundaries": CUT}))
     held: dict[int, dict[str, tuple]] = {}
     t0 = time.perf_counter()
-    loss, grads, weights, out = train(torchrun, path, DP * PP, "--dp", DP, "--ep", EP, plan=plan,
+    loss, grads, weights, out = train(torchrun, path, DP * PP, "--dp", DP, "--ep", EP, "--verify", plan=plan,
                                       merge=lambda run, n: _assembled(run, n, name, held))
     seconds = time.perf_counter() - t0
     return {"name": name, "got": (loss, grads, weights), "out": out, "held": held, "seconds": seconds,
@@ -116,8 +116,11 @@ def job(request: pytest.FixtureRequest, torchrun: Launcher, root: Path) -> dict:
 @pytest.mark.distributed
 def test_ep2_x_pp2_trains_as_the_untouched_model(job: dict) -> None:
     """Loss (load-balancing loss included), every gradient and every weight after one AdamW step
-    equal the untouched model's on the global batch (1e-5)."""
+    equal the untouched model's on the global batch (1e-5); --verify, run first, said so too (each
+    expert slice's gradient gathered over its ep group, the untouched model on the global batch), and
+    left the step as it was."""
     figures = compare(job["name"], job["got"], job["ref"])
+    _verified(job["out"])
     said = [line for line in job["out"].splitlines() if line.startswith("ep 2: ")]
     assert len(said) == 1 and "2 MoE layer(s), each rank of an ep group of 2 replicas holds 2 of 4 experts" in said[0], job["out"][-2000:]
     figures["seconds"] = job["seconds"]
@@ -132,16 +135,44 @@ def test_ep2_x_pp2_on_fsdp2_replicas_trains_as_the_untouched_model(torchrun: Lau
     """ZeRO 2 and 3 (FSDP2 over the replicas, the expert slices left out of it: ``ignored_params``): the
     non-expert weights sharded and their gradients reduce-scattered, each expert slice's gradient summed
     over its expert data-parallel group by autopipe, the norm summed over the world with each slice
-    counted once. The same step as the untouched model's, as on ZeRO 0."""
+    counted once. The same step as the untouched model's, as on ZeRO 0; --verify gathers the shards
+    and the slices and says so."""
     path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
     plan = path / "cut.json"
     plan.write_text(json.dumps({"boundaries": CUT}))
     held: dict[int, dict[str, tuple]] = {}
-    loss, grads, weights, out = train(torchrun, path, DP * PP, "--dp", DP, "--ep", EP, "--zero", zero, plan=plan,
-                                      tag=f"zero{zero}", merge=lambda run, n: _assembled(run, n, name, held))  # fmt: skip
+    loss, grads, weights, out = train(torchrun, path, DP * PP, "--dp", DP, "--ep", EP, "--zero", zero, "--verify",
+                                      plan=plan, tag=f"zero{zero}", merge=lambda run, n: _assembled(run, n, name, held))  # fmt: skip
     figures = compare(f"{name} zero {zero}", (loss, grads, weights), reference(name, dp=DP))
+    _verified(out)
     assert f"ZeRO {zero}" in out, out[-2000:]
     print(f"\n{name} ep2 x pp2 (dp 2) ZeRO {zero}: {figures}", file=sys.stderr)
+
+
+def _verified(out: str) -> None:
+    """train.py's --verify line says ok, within 1e-5 of the untouched model's gradients."""
+    (line,) = [line for line in out.splitlines() if "verify: loss" in line]
+    assert line.endswith(": ok") and float(line.split("max grad diff ")[1].split(":")[0]) < 1e-5, line
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_verify_under_ep_names_an_expert_gradient_the_job_gets_wrong(torchrun: Launcher, root: Path) -> None:
+    """With each expert slice's gradient left dp times the untouched model's (tests/faults: the
+    division by the replica count dropped), --verify on ep 2 x 2 stages x dp 2 stops the job in one
+    line naming an expert tensor, before any update; a check comparing a replica with its own batch
+    or autopipe with itself would not see it."""
+    name = "mixtral"
+    path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
+    plan = path / "cut_fault.json"
+    plan.write_text(json.dumps({"boundaries": CUT}))
+    proc = torchrun(path / "train.py", "--steps", 1, "--plan", plan, "--weights", path / "weights.safetensors",
+                    "--dp", DP, "--ep", EP, "--verify", nproc=DP * PP, cwd=path, timeout=600, check=False,
+                    env={"AUTOPIPE_TEST_EXPERT_GRAD_UNSCALED": "1"}, pythonpath=[Path(__file__).parent / "faults"])
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "differs from the untouched model" in said, said[-3000:]
+    (line,) = {line for line in said.splitlines() if "differs from the untouched model" in line}
+    assert "experts" in line.split("worst: ")[1] and "Traceback" not in said, said[-3000:]
 
 
 @pytest.mark.slow
@@ -213,8 +244,8 @@ def test_ep_composes_with_every_schedule(torchrun: Launcher, root: Path, schedul
 
 
 def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> None:
-    """Before any model is built: ep not dividing dp, DeepSpeed, tp > 1, ZeRO 1, and --verify (not
-    done under ep yet); checkpoints and --export pass."""
+    """Before any model is built: ep not dividing dp, DeepSpeed, tp > 1 and ZeRO 1; checkpoints,
+    --export and --verify pass."""
     from types import SimpleNamespace
 
     from autopipe.runtime.training.preflight import preflight
@@ -231,7 +262,7 @@ def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> N
                           ({"zero": 1}, "--zero 1 with expert parallelism is not supported yet"),
                           ({"zero": 2}, None), ({"zero": 3}, None),
                           ({"ckpt_every": 1, "export": "out"}, None),
-                          ({"verify": True}, "--verify with --ep 2 is not done yet")]:
+                          ({"verify": True}, None)]:
         world = 3 * 2 if changes.get("dp") == 3 else 8 if changes.get("tp") else 4
         if says is None:
             preflight(settings(**changes), world=world)

@@ -189,10 +189,12 @@ def test_verify_under_tp_compares_whole_gradients(torchrun: Launcher, root: Path
 def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path, zero: int) -> None:
     """tp 2 x 2 stages x 2 replicas over the dp mesh (ZeRO 0: ``replicate``; ZeRO 3: FSDP2, 2-D with
     the tp placements, as torchtitan lays it out): the first step equals the untouched model's on the
-    global batch."""
+    global batch. --verify, run first, gathers each gradient over the tp and dp meshes and says ok."""
     job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
-    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", zero, tag=f"dp2_zero{zero}")
+    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", zero, "--verify", tag=f"dp2_zero{zero}")
     figures = compare(f"llama dp2 zero {zero}", (loss, grads, weights), reference("llama", dp=2))
+    (line,) = [line for line in out.splitlines() if "verify: loss" in line]
+    assert line.endswith(": ok"), line
     print(f"\nllama tp2 x pp2 x dp2 zero {zero}: {figures}", file=sys.stderr)
 
 

@@ -36,3 +36,16 @@ if _spec and os.environ.get("RANK", "0") == _spec.split(":")[1]:
             os.kill(os.getpid(), signal.SIGKILL)
 
     _ds._ds_save = _ds_save_then_die
+
+# ``AUTOPIPE_TEST_EXPERT_GRAD_UNSCALED=1``: every torch-engine rank sums each expert slice's gradient
+# over its expert data-parallel group but forgets the division by the replica count (the experts'
+# gradients then read dp times the untouched model's), the bug ``--verify`` under ``--ep`` must name.
+if os.environ.get("AUTOPIPE_TEST_EXPERT_GRAD_UNSCALED"):
+    import autopipe.runtime.torch_engine.trainer as _trainer
+
+    _reduce = _trainer.reduce_expert_grads_
+
+    def _reduce_unscaled(params, names, group, dp, comm):  # noqa: ANN001, ANN202
+        return _reduce(params, names, group, 1, comm)
+
+    _trainer.reduce_expert_grads_ = _reduce_unscaled

@@ -9,6 +9,13 @@ starts as the pipeline seeds it (dropout draws the same masks). Compared: the ou
 (on the rank of the last chunk) and every gradient each rank holds; the verdict is agreed over all
 ranks, and the gradients are cleared, so training starts as if nothing had run.
 
+With replicas (``--dp``, any ZeRO stage, ``--ep``) the untouched model runs the global batch: every
+replica's micro-batches in replica order, seeded as each replica seeds them, the loss their mean.
+Each rank's gradients are compared after the trainer settles them (``Trainer.settle_gradients``:
+the data-parallel mean, expert slices summed over their groups, tied copies summed), whole: a
+ZeRO 2/3 shard or a tp shard gathered over its mesh, an expert slice over its ep group. A replica's
+outputs and loss are compared with the untouched model's on that replica's micro-batches.
+
 What it costs: the whole model once on every rank, for one step. What it checks beyond the layers:
 the schedule, the stage-to-stage traffic, tied-gradient sums.
 """
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,7 +33,7 @@ from torch.utils import _pytree as pytree
 from ...errors import AutopipeError
 from ..data.batches import pack_batch, split_batch
 from ..data.losses import model_loss
-from ..training.grads import sync_tied_grads
+from ..stage.expert_parallel import as_global
 from .untouched import seeded_like_pipeline, untouched_model
 
 __all__ = ["VerifyError", "VerifyReport", "verify_step"]
@@ -65,13 +72,10 @@ def verify_step(
 
     ``args``/``kwargs``/``target`` are this replica's batch, as ``Trainer.step`` takes it (a rank
     that reads neither inputs nor targets may pass placeholders: the untouched model runs on the
-    batch the first and last chunks' ranks read, shared with every rank).
+    batches the first and last chunks' ranks of every replica read, shared with every rank).
     Tolerances default to 1e-5 absolute / 1e-4 relative in fp32, 1e-3 / 1e-2 under bf16/fp16.
     """
     env, cfg, build = trainer.env, trainer.config, trainer.build
-    if env.dp_size > 1:
-        # the replicas' engines reduce inside the schedule; one replica is one model's step
-        raise AutopipeError("--verify compares one replica with the untouched model: run it with --dp 1 (same plan).")
     if build.model_fn is None:
         raise AutopipeError("--verify needs the model's factory: build the stage with build_stage(model_fn, ...).")
     # half-precision sums in another order (micro-batch accumulation, loss scale) differ by ~1e-5
@@ -92,19 +96,19 @@ def verify_step(
     finally:
         for h in handles:
             h.remove()
-    build.fold_alias_grads_()
-    if trainer.scaler.enabled:  # fp16: gradients of the scaled loss
-        for p in params.values():
-            if p.grad is not None:
-                p.grad.div_(trainer.scaler.scale)
-    sync_tied_grads(params, build.tied_here(), env.tied_groups, env.comm)
-    # whole gradients (a tensor-parallel shard gathered over its tp ranks, in the same order on each)
-    piped = {n: _whole(p.grad.detach() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()}
-    trainer.optimizer.zero_grad(set_to_none=False)
+    trainer.settle_gradients()  # as the step has them before its norm: unscaled, reduced, tied copies summed
+    # whole gradients: a tp or ZeRO shard gathered over its mesh, an expert slice over its ep group (in
+    # the same order on every rank of a stage)
+    piped = {n: _whole(build, n, p.grad.detach() if p.grad is not None else torch.zeros_like(p), env.device.type)
+             for n, p in params.items()}
+    trainer.zero_gradients()
 
-    # ---- the user's model, untouched, on the same micro-batches (every rank runs all of it) ----
+    # ---- the user's model, untouched, on the global batch (every rank runs all of it) ----
     model = untouched_model(build.model_fn, seed=build.seed, weights=build.weights, device=env.device)
-    ref_outputs, ref_loss = _run_untouched(trainer, model, *_whole_batch(trainer, args, kwargs, target))
+    ref_outputs, ref_losses = _run_untouched(trainer, model, _replica_batches(trainer, args, kwargs, target))
+    m, r = cfg.microbatches, env.dp_rank
+    mine = sum(ref_losses[r * m:(r + 1) * m]) / m  # this replica's micro-batches: what its pipeline's loss is
+    ref_outputs = ref_outputs[r * m:(r + 1) * m]
 
     bad = False
     worst_out = 0.0
@@ -126,15 +130,16 @@ def verify_step(
         if not torch.allclose(got, ref, atol=atol, rtol=rtol):
             bad = True
     loss = float(loss_t) if loss_t is not None else None
-    if loss is not None and abs(loss - ref_loss) > atol + rtol * abs(ref_loss):
+    if loss is not None and abs(loss - mine) > atol + rtol * abs(mine):
         bad = True
-    # the loss lives on the last stage: its share summed; the verdict and the worst differences: max over ranks
+    # the loss lives on each replica's last stage: their mean; the verdict and the worst differences: max over ranks
     has_loss = loss is not None and getattr(env, "tp_rank", 0) == 0  # tp ranks hold the same loss: one counts
     verdict = torch.tensor([1.0 if bad else 0.0, worst, worst_out], dtype=torch.float64, device=env.device)
     env.comm.all_reduce(verdict, op="max", where="verify verdict")
-    losses = torch.tensor([loss if has_loss else 0.0, ref_loss if has_loss else 0.0], dtype=torch.float64, device=env.device)
+    losses = torch.tensor([loss if has_loss else 0.0, mine if has_loss else 0.0], dtype=torch.float64, device=env.device)
     env.comm.all_reduce(losses, where="verify losses")
-    trainer.optimizer.zero_grad(set_to_none=False)  # the trainer keeps its gradients allocated
+    losses /= env.dp_size
+    trainer.zero_gradients()  # kept allocated, as the trainer keeps them
     # the untouched copy's blocks go back to the GPU: the caching allocator kept them reserved, and
     # every step's logged peak then counted it (H200, bf16 GPT-2: 27.4 GiB logged, 16.7 without --verify)
     model = ref_outputs = outputs = piped = p = ref = g = r = None  # the loops' names hold its last tensors too
@@ -154,8 +159,12 @@ def verify_step(
     return report
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A plain copy of ``t``'s whole value (a DTensor gathered: collective over its mesh)."""
+def _whole(build: Any, name: str, t: torch.Tensor, device_type: str) -> torch.Tensor:
+    """A plain copy of parameter ``name``'s whole gradient ``t``: a DTensor (tp, ZeRO 2/3) gathered
+    over its mesh, an expert slice over its ep group (collective)."""
+    layout = getattr(build, "ep_layout", None)
+    if layout is not None:
+        t = as_global(layout, name, t, device_type)
     full = getattr(t, "full_tensor", None)
     return full().clone() if full is not None else t.clone()
 
@@ -173,26 +182,33 @@ def _worst_anywhere(env: Any, worst: float, name: str) -> str:
     return f"{box[0]} on rank {rank}"
 
 
-def _whole_batch(trainer: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, target: Any
-                 ) -> tuple[Sequence[Any], Mapping[str, Any] | None, Any]:
-    """The batch as the first chunk's rank read it (inputs) and the last chunk's (target), on every
-    rank: a middle rank reads neither (train.py's get_batch gives it placeholders), and a zbv rank
-    0 holding both ends while rank 1 ran the untouched model on zeros was a 1.2 gradient "mismatch"."""
+Batch = tuple[Sequence[Any], Mapping[str, Any] | None, Any]
+
+
+def _replica_batches(trainer: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, target: Any
+                     ) -> list[Batch]:
+    """Every replica's batch, in replica order, as its first chunk's rank read it (inputs) and its last
+    chunk's (target), on every rank: a middle rank reads neither (train.py's get_batch gives it
+    placeholders), and a zbv rank 0 holding both ends while rank 1 ran the untouched model on zeros
+    was a 1.2 gradient "mismatch"."""
     env, plan = trainer.env, trainer.build.plan
-    if env.pp_size == 1:
-        return args, kwargs, target
+    if env.world == 1 or (env.pp_size == 1 and env.dp_size == 1):
+        return [(args, kwargs, target)]
     import torch.distributed as dist
 
-    # tp rank 0 of the first and last chunks' stages (every tp rank of a stage holds the same batch)
-    first = env.global_rank(env.dp_rank, plan.owner(0), 0)
-    last = env.global_rank(env.dp_rank, plan.owner(plan.num_chunks - 1), 0)
     host = lambda tree: pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, tree)  # noqa: E731
     device = env.device if env.device.type == "cuda" else None
-    inputs = [host((tuple(args), dict(kwargs or {}))) if env.rank == first else None]
-    dist.broadcast_object_list(inputs, src=first, device=device)
-    targets = [host(target) if env.rank == last else None]
-    dist.broadcast_object_list(targets, src=last, device=device)
-    return inputs[0][0], inputs[0][1], targets[0]  # type: ignore[index]
+    batches: list[Batch] = []
+    for replica in range(env.dp_size):
+        # tp rank 0 of the replica's first and last chunks' stages (every tp rank of a stage holds the same batch)
+        first = env.global_rank(replica, plan.owner(0), 0)
+        last = env.global_rank(replica, plan.owner(plan.num_chunks - 1), 0)
+        inputs = [host((tuple(args), dict(kwargs or {}))) if env.rank == first else None]
+        dist.broadcast_object_list(inputs, src=first, device=device)
+        targets = [host(target) if env.rank == last else None]
+        dist.broadcast_object_list(targets, src=last, device=device)
+        batches.append((inputs[0][0], inputs[0][1], targets[0]))  # type: ignore[index]
+    return batches
 
 
 def _keep(chunk: Any, out: Any, into: list[tuple[torch.Tensor, ...]]) -> None:
@@ -206,25 +222,29 @@ def _leaves(tree: Any) -> list[torch.Tensor]:
     return [x.detach() for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
-def _run_untouched(trainer: Any, model: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
-                   target: Any) -> tuple[list[list[torch.Tensor]], float]:
-    """Forward and backward of every micro-batch through the model's own forward, as the trainer's
-    engine computes the loss (outside autocast, mean over micro-batches); returns each micro-batch's
-    output tensors and the mean loss."""
+def _run_untouched(trainer: Any, model: torch.nn.Module, batches: Sequence[Batch]
+                   ) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """Forward and backward of every replica's every micro-batch through the model's own forward, as
+    the trainer's engine computes the loss (outside autocast; the gradient of the mean over the
+    global batch's micro-batches, as the replicas' reduced one is); returns each micro-batch's output
+    tensors and loss, replica by replica."""
     env, cfg = trainer.env, trainer.config
     m = cfg.microbatches
+    count = m * len(batches)
     loss_fn = trainer.engine._user_loss
-    args, kwargs, target = env.to_device((tuple(args), dict(kwargs or {}), target))
-    targets = list(target.chunk(m)) if isinstance(target, torch.Tensor) else [None] * m
     outs: list[list[torch.Tensor]] = []
-    total = 0.0
+    losses: list[float] = []
     dtype = cfg.autocast_dtype
-    with seeded_like_pipeline(model, trainer.build.seq.layer_entries, trainer.seeds()):
-        for (a, k), t in zip(split_batch(args, kwargs, m), targets):
-            with torch.autocast(env.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                out = model(*a, **k)
-            loss = model_loss(out) if loss_fn is None else loss_fn(out, t)
-            (loss / m).backward()
-            total += float(loss.detach()) / m
-            outs.append(_leaves(out))
-    return outs, total
+    # micro-batch i of replica r is the global batch's r*m + i: seeded as that replica seeds it
+    with seeded_like_pipeline(model, trainer.build.seq.layer_entries, replace(trainer.seeds(), first=0)):
+        for args, kwargs, target in batches:
+            args, kwargs, target = env.to_device((tuple(args), dict(kwargs or {}), target))
+            targets = list(target.chunk(m)) if isinstance(target, torch.Tensor) else [None] * m
+            for (a, k), t in zip(split_batch(args, kwargs, m), targets):
+                with torch.autocast(env.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                    out = model(*a, **k)
+                loss = model_loss(out) if loss_fn is None else loss_fn(out, t)
+                (loss / count).backward()
+                losses.append(float(loss.detach()))
+                outs.append(_leaves(out))
+    return outs, losses

@@ -35,7 +35,8 @@ kept once) and loads it back into any ep degree, ep 1 included; ``export`` reads
 and the run's own ``--export`` gathers each slice over the ep group.
 
 Refused in one line: ep not dividing dp or the experts, a model without transformers experts
-modules, ep with tp > 1, ZeRO 1, DeepSpeed's engine; --verify is not done yet.
+modules, ep with tp > 1, ZeRO 1, DeepSpeed's engine. ``--verify`` gathers each slice's gradient over
+its ep group and compares it whole.
 """
 
 from __future__ import annotations

@@ -206,24 +206,39 @@ class Trainer:
         env, comm = self.env, self.env.comm
         with comm.step():
             params = list(self.params.values())
-            if self.build.tp_layout is not None and self.build.tp_layout.sequence_parallel:
-                # norms met sequence-sharded tokens: their replicated weights hold one part per tp rank
-                reduce_partial_grads_(self.build.chunks)
-            self.build.fold_alias_grads_()  # before unscaling: alias leaves hold scaled gradients too
-            if self.scaler.enabled:
-                for p in params:
-                    if p.grad is not None:
-                        local(p.grad).div_(self.scaler.scale)
-            if self.build.ep_layout is not None:
-                reduce_expert_grads_(self.params, self.build.ep_layout.expert_params, env.expert_dp_group,
-                                     env.dp_size, comm)
-            sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups, comm)
+            self.settle_gradients()
             norm = global_grad_norm(self.params, self._counted_elsewhere, self._norm_group, comm)
             pending.stats = self._gather(pending.loss, norm)
             # an inf/nan anywhere makes the global norm inf/nan: fp16 then skips the update
             if pending.stats["finite"]:
                 clip_grads_(params, norm, self.config.grad_clip)
         return float(pending.stats["grad_norm"])
+
+    def settle_gradients(self) -> None:
+        """After the schedule, every gradient this rank holds as the untouched model's on the global
+        batch (``--verify`` compares them here): sequence parallelism's partial parts summed, alias
+        leaves folded, fp16's loss scale taken out, expert slices summed over their expert
+        data-parallel group, tied copies summed over the stages holding them. Collective."""
+        env, comm = self.env, self.env.comm
+        if self.build.tp_layout is not None and self.build.tp_layout.sequence_parallel:
+            # norms met sequence-sharded tokens: their replicated weights hold one part per tp rank
+            reduce_partial_grads_(self.build.chunks)
+        self.build.fold_alias_grads_()  # before unscaling: alias leaves hold scaled gradients too
+        if self.scaler.enabled:
+            for p in self.params.values():
+                if p.grad is not None:
+                    local(p.grad).div_(self.scaler.scale)
+        if self.build.ep_layout is not None:
+            reduce_expert_grads_(self.params, self.build.ep_layout.expert_params, env.expert_dp_group,
+                                 env.dp_size, comm)
+        sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups, comm)
+
+    def zero_gradients(self) -> None:
+        """Every gradient zeroed, kept allocated (see preallocate_)."""
+        if self.build.ep_layout is not None:  # plain expert slices beside DTensors: zero_grad refuses the mix
+            zero_grads_(self.params.values())
+        else:
+            self.optimizer.zero_grad(set_to_none=False)
 
     def optimizer_step(self) -> StepStats:
         """The optimizer's update (skipped after an fp16 overflow) and the LR schedule's step; the
@@ -236,10 +251,7 @@ class Trainer:
             self.build.sync_alias_params_()
             self.scheduler.step()  # a step fp16 skipped for overflow is no step of the LR schedule
         self.scaler.update(finite)
-        if self.build.ep_layout is not None:  # plain expert slices beside DTensors: zero_grad refuses the mix
-            zero_grads_(self.params.values())
-        else:
-            self.optimizer.zero_grad(set_to_none=False)  # kept allocated: see preallocate_
+        self.zero_gradients()
         self.step_count += 1
         self._pending = None
         total = time.perf_counter() - pending.started
