@@ -482,3 +482,37 @@ def test_a_run_at_another_tp_layout_than_its_plan_is_warned(tmp_path: Path, monk
     assert said(4, rank=1, sequence_parallel=False) == []  # rank 0 alone
     assert said(4, given=True, sequence_parallel=False) == []  # autopipe run's check: the job says it
     assert said(1, tp=1, sequence_parallel=False) == []  # one process runs the plan whole
+
+
+def test_moe_blocks_are_priced_at_tp_as_the_runtime_runs_them() -> None:
+    """At tp 2 the runtime runs Qwen3-MoE's decoder blocks replicated (plan_tensor_parallel on a fake
+    process group of 2, as a job decides it: the experts' grouped matmul has no DTensor rule); the
+    plan prices exactly those layers whole (their seconds and parameter bytes as at tp 1, no
+    collectives), while the embedding still all-reduces."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autopipe
+    from autopipe.costs.moe_shape import moe_shapes, with_moe_shapes
+    from autopipe.costs.tp import tp_terms
+    from autopipe.runtime.stage.tensor_parallel import plan_tensor_parallel
+
+    shapes = load_model(f"{MODELS}:qwen3_moe", device="meta", batch_size=ROWS, seq_len=SEQ)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        runs = plan_tensor_parallel(flatten(shapes.model, shapes.args, shapes.kwargs), shapes.model, 2, mesh)
+    finally:
+        dist.destroy_process_group()
+    model, args, kwargs = tp_models.qwen3_moe(ROWS)
+    seq = flatten(model, args, kwargs)
+    prof = autopipe.profile(seq, args, kwargs, estimate=True, device="h100", reserve=0)
+    prof = with_moe_shapes(prof, moe_shapes(model, seq, [(args, kwargs)]))
+    moe = {i for i, l in enumerate(prof.layers) if l.moe is not None}
+    assert moe and moe == set(runs.replicated), (moe, runs.replicated)
+    plain, at2 = (tp_terms(prof, t, bandwidth=450e9) for t in (1, 2))
+    for i in moe:
+        assert (at2[i].forward_collectives, at2[i].backward_collectives) == (0, 0), at2[i]
+        assert (at2[i].forward_compute, at2[i].param_bytes) == (plain[i].forward_compute, plain[i].param_bytes)
+    assert at2[0].forward_collectives == 1  # the vocab-sharded embedding's all-reduce

@@ -57,6 +57,13 @@ of the layer's seconds instead, the collectives priced as below on top::
 
     f_t = f·r_f + collectives        b_t = b·r_b + collectives
 
+MoE layers (a layer with a MoeShape) run replicated over tp: their experts call has no DTensor rule
+(grouped_mm, or the eager loop's data-dependent ``nonzero``; under expert parallelism the experts call
+dispatches plain tensors), so autopipe.runtime.stage.tensor_parallel runs the whole layer on every tp
+rank, attention included. They are priced so: whole compute, whole memory, no collectives (a ratio
+timed at t still applies). Under sequence parallelism such a layer also gathers its sequence
+inputs whole, which is left unpriced.
+
 t = 1 returns the profile itself (the same object): today's numbers, exactly.
 """
 
@@ -137,6 +144,11 @@ def tp_degrees_for(profile: Profile, gpus_per_node: int, degrees: Sequence[int] 
     return out
 
 
+def _as_run(l: LayerCost) -> TpShape | None:
+    """The layer's TpShape as the runtime runs it: None (replicated, priced whole) for a MoE layer."""
+    return None if l.moe is not None else l.tp
+
+
 def _factors(shape: TpShape | None, t: int, sp: bool) -> tuple[float, float, float, float, float]:
     """(forward, backward, param, activation, replicated-activation) multipliers of one layer at t."""
     if shape is None or t == 1 or not shape.divisor:
@@ -181,9 +193,9 @@ def _collectives(shape: TpShape | None, t: int, sp: bool, bw: float,
 
 
 def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float]) -> LayerCost:
-    kf, kb, kp, ka, rho = _factors(l.tp, t, sp)
+    kf, kb, kp, ka, rho = _factors(_as_run(l), t, sp)
     sf, sb = _seconds_factors(l.tp, t, sp, kf, kb)  # FLOPs still divide by the shares
-    cf, cb, *_ = _collectives(l.tp, t, sp, bw, lat)
+    cf, cb, *_ = _collectives(_as_run(l), t, sp, bw, lat)
 
     def b(x: int, k: float) -> int:
         return int(round(x * k))
@@ -193,7 +205,7 @@ def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, f
         if mode == "full":  # the input alone is kept; the forward runs again, its collectives too
             rec[mode] = RecomputeCost(b(r.activation_bytes, rho), r.extra_backward_time * sf + cf)
         else:  # selective: the attention core again, sharded by heads
-            sel = 1.0 / t if l.tp is not None and l.tp.divisor else 1.0
+            sel = 1.0 / t if _as_run(l) is not None and l.tp.divisor else 1.0
             rec[mode] = RecomputeCost(b(r.activation_bytes, ka), r.extra_backward_time * sel)
     hold = {m: b(v, rho if m == "full" else ka) for m, v in l.weight_hold_bytes.items()}
     split = l.split_timed
@@ -249,7 +261,7 @@ def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidt
     layers = tuple(_layer(l, t, sequence_parallel, bandwidth, lat) for l in profile.layers)
     tied_k: dict[str, float] = {}
     for l in profile.layers:
-        kp = _factors(l.tp, t, sequence_parallel)[2]
+        kp = _factors(_as_run(l), t, sequence_parallel)[2]
         for name in l.tied:
             tied_k[name] = min(tied_k.get(name, 1.0), kp)
     out = replace(
@@ -274,9 +286,9 @@ def tp_terms(profile: Profile, t: int, *, sequence_parallel: bool = False, bandw
     lat = tp_latencies(profile, latency)
     out = []
     for l in profile.layers:
-        kf, kb, kp, ka, _ = _factors(l.tp, t, sequence_parallel)
+        kf, kb, kp, ka, _ = _factors(_as_run(l), t, sequence_parallel)
         sf, sb = _seconds_factors(l.tp, t, sequence_parallel, kf, kb)
-        cf, cb, fb, bb, nf, nb = _collectives(l.tp, t, sequence_parallel, bandwidth, lat)
+        cf, cb, fb, bb, nf, nb = _collectives(_as_run(l), t, sequence_parallel, bandwidth, lat)
         out.append(TpTerms(l.index, l.name, (l.forward_time + l.forward_gap) * sf, (l.backward_time + l.backward_gap) * sb,
                            cf, cb, fb, bb, nf, nb, int(round(l.param_bytes * kp)), int(round(l.activation_bytes * ka))))  # fmt: skip
     return out
