@@ -30,25 +30,28 @@ DP, PP, EP, EXPERTS = 2, 2, 2, 4
 CUT = [0, 2, 5]  # 5 layers: embedding, 2 decoder blocks, norm, head
 
 
-def _ep_rank_of(rank: int, dp: int = DP) -> tuple[int, int]:
+def _ep_rank_of(rank: int, dp: int = DP, tp: int = 1) -> tuple[int, int]:
     """(stage, ep rank) of world ``rank`` (placement pipeline-inner, the 'even' plan's)."""
     for d in range(dp):
         for p in range(PP):
-            if world_rank(d, p, dp=dp, pp=PP, placement="pipeline-inner") == rank:
-                return p, d % EP
+            for t in range(tp):
+                if world_rank(d, p, dp=dp, pp=PP, placement="pipeline-inner", tp=tp, tp_rank=t) == rank:
+                    return p, d % EP
     raise AssertionError(rank)
 
 
-def _assembled(run: Path, nproc: int, name: str, held: dict[int, dict[str, tuple]], dp: int = DP) -> tuple[dict, dict]:
+def _assembled(run: Path, nproc: int, name: str, held: dict[int, dict[str, tuple]], dp: int = DP,
+               tp: int = 1) -> tuple[dict, dict]:
     """Every gradient and weight by name: an expert tensor (its dim 0 smaller on a rank than in the
-    model) concatenated from its ep ranks' slices in ep-rank order; any other the same on every rank."""
+    model) concatenated from its ep ranks' slices in ep-rank order; any other the same on every rank
+    (a tp shard saved whole by the probes)."""
     full = {n: tuple(p.shape) for n, p in untouched(name).named_parameters()}
     out = []
     for kind in ("grads_rank{}.pt", "weights_rank{}_step1.pt"):
         slices: dict[str, dict[int, torch.Tensor]] = {}
         whole: dict[str, torch.Tensor] = {}
         for rank in range(nproc):
-            _, e = _ep_rank_of(rank, dp)
+            _, e = _ep_rank_of(rank, dp, tp)
             saved = torch.load(run / kind.format(rank), weights_only=True)
             held.setdefault(rank, {}).update({n: tuple(t.shape) for n, t in saved.items()})
             for n, t in saved.items():
@@ -149,6 +152,34 @@ def test_ep2_x_pp2_on_fsdp2_replicas_trains_as_the_untouched_model(torchrun: Lau
     print(f"\n{name} ep2 x pp2 (dp 2) ZeRO {zero}: {figures}", file=sys.stderr)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("zero", [0, 3])
+def test_ep2_x_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path, zero: int) -> None:
+    """ep 2 with tp 2: 2 stages x tp 2 x dp 2 = 8 processes, each stage's attention split over its tp
+    ranks and each MoE layer's experts shared out over the 2 replicas at the same tp rank (the layer
+    runs replicated over tp: its experts call dispatches plain tensors, as each tp rank holds the same
+    tokens). Qwen3-MoE with its load-balancing loss, on ZeRO 0 and 3: the same step as the untouched
+    model's on the global batch (the norm counting each tp shard on its rank, each expert slice once);
+    --verify says so first."""
+    name = "qwen3_moe_aux"
+    path = root / f"{name}_tp2" if (root / f"{name}_tp2").exists() else make_job(root, name, tp=2)
+    plan = path / "cut.json"
+    plan.write_text(json.dumps({"boundaries": CUT}))
+    held: dict[int, dict[str, tuple]] = {}
+    loss, grads, weights, out = train(torchrun, path, DP * PP * 2, "--dp", DP, "--ep", EP, "--zero", zero, "--verify",
+                                      plan=plan, tag=f"tp2_zero{zero}",
+                                      merge=lambda run, n: _assembled(run, n, name, held, tp=2))  # fmt: skip
+    figures = compare(f"{name} tp 2 zero {zero}", (loss, grads, weights), reference(name, dp=DP))
+    (said,) = [line for line in out.splitlines() if line.startswith("tp 2: ")]
+    assert "its MoE experts run by expert parallelism" in said, said
+    assert "holds 2 of 4 experts" in out and "x tp 2" in out, out[-2000:]
+    assert all(held[r]["model.layers.1.mlp.experts.gate_up_proj"][0] == EXPERTS // EP for r in held if
+               "model.layers.1.mlp.experts.gate_up_proj" in held[r]) and len(held) == DP * PP * 2, held.keys()
+    _verified(out)
+    print(f"\n{name} ep2 x tp2 x pp2 (dp 2) ZeRO {zero}: {figures}", file=sys.stderr)
+
+
 def _verified(out: str) -> None:
     """train.py's --verify line says ok, within 1e-5 of the untouched model's gradients."""
     (line,) = [line for line in out.splitlines() if "verify: loss" in line]
@@ -213,11 +244,9 @@ def test_what_ep_does_not_compose_with_is_one_line() -> None:
     from autopipe.runtime.stage.expert_parallel import check_ep_composes, plan_expert_parallel
 
     with pytest.raises(AutopipeError, match="--zero 1 with expert parallelism is not supported yet"):
-        check_ep_composes(1, 1)
-    check_ep_composes(2, 1)  # FSDP2 leaves the expert slices alone: runs
-    check_ep_composes(3, 1)
-    with pytest.raises(AutopipeError, match="--ep with --tp > 1 is not supported yet"):
-        check_ep_composes(0, 2)
+        check_ep_composes(1)
+    check_ep_composes(2)  # FSDP2 leaves the expert slices alone: runs
+    check_ep_composes(3)
     with pytest.raises(AutopipeError, match="--ep 2: the model has no MoE experts module"):
         plan_expert_parallel({}, 2, None)
     from types import SimpleNamespace
@@ -244,8 +273,8 @@ def test_ep_composes_with_every_schedule(torchrun: Launcher, root: Path, schedul
 
 
 def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> None:
-    """Before any model is built: ep not dividing dp, DeepSpeed, tp > 1 and ZeRO 1; checkpoints,
-    --export and --verify pass."""
+    """Before any model is built: ep not dividing dp, DeepSpeed and ZeRO 1; tp, checkpoints, --export
+    and --verify pass."""
     from types import SimpleNamespace
 
     from autopipe.runtime.training.preflight import preflight
@@ -258,7 +287,7 @@ def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> N
     assert preflight(settings(), world=4) is None
     for changes, says in [({"ep": 3, "dp": 3}, None), ({"dp": 3}, "--ep 2 must divide --dp 3"),
                           ({"engine": "deepspeed"}, "--ep 2 on DeepSpeed"),
-                          ({"tp": 2}, "--ep with --tp > 1 is not supported yet"),
+                          ({"tp": 2}, None),
                           ({"zero": 1}, "--zero 1 with expert parallelism is not supported yet"),
                           ({"zero": 2}, None), ({"zero": 3}, None),
                           ({"ckpt_every": 1, "export": "out"}, None),

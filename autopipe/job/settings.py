@@ -226,7 +226,7 @@ class ConvertSettings:
 
     def _check_ep(self) -> None:
         """Expert parallelism (autopipe.runtime.stage.expert_parallel): ep divides dp (with --gpus: the
-        devices; the search keeps the layouts whose dp it divides), on torch's engine, ZeRO 0, 2 or 3, tp 1."""
+        devices; the search keeps the layouts whose dp it divides), on torch's engine, ZeRO 0, 2 or 3."""
         ep = self.ep
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
             raise PartitionError(f"--ep must be a whole number of replicas, at least 1, got {ep!r}.")
@@ -241,8 +241,6 @@ class ConvertSettings:
         if self.engine == "deepspeed":
             raise AutopipeError(f"--ep {ep} on DeepSpeed: its PipelineModule runs no expert parallelism here; use "
                                 "--engine torch for --ep.")
-        if self.tp > 1:
-            raise PartitionError("--ep with --tp > 1 is not supported yet; use --tp 1 with expert parallelism.")
         if self.zero in (1, "1"):
             raise PartitionError("--zero 1 with expert parallelism is not supported yet; use --zero 0, 2 or 3 with --ep.")
         if self.engine == "auto":  # only torch's engine runs ep

@@ -309,32 +309,36 @@ def init_dist(
 
 def _ep_groups(ep: int, dp: int, pp: int, tp: int, placement: str, comm: Comm) -> tuple[Any, Any, Any]:
     """This rank's ep group, expert data-parallel group and pp x ep norm group (``new_group`` is
-    collective: every rank makes every group, in the same order)."""
+    collective: every rank makes every group, in the same order).
+
+    With tp, a MoE layer runs replicated over its tp ranks (its experts call is no DTensor op), so
+    each tp rank dispatches among the replicas at its own tp rank: ep and expert data-parallel groups
+    per (stage, tp rank). The norm group of an ep group holds its tp ranks too (tp shards are
+    counted on each, what tp replicates on tp rank 0)."""
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or dp % ep:
         raise AutopipeError(f"--ep {ep} must divide --dp {dp}: the experts are shared out over ep of a stage's "
                             "replicas; pick an ep that divides dp (or --ep 1).")
     if ep == 1:
         return None, None, None
-    if tp > 1:
-        raise AutopipeError(f"--ep {ep} with --tp {tp} is not supported yet; use --tp 1 with expert parallelism.")
     me = dist.get_rank()
     found: list[Any] = [None, None, None]
 
-    def rank(d: int, p: int) -> int:
-        return world_rank(d, p, dp=dp, pp=pp, placement=placement)
+    def rank(d: int, p: int, t: int = 0) -> int:
+        return world_rank(d, p, dp=dp, pp=pp, placement=placement, tp=tp, tp_rank=t)
 
     for p in range(pp):
-        for g in range(dp // ep):
-            ranks = [rank(g * ep + j, p) for j in range(ep)]
-            group = comm.new_group(ranks)
-            found[0] = group if me in ranks else found[0]
-        if dp > ep:
-            for j in range(ep):
-                ranks = [rank(g * ep + j, p) for g in range(dp // ep)]
+        for t in range(tp):
+            for g in range(dp // ep):
+                ranks = [rank(g * ep + j, p, t) for j in range(ep)]
                 group = comm.new_group(ranks)
-                found[1] = group if me in ranks else found[1]
+                found[0] = group if me in ranks else found[0]
+            if dp > ep:
+                for j in range(ep):
+                    ranks = [rank(g * ep + j, p, t) for g in range(dp // ep)]
+                    group = comm.new_group(ranks)
+                    found[1] = group if me in ranks else found[1]
     for g in range(dp // ep):
-        ranks = sorted(rank(g * ep + j, p) for p in range(pp) for j in range(ep))
+        ranks = sorted(rank(g * ep + j, p, t) for p in range(pp) for j in range(ep) for t in range(tp))
         group = comm.new_group(ranks)
         found[2] = group if me in ranks else found[2]
     return found[0], found[1], found[2]

@@ -28,6 +28,13 @@ data-parallel group (the same slice in the other ep groups) and divided by dp: t
 model's mean over the global batch. The gradient norm sums over the pipelines of an ep group, each
 non-expert tensor counted on its ep rank 0 only.
 
+With tensor parallelism (``--tp``): a MoE layer runs replicated over its tp ranks (its experts call
+has no DTensor rule: autopipe.runtime.stage.tensor_parallel keeps it whole, the log says so), so
+every tp rank of a replica routes the same tokens; the ep and expert data-parallel groups are per
+(stage, tp rank), each tp rank dispatching among the replicas at its own tp rank, and an expert slice
+is counted in the norm on tp rank 0 only, as everything tp replicates. The other layers of the stage
+(embeddings, dense blocks, the head) are tensor-parallel as without ep.
+
 Checkpoints (:func:`as_global`): each expert slice, and its optimizer state, is saved as a DTensor
 sharded on dim 0 over a mesh of the ep group, so torch.distributed.checkpoint stores every
 expert tensor once by its global offsets (the same slice in the other ep groups is the same chunk,
@@ -35,7 +42,7 @@ kept once) and loads it back into any ep degree, ep 1 included; ``export`` reads
 and the run's own ``--export`` gathers each slice over the ep group.
 
 Refused in one line: ep not dividing dp or the experts, a model without transformers experts
-modules, ep with tp > 1, ZeRO 1, DeepSpeed's engine. ``--verify`` gathers each slice's gradient over
+modules, ZeRO 1, DeepSpeed's engine. ``--verify`` gathers each slice's gradient over
 its ep group and compares it whole.
 """
 
@@ -89,10 +96,8 @@ def plan_expert_parallel(calls: Mapping[str, Any], ep: int, group: Any) -> EPLay
     return EPLayout(ep=ep, rank=dist.get_rank(group), group=group, calls=dict(calls))
 
 
-def check_ep_composes(zero: int, tp: int) -> None:
+def check_ep_composes(zero: int) -> None:
     """One line for what expert parallelism does not run with (yet)."""
-    if tp > 1:
-        raise AutopipeError("--ep with --tp > 1 is not supported yet; use --tp 1 with expert parallelism.")
     if zero == 1:
         raise AutopipeError("--zero 1 with expert parallelism is not supported yet (ZeroRedundancyOptimizer would "
                             "broadcast one rank's expert slices over the others); use --zero 0, 2 or 3 with --ep.")

@@ -48,8 +48,8 @@ rank, shard by shard); torch.distributed.checkpoint (resumable on another tp deg
 (sharded gradients gathered first). Refused in one line: ZeRO 1 with replicas
 (ZeroRedundancyOptimizer takes no DTensor), DeepSpeed's engine, heads or KV heads that tp does not
 divide, a tp that does not divide the world or exceeds a node. Limits: every tp rank materialises its stage's whole weights
-before keeping its shards (the build's peak is a tp=1 stage's); MoE experts stay replicated (expert parallelism is
-another matter); DeepSpeed's engine runs no tp.
+before keeping its shards (the build's peak is a tp=1 stage's); MoE layers run replicated (with ``--ep`` their experts are
+shared out over the replicas at each tp rank: autopipe.runtime.stage.expert_parallel); DeepSpeed's engine runs no tp.
 
 **Sequence parallelism** (``sequence_parallel=True``, Megatron's, arXiv 2205.05198): the activations
 *between* layers travel sharded on the sequence instead of whole. Which values those are is read off
@@ -203,6 +203,9 @@ def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequ
         if draws_random(layer):
             layout.replicated[i] = "draws random numbers"
             continue
+        if _holds_experts_call(layer):  # expert parallelism dispatches its tokens as plain tensors
+            layout.replicated[i] = "its MoE experts run by expert parallelism"
+            continue
         settle_partials_(layer, layout.seq_len)  # before the trial, so the trial runs what the steps will
         # an embedding's vocab shard runs as replicated in the trial: DTensor's MaskPartial keeps a mask
         # buffer in its cached sharding decision, and a meta one left there broke the real steps
@@ -213,6 +216,14 @@ def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequ
     _agree_on_tied(seq, layout)
     _forget_meta_shardings()
     return layout
+
+
+def _holds_experts_call(layer: nn.Module) -> bool:
+    """Whether the layer's graph calls ``autopipe::experts_call`` (traced under expert parallelism)."""
+    from ...graph.expert_calls import EXPERTS_OP
+
+    graph = getattr(layer, "graph", None)
+    return graph is not None and any(node.target is EXPERTS_OP for node in graph.nodes)
 
 
 def _forget_meta_shardings() -> None:

@@ -98,7 +98,7 @@ class Trainer:
             check_tp_composes(config, env.dp_size, build)
         ep = build.ep_layout
         if ep is not None:
-            check_ep_composes(config.zero, tp)
+            check_ep_composes(config.zero)
         # expert slices are each held by their own ranks: the dp engine leaves them to reduce_expert_grads_
         own_experts = {id(build.params[n]) for n in ep.expert_params} if ep is not None else set()
         if env.dp_size > 1:
@@ -125,7 +125,7 @@ class Trainer:
         # the norm sums squares over the pipeline (and its tp ranks); over the replicas too when each
         # holds a shard
         self._norm_group = None if sharded_grads(config.zero, env.dp_size) else \
-            (env.pp_tp_group if tp > 1 else env.pp_ep_group if ep is not None else env.pp_group)
+            (env.pp_ep_group if ep is not None else env.pp_tp_group if tp > 1 else env.pp_group)
         # a tied tensor's norm is counted by its first holder only
         self._counted_elsewhere = {
             t.name for t in build.tied_here() if t.holders[0] != env.pp_rank and t.name in self.params
