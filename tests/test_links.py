@@ -72,8 +72,9 @@ def test_the_count_exchange_is_charged_once_per_moe_layer_per_microbatch(microba
 def test_a_cpu_profiles_tp_pays_its_measured_latency_per_collective() -> None:
     """Per decoder layer at tp 2: one forward all-reduce at the measured all-reduce α, one all-gather at
     the all-gather's, two backward all-reduces; under sequence parallelism each all-reduce is a
-    reduce-scatter + all-gather, their two αs. node_tp_view takes the measured all-reduce bandwidth."""
-    cpu = _profile(CPU)
+    reduce-scatter + all-gather, their two αs. node_tp_view takes the measured all-reduce bandwidth.
+    (Dense layers: a MoE layer runs whole on every tp rank and pays none.)"""
+    cpu = _profile(CPU, moe_layers=0)
     bw = 1e12  # the bytes' share out of the way: the latencies alone
     zero, q = at_tp(cpu, 2, bandwidth=bw, latency=0.0).layers[0], at_tp(cpu, 2, bandwidth=bw).layers[0]
     assert q.forward_time - zero.forward_time == pytest.approx(AR + AG, rel=1e-6)
@@ -85,7 +86,7 @@ def test_a_cpu_profiles_tp_pays_its_measured_latency_per_collective() -> None:
     assert d.forward_collective == pytest.approx(ring_all_reduce(4096, 2, BW_AR, AR) + ring_all_gather(1024, 2, BW_AR, AG))
     node = node_tp_view(cpu, 2, gpus=2).layers[0]  # the measured all-reduce bandwidth, not topology's 5 GB/s
     assert node == at_tp(cpu, 2, bandwidth=BW_AR).layers[0] != at_tp(cpu, 2, bandwidth=5e9).layers[0]
-    gpu = at_tp(_profile(GPU), 2, bandwidth=bw).layers[0]
+    gpu = at_tp(_profile(GPU, moe_layers=0), 2, bandwidth=bw).layers[0]
     assert gpu.forward_time - zero.forward_time == pytest.approx(2 * TP_LATENCY, rel=1e-6)
 
 
@@ -143,7 +144,7 @@ def test_the_host_links_are_measured_once_then_cached_and_a_cpu_profile_prices_t
     assert host_links() == first
     device = with_host_links(DeviceInfo(type="cpu"))
     assert device.links == first and with_host_links(GPU) is GPU
-    cpu = replace(_profile(CPU), device=device)
+    cpu = replace(_profile(CPU, moe_layers=0), device=device)
     bw = 1e12
     q, zero = at_tp(cpu, 2, bandwidth=bw).layers[0], at_tp(cpu, 2, bandwidth=bw, latency=0.0).layers[0]
     assert q.backward_time - zero.backward_time == pytest.approx(2 * first["all_reduce"][0], rel=1e-6)
