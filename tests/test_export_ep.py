@@ -5,8 +5,9 @@
   fake world of the plan's size torchtitan's own Qwen3-MoE ``parallelize`` holds 1/ep of each MoE
   layer's experts per rank.
 - Megatron-Core: its parallel_state, on a fake world of the plan's size, makes expert groups of the
-  exported ``--expert-model-parallel-size`` (one tp rank each, across the data-parallel ranks, as the
-  plan's ep group is ep consecutive replicas); its TransformerConfig takes the exported expert flags.
+  exported ``--expert-model-parallel-size`` (at tp 1 ep consecutive replicas, as the plan's ep group
+  is), each expert whole on its rank (with tp, the exported ``--expert-tensor-parallel-size 1``: the
+  plan keeps experts whole over tp); its TransformerConfig takes the exported expert flags.
 - DeepSpeed: its pipeline engine has no expert parallelism: the export refuses in one line.
 """
 
@@ -94,15 +95,21 @@ def test_megatron_makes_expert_groups_of_the_plans_ep(tp: int, dp: int, ep: int)
     size, pp = int(flags["--tensor-model-parallel-size"]), int(flags["--pipeline-model-parallel-size"])
     emp, experts, k = (int(flags[f]) for f in ("--expert-model-parallel-size", "--num-experts", "--moe-router-topk"))
     assert (emp, experts, k) == (ep, 8, 2)
+    # the plan keeps each expert whole on a tp rank (autopipe runs a MoE layer replicated over tp)
+    etp = int(flags["--expert-tensor-parallel-size"]) if tp > 1 else None
+    assert etp in (None, 1) and ("--expert-tensor-parallel-size" in flags) == (tp > 1)
     rank = plan.world - 1
     _fake_world(plan.world, rank=rank)
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=size, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=emp, create_gloo_process_groups=False)  # fmt: skip
+                                     expert_model_parallel_size=emp, expert_tensor_parallel_size=etp,
+                                     create_gloo_process_groups=False)  # fmt: skip
         assert ps.get_expert_model_parallel_world_size() == ep
+        assert ps.get_expert_tensor_parallel_world_size() == 1  # every expert whole on its rank, as planned
         group = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
-        # ep consecutive data-parallel replicas of one tp rank: ranks tp apart
-        assert len(group) == ep and all(b - a == tp for a, b in zip(group, group[1:])), group
+        assert len(group) == ep, group
+        if tp == 1:  # ep consecutive data-parallel replicas
+            assert all(b - a == 1 for a, b in zip(group, group[1:])), group
         assert ps.get_data_parallel_world_size() == dp
     finally:
         ps.destroy_model_parallel()

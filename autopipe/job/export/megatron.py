@@ -66,8 +66,14 @@ def megatron_args(sm: StageModules) -> list[str]:
     ]
     if sm.sequence_parallel:
         flags.append("--sequence-parallel")
-    if sm.ep > 1:  # Megatron's expert groups: ep ranks of one tp rank each, across the data-parallel ones
+    if sm.ep > 1:  # each rank holds experts/ep experts, as the plan counts them
         flags += [f"--expert-model-parallel-size {sm.ep}", f"--num-experts {sm.experts}", f"--moe-router-topk {sm.top_k}"]
+        if sm.tp > 1:
+            # the plan keeps each expert whole on a tp rank (autopipe runs a MoE layer replicated over tp), where
+            # Megatron's default splits experts tp ways; with 1, its ep groups take a replica's tp ranks first
+            # (consecutive ranks, inside a node) where autopipe's take one tp rank of ep replicas: the same
+            # experts per rank, the all-to-alls over other (nearer) ranks
+            flags.append("--expert-tensor-parallel-size 1")
     if not sm.tied:
         flags.append("--untie-embeddings-and-output-weights")
     if sm.dp > 1 and sm.zero in (1, 2):
