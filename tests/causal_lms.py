@@ -51,8 +51,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "falcon_h1": dict(mamba_d_ssm=64),  # its Mamba width: mamba_n_heads x mamba_d_head
     "ernie4_5_moe": dict(moe_k=2),
     "mamba2": dict(head_dim=16),  # num_heads x head_dim = expand x hidden
+    # DbrxAttention reads attn_config.rope_theta, a field its config class lacks (the rotary embedding uses
+    # rope_parameters), and clamps by clip_qkv, which fails at its default None (DBRX's own is 8); the FFN's
+    # top-k as the others' num_experts_per_tok
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=48, moe_num_experts=4, moe_top_k=2)),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # no default: one layer of each kind
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),  # one layer of each kind  # its top-k field (num_experts_per_tok is an alias it does not take)
 }
+# composite configs whose ForCausalLM takes the text sub-config alone (as AutoModelForCausalLM.from_config passes it)
+TEXT_CONFIG = {"llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"}
 # flattened at leaf granularity: fewer than 3 blocks at block granularity (Reformer's reversible stack is one call)
 LEAF = {"reformer"}
 # no attention mask: Reformer's attention branches on the mask's values (a data-dependent guard in the trace)
@@ -98,7 +106,7 @@ def config(model_type: str) -> Any:
         else:
             sub = {**kwargs.get("text_config", {}), "layer_types": one_each, "num_hidden_layers": len(one_each)}
             cfg = cls(**{**kwargs, "text_config": sub})
-    return cfg
+    return cfg.get_text_config() if model_type in TEXT_CONFIG else cfg
 
 
 def _model_class(model_type: str) -> type:

@@ -23,7 +23,8 @@ FAST = ["apertus", "bamba", "bart", "bert", "bloom", "cohere2", "diffllama", "do
 SLOW = ["afmoe", "apertus1p5_text", "arcee", "aria_text", "bailing_hybrid", "beam", "bert-generation", "big_bird",
         "bigbird_pegasus", "biogpt", "bitnet", "blenderbot", "blenderbot-small", "camembert", "codegen", "cohere",
         "cohere2_moe", "cpmant", "ctrl", "cwm", "data2vec-text", "deepseek_v4", "doge", "dory", "electra", "ernie",
-        "ernie4_5", "exaone", "exaone4", "falcon", "flex_olmo", "flint", "deepseek_v3", "rwkv", "falcon_h1", "mamba2"]
+        "ernie4_5", "exaone", "exaone4", "falcon", "flex_olmo", "flint", "deepseek_v3", "rwkv", "falcon_h1", "mamba2",
+        "dbrx"]  # DBRX: its expert loop traced batched, as LongcatFlash's
 # every other architecture bench/bench_causal_lms.py measured exact: `python -m pytest -m sweep` (the suite leaves them
 # out to keep within its 15 minutes; the bench's table, bench/results/causal-lms.md, has every family's result)
 SWEEP = ['axk1', 'axk2', 'deepseek_v2', 'deepseek_v32', 'dots3_note_text', 'ernie4_5_moe', 'gemma', 'gemma2', 'gemma3_text',
@@ -32,12 +33,13 @@ SWEEP = ['axk1', 'axk2', 'deepseek_v2', 'deepseek_v32', 'dots3_note_text', 'erni
     'gpt_oss', 'gptj', 'granite', 'granite_swa', 'granitemoe', 'granitemoe_swa', 'granitemoehybrid',
     'granitemoeshared', 'helium', 'hrm_text', 'hunyuan_v1_dense', 'hunyuan_v1_moe', 'hy_v3', 'hy_v4', 'hyperclovax',
     'inkling2_loop_text', 'inkling2_text', 'inkling_text', 'internlm3', 'iquestcoder', 'jais2', 'jetmoe',
-    'kimi_linear', 'kolibri1', 'laguna', 'lara_mini', 'lfm2', 'lfm3', 'llama4_text', 'mamba', 'marian', 'mbart',
+    'kimi_linear', 'kolibri1', 'laguna', 'lara_mini', 'lfm2', 'lfm2_moe', 'lfm3', 'llama4', 'llama4_text', 'mamba', 'marian', 'mbart',
     'megatron-bert', 'mellum', 'mimo_v2_flash', 'minicpm3', 'minimax', 'minimax_m2', 'minimax_m3_vl_text',
     'ministral', 'ministral3', 'mistral', 'mllama', 'modernbert-decoder', 'moss_transcribe_diarize', 'mpt', 'mvp',
     'nanochat', 'nemotron', 'nemotron_h', 'olmo', 'olmo2', 'olmo3', 'olmo_hybrid', 'olmoe', 'openai-gpt', 'opt',
     'pegasus', 'persimmon', 'phi', 'phi3', 'phi4_multimodal', 'phimoe', 'plbart', 'prophetnet', 'qwen2',
-    'qwen2_moe', 'qwen3', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next', 'qwen4_exp_text',
+    'qwen2_moe', 'qwen3', 'qwen3_5', 'qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next',
+    'qwen4_exp', 'qwen4_exp_text',
     'recurrent_gemma', 'rembert', 'roberta', 'roberta-prelayernorm', 'roc_bert', 'roformer', 'sarvam_mla',
     'sarvam_moe', 'seed_oss', 'smollm3', 'solar_open', 'stablelm', 'starcoder2', 'trocr', 'vaultgemma', 'whisper',
     'xglm', 'xlm', 'xlm-roberta', 'xlm-roberta-xl', 'xlnet', 'xlstm', 'youtu']

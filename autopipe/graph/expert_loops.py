@@ -45,8 +45,26 @@ def _longcat_flash_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
+def _dbrx_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """DbrxExperts: expert e is a GLU over rows [e·ffn, (e+1)·ffn) of the stacked ``mlp.w1``, ``mlp.v1``
+    and ``mlp.w2`` ((experts·ffn, hidden) each): ``(act(x w1ᵀ) * x v1ᵀ) w2``. ``hidden_states`` is
+    (batch, seq, hidden), the router's indices and weights (batch·seq, top-k)."""
+    batch = hidden_states.shape[0]
+    tokens, k = top_k_index.shape
+    x = hidden_states.reshape(-1, self.hidden_size).repeat_interleave(k, dim=0).unsqueeze(-1)  # (slots, hidden, 1)
+    ids = top_k_index.reshape(-1)
+    split = (-1, self.ffn_hidden_size, self.hidden_size)
+    w1, v1, w2 = (getattr(self.mlp, name).view(split)[ids] for name in ("w1", "v1", "w2"))  # (slots, ffn, hidden)
+    inner = self.mlp.activation_fn(torch.bmm(w1, x).squeeze(-1)) * torch.bmm(v1, x).squeeze(-1)  # (slots, ffn)
+    out = torch.bmm(inner.unsqueeze(1), w2).squeeze(1)  # (slots, hidden)
+    weighted = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype).view(batch, -1, self.hidden_size)
+
+
 # class name -> its forward, batched (same signature as the class's own)
-BATCHED: dict[str, Callable[..., torch.Tensor]] = {"LongcatFlashExperts": _longcat_flash_experts}
+BATCHED: dict[str, Callable[..., torch.Tensor]] = {"LongcatFlashExperts": _longcat_flash_experts,
+                                                   "DbrxExperts": _dbrx_experts}
 
 
 @contextlib.contextmanager
