@@ -302,3 +302,21 @@ def test_a_layer_timed_at_tp_is_priced_by_its_ratio_and_its_flops_by_the_shares(
     assert all(l.tp is None or l.tp.timed == ((2, False, 1.0, 1.0),) for l in again.layers)
     with pytest.raises(PartitionError, match="timed ratios for a profile of"):
         with_tp_timed(llama, 2, ratios[:-1])
+
+
+def test_convert_gpus_searches_a_degree_left_out_and_keeps_one_given_even_1(llama: Profile) -> None:
+    """convert --gpus: tp (and ep) left out are searched; --tp 1 fixes tp 1 (no tp on this cluster), as
+    --tp 4 fixes 4; a copy of the settings (dataclasses.replace, as convert(model, settings, **options)
+    makes) keeps what its original fixed."""
+    from autopipe.job.converter import _searched_tps
+    from autopipe.job.settings import ConvertSettings
+
+    searched = ConvertSettings(gpus=8, global_batch=64)
+    assert (searched.tp, searched.ep, searched.fixed) == (1, 1, ())
+    assert _searched_tps(llama, searched) == [1, 2, 4]  # dividing 8 and the 4 key/value heads
+    one = ConvertSettings(gpus=8, global_batch=64, tp=1, ep=1)
+    assert one.fixed == ("tp", "ep") and _searched_tps(llama, one) == [1]
+    assert _searched_tps(llama, ConvertSettings(gpus=8, global_batch=64, tp=4)) == [4]
+    assert replace(one, global_batch=32).fixed == ("tp", "ep")
+    assert replace(searched, tp=4).fixed == ("tp",) and replace(searched, global_batch=32).fixed == ()
+    assert ConvertSettings(stages=2).tp == 1 and ConvertSettings(stages=2, tp=2).tp == 2

@@ -296,9 +296,9 @@ def _with_tp_timing(loaded: _Loaded, seq: Any, s: ConvertSettings, prof: Profile
 
 
 def _searched_tps(prof: Profile, s: ConvertSettings) -> list[int]:
-    """The tp degrees convert plans at: ``--tp``; with --gpus and --tp 1 every degree dividing a node's
+    """The tp degrees convert plans at: ``--tp``; with --gpus and no --tp every degree dividing a node's
     devices that the profile's layers can be split at (torch's engine only: DeepSpeed's runs none)."""
-    if s.gpus is None or s.tp > 1:
+    if s.gpus is None or "tp" in (s.fixed or ()):
         return [s.tp]
     if s.engine == "deepspeed":
         return [1]
@@ -426,7 +426,7 @@ def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
 
     zeros = ZERO_STAGES if s.zero == "auto" else (int(s.zero),)
     schedules = SEARCH_SCHEDULES
-    eps = [s.ep] if s.ep > 1 else ep_degrees_for(prof, s.gpus)  # type: ignore[arg-type]
+    eps = [s.ep] if "ep" in (s.fixed or ()) else ep_degrees_for(prof, s.gpus)  # type: ignore[arg-type]
     if s.engine == "deepspeed":
         zeros, schedules, eps = tuple(z for z in zeros if z <= 1), (("1f1b", 1),), [1]
     tps = _searched_tps(prof, s)

@@ -68,11 +68,11 @@ class ConvertSettings:
     microbatches: int | None = None  # per step; default 2 x stages
     schedule: str = "auto"  # auto (the fastest the engine runs), gpipe, 1f1b, interleaved1f1b or zbv
     dp: int = 1  # data-parallel replicas of each stage; the plan's memory is per rank
-    # tensor-parallel ranks inside each stage (world = stages x dp x tp); the torch engine only. With gpus:
-    # 1 searches every degree dividing a node (1, 2, 4, 8), N > 1 fixes it (and ep likewise)
-    tp: int = 1
+    # tensor-parallel ranks inside each stage (world = stages x dp x tp); the torch engine only. None: 1, and
+    # with gpus every degree dividing a node (1, 2, 4, 8) searched; a number (1 included) fixes it (ep likewise)
+    tp: int | None = None
     sequence_parallel: bool = False  # with tp > 1: the activations between layers sharded on the sequence
-    ep: int = 1  # expert-parallel degree over each stage's dp replicas (divides dp; world unchanged); torch, ZeRO 0
+    ep: int | None = None  # expert-parallel degree over each stage's dp replicas (divides dp; world unchanged); torch
     zero: int | str = 0  # ZeRO stage 0-3 the replicas shard with, or "auto" (the fastest that fits)
     gpus: int | None = None  # instead of stages: search the layout for this many devices (autopipe.cluster)
     gpus_per_node: int | None = None  # default: 8 for known GPUs; CPU: all on one host. With stages: the job's nodes
@@ -113,8 +113,15 @@ class ConvertSettings:
     # ---- where the job goes ----
     out: str | os.PathLike[str] | None = None  # the job folder; default jobs/<model name>
     force: bool = False  # replace the job files of an existing folder (other files stay)
+    # the degrees given ("tp", "ep"), which a search keeps fixed; set from tp and ep (a copy made by
+    # dataclasses.replace keeps its original's and adds any it changes above 1)
+    fixed: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        given = tuple(n for n in ("tp", "ep") if getattr(self, n) is not None)
+        if self.fixed is not None:  # a copy: what its original fixed, and any degree set above 1 since
+            given = tuple(n for n in ("tp", "ep") if n in self.fixed or getattr(self, n) not in (None, 1))
+        self._set(fixed=given, tp=1 if self.tp is None else self.tp, ep=1 if self.ep is None else self.ep)
         # the cheap checks, in the order a person fixes them: the layout, then the engine's limits
         if self.gpus is not None:
             if self.stages is not None or self.microbatches is not None or self.dp != 1:
