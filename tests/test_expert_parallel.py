@@ -154,30 +154,30 @@ def test_ep2_x_pp2_on_fsdp2_replicas_trains_as_the_untouched_model(torchrun: Lau
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("zero", [0, 3])
-def test_ep2_x_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path, zero: int) -> None:
+@pytest.mark.parametrize(("zero", "sp"), [(0, False), (3, False), (0, True)])
+def test_ep2_x_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path, zero: int, sp: bool) -> None:
     """ep 2 with tp 2: 2 stages x tp 2 x dp 2 = 8 processes, each stage's attention split over its tp
     ranks and each MoE layer's experts shared out over the 2 replicas at the same tp rank (the layer
     runs replicated over tp: its experts call dispatches plain tensors, as each tp rank holds the same
     tokens). Qwen3-MoE with its load-balancing loss, on ZeRO 0 and 3: the same step as the untouched
     model's on the global batch (the norm counting each tp shard on its rank, each expert slice once);
-    --verify says so first."""
+    --verify says so first. Under sequence parallelism too (a MoE layer gathers its sequence inputs whole)."""
     name = "qwen3_moe_aux"
     path = root / f"{name}_tp2" if (root / f"{name}_tp2").exists() else make_job(root, name, tp=2)
     plan = path / "cut.json"
     plan.write_text(json.dumps({"boundaries": CUT}))
     held: dict[int, dict[str, tuple]] = {}
     loss, grads, weights, out = train(torchrun, path, DP * PP * 2, "--dp", DP, "--ep", EP, "--zero", zero, "--verify",
-                                      plan=plan, tag=f"tp2_zero{zero}",
+                                      *(["--sequence-parallel"] if sp else []), plan=plan, tag=f"tp2_zero{zero}_sp{sp:d}",
                                       merge=lambda run, n: _assembled(run, n, name, held, tp=2))  # fmt: skip
     figures = compare(f"{name} tp 2 zero {zero}", (loss, grads, weights), reference(name, dp=DP))
     (said,) = [line for line in out.splitlines() if line.startswith("tp 2: ")]
-    assert "its MoE experts run by expert parallelism" in said, said
+    assert "its MoE experts run by expert parallelism" in said and ("sequence parallel: " in said) == sp, said
     assert "holds 2 of 4 experts" in out and "x tp 2" in out, out[-2000:]
     assert all(held[r]["model.layers.1.mlp.experts.gate_up_proj"][0] == EXPERTS // EP for r in held if
                "model.layers.1.mlp.experts.gate_up_proj" in held[r]) and len(held) == DP * PP * 2, held.keys()
     _verified(out)
-    print(f"\n{name} ep2 x tp2 x pp2 (dp 2) ZeRO {zero}: {figures}", file=sys.stderr)
+    print(f"\n{name} ep2 x tp2 x pp2 (dp 2) ZeRO {zero}{' SP' if sp else ''}: {figures}", file=sys.stderr)
 
 
 def _verified(out: str) -> None:
