@@ -3,6 +3,8 @@ the reduction overlapping the cooldown, micro-batch scaling, and what it says wh
 
 from __future__ import annotations
 
+import os
+
 import random
 
 import pytest
@@ -90,6 +92,33 @@ def test_a_search_on_several_workers_keeps_the_best_layouts(seed: int) -> None:
     assert many.considered == one.considered and many.solved >= 1
     with pytest.raises(AutopipeError, match="workers must be 1 or more"):
         search(prof, CLUSTER, global_batch=8, memory_limit=limit, workers=0)
+
+
+def _dies_on_replicas(x: Layout, kth: float | None) -> tuple:
+    """A search worker's task that kills its worker on any layout with replicas (picklable: module level)."""
+    import autopipe.cluster.layout_search as layout_search
+
+    if x.dp > 1:
+        os._exit(9)
+    assert layout_search._WORKER is not None
+    return layout_search._WORKER.solve(x, kth)
+
+
+def test_a_search_whose_worker_dies_finishes_in_process_with_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed mid-search (the OS's out-of-memory killer picks large processes, and a forked copy of a
+    large one is one): the answers in stand, the layouts left are solved in this process, one warning says
+    so, and the top layouts, best cut and plan are those of a search in one process."""
+    import autopipe.cluster.layout_search as layout_search
+
+    prof = _profile(0)
+    limit = _binding_limit(prof)
+    one = search(prof, CLUSTER, global_batch=8, memory_limit=limit, workers=1)
+    monkeypatch.setattr(layout_search, "_solve_in_worker", _dies_on_replicas)
+    with pytest.warns(RuntimeWarning, match="a layout-search worker died; solving the [0-9]+ layouts left in this process"):
+        got = search(prof, CLUSTER, global_batch=8, memory_limit=limit, workers=3)
+    assert [x.key() for x in got.layouts[:3]] == [x.key() for x in one.layouts[:3]]
+    assert got.best.boundaries == one.best.boundaries and got.plan.boundaries == one.plan.boundaries
+    assert got.considered == got.pruned_memory + got.pruned_dominated + got.pruned_bound + got.solved
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -64,7 +64,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -179,8 +181,11 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
         phase.finish(f"the other {len(todo) - i} cannot beat the best {top}")
         return True
 
+    tallied: set[int] = set()  # id() of the layouts whose answer is in
+
     def tally(x: Layout, kind: str, done: Layout | None) -> None:
         nonlocal solved, infeasible, pruned_bound
+        tallied.add(id(x))
         if kind == "pruned":
             pruned_bound += 1
             return
@@ -191,13 +196,18 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
         else:
             found.append(done)  # type: ignore[arg-type]
 
+    def in_process() -> None:  # every layout not answered yet, in bound order, until none can beat the top ones
+        for i, x in enumerate(todo):
+            if id(x) in tallied:
+                continue
+            least = kth()
+            if below_bar(i, least):
+                break
+            tally(x, *solver.solve(x, least))
+
     with progress_for(progress).phase("search", total=len(todo), unit="layouts solved") as phase:
         if n_workers == 1:
-            for i, x in enumerate(todo):
-                least = kth()
-                if below_bar(i, least):
-                    break
-                tally(x, *solver.solve(x, least))
+            in_process()
         else:  # the same tests, a layout per worker; each result raises the bar for those handed out after it
             global _WORKER
             _WORKER = solver
@@ -218,6 +228,12 @@ def search(profile: Profile, cluster: Cluster, *, global_batch: int, memory_limi
                         ready, _ = wait(pending, return_when=FIRST_COMPLETED)
                         for f in ready:
                             tally(pending.pop(f), *f.result())
+            except BrokenProcessPool:
+                # a worker died (the OS kills the largest process when memory runs out; a forked copy of a
+                # large one is a candidate): the answers in stand, the rest are solved here, alike
+                warnings.warn(f"a layout-search worker died; solving the {len(todo) - len(tallied)} layouts left "
+                              "in this process (workers=1 avoids the pool)", RuntimeWarning, stacklevel=2)
+                in_process()
             finally:
                 _WORKER = None
     found.sort(key=_rank)
