@@ -185,9 +185,10 @@ def test_verify_under_tp_compares_whole_gradients(torchrun: Launcher, root: Path
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path, zero: int) -> None:
-    """tp 2 x 2 stages x 2 replicas over the dp mesh (ZeRO 0: ``replicate``; ZeRO 3: FSDP2, 2-D with
+    """tp 2 x 2 stages x 2 replicas over the dp mesh (ZeRO 0: ``replicate``; ZeRO 1: the same with each
+    replica stepping its share of the tp shards' state and broadcasting them; ZeRO 3: FSDP2, 2-D with
     the tp placements, as torchtitan lays it out): the first step equals the untouched model's on the
     global batch. --verify, run first, gathers each gradient over the tp and dp meshes and says ok."""
     job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
@@ -200,12 +201,12 @@ def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("zero", [0, 2, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_sequence_parallel_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path,
                                                                               zero: int) -> None:  # fmt: skip
-    """--sequence-parallel on tp 2 x 2 stages x 2 replicas (ZeRO 0: ``replicate`` over the dp mesh; 2 and 3:
-    FSDP2 on the 2-D mesh): each replica's partial norm gradients are averaged over the replicas, then
-    summed over the tp ranks."""
+    """--sequence-parallel on tp 2 x 2 stages x 2 replicas (ZeRO 0 and 1: ``replicate`` over the dp mesh; 2
+    and 3: FSDP2 on the 2-D mesh): each replica's partial norm gradients are averaged over the replicas,
+    then summed over the tp ranks."""
     job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
     loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", zero, "--sequence-parallel",
                                       tag=f"sp_dp2_zero{zero}")  # fmt: skip
@@ -389,9 +390,36 @@ def test_tp_checkpoint_resumes_exactly_on_the_same_and_on_another_tp_degree(torc
     assert tp1["grad_norm"] == pytest.approx(whole[1]["grad_norm"], rel=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp_on_zero_1_checkpoints_its_state_by_shard_and_resumes_on_zero_0(torchrun: Launcher, root: Path) -> None:
+    """tp 2 x 2 stages x dp 2 on ZeRO 1: each replica saves the AdamW state it owns of its tp shards as
+    DTensors (global offsets), so resumed from step 1 on ZeRO 0 (each replica holding all of it) step 3,
+    whose update reads the state step 2 left, logs the uninterrupted run's loss."""
+    import shutil
+
+    job = root / "llama_tp2" if (root / "llama_tp2").exists() else make_job(root, "llama")
+    run = job / "zero1_ckpt"
+    run.mkdir()
+
+    def steps(ckpt: Path, *flags: Arg) -> list[dict]:
+        log = run / f"{ckpt.name}.json"
+        torchrun(job / "train.py", "--steps", 3, "--plan", "even", "--weights", job / "weights.safetensors", "--dp", 2,
+                 "--lr", 1e-2, "--ckpt-dir", ckpt, "--log-json", log, *flags, nproc=8, cwd=run, timeout=600)
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    whole = steps(run / "a", "--zero", 1, "--ckpt-every", 1, "--ckpt-keep", 0)
+    shutil.copytree(run / "a", run / "z0")
+    for later in ("step_00000002", "step_00000003"):
+        shutil.rmtree(run / "z0" / later)
+    resumed = steps(run / "z0", "--zero", 0, "--resume")
+    assert [r["step"] for r in resumed] == [2, 3] and whole[2]["loss"] != whole[1]["loss"]
+    assert resumed[1]["loss"] == pytest.approx(whole[2]["loss"], abs=1e-6), (resumed, whole)
+
+
 def test_what_tp_does_not_compose_with_is_one_line() -> None:
-    """ZeRO 1 with replicas (ZeroRedundancyOptimizer takes no DTensor), a launch of the wrong size
-    (the count to launch is stages x dp x tp), DeepSpeed at convert time."""
+    """A launch of the wrong size (the count to launch is stages x dp x tp), DeepSpeed at convert time;
+    every ZeRO stage with replicas passes."""
     from types import SimpleNamespace
 
     from autopipe.job.settings import ConvertSettings
@@ -400,9 +428,8 @@ def test_what_tp_does_not_compose_with_is_one_line() -> None:
     from autopipe.runtime.torch_engine.trainer import check_tp_composes
     from autopipe.runtime.training.optim import TrainConfig
 
-    with pytest.raises(AutopipeError, match="--zero 1 with tensor parallelism"):
-        check_tp_composes(TrainConfig(zero=1), 2, SimpleNamespace())
-    check_tp_composes(TrainConfig(zero=3), 2, SimpleNamespace())
+    for zero in range(4):
+        check_tp_composes(TrainConfig(zero=zero), 2, SimpleNamespace())
     plan = StagePlan((0, 2, 4, 6, 8), stages=4, chunk_ranks=(0, 1, 2, 3), tp=2)
     with pytest.raises(AutopipeError, match=r"launch with --nproc-per-node 16 with --dp 2 and --tp 2\."):
         check_launch(plan, 2, 2, tp=2)

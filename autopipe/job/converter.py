@@ -443,12 +443,10 @@ def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
 
 def runs_here(x: Any) -> bool:
     """Whether autopipe's torch runtime runs layout ``x`` (a cluster Layout) as it composes today: tp
-    (sequence-parallel or not) with replicas on ZeRO 0, 2 or 3 (ZeroRedundancyOptimizer takes no
-    DTensor); ep, with or without tp, on ZeRO 0, 2 or 3 (autopipe.runtime.stage.expert_parallel). The
-    same rules train.py's preflight refuses in one line; a cluster plan (``autopipe plan --gpus``) for
-    another engine is not held to them."""
-    if x.dp > 1 and x.tp > 1 and x.zero == 1:
-        return False
+    (sequence-parallel or not) with replicas on any ZeRO stage; ep, with or without tp, on ZeRO 0, 2
+    or 3 (autopipe.runtime.stage.expert_parallel: ZeroRedundancyOptimizer would broadcast one rank's
+    expert slices over the others). The same rules train.py's preflight refuses in one line; a
+    cluster plan (``autopipe plan --gpus``) for another engine is not held to them."""
     return x.ep == 1 or x.zero != 1
 
 

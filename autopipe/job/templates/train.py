@@ -40,7 +40,7 @@ class Settings:
     tp: int = 1  # tensor-parallel ranks inside each stage (world size = dp x stages x tp; torch
     # engine only)
     sequence_parallel: bool = False  # with tp: the activations between layers sharded on the
-    # sequence (Megatron's sequence parallelism; with replicas, ZeRO 0, 2 or 3)
+    # sequence (Megatron's sequence parallelism; with replicas, any ZeRO stage)
     ep: int = 1  # expert-parallel degree: each MoE layer's experts shared out over ep of a stage's
     # dp replicas (ep divides dp; the world is unchanged; torch engine, ZeRO 0, 2 or 3)
     # ---- what it trains on ------------------------------------------------------------------

@@ -41,12 +41,12 @@ torch picks (flash and efficient attention have rules).
 
 What composes (each tested against the untouched model, tp 2 x 2 stages on gloo): every schedule
 (GPipe, 1F1B, Interleaved1F1B, ZBV: a tied tensor's second leaf on one rank is a DTensor over the
-same local storage); data parallelism over the mesh's dp dimension with ``replicate`` (ZeRO 0; DDP
-takes no DTensor) or FSDP2 (ZeRO 2/3, 2-D with the tp placements); the global gradient norm (a
+same local storage); data parallelism over the mesh's dp dimension with ``replicate`` (ZeRO 0, and
+ZeRO 1 with ZeroRedundancyOptimizer stepping the shards' local tensors; DDP takes no DTensor) or FSDP2
+(ZeRO 2/3, 2-D with the tp placements); the global gradient norm (a
 shard counted on each tp rank, a replicated tensor on tp rank 0 only); tied-gradient sums (per tp
 rank, shard by shard); torch.distributed.checkpoint (resumable on another tp degree); ``--verify``
-(sharded gradients gathered first). Refused in one line: ZeRO 1 with replicas
-(ZeroRedundancyOptimizer takes no DTensor), DeepSpeed's engine, heads or KV heads that tp does not
+(sharded gradients gathered first). Refused in one line: DeepSpeed's engine, heads or KV heads that tp does not
 divide, a tp that does not divide the world or exceeds a node. Limits: every tp rank materialises its stage's whole weights
 before keeping its shards (the build's peak is a tp=1 stage's); MoE layers run replicated (with ``--ep`` their experts are
 shared out over the replicas at each tp rank: autopipe.runtime.stage.expert_parallel); DeepSpeed's engine runs no tp.

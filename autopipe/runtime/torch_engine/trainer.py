@@ -234,11 +234,11 @@ class Trainer:
         sync_tied_grads(self.params, self.build.tied_here(), env.tied_groups, comm)
 
     def zero_gradients(self) -> None:
-        """Every gradient zeroed, kept allocated (see preallocate_)."""
-        if self.build.ep_layout is not None:  # plain expert slices beside DTensors: zero_grad refuses the mix
-            zero_grads_(self.params.values())
-        else:
-            self.optimizer.zero_grad(set_to_none=False)
+        """Every gradient zeroed in place, kept allocated (see preallocate_): the engine's parameters'
+        own, not through the optimizer (torch's zero_grad refuses expert parallelism's mix of plain
+        slices and DTensors, and ZeRO 1's plain leaves link a DTensor's gradient only at its step, so
+        after --verify's step without one they held the gradient before)."""
+        zero_grads_(self.params.values())
 
     def optimizer_step(self) -> StepStats:
         """The optimizer's update (skipped after an fp16 overflow) and the LR schedule's step; the
@@ -420,10 +420,8 @@ class Trainer:
 
 
 def check_tp_composes(config: TrainConfig, dp_size: int, build: StageBuild) -> None:
-    """One line for what tensor parallelism does not compose with here."""
-    if config.zero == 1 and dp_size > 1:
-        raise AutopipeError("--zero 1 with tensor parallelism: ZeroRedundancyOptimizer takes no DTensor parameters; "
-                            "use --zero 0, 2 or 3 with --tp, or --tp 1.")
+    """One line for what tensor parallelism does not compose with here: nothing of the data-parallel
+    engines since ZeRO 1 steps tp shards through their local tensors (zero_one.ZeroOneAdamW)."""
 
 
 def _device_rng_state(device: torch.device) -> torch.Tensor | None:

@@ -23,10 +23,12 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
     ``ZeroRedundancyOptimizer``); after the step each owner broadcasts its updated tensors.
 
     Beside DDP (ZeRO 0's engine) it steps the parameters themselves: the classic pairing. The
-    parameters ``replicate`` gives (zero-bubble schedules) are replicated DTensors, and
+    parameters ``replicate`` gives (zero-bubble schedules, and tensor parallelism) are DTensors, and
     ZeroRedundancyOptimizer broadcasts plain tensors; so for those it steps plain leaves over the
-    same storage (``to_local()`` of a replicated DTensor is its whole value), whose gradients are
-    the DTensors' local gradients: what it writes, the engine reads at the next forward.
+    same storage (``to_local()``: a replicated DTensor's whole value, or under tp this rank's tp
+    shard), whose gradients are the DTensors' local gradients: what it writes, the engine reads at
+    the next forward. Under tp the data-parallel group holds one tp rank of each replica, so an
+    owner's broadcast reaches the replicas holding the same shard.
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], config: TrainConfig, group: Any) -> None:
@@ -56,5 +58,25 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
         preallocate_(self.optim)
 
     def owned_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Parameter name -> the AdamW state this replica keeps (its share)."""
-        return {self.names[id(p)]: s for p, s in self.optim.state.items() if s}
+        """Parameter name -> the AdamW state this replica keeps (its share). A DTensor parameter's
+        state tensors are given as DTensors of its placements over the same storage, so a checkpoint
+        stores a tp shard's state by its global offsets (as ZeRO 0's DTensor state is) and not one
+        rank's shard under the name of the whole."""
+        engine = {id(proxy): p for proxy, p in self.pairs}
+        out = {}
+        for proxy, state in self.optim.state.items():
+            if not state:
+                continue
+            p = engine.get(id(proxy))
+            out[self.names[id(proxy)]] = state if p is None else {k: _like(p, v) for k, v in state.items()}
+        return out
+
+
+def _like(p: Any, value: Any) -> Any:
+    """``value`` (a state tensor of ``p``'s local part) as a DTensor placed as ``p`` is; a scalar
+    (AdamW's step) and anything else as it is."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != p.to_local().shape:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
