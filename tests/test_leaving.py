@@ -17,17 +17,25 @@ from autopipe.runtime.process.lifecycle import _watch, _WatchStop
 ROOT = Path(__file__).resolve().parents[1]
 
 RAISE = """
-import sys
+import os, signal, sys, time
 from torch.distributed.checkpoint.api import CheckpointException
 from autopipe.runtime.process.lifecycle import one_line_errors
 one_line_errors(sys.argv[1])
-cause = {"interrupt": KeyboardInterrupt(), "disk": OSError(28, "No space left on device")}[sys.argv[2]]
+if sys.argv[2] == "cut":  # Ctrl-C during a write, its KeyboardInterrupt lost inside torch's zip writer
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    except KeyboardInterrupt:
+        pass
+cut = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 628 vs 598")
+cause = {"interrupt": KeyboardInterrupt(), "disk": OSError(28, "No space left on device"), "cut": cut}[sys.argv[2]]
 raise CheckpointException("save failed", {0: (cause, None), 1: (cause, None)})
 """
 
 
 @pytest.mark.parametrize(("cause", "code", "line"), [
     ("interrupt", 130, "interrupted: no checkpoint saved yet (--ckpt-every N saves every N steps)"),
+    ("cut", 130, "interrupted: no checkpoint saved yet (--ckpt-every N saves every N steps)"),
     ("disk", 1, "error: a checkpoint save or load failed on rank(s) 0, 1; rank 0: OSError: [Errno 28] No space left on device"),
 ])
 def test_a_checkpoint_exception_is_one_line(tmp_path: Path, cause: str, code: int, line: str) -> None:

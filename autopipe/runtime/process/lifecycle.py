@@ -46,6 +46,9 @@ _FAILED = "autopipe/failed"  # store key: the rank that failed, set after its wo
 # closed" from a peer that stopped already: that rank reads this and stops as interrupted, not failed.
 _INTERRUPTED = "autopipe/interrupted"
 _LEAVING = threading.Lock()  # one way out per process: the excepthook's or the peer watch's
+# set when Ctrl-C (SIGINT) or torchrun's stop (SIGTERM) reached this process: a checkpoint write it
+# cut short can fail in torch's C++ zip writer ("unexpected pos ...") with the KeyboardInterrupt lost
+_SIGNALLED = threading.Event()
 _SAID = "autopipe/said"  # store key: rank 0 has said the run's line (a failing rank waits for it, _wait_for_rank_0)
 # A bad flag or a missing file fails every rank the same way, but not at the same moment: the rank
 # that gets there first would have its line said for it ("rank 1: ...") before rank 0 says its own.
@@ -149,15 +152,21 @@ def one_line_errors(ckpt_dir: str | os.PathLike[str] | None = None, *, latest: C
     # torchrun answers Ctrl-C by sending its workers SIGTERM, which would end them without a word
     # (and may come first): a stop either way, the same clean one
     def stop(signum: int, frame: Any) -> None:
+        _SIGNALLED.set()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the launcher ignores it
+        signal.signal(signal.SIGINT, stop)  # as Python's own (KeyboardInterrupt), remembered
 
 
 def _interrupted(value: BaseException) -> bool:
     """Whether ``value`` is a Ctrl-C that torch wrapped: a checkpoint save caught mid-write gathers each
     rank's exception, KeyboardInterrupt included, into one CheckpointException (its text the tracebacks)."""
-    if any(isinstance(exc, KeyboardInterrupt) for exc in _checkpoint_failures(value).values()):
+    failures = _checkpoint_failures(value)
+    if any(isinstance(exc, KeyboardInterrupt) for exc in failures.values()):
+        return True
+    if failures and _SIGNALLED.is_set():  # a write the signal cut short, failing on its own terms
         return True
     seen = value.__cause__ or value.__context__
     while seen is not None:
