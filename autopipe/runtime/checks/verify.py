@@ -33,7 +33,6 @@ from torch.utils import _pytree as pytree
 from ...errors import AutopipeError
 from ..data.batches import pack_batch, split_batch
 from ..data.losses import model_loss
-from ..stage.expert_parallel import as_global
 from .untouched import seeded_like_pipeline, untouched_model
 
 __all__ = ["VerifyError", "VerifyReport", "verify_step"]
@@ -99,7 +98,7 @@ def verify_step(
     trainer.settle_gradients()  # as the step has them before its norm: unscaled, reduced, tied copies summed
     # whole gradients: a tp or ZeRO shard gathered over its mesh, an expert slice over its ep group (in
     # the same order on every rank of a stage)
-    piped = {n: _whole(build, n, p.grad.detach() if p.grad is not None else torch.zeros_like(p), env.device.type)
+    piped = {n: _whole(trainer._whole(n, p.grad.detach() if p.grad is not None else torch.zeros_like(p)))
              for n, p in params.items()}
     trainer.zero_gradients()
 
@@ -159,12 +158,9 @@ def verify_step(
     return report
 
 
-def _whole(build: Any, name: str, t: torch.Tensor, device_type: str) -> torch.Tensor:
-    """A plain copy of parameter ``name``'s whole gradient ``t``: a DTensor (tp, ZeRO 2/3) gathered
-    over its mesh, an expert slice over its ep group (collective)."""
-    layout = getattr(build, "ep_layout", None)
-    if layout is not None:
-        t = as_global(layout, name, t, device_type)
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain copy of ``t``'s whole value: a DTensor (tp, ZeRO 2/3, an expert slice as the trainer's
+    ``_whole`` views it) gathered over its mesh (collective)."""
     full = getattr(t, "full_tensor", None)
     return full().clone() if full is not None else t.clone()
 
