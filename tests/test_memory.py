@@ -100,6 +100,46 @@ def test_zero_stages_shard_what_they_shard(zero, schedule, weights, grads, state
         m.activations + m.outputs + max(m.transient, scatter), m.optimizer_step)
 
 
+@pytest.mark.parametrize(
+    "zero, schedule, weights, grads, state, gathered, buckets, scatter",
+    [
+        # 4 MoE layers of 1000 B weights (3/4 of them routed experts), 1000 B gradients, 2000 B AdamW
+        # state, at ep 2 over 4 replicas: a rank holds 375 B of expert slices + 250 B of the rest per
+        # layer. The slices stay out of DDP / replicate / fully_shard, whole on their ranks
+        (0, "1f1b", 2500, 2500, 5000, 0, 0, 0),
+        (0, "zbv", 2500, 2500, 5000, 0, 2000, 0),  # replicate copies and buckets the 250 + 250 B only
+        # ZeRO 1: the rest's state over 4 replicas (500 / 4), the slices' over their 2 (750 / 2)
+        (1, "1f1b", 2500, 2500, 4 * (125 + 375), 0, 0, 0),
+        # ZeRO 3: the rest sharded 4 ways (250 / 4, rounded up), the slices whole; gathered and
+        # reduce-scattered: the rest only
+        (3, "1f1b", 4 * (63 + 375), 4 * (63 + 375), 4 * (125 + 750), 4 * 500, 0, 250),
+    ],
+)
+def test_expert_slices_under_ep_are_held_whole_outside_zero_s_shards(zero, schedule, weights, grads, state, gathered,
+                                                                      buckets, scatter) -> None:  # fmt: skip
+    """Under ep the runtime keeps each expert slice out of the data-parallel engine (whole on its
+    rank, its optimizer state too; ZeRO 1's expert optimizer shards that state over the dp / ep
+    replicas holding the same slice), so ZeRO's shares, gathers and buckets apply to the rest."""
+    from dataclasses import replace
+
+    from autopipe.costs.ep import at_ep
+    from autopipe.costs.layer_costs import MoeShape
+
+    moe = MoeShape(experts=4, top_k=1, hidden=8, tokens=10, dispatch_bytes=0, expert_param_share=0.75,
+                   expert_forward_share=0.5)  # fmt: skip
+    dense = _profile()
+    prof = at_ep(replace(dense, layers=tuple(replace(l, moe=moe) for l in dense.layers)), 2, bandwidth=1e9,
+                 skew="balanced", latency=0.0, count_latency=0.0)  # fmt: skip
+    assert [l.param_bytes for l in prof.layers] == [625] * 4
+    (m,) = rank_memory(prof, (0, 4), stage_ranks=(0,), inflight=(1,), microbatches=1, dp=4, zero=zero,
+                       schedule=schedule)
+    assert (m.weights, m.gradients, m.optimizer, m.gathered, m.data_parallel, m.reduce_scatter) == (
+        weights, grads, state, gathered, buckets, scatter)
+    (one,) = rank_memory(replace(dense, layers=tuple(replace(l, moe=moe) for l in dense.layers)), (0, 4),
+                         stage_ranks=(0,), inflight=(1,), microbatches=1, dp=4, zero=zero, schedule=schedule)
+    assert one.weights == (4000 if zero < 2 else 1000)  # at ep 1 the experts are parameters like any other
+
+
 def test_one_replica_shards_nothing_whatever_the_zero_stage() -> None:
     prof = _profile()
     plain = rank_memory(prof, (0, 2, 4), stage_ranks=(0, 1), inflight=(2, 1), microbatches=4)

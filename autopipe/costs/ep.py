@@ -195,7 +195,7 @@ def _layer(l: LayerCost, ep: int, skew: str, bw: float, lat: float, kappa: float
         params=b(l.params, kp), param_bytes=b(l.param_bytes, kp), grad_bytes=b(l.grad_bytes, kp),
         optimizer_bytes=b(l.optimizer_bytes, kp), activation_bytes=l.activation_bytes + extra_act,
         peak_forward_bytes=l.peak_forward_bytes + buffers, peak_backward_bytes=l.peak_backward_bytes + buffers,
-        flops=l.flops * kc, recompute=rec,
+        flops=l.flops * kc, recompute=rec, moe=replace(shape, ep=ep),
         weight_hold_bytes={m: v + (extra_act if m != "full" else 0) for m, v in l.weight_hold_bytes.items()},
     )  # fmt: skip
 

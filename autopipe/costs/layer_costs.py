@@ -109,6 +109,9 @@ class MoeShape:
     # timed on the profiling host (autopipe.runtime.checks.ep_timing), 0 where not timed (an estimate)
     local_forward: float = 0.0
     local_backward: float = 0.0
+    # the expert-parallel degree the layer's figures are priced at (autopipe.costs.ep.at_ep sets it):
+    # its parameter bytes then hold 1/ep of the experts, which the memory model keeps out of ZeRO's shares
+    ep: int = 1
 
     def shares(self) -> tuple[float, ...]:
         """Each expert's mean share of the routed slots over the batches seen."""

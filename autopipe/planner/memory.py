@@ -88,7 +88,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
 from ..choices import FUSED_ADAM_DEVICES
-from ..costs.layer_costs import DeviceInfo, Profile, optimizer_state_factor
+from ..costs.layer_costs import DeviceInfo, LayerCost, Profile, optimizer_state_factor
 from .schedules import rank_states
 
 __all__ = ["RankMemory", "LayerMemory", "DeviceTerms", "ZeroShare", "ZERO_STAGES", "ddp_schedule", "holds_sends",
@@ -330,24 +330,66 @@ def layer_memory(profile: Profile, optimizer: str | None = None, *, dp: int = 1,
         bucket = w + g if share.buckets else 0
         ts = int(so // states) if adam and states > 0 else 0
         tied.append((sw + sg + so + whole + bucket, users, sw, sg, so, whole, bucket, ts))
+    # expert slices under ep > 1 sit outside the data-parallel engine, whole on their ranks; under
+    # ZeRO 1 the expert optimizer shards them over their expert data-parallel group (dp / ep replicas)
+    held = [_expert_part(l) for l in layers]
+    eopt = [_expert_optimizer_share(zero, dp, l) for l in layers]
+
+    def split(nbytes: int, f: float, part: float, expert: float = 1.0) -> int:
+        # ``expert`` 0: the expert bytes are not in this term at all
+        e = int(round(nbytes * f))
+        return _shard(nbytes - e, part) + (_shard(e, expert) if expert else 0)
+
     return LayerMemory(
-        weights=tuple(_shard(l.param_bytes, share.weights) for l in layers),
-        gradients=tuple(_shard(l.grad_bytes, share.gradients) for l in layers),
-        optimizer=tuple(_shard(o, share.optimizer) for o in opt),
+        weights=tuple(split(l.param_bytes, f, share.weights) for l, f in zip(layers, held)),
+        gradients=tuple(split(l.grad_bytes, f, share.gradients) for l, f in zip(layers, held)),
+        optimizer=tuple(split(o, f, share.optimizer, e) for o, f, e in zip(opt, held, eopt)),
         activations=acts,
         waiting=waits,
         transient=trans,
         outputs=tuple(l.output_bytes for l in layers),
         input_bytes=profile.input_bytes,
         tied=tuple(tied),
-        gathered=tuple(l.param_bytes + l.grad_bytes if share.gathered else 0 for l in layers),
-        buckets=tuple(l.param_bytes + l.grad_bytes if share.buckets else 0 for l in layers),
-        reduce_scatter=tuple(l.grad_bytes if share.gathered else 0 for l in layers),
+        gathered=tuple(split(l.param_bytes + l.grad_bytes, f, 1.0, 0.0) if share.gathered else 0
+                       for l, f in zip(layers, held)),
+        buckets=tuple(split(l.param_bytes + l.grad_bytes, f, 1.0, 0.0) if share.buckets else 0
+                      for l, f in zip(layers, held)),
+        reduce_scatter=tuple(split(l.grad_bytes, f, 1.0, 0.0) if share.gathered else 0 for l, f in zip(layers, held)),
         dp=dp,
         zero=zero,
-        step=tuple(_shard(t, share.optimizer) for t in step),
+        step=tuple(split(t, f, share.optimizer, e) for t, f, e in zip(step, held, eopt)),
         device=DeviceTerms.of(profile.device),
     )
+
+
+def _expert_part(layer: LayerCost) -> float:
+    """The share of ``layer``'s parameter bytes that are its expert slices when priced at ep > 1
+    (``MoeShape.ep``, set by autopipe.costs.ep.at_ep): ``(π/ep) / (π/ep + 1 − π)`` of the bytes at
+    ep, π the experts' share at ep 1. The runtime keeps those out of DDP, ``replicate`` and
+    ``fully_shard`` (autopipe.runtime.stage.expert_parallel): they are whole on their ranks at
+    every ZeRO stage, never gathered nor bucketed. 0 for a dense layer and at ep 1.
+
+    >>> from autopipe.costs.layer_costs import LayerCost, MoeShape
+    >>> shape = MoeShape(experts=4, top_k=1, hidden=8, expert_param_share=0.75, ep=2)
+    >>> _expert_part(LayerCost(0, moe=shape)), _expert_part(LayerCost(0))  # 0.375 of 0.625 at ep 2
+    (0.6, 0.0)
+    """
+    shape = layer.moe
+    if shape is None or shape.ep <= 1:
+        return 0.0
+    e = shape.expert_param_share / shape.ep
+    return e / (e + 1.0 - shape.expert_param_share)
+
+
+def _expert_optimizer_share(zero: int, dp: int, layer: LayerCost) -> float:
+    """One rank's share of its expert slices' optimizer state: under ZeRO 1 the expert optimizer
+    (autopipe.runtime.torch_engine.zero_one.ZeroOneAdamW over the expert data-parallel group) holds
+    1 / (dp / ep) of it, as Megatron's and DeepSpeed's distributed optimizers shard experts; ZeRO 0,
+    2 and 3 keep it whole beside the slices."""
+    shape = layer.moe
+    if zero != 1 or shape is None or shape.ep <= 1 or dp <= shape.ep:
+        return 1.0
+    return shape.ep / dp
 
 
 def _shard(nbytes: int, part: float) -> int:
