@@ -241,18 +241,47 @@ def test_the_load_balancing_loss_is_in_the_reference() -> None:
 
 
 def test_what_ep_does_not_compose_with_is_one_line() -> None:
-    from autopipe.runtime.stage.expert_parallel import check_ep_composes, plan_expert_parallel
+    from autopipe.runtime.stage.expert_parallel import plan_expert_parallel
 
-    with pytest.raises(AutopipeError, match="--zero 1 with expert parallelism is not supported yet"):
-        check_ep_composes(1)
-    check_ep_composes(2)  # FSDP2 leaves the expert slices alone: runs
-    check_ep_composes(3)
     with pytest.raises(AutopipeError, match="--ep 2: the model has no MoE experts module"):
         plan_expert_parallel({}, 2, None)
     from types import SimpleNamespace
 
     with pytest.raises(AutopipeError, match="--ep 3 does not divide the 4 experts of model.layers.0.mlp.experts"):
         plan_expert_parallel({"model.layers.0.mlp.experts": SimpleNamespace(num_experts=4)}, 3, None)
+
+
+def test_zero_1_shards_expert_state_over_the_expert_data_parallel_group_only() -> None:
+    """ZeRO 1 with ep on a fake world of 4 (rank 0; ep 2, so its expert data-parallel group is ranks
+    0 and 2): the dense tensors' AdamW state shared out over all 4 replicas, the expert slices' over
+    their 2, so rank 0 owns the larger of each (ZeroRedundancyOptimizer fills the emptiest rank,
+    largest first); with dp = ep (no such group) the slices' state is all held. The experts step at
+    the scheduled LR."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopipe.runtime.torch_engine.zero import make_dp_optimizer, optimizer_state
+    from autopipe.runtime.training.optim import TrainConfig
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        sizes = {"a": (16, 16), "b": (16,), "e.w": (2, 16, 16), "e.v": (2, 16, 4)}
+        for group, owned in ((dist.new_group([0, 2]), {"a", "e.w"}), (None, {"a", "e.w", "e.v"})):
+            params = {n: nn.Parameter(torch.randn(*shape)) for n, shape in sizes.items()}
+            opt = make_dp_optimizer(params, TrainConfig(zero=1), zero=1, dp_size=4, group=dist.group.WORLD,
+                                    experts=["e.v", "e.w"], expert_group=group)  # fmt: skip
+            for p in params.values():
+                p.grad = torch.ones_like(p)
+            opt.preallocate_()
+            assert set(optimizer_state(opt, params)) == owned, group
+            opt.param_groups[0]["lr"] = 0.25
+            before = params["e.w"].detach().clone()
+            opt.step()
+            assert {g["lr"] for g in opt.expert_param_groups()} == {0.25}
+            assert not torch.equal(params["e.w"], before)  # stepped by the expert optimizer, here
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -273,8 +302,8 @@ def test_ep_composes_with_every_schedule(torchrun: Launcher, root: Path, schedul
 
 
 def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> None:
-    """Before any model is built: ep not dividing dp, DeepSpeed and ZeRO 1; tp, checkpoints, --export
-    and --verify pass."""
+    """Before any model is built: ep not dividing dp, and DeepSpeed; tp, every ZeRO stage, checkpoints,
+    --export and --verify pass."""
     from types import SimpleNamespace
 
     from autopipe.runtime.training.preflight import preflight
@@ -288,8 +317,7 @@ def test_preflight_refuses_what_ep_does_not_run_in_one_line(tmp_path: Path) -> N
     for changes, says in [({"ep": 3, "dp": 3}, None), ({"dp": 3}, "--ep 2 must divide --dp 3"),
                           ({"engine": "deepspeed"}, "--ep 2 on DeepSpeed"),
                           ({"tp": 2}, None),
-                          ({"zero": 1}, "--zero 1 with expert parallelism is not supported yet"),
-                          ({"zero": 2}, None), ({"zero": 3}, None),
+                          ({"zero": 1}, None), ({"zero": 2}, None), ({"zero": 3}, None),
                           ({"ckpt_every": 1, "export": "out"}, None),
                           ({"verify": True}, None)]:
         world = 3 * 2 if changes.get("dp") == 3 else 8 if changes.get("tp") else 4
@@ -383,18 +411,41 @@ def test_ep_groups_of_a_large_world_on_fake_process_groups() -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_ep2_over_dp4_sums_each_expert_over_its_ep_groups(torchrun: Launcher, root: Path) -> None:
-    """dp 4 x 2 stages with ep 2 (8 processes, two ep groups): an expert slice's gradient is summed
-    over the expert data-parallel group (the same slice in the other ep group) before the step; the
-    first step equals the untouched model's on the global batch, and both ep groups agree."""
+def test_ep2_over_dp4_on_zero_1_sums_each_expert_and_shards_its_state(torchrun: Launcher, root: Path) -> None:
+    """dp 4 x 2 stages with ep 2 on ZeRO 1 (8 processes, two ep groups): an expert slice's gradient is
+    summed over the expert data-parallel group (the same slice in the other ep group) before the step,
+    and its AdamW state is sharded over that group by an optimizer of its own
+    (ZeroOneAdamW.experts), the rest over all 4 replicas. The first step equals the untouched model's
+    on the global batch (--verify says so first), and both ep groups agree. Then 2 steps
+    checkpointing each: step 2 resumed from step 1's checkpoint (each expert state saved by the ep
+    group that owns it) logs the same loss and norm on ZeRO 1 and on ZeRO 0."""
+    import shutil
+
     name = "qwen3_moe_aux"
     path = root / f"{name}_tp1" if (root / f"{name}_tp1").exists() else make_job(root, name, tp=1)
     plan = path / "cut_dp4.json"
     plan.write_text(json.dumps({"boundaries": CUT}))
-    got = train(torchrun, path, 4 * PP, "--dp", 4, "--ep", EP, tag="dp4", plan=plan,
+    got = train(torchrun, path, 4 * PP, "--dp", 4, "--ep", EP, "--zero", 1, "--verify", tag="dp4", plan=plan,
                 merge=lambda run, n: _assembled(run, n, name, {}, dp=4))
-    figures = compare(f"{name} dp4 ep2", got[:3], reference(name, dp=4))
-    print(f"\n{name} ep2 x dp4 x pp2: {figures}", file=sys.stderr)
+    figures = compare(f"{name} dp4 ep2 zero 1", got[:3], reference(name, dp=4))
+    _verified(got[3])
+    assert "ZeRO 1" in got[3], got[3][-2000:]
+    print(f"\n{name} ep2 x dp4 x pp2 ZeRO 1: {figures}", file=sys.stderr)
+
+    def steps(log: Path, *flags: object) -> list[dict]:
+        torchrun(path / "train.py", "--steps", 2, "--plan", plan, "--weights", path / "weights.safetensors", "--dp", 4,
+                 "--ep", EP, "--log-json", log, *flags, nproc=4 * PP, cwd=path, timeout=600)
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    ran = steps(path / "z1_dp4.json", "--zero", 1, "--ckpt-dir", path / "z1_ckpt", "--ckpt-every", 1)
+    assert ran[1]["loss"] != ran[0]["loss"]
+    for zero in (1, 0):
+        ckpt = path / f"z1_resume_zero{zero}"
+        shutil.copytree(path / "z1_ckpt", ckpt)
+        shutil.rmtree(ckpt / "step_00000002")
+        (second,) = steps(path / f"z1_resumed_zero{zero}.json", "--zero", zero, "--ckpt-dir", ckpt, "--resume")[-1:]
+        assert second["step"] == 2 and second["loss"] == pytest.approx(ran[1]["loss"], abs=1e-5), zero
+        assert second["grad_norm"] == pytest.approx(ran[1]["grad_norm"], rel=1e-5), zero
 
 
 @pytest.mark.slow

@@ -417,7 +417,7 @@ def _job_engine(s: ConvertSettings, plan: Plan) -> str:
 
 def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
     """The cluster search for convert: stages x replicas x micro-batches x schedule x ZeRO, with tp and
-    ep (each searched, or fixed by --tp/--ep), over the layouts the job's runtime runs (``runs_here``).
+    ep (each searched, or fixed by --tp/--ep): torch's runtime runs every layout it makes.
     DeepSpeed's pipeline engine runs its own 1F1B (or GPipe-like) order, ZeRO 0/1, no tp or ep."""
     from ..cluster.layout_search import search
     from ..cluster.layouts import SEARCH_SCHEDULES
@@ -437,17 +437,8 @@ def _search(prof: Profile, s: ConvertSettings) -> tuple[Profile, Plan, Any]:
     found = search(prof, _cluster(prof, s), global_batch=s.global_batch, memory_limit=s.memory_limit,
                    recompute=s.recompute, zeros=zeros, schedules=schedules, target=s.target,
                    optimizer=s.optimizer_state, progress=s.progress, tps=tps,
-                   sequence_parallel=s.sequence_parallel, eps=eps or [1], keep=runs_here)  # fmt: skip
+                   sequence_parallel=s.sequence_parallel, eps=eps or [1])  # fmt: skip
     return scale_microbatch(prof, found.best.microbatch_size), found.plan, found
-
-
-def runs_here(x: Any) -> bool:
-    """Whether autopipe's torch runtime runs layout ``x`` (a cluster Layout) as it composes today: tp
-    (sequence-parallel or not) with replicas on any ZeRO stage; ep, with or without tp, on ZeRO 0, 2
-    or 3 (autopipe.runtime.stage.expert_parallel: ZeroRedundancyOptimizer would broadcast one rank's
-    expert slices over the others). The same rules train.py's preflight refuses in one line; a
-    cluster plan (``autopipe plan --gpus``) for another engine is not held to them."""
-    return x.ep == 1 or x.zero != 1
 
 
 def _absolute_spec(model: str) -> str:

@@ -233,7 +233,7 @@ class ConvertSettings:
 
     def _check_ep(self) -> None:
         """Expert parallelism (autopipe.runtime.stage.expert_parallel): ep divides dp (with --gpus: the
-        devices; the search keeps the layouts whose dp it divides), on torch's engine, ZeRO 0, 2 or 3."""
+        devices; the search keeps the layouts whose dp it divides), on torch's engine, any ZeRO stage."""
         ep = self.ep
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
             raise PartitionError(f"--ep must be a whole number of replicas, at least 1, got {ep!r}.")
@@ -248,8 +248,6 @@ class ConvertSettings:
         if self.engine == "deepspeed":
             raise AutopipeError(f"--ep {ep} on DeepSpeed: its PipelineModule runs no expert parallelism here; use "
                                 "--engine torch for --ep.")
-        if self.zero in (1, "1"):
-            raise PartitionError("--zero 1 with expert parallelism is not supported yet; use --zero 0, 2 or 3 with --ep.")
         if self.engine == "auto":  # only torch's engine runs ep
             self._set(engine="torch")
 

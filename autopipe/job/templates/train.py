@@ -42,7 +42,7 @@ class Settings:
     sequence_parallel: bool = False  # with tp: the activations between layers sharded on the
     # sequence (Megatron's sequence parallelism; with replicas, any ZeRO stage)
     ep: int = 1  # expert-parallel degree: each MoE layer's experts shared out over ep of a stage's
-    # dp replicas (ep divides dp; the world is unchanged; torch engine, ZeRO 0, 2 or 3)
+    # dp replicas (ep divides dp; the world is unchanged; torch engine, any ZeRO stage)
     # ---- what it trains on ------------------------------------------------------------------
     loss: str = 'auto'  # auto | model (model:PLACE picks one of its scalars) | cross_entropy | mse
     data: Optional[str] = None  # token file, text, .npz/.pt with x and y, or datasets files;

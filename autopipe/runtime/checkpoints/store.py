@@ -251,13 +251,17 @@ def materialize_state_(optimizer: torch.optim.Optimizer) -> None:
     count) is overwritten by the load. Adam(W)'s is made by ``preallocate_`` already. Collective
     under ZeRO 1 (the step broadcasts each replica's parameters).
     """
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
-    params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
-    if all(inner.state.get(p) for p in params):
+    # ZeroRedundancyOptimizer's local optimizer, and under ep ZeRO 1's expert optimizer beside it
+    inners = [getattr(optimizer, "optim", optimizer)]
+    experts = getattr(optimizer, "experts", None)
+    if experts is not None:
+        inners.append(getattr(experts, "optim", experts))
+    if all(inner.state.get(p) for inner in inners for g in inner.param_groups for p in g["params"] if p.requires_grad):
         return
-    saved = [(g, g["lr"]) for g in optimizer.param_groups]
-    grads = {id(p): p.grad for g in optimizer.param_groups for p in g["params"]}
-    for g in optimizer.param_groups:
+    groups = [*optimizer.param_groups, *(getattr(optimizer, "expert_param_groups", list)())]
+    saved = [(g, g["lr"]) for g in groups]
+    grads = {id(p): p.grad for g in groups for p in g["params"]}
+    for g in groups:
         g["lr"] = 0.0
         for p in g["params"]:
             if p.grad is None and p.requires_grad:

@@ -41,8 +41,13 @@ expert tensor once by its global offsets (the same slice in the other ep groups 
 kept once) and loads it back into any ep degree, ep 1 included; ``export`` reads whole tensors,
 and the run's own ``--export`` gathers each slice over the ep group.
 
+Optimizer state: whole beside each slice on ZeRO 0, 2 and 3; on ZeRO 1 the slices are stepped by
+an optimizer of their own, sharded over the expert data-parallel group
+(autopipe.runtime.torch_engine.zero_one.ZeroOneAdamW), the rest by ZeroRedundancyOptimizer over
+every replica as without ep.
+
 Refused in one line: ep not dividing dp or the experts, a model without transformers experts
-modules, ZeRO 1, DeepSpeed's engine. ``--verify`` gathers each slice's gradient over
+modules, DeepSpeed's engine. ``--verify`` gathers each slice's gradient over
 its ep group and compares it whole.
 """
 
@@ -58,7 +63,7 @@ from torch import nn
 from ...costs.moe_shape import tally_expert_flops
 from ...errors import AutopipeError
 
-__all__ = ["EPLayout", "apply_expert_parallel_", "as_global", "check_ep_composes", "dispatch_combine", "exchange_counts",
+__all__ = ["EPLayout", "apply_expert_parallel_", "as_global", "dispatch_combine", "exchange_counts",
            "plan_expert_parallel", "reduce_expert_grads_"]
 
 
@@ -94,13 +99,6 @@ def plan_expert_parallel(calls: Mapping[str, Any], ep: int, group: Any) -> EPLay
             raise AutopipeError(f"--ep {ep} does not divide the {call.num_experts} experts of {name}; pick an ep that "
                                 f"divides {call.num_experts}.")
     return EPLayout(ep=ep, rank=dist.get_rank(group), group=group, calls=dict(calls))
-
-
-def check_ep_composes(zero: int) -> None:
-    """One line for what expert parallelism does not run with (yet)."""
-    if zero == 1:
-        raise AutopipeError("--zero 1 with expert parallelism is not supported yet (ZeroRedundancyOptimizer would "
-                            "broadcast one rank's expert slices over the others); use --zero 0, 2 or 3 with --ep.")
 
 
 def apply_expert_parallel_(build: Any, layout: EPLayout) -> None:

@@ -27,7 +27,7 @@ from ..data.batches import batch_tokens, pack_batch
 from ..logs.steps import StepStats
 from ..process.distenv import DistEnv
 from ..stage.build import MicrobatchSeeds, StageBuild, local
-from ..stage.expert_parallel import as_global, check_ep_composes, reduce_expert_grads_
+from ..stage.expert_parallel import as_global, reduce_expert_grads_
 from ..stage.tensor_parallel import reduce_partial_grads_
 from ..training.optim import LossScaler, TrainConfig, lr_factor, make_lr_scheduler, preallocate_
 from ..training.grads import clip_grads_, global_grad_norm, sync_tied_grads, zero_grads_
@@ -97,8 +97,6 @@ class Trainer:
         if tp > 1:
             check_tp_composes(config, env.dp_size, build)
         ep = build.ep_layout
-        if ep is not None:
-            check_ep_composes(config.zero)
         # expert slices are each held by their own ranks: the dp engine leaves them to reduce_expert_grads_
         own_experts = {id(build.params[n]) for n in ep.expert_params} if ep is not None else set()
         if env.dp_size > 1:
@@ -142,7 +140,8 @@ class Trainer:
             # the same in every ep group (reduce_expert_grads_): counted in the first ep group only
             self._counted_elsewhere |= ep.expert_params
         self.optimizer = make_dp_optimizer(self.params, config, zero=config.zero, dp_size=env.dp_size,
-                                           group=env.dp_group)
+                                           group=env.dp_group, experts=sorted(ep.expert_params) if ep else (),
+                                           expert_group=env.expert_dp_group)  # fmt: skip
         # gradients and state once, before any activation (see preallocate_)
         if is_zero_one(self.optimizer):
             for p in self.params.values():
@@ -434,8 +433,10 @@ def _held_bytes(build: StageBuild, optimizer: torch.optim.Optimizer) -> int:
     state, each storage once."""
     tensors = [t for chunk in build.chunks for t in (*chunk.parameters(), *chunk.buffers())]
     tensors += [p.grad for p in build.params.values() if p.grad is not None]
-    inner = optimizer.optim if is_zero_one(optimizer) else optimizer  # type: ignore[attr-defined]
-    tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    if is_zero_one(optimizer):  # its share, and under ep its expert optimizer's
+        tensors += optimizer.state_tensors()  # type: ignore[attr-defined]
+    else:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     tensors = [local(t.detach()) for t in tensors]
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
     return sum(seen.values())

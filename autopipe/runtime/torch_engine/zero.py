@@ -35,6 +35,11 @@ reduce-scatter: ZeRO 2/3 shrink what a rank holds between steps (parameters, sha
 optimizer state), not the step's peak of parameters and gradients.
 
 With one replica there is nothing to shard: every ``--zero`` runs the plain stage (same numbers).
+
+Under expert parallelism every engine above leaves the expert slices out (they differ between the
+ranks of an ep group; autopipe.runtime.stage.expert_parallel reduces their gradients): whole on
+their ranks, their AdamW state too, but on ZeRO 1, where a second ZeroRedundancyOptimizer shards
+it over the expert data-parallel group (dp / ep replicas; ``zero_one.ZeroOneAdamW.experts``).
 """
 
 from __future__ import annotations
@@ -211,15 +216,18 @@ def _ddp(chunk: nn.Module, group: Any, ignored: set[int] | frozenset[int] = froz
 
 
 def make_dp_optimizer(params: Mapping[str, nn.Parameter], config: TrainConfig, *, zero: int, dp_size: int,
-                      group: Any) -> torch.optim.Optimizer:
+                      group: Any, experts: Iterable[str] = (), expert_group: Any = None) -> torch.optim.Optimizer:
     """The optimizer for this rank: ``ZeroOneAdamW`` under ZeRO 1 with replicas, else torch's (whose
-    state follows the parameters: sharded DTensors under ZeRO 2/3)."""
+    state follows the parameters: sharded DTensors under ZeRO 2/3). ``experts``: the names of this
+    rank's expert slices under ep, which ZeRO 1 steps apart, sharded over ``expert_group`` (None:
+    one rank holds each slice's state whole)."""
     from ..training.optim import make_optimizer
 
     if zero == 1 and dp_size > 1:
         from .zero_one import ZeroOneAdamW
 
-        return ZeroOneAdamW(params, config, group)
+        held = {n: params[n] for n in experts}
+        return ZeroOneAdamW(params, config, group, experts=held, expert_group=expert_group)
     return make_optimizer(params, config)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..stage.build import local
-from ..training.optim import TrainConfig, optimizer_class, optimizer_options, param_groups, preallocate_
+from ..training.optim import TrainConfig, make_optimizer, optimizer_class, optimizer_options, param_groups, preallocate_
 
 __all__ = ["ZeroOneAdamW"]
 
@@ -29,9 +29,19 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
     shard), whose gradients are the DTensors' local gradients: what it writes, the engine reads at
     the next forward. Under tp the data-parallel group holds one tp rank of each replica, so an
     owner's broadcast reaches the replicas holding the same shard.
+
+    Under expert parallelism (``experts``: this rank's expert slices by name) the slices differ from
+    one ep rank to the next, so they stay out of this optimizer (its owners broadcast over every
+    replica): a second one, ``self.experts``, steps them right after it, at the same learning rate.
+    It is another ZeroOneAdamW over ``expert_group`` (the expert data-parallel group: the dp / ep
+    replicas holding the same slices, Megatron's and DeepSpeed's sharding of expert state), or, when
+    that group is one rank (dp = ep), the configured optimizer itself.
     """
 
-    def __init__(self, params: Mapping[str, nn.Parameter], config: TrainConfig, group: Any) -> None:
+    def __init__(self, params: Mapping[str, nn.Parameter], config: TrainConfig, group: Any, *,
+                 experts: Mapping[str, nn.Parameter] | None = None, expert_group: Any = None) -> None:  # fmt: skip
+        experts = dict(experts or {})
+        params = {n: p for n, p in params.items() if n not in experts}
         # DDP's parameters are plain tensors already: they step as they are
         self.pairs = [(nn.Parameter(local(p.detach()), requires_grad=p.requires_grad), p)
                       for p in params.values() if hasattr(p, "to_local")]
@@ -42,6 +52,16 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
             **optimizer_options(config, next((p.device for p in plain.values()), None)),
         )
         self.names = {id(proxy): n for n, proxy in plain.items()}
+        self.experts: torch.optim.Optimizer | None = None
+        self.expert_names = {id(p): n for n, p in experts.items()}
+        if experts:
+            self.experts = (ZeroOneAdamW(experts, config, expert_group) if expert_group is not None
+                            else make_optimizer(experts, config))
+
+    def expert_param_groups(self) -> list[dict[str, Any]]:
+        """The expert optimizer's groups (none without ep): what a caller that sets every group
+        (autopipe.runtime.checkpoints.store.materialize_state_) must reach besides ``param_groups``."""
+        return [] if self.experts is None else list(self.experts.param_groups)
 
     def link_grads(self) -> None:
         """Give each plain leaf the engine parameter's (reduced) gradient: a view, no copy."""
@@ -50,12 +70,32 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         self.link_grads()
-        return super().step(closure)
+        out = super().step(closure)
+        if self.experts is not None:
+            # the LR schedule steps this optimizer's groups, and every group runs at one scheduled LR
+            lr = self.param_groups[0]["lr"]
+            for g in self.experts.param_groups:
+                g["lr"] = lr
+            self.experts.step()
+        return out
 
     def preallocate_(self) -> None:
         """The engine's gradients exist already; this replica's share of the state, as zeros."""
         self.link_grads()
         preallocate_(self.optim)
+        if isinstance(self.experts, ZeroOneAdamW):
+            self.experts.preallocate_()
+        elif self.experts is not None:
+            preallocate_(self.experts)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every state tensor this rank holds, the expert optimizer's too (its held bytes)."""
+        out = [v for state in self.optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        if isinstance(self.experts, ZeroOneAdamW):
+            out += self.experts.state_tensors()
+        elif self.experts is not None:
+            out += [v for state in self.experts.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return out
 
     def owned_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Parameter name -> the AdamW state this replica keeps (its share). A DTensor parameter's
@@ -69,6 +109,10 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
                 continue
             p = engine.get(id(proxy))
             out[self.names[id(proxy)]] = state if p is None else {k: _like(p, v) for k, v in state.items()}
+        if isinstance(self.experts, ZeroOneAdamW):
+            out.update(self.experts.owned_state())
+        elif self.experts is not None:
+            out.update({self.expert_names[id(p)]: state for p, state in self.experts.state.items() if state})
         return out
 
 

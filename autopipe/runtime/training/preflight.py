@@ -104,9 +104,6 @@ def _check_ep(settings: Any, dp: int, tp: int, world: int) -> None:
     if settings.engine == "deepspeed":
         raise AutopipeError(f"--ep {ep} on DeepSpeed: its PipelineModule runs no expert parallelism here; use --engine "
                             "torch for --ep, or --ep 1.")
-    if int(settings.zero) == 1:
-        raise AutopipeError("--zero 1 with expert parallelism is not supported yet (ZeroRedundancyOptimizer would "
-                            "broadcast one rank's expert slices over the others); use --zero 0, 2 or 3 with --ep.")
 
 
 def _has_checkpoint(root: Path, engine: str) -> bool:
