@@ -416,9 +416,9 @@ def test_ep2_over_dp4_on_zero_1_sums_each_expert_and_shards_its_state(torchrun: 
     summed over the expert data-parallel group (the same slice in the other ep group) before the step,
     and its AdamW state is sharded over that group by an optimizer of its own
     (ZeroOneAdamW.experts), the rest over all 4 replicas. The first step equals the untouched model's
-    on the global batch (--verify says so first), and both ep groups agree. Then 2 steps
-    checkpointing each: step 2 resumed from step 1's checkpoint (each expert state saved by the ep
-    group that owns it) logs the same loss and norm on ZeRO 1 and on ZeRO 0."""
+    on the global batch (--verify says so first), and both ep groups agree. Then, on one stage x dp 4
+    (4 processes), 2 steps checkpointing each: step 2 resumed from step 1's checkpoint (each expert
+    state saved by the ep group that owns it) logs the same loss and norm on ZeRO 1 and on ZeRO 0."""
     import shutil
 
     name = "qwen3_moe_aux"
@@ -432,9 +432,12 @@ def test_ep2_over_dp4_on_zero_1_sums_each_expert_and_shards_its_state(torchrun: 
     assert "ZeRO 1" in got[3], got[3][-2000:]
     print(f"\n{name} ep2 x dp4 x pp2 ZeRO 1: {figures}", file=sys.stderr)
 
+    whole = path / "cut_dp4_one_stage.json"
+    whole.write_text(json.dumps({"boundaries": [CUT[0], CUT[-1]]}))
+
     def steps(log: Path, *flags: object) -> list[dict]:
-        torchrun(path / "train.py", "--steps", 2, "--plan", plan, "--weights", path / "weights.safetensors", "--dp", 4,
-                 "--ep", EP, "--log-json", log, *flags, nproc=4 * PP, cwd=path, timeout=600)
+        torchrun(path / "train.py", "--steps", 2, "--plan", whole, "--weights", path / "weights.safetensors", "--dp", 4,
+                 "--ep", EP, "--log-json", log, *flags, nproc=4, cwd=path, timeout=600)
         return [json.loads(line) for line in log.read_text().splitlines()]
 
     ran = steps(path / "z1_dp4.json", "--zero", 1, "--ckpt-dir", path / "z1_ckpt", "--ckpt-every", 1)
