@@ -202,7 +202,7 @@ class Live(Progress):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
         bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[left]}"), console=self.console or Console(stderr=True), transient=True)
+                  TextColumn("{task.fields[left]}"), console=self.console or Console(stderr=True, emoji=False), transient=True)
         task = bar.add_task(phase.name, total=phase.total, left="")
         bar.start()
         self._bars[id(phase)] = (bar, task)

@@ -32,6 +32,14 @@ def _console(terminal: bool) -> tuple[Console, io.StringIO]:
     return Console(file=buf, force_terminal=terminal, width=240, highlight=False, soft_wrap=True), buf
 
 
+def test_a_message_naming_the_user_s_model_is_printed_verbatim() -> None:
+    """A factory ``file.py:llama`` followed by ':' is rich's emoji code :llama:, and '[x]' its markup:
+    the header line names the model as given."""
+    console, buf = _console(terminal=False)
+    StepLogger(0, steps=1, console=console).info("/a/tp_models.py:llama: 5 layers [x] :fire:")
+    assert buf.getvalue().strip() == "/a/tp_models.py:llama: 5 layers [x] :fire:"
+
+
 def test_a_file_gets_every_step_and_a_terminal_a_live_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """Output to a file: one kept line per step, with step/steps, ETA and FLOP/s. On a terminal: the
     line is redrawn in place each step and kept every log_every steps (and at the last)."""

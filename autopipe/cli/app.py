@@ -27,8 +27,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+# no emoji codes: a model spec "file.py:fire" would print a flame (rich reads :fire: as one)
+console = Console(emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 F = TypeVar("F", bound=Callable[..., Any])
 

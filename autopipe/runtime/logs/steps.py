@@ -144,7 +144,7 @@ class StepLogger:
             if console is None:
                 from rich.console import Console
 
-                console = Console(highlight=False, soft_wrap=True)
+                console = Console(highlight=False, soft_wrap=True, emoji=False)
             self.console = console
         terminal = bool(self.console is not None and self.console.is_terminal)
         self.log_every = max(1, int(log_every)) if log_every else (10 if terminal else 1)
@@ -181,7 +181,9 @@ class StepLogger:
 
     def info(self, message: str) -> None:
         if self.console is not None:
-            self.console.print(message)
+            # verbatim: a message names the user's model and files, where rich would read ":llama:" as
+            # an emoji code and "[x]" as markup (a factory tests/tp_models.py:llama printed as a llama)
+            self.console.print(message, markup=False, emoji=False, highlight=False)
 
     def step(self, stats: Any, **extra: Any) -> None:
         if self.rank != 0:
