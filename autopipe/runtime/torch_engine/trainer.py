@@ -433,10 +433,9 @@ def _held_bytes(build: StageBuild, optimizer: torch.optim.Optimizer) -> int:
     state, each storage once."""
     tensors = [t for chunk in build.chunks for t in (*chunk.parameters(), *chunk.buffers())]
     tensors += [p.grad for p in build.params.values() if p.grad is not None]
-    if is_zero_one(optimizer):  # its share, and under ep its expert optimizer's
-        tensors += optimizer.state_tensors()  # type: ignore[attr-defined]
-    else:
-        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    # all of it, or ZeRO 1's share (and under ep its expert optimizer's)
+    states = optimizer_state(optimizer, build.params).values()
+    tensors += [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]
     tensors = [local(t.detach()) for t in tensors]
     seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
     return sum(seen.values())

@@ -53,7 +53,7 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
         )
         self.names = {id(proxy): n for n, proxy in plain.items()}
         self.experts: torch.optim.Optimizer | None = None
-        self.expert_names = {id(p): n for n, p in experts.items()}
+        self.expert_params = experts
         if experts:
             self.experts = (ZeroOneAdamW(experts, config, expert_group) if expert_group is not None
                             else make_optimizer(experts, config))
@@ -88,15 +88,6 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
         elif self.experts is not None:
             preallocate_(self.experts)
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Every state tensor this rank holds, the expert optimizer's too (its held bytes)."""
-        out = [v for state in self.optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        if isinstance(self.experts, ZeroOneAdamW):
-            out += self.experts.state_tensors()
-        elif self.experts is not None:
-            out += [v for state in self.experts.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        return out
-
     def owned_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Parameter name -> the AdamW state this replica keeps (its share). A DTensor parameter's
         state tensors are given as DTensors of its placements over the same storage, so a checkpoint
@@ -109,10 +100,10 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
                 continue
             p = engine.get(id(proxy))
             out[self.names[id(proxy)]] = state if p is None else {k: _like(p, v) for k, v in state.items()}
-        if isinstance(self.experts, ZeroOneAdamW):
-            out.update(self.experts.owned_state())
-        elif self.experts is not None:
-            out.update({self.expert_names[id(p)]: state for p, state in self.experts.state.items() if state})
+        if self.experts is not None:
+            from .zero import optimizer_state
+
+            out.update(optimizer_state(self.experts, self.expert_params))
         return out
 
 
