@@ -100,10 +100,11 @@ class ZeroOneAdamW(ZeroRedundancyOptimizer):
                 continue
             p = engine.get(id(proxy))
             out[self.names[id(proxy)]] = state if p is None else {k: _like(p, v) for k, v in state.items()}
-        if self.experts is not None:
-            from .zero import optimizer_state
-
-            out.update(optimizer_state(self.experts, self.expert_params))
+        if isinstance(self.experts, ZeroOneAdamW):
+            out.update(self.experts.owned_state())
+        elif self.experts is not None:
+            # zero.optimizer_state's plain branch, here because zero imports this module
+            out.update({n: self.experts.state[p] for n, p in self.expert_params.items() if self.experts.state.get(p)})
         return out
 
 
