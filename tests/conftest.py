@@ -18,10 +18,16 @@ from _launch import Launcher  # noqa: E402  (tests/ is put on sys.path just abov
 # The runtime reserve is measured once per device and cached (autopipe.runtime.checks.reserve); a session-wide
 # cache of its own makes the suite measure it once itself, on this machine, rather than trust a
 # figure left in the home folder by another torch or another machine.
+# xdist's workers share the run's one (its test-run id names it), so the probe runs once a run, not once a worker.
 if "AUTOPIPE_CACHE" not in os.environ:
     import tempfile
 
-    os.environ["AUTOPIPE_CACHE"] = tempfile.mkdtemp(prefix="autopipe-cache-")
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run:
+        os.environ["AUTOPIPE_CACHE"] = os.path.join(tempfile.gettempdir(), f"autopipe-cache-{run}")
+        os.makedirs(os.environ["AUTOPIPE_CACHE"], exist_ok=True)
+    else:
+        os.environ["AUTOPIPE_CACHE"] = tempfile.mkdtemp(prefix="autopipe-cache-")
 
 
 @pytest.fixture(scope="session")

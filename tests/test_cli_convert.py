@@ -367,14 +367,15 @@ def test_a_factory_s_data_that_does_not_fit_is_refused(tmp_path: Path, monkeypat
 @pytest.mark.slow  # traces and estimates Llama-70B on the meta device
 def test_a_plan_for_a_gpu_is_held_to_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Issue 10's case: Llama-70B estimated for 8 H100s used to plan 129-147 GiB stages without a word.
-    The H100's memory is now the default limit: refused in one line saying what would fit."""
+    The H100's memory is now the default limit: refused in one line saying what would fit. Run at
+    Llama-2-13B's shape on 2 stages (~104 GiB a stage): the same refusal in a third of 70B's time (40 layers to trace, not 80)."""
     monkeypatch.chdir(tmp_path)
-    result = runner.invoke(app, ["convert", "llama-70b", "--stages", "8", "--estimate", "--device", "h100"])
+    result = runner.invoke(app, ["convert", "llama-13b", "--stages", "2", "--estimate", "--device", "h100"])
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     (error,) = _error_lines(result.output)
     assert "fits the NVIDIA H100 80GB HBM3's 80.00 GiB (its memory, the default limit)" in error
     more = int(re.search(r"(\d+) stages would fit", error).group(1))
-    assert more > 8 and "ZeRO-1" in error
+    assert more > 2 and "ZeRO-1" in error
     assert not Path("jobs").exists()
 
 

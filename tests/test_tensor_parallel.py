@@ -185,34 +185,24 @@ def test_verify_under_tp_compares_whole_gradients(torchrun: Launcher, root: Path
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("zero", [0, 1, 3])
-def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path, zero: int) -> None:
+@pytest.mark.parametrize(("zero", "sp"), [(0, True), (1, True), (2, True), (3, False)])
+def test_tp2_x_pp2_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path, zero: int,
+                                                                       sp: bool) -> None:  # fmt: skip
     """tp 2 x 2 stages x 2 replicas over the dp mesh (ZeRO 0: ``replicate``; ZeRO 1: the same with each
-    replica stepping its share of the tp shards' state and broadcasting them; ZeRO 3: FSDP2, 2-D with
+    replica stepping its share of the tp shards' state and broadcasting them; ZeRO 2/3: FSDP2, 2-D with
     the tp placements, as torchtitan lays it out): the first step equals the untouched model's on the
-    global batch. --verify, run first, gathers each gradient over the tp and dp meshes and says ok."""
+    global batch, and --verify, run first, gathers each gradient over the tp and dp meshes and says ok.
+    Under --sequence-parallel (ZeRO 0-2: the norms' weights are DTensors replicated over tp, and each
+    replica's partial norm gradients are averaged over the replicas, then summed over the tp ranks) and
+    without it (ZeRO 3: FSDP2 shards plain norm weights over dp alone beside the 2-D tp shards)."""
     job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
-    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", zero, "--verify", tag=f"dp2_zero{zero}")
+    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", zero, "--verify",
+                                      *(["--sequence-parallel"] if sp else []), tag=f"dp2_zero{zero}_sp{sp:d}")
     figures = compare(f"llama dp2 zero {zero}", (loss, grads, weights), reference("llama", dp=2))
     (line,) = [line for line in out.splitlines() if "verify: loss" in line]
     assert line.endswith(": ok"), line
-    print(f"\nllama tp2 x pp2 x dp2 zero {zero}: {figures}", file=sys.stderr)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_sequence_parallel_x_dp2_on_8_processes_trains_as_the_untouched_model(torchrun: Launcher, root: Path,
-                                                                              zero: int) -> None:  # fmt: skip
-    """--sequence-parallel on tp 2 x 2 stages x 2 replicas (ZeRO 0 and 1: ``replicate`` over the dp mesh; 2
-    and 3: FSDP2 on the 2-D mesh): each replica's partial norm gradients are averaged over the replicas,
-    then summed over the tp ranks."""
-    job = make_job(root, "llama", tp=2) if not (root / "llama_tp2").exists() else root / "llama_tp2"
-    loss, grads, weights, out = train(torchrun, job, 8, "--dp", 2, "--zero", zero, "--sequence-parallel",
-                                      tag=f"sp_dp2_zero{zero}")  # fmt: skip
-    figures = compare(f"llama sp dp2 zero {zero}", (loss, grads, weights), reference("llama", dp=2))
-    assert "sequence parallel:" in out, out[-2000:]
-    print(f"\nllama tp2 x pp2 x dp2 zero {zero} sequence parallel: {figures}", file=sys.stderr)
+    assert ("sequence parallel:" in out) == sp, out[-2000:]
+    print(f"\nllama tp2 x pp2 x dp2 zero {zero}{' sequence parallel' if sp else ''}: {figures}", file=sys.stderr)
 
 
 @pytest.mark.slow
