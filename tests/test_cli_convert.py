@@ -396,3 +396,29 @@ def test_python_dash_m_autopipe_is_the_same_cli(tmp_path: Path) -> None:
     assert shown.returncode == 0 and "convert" in shown.stdout
     bad = run("inspect", "no-such-model-xyz")
     assert bad.returncode == 1 and len(_error_lines(bad.stdout + bad.stderr)) == 1, bad.stdout + bad.stderr
+
+
+def test_a_factory_that_fixes_its_sequence_length_gets_a_job_of_that_width(tmp_path: Path) -> None:
+    """tests/tp_models.py's Llama takes no seq_len and returns 16-token rows. convert without --seq-len
+    (64) used to write a job whose first step failed on the traced shape ("input 'input_ids' has shape
+    (2, 64) but the sequence was traced with (2, 16)"), on synthetic data and on --data windows alike.
+    Now the job trains 16-token rows and convert says so; on a token file its first step equals the
+    untouched model's (--verify)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    factory = f"{Path(__file__).resolve().parent / 'tp_models.py'}:llama"
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 96, 2000, dtype=np.uint16).tofile(tokens)
+    for job, flags in (("synthetic", ["--estimate"]), ("data", ["--data", str(tokens)])):
+        result = runner.invoke(app, ["convert", factory, "--stages", "1", "--out", str(tmp_path / job), "--reserve", "0",
+                                     *flags])  # (--reserve 0: no probe, test_reserve's)
+        assert result.exit_code == 0, result.output
+        assert "example inputs are 16 tokens a row, not --seq-len 64: the job trains rows of 16" in result.output
+        assert read_settings(tmp_path / job / "train.py")["seq_len"] == 16
+    ran = subprocess.run([sys.executable, str(tmp_path / "data" / "train.py"), "--steps", "1", "--verify"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    line = next((x for x in ran.stdout.splitlines() if x.startswith("verify:")), ran.stdout + ran.stderr)
+    assert ran.returncode == 0 and line.endswith(": ok") and f"data {tokens}" in ran.stdout, line[-2000:]

@@ -101,6 +101,10 @@ def convert_command(
 
         console.print(search_table(result.search))
         console.print(search_summary(result.search), highlight=False, soft_wrap=True)
+    if result.settings.seq_len != seq_len:  # a factory that fixes its inputs' width, whatever --seq-len says
+        err_console.print(f"note: {model}'s example inputs are {result.settings.seq_len} tokens a row, not --seq-len "
+                          f"{seq_len}: the job trains rows of {result.settings.seq_len}, the width it was traced at.",
+                          highlight=False, soft_wrap=True, markup=False, emoji=False)
     for warning in prof.warnings:
         if warning != emulated:
             err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)

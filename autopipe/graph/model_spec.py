@@ -23,7 +23,7 @@ class ModelSpec:
     source: str = "builtin"  # builtin | folder | factory | torchtitan
     vocab_size: int = 0  # for synthetic token data; 0 when not a language model
     batch_size: int = 1
-    seq_len: int = 0
+    seq_len: int = 0  # tokens per row of the example inputs (a factory's own, where it fixes them)
     loss: Any = None  # a factory's loss(outputs, target), if it gave one
     data: Any = None  # a factory's training data, if it gave some
 

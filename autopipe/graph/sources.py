@@ -342,7 +342,10 @@ def _from_factory(spec: str, device: torch.device, b: int | None, t: int) -> Mod
         task = "custom"  # features in, not token ids (Whisper): no token data to feed it
     vocab = int(getattr(config, "vocab_size", 0) or 0) if config is not None else 0
     rows = b if b is not None else (own or 1)
-    return ModelSpec(spec, model, args, dict(kwargs), task, "factory", vocab, rows, t, loss=loss, data=data)
+    # a factory may fix its sequence length whatever it is asked for: the spec says what it traces with
+    width = args[0].shape[1] if task in ("causal-lm", "masked-lm") and args and isinstance(args[0], torch.Tensor) \
+        and args[0].dim() == 2 and not args[0].is_floating_point() else t
+    return ModelSpec(spec, model, args, dict(kwargs), task, "factory", vocab, rows, int(width), loss=loss, data=data)
 
 
 def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:

@@ -102,6 +102,7 @@ def convert(model: str, settings: ConvertSettings | None = None, /, *,
     passes = _Passes(on_pass)
     with passes("load"):
         loaded = _load(model, s)
+        s = _traced_width(s, loaded.spec)
     with passes("flatten"):
         seq = _flatten(model, loaded, s)
     with passes("profile"):
@@ -204,6 +205,15 @@ def _load(model: str, s: ConvertSettings) -> _Loaded:
         m = m.to("cuda")
         args, kwargs = _move((args, kwargs), "cuda")
     return _Loaded(m, args, kwargs, job_loss, spec, reserve)
+
+
+def _traced_width(s: ConvertSettings, spec: Any) -> ConvertSettings:
+    """The settings with the sequence length a factory's token inputs really have: a factory that fixes
+    its own (ignoring seq_len) is traced at that width, and the job's rows (synthetic or --data windows)
+    must be as wide, or its first step fails on the traced shape."""
+    if spec.source != "factory" or not spec.seq_len or spec.seq_len == s.seq_len:
+        return s
+    return replace(s, seq_len=spec.seq_len)
 
 
 def _flatten(model: str, loaded: _Loaded, s: ConvertSettings) -> Any:
