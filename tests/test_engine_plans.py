@@ -153,10 +153,10 @@ def test_the_host_probe_times_per_op_host_work() -> None:
                 pass
             return func(*args, **(kwargs or {}))
 
-    plain = host_probe()
+    plain = min(host_probe() for _ in range(3))  # the least of 3: a neighbour's burst on the shared cores inflates one
     with Slower():
-        hooked = host_probe()
-    assert plain > 0 and hooked > 1.5 * plain
+        hooked = min(host_probe() for _ in range(3))
+    assert plain > 0 and hooked > 1.5 * plain, (plain, hooked)
     assert describe_device(torch.device("cpu")).host_probe > 0
     with torch.inference_mode():  # a caller's mode does not change what it times
         assert host_probe() > 0
