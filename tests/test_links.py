@@ -70,18 +70,29 @@ def test_the_count_exchange_is_charged_once_per_moe_layer_per_microbatch(microba
 
 
 def test_a_cpu_profiles_tp_pays_its_measured_latency_per_collective() -> None:
-    """Per decoder layer at tp 2: one forward all-reduce at the measured all-reduce α, one all-gather at
-    the all-gather's, two backward all-reduces; under sequence parallelism each all-reduce is a
-    reduce-scatter + all-gather, their two αs. node_tp_view takes the measured all-reduce bandwidth.
-    (Dense layers: a MoE layer runs whole on every tp rank and pays none.)"""
+    """Per decoder layer at tp 2 (TP: one rowwise output, two colwise inputs, one gathered output): one
+    forward all-reduce at the measured all-reduce α, one all-gather at the all-gather's, two backward
+    all-reduces. Under sequence parallelism each all-reduce is a reduce-scatter + all-gather, their
+    two αs, in the pass each runs in: a middle layer's rowwise output reduce-scatters forward and
+    all-gathers its gradient backward, its colwise inputs all-gather forward and reduce-scatter
+    backward; the first layer takes the data whole (its colwise inputs all-reduce backward); the
+    last gathers its input whole on entry and all-reduces its output and its inputs' gradients.
+    node_tp_view takes the measured all-reduce bandwidth. (Dense layers: a MoE layer runs whole on
+    every tp rank and pays none.)"""
     cpu = _profile(CPU, moe_layers=0)
+    three = replace(cpu, layers=tuple(replace(cpu.layers[0], index=i) for i in range(3)))
     bw = 1e12  # the bytes' share out of the way: the latencies alone
     zero, q = at_tp(cpu, 2, bandwidth=bw, latency=0.0).layers[0], at_tp(cpu, 2, bandwidth=bw).layers[0]
     assert q.forward_time - zero.forward_time == pytest.approx(AR + AG, rel=1e-6)
     assert q.backward_time - zero.backward_time == pytest.approx(2 * AR, rel=1e-6)
-    sp0 = at_tp(cpu, 2, bandwidth=bw, latency=0.0, sequence_parallel=True).layers[0]
-    sp = at_tp(cpu, 2, bandwidth=bw, sequence_parallel=True).layers[0]
-    assert sp.forward_time - sp0.forward_time == pytest.approx(RS + AG + AG, rel=1e-6)
+    sp0 = at_tp(three, 2, bandwidth=bw, latency=0.0, sequence_parallel=True).layers
+    sp = at_tp(three, 2, bandwidth=bw, sequence_parallel=True).layers
+    added = [(a.forward_time - b.forward_time, a.backward_time - b.backward_time) for a, b in zip(sp, sp0)]
+    assert added[0] == (pytest.approx(RS + AG, rel=1e-6), pytest.approx(AG + 2 * AR, rel=1e-6))  # first
+    assert added[1] == (pytest.approx(RS + 3 * AG, rel=1e-6), pytest.approx(AG + 2 * RS, rel=1e-6))  # middle
+    assert added[2] == (pytest.approx(AR + 2 * AG, rel=1e-6), pytest.approx(2 * AR, rel=1e-6))  # last
+    counts = [(t.forward_collectives, t.backward_collectives) for t in tp_terms(three, 2, bandwidth=bw, sequence_parallel=True)]
+    assert counts == [(2, 3), (4, 3), (3, 2)], counts
     d = tp_terms(cpu, 2, bandwidth=BW_AR)[0]
     assert d.forward_collective == pytest.approx(ring_all_reduce(4096, 2, BW_AR, AR) + ring_all_gather(1024, 2, BW_AR, AG))
     node = node_tp_view(cpu, 2, gpus=2).layers[0]  # the measured all-reduce bandwidth, not topology's 5 GB/s

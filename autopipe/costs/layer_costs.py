@@ -56,6 +56,10 @@ class TpShape:
     gather_forward: tuple[int, ...] = ()
     divisor: int = 0  # a degree must divide it (sharded features, attention heads); 0: nothing to shard
     source: str = "traced"
+    # bytes of the floating [batch, seq, ...] tensors the layer outputs (the residual stream): what
+    # sequence parallelism sends as pieces and a layer gathers whole (0: not recorded; the price then
+    # takes the layer's whole output_bytes)
+    sequence_bytes: int = 0
     # measured on the profile's host (autopipe.runtime.checks.tp_timing): (degree, sequence parallel,
     # forward ratio, backward ratio), the layer's seconds as the runtime runs it at that degree (DTensor,
     # collectives left out) over its seconds at tp 1, timed beside each other; where one is recorded for

@@ -32,7 +32,13 @@ per-collective latency: ``TP_LATENCY`` (NVLink's) on a GPU; on a CPU profile its
 figures, measured once per host (``DeviceInfo.links``, autopipe/runtime/checks/links.py: α ≈ 0.5 ms
 for an all-reduce, 0.3 ms for an all-gather on a 2026 Xeon, bench/results/gloo-links.md), each
 collective its own α. Under sequence parallelism each all-reduce becomes a reduce-scatter plus an
-all-gather of the same tensor: the same 2(t−1)/t·B bytes per link, two latencies. The collectives
+all-gather of the same tensor: the same 2(t−1)/t·B bytes per link, two latencies, split between the
+passes by the side of the layer it sits on (a rowwise output leaving as sequence pieces: reduce-scatter
+forward, all-gather of its gradient backward; a colwise input arriving as pieces: all-gather forward,
+reduce-scatter of its partial gradient backward). The first layer takes the data whole; the last
+gathers its pieces whole on entry (one all-gather) and all-reduces its colwise inputs' gradients whole.
+Each layer's count and bytes are those it issues, per pass (tests/test_tensor_parallel.py counts them
+on a fake process group). The collectives
 sit on the layer's critical path (the next op needs their result), so they are added to the layer's
 forward and backward seconds; the zero-bubble split charges the backward's to the input-gradient pass.
 
@@ -61,8 +67,15 @@ MoE layers (a layer with a MoeShape) run replicated over tp: their experts call 
 (grouped_mm, or the eager loop's data-dependent ``nonzero``; under expert parallelism the experts call
 dispatches plain tensors), so autopipe.runtime.stage.tensor_parallel runs the whole layer on every tp
 rank, attention included. They are priced so: whole compute, whole memory, no collectives (a ratio
-timed at t still applies). Under sequence parallelism such a layer also gathers its sequence
-inputs whole, which is left unpriced.
+timed at t still applies). Under sequence parallelism such a layer gathers its sequence input whole
+in forward and its output's gradient whole in backward (one all-gather each, of the residual
+stream's bytes: ``TpShape.sequence_bytes``).
+
+Not priced as run: a tied tensor whose layers shard it differently (GPT-2's embedding, Shard(0) of
+the vocabulary, and its head, colwise) is replicated by the runtime, both layers then issuing no
+collectives for it; the price still counts the embedding's all-reduces and the head's gather and
+all-reduce (GPT-2 at tp 2: 4 a micro-batch priced for those two layers, 0 issued; under SP 7 priced,
+2 issued, and each block issues 2 all-reduces forward where 4 collectives are priced: its fused qkv).
 
 t = 1 returns the profile itself (the same object): today's numbers, exactly.
 """
@@ -177,25 +190,85 @@ def tp_latencies(profile: Profile, latency: float | None = None) -> tuple[float,
             link_latency(profile, "reduce_scatter", TP_LATENCY))  # fmt: skip
 
 
-def _collectives(shape: TpShape | None, t: int, sp: bool, bw: float,
-                 lat: tuple[float, float, float]) -> tuple[float, float, int, int, int, int]:  # fmt: skip
-    """(forward s, backward s, forward bytes, backward bytes, forward count, backward count)."""
-    if shape is None or t == 1:
+@dataclass(frozen=True)
+class _Sides:
+    """Where a layer sits in the sequence under sequence parallelism (the runtime's rule,
+    autopipe.runtime.stage.tensor_parallel): the first layer takes the data whole and sends its
+    output as sequence pieces; the last takes pieces, gathers them whole on entry and gives the loss
+    whole outputs; every other layer takes and sends pieces. ``in_bytes``: its input activation whole."""
+
+    in_pieces: bool
+    out_pieces: bool
+    in_bytes: int
+
+
+def _sequence_bytes(l: LayerCost) -> int:
+    """The bytes of the layer's outputs that travel as sequence pieces (its whole output where the
+    profile recorded no split)."""
+    return l.tp.sequence_bytes if l.tp is not None and l.tp.sequence_bytes else l.output_bytes
+
+
+def _sides(profile: Profile, i: int) -> _Sides:
+    n = len(profile.layers)
+    in_bytes = _sequence_bytes(profile.layers[i - 1]) if i > 0 else profile.input_bytes
+    return _Sides(in_pieces=i > 0, out_pieces=i < n - 1, in_bytes=in_bytes)
+
+
+def _collectives(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float],
+                 sides: _Sides) -> tuple[float, float, int, int, int, int]:  # fmt: skip
+    """(forward s, backward s, forward bytes, backward bytes, forward count, backward count) of the
+    collectives layer ``l`` adds at degree t, as the runtime issues them (counted per layer on a fake
+    process group: tests/test_tp.py).
+
+    Without sequence parallelism: an all-reduce per rowwise output (forward) and per distinct colwise
+    input (backward), an all-gather per gathered colwise output. Under it each all-reduce splits by
+    which side of the layer it sits on: a rowwise output leaving as sequence pieces is reduce-scattered
+    in forward, its gradient all-gathered in backward; a colwise input arriving as pieces is
+    all-gathered in forward, its partial gradient reduce-scattered in backward (the same 2(t−1)/t·B
+    bytes per link as the all-reduce, two latencies). The last layer gathers its pieces whole on entry
+    (one more all-gather forward), so its colwise inputs' gradients are all-reduced whole. A layer run
+    replicated (a MoE block) gathers its sequence input whole in forward and its output's gradient in
+    backward, nothing else."""
+    ar, ag, rs = lat
+    shape = _as_run(l)
+    if t == 1 or (shape is None and not (sp and l.moe is not None)):
         return 0.0, 0.0, 0, 0, 0, 0
-    per = 2 if sp else 1  # reduce-scatter + all-gather instead of one all-reduce: same bytes, two latencies
-    ar = lat[2] + lat[1] if sp else lat[0]
-    fwd = sum(ring_all_reduce(b, t, bw, ar) for b in shape.allreduce_forward)
-    fwd += sum(ring_all_gather(b, t, bw, lat[1]) for b in shape.gather_forward)
-    bwd = sum(ring_all_reduce(b, t, bw, ar) for b in shape.allreduce_backward)
-    fb = sum(shape.allreduce_forward) + sum(shape.gather_forward)
-    return (fwd, bwd, fb, sum(shape.allreduce_backward),
-            per * len(shape.allreduce_forward) + len(shape.gather_forward), per * len(shape.allreduce_backward))
+    fwd: list[tuple[str, int]] = []  # (kind, whole bytes)
+    bwd: list[tuple[str, int]] = []
+    if shape is None:  # replicated over tp, under sequence parallelism
+        if sides.in_pieces:
+            fwd.append(("ag", sides.in_bytes))
+        if sides.out_pieces:
+            bwd.append(("ag", _sequence_bytes(l)))
+    else:
+        for b in shape.allreduce_forward:
+            if sp and sides.out_pieces:
+                fwd.append(("rs", b))
+                bwd.append(("ag", b))
+            else:
+                fwd.append(("ar", b))
+        gathered = sp and sides.in_pieces and not sides.out_pieces  # the last layer: pieces made whole on entry
+        if gathered:
+            fwd.append(("ag", sides.in_bytes))
+        for b in shape.allreduce_backward:
+            if sp and sides.in_pieces and not gathered:
+                fwd.append(("ag", b))
+                bwd.append(("rs", b))
+            else:
+                bwd.append(("ar", b))
+        fwd += [("ag", b) for b in shape.gather_forward]
+
+    def seconds(ops: list[tuple[str, int]]) -> float:
+        return sum(ring_all_reduce(b, t, bw, ar) if k == "ar" else ring_all_gather(b, t, bw, ag if k == "ag" else rs)
+                   for k, b in ops)  # a reduce-scatter moves what an all-gather does, the other way
+
+    return (seconds(fwd), seconds(bwd), sum(b for _, b in fwd), sum(b for _, b in bwd), len(fwd), len(bwd))
 
 
-def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float]) -> LayerCost:
+def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float], sides: _Sides) -> LayerCost:
     kf, kb, kp, ka, rho = _factors(_as_run(l), t, sp)
     sf, sb = _seconds_factors(l.tp, t, sp, kf, kb)  # FLOPs still divide by the shares
-    cf, cb, *_ = _collectives(_as_run(l), t, sp, bw, lat)
+    cf, cb, *_ = _collectives(l, t, sp, bw, lat, sides)
 
     def b(x: int, k: float) -> int:
         return int(round(x * k))
@@ -258,7 +331,7 @@ def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidt
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is profile:
         return hit[1]
-    layers = tuple(_layer(l, t, sequence_parallel, bandwidth, lat) for l in profile.layers)
+    layers = tuple(_layer(l, t, sequence_parallel, bandwidth, lat, _sides(profile, i)) for i, l in enumerate(profile.layers))
     tied_k: dict[str, float] = {}
     for l in profile.layers:
         kp = _factors(_as_run(l), t, sequence_parallel)[2]
@@ -285,10 +358,10 @@ def tp_terms(profile: Profile, t: int, *, sequence_parallel: bool = False, bandw
     check_tp(profile, t)
     lat = tp_latencies(profile, latency)
     out = []
-    for l in profile.layers:
+    for i, l in enumerate(profile.layers):
         kf, kb, kp, ka, _ = _factors(_as_run(l), t, sequence_parallel)
         sf, sb = _seconds_factors(l.tp, t, sequence_parallel, kf, kb)
-        cf, cb, fb, bb, nf, nb = _collectives(_as_run(l), t, sequence_parallel, bandwidth, lat)
+        cf, cb, fb, bb, nf, nb = _collectives(l, t, sequence_parallel, bandwidth, lat, _sides(profile, i))
         out.append(TpTerms(l.index, l.name, (l.forward_time + l.forward_gap) * sf, (l.backward_time + l.backward_gap) * sb,
                            cf, cb, fb, bb, nf, nb, int(round(l.param_bytes * kp)), int(round(l.activation_bytes * ka))))  # fmt: skip
     return out

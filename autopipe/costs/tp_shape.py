@@ -182,8 +182,10 @@ def tp_shape(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str) -> TpS
             break
         gathered |= more
     mms = [i for i, r in role.items() if r in ("col", "row", "emb")]
+    seq_bytes = sum(tensor_bytes(t) for t in tree_flatten(out)[0]
+                    if isinstance(t, Tensor) and t.is_floating_point() and t.dim() == 3)
     if not mms:
-        return TpShape(source="traced")
+        return TpShape(source="traced", sequence_bytes=seq_bytes)
     total_f = sum(op.seconds for op in ops) or 1.0
     split_f = sum(op.seconds for i, op in enumerate(ops) if i in role) / total_f
     sharded_w = {ops[i].weight for i in mms} | {ops[i].bias for i in mms if role[i] == "col" and i not in gathered and ops[i].bias}
@@ -211,7 +213,8 @@ def tp_shape(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str) -> TpS
         total_b = sum(op.seconds for op in bwd.ops) or 1.0
         split_b = sum(op.seconds for i, op in enumerate(bwd.ops) if i in b_role) / total_b
     return TpShape(split_forward=split_f, split_backward=split_b, param_share=param_share, activation_share=act_share,
-                   allreduce_forward=ar_fwd, allreduce_backward=ar_bwd, gather_forward=gather, divisor=divisor)  # fmt: skip
+                   allreduce_forward=ar_fwd, allreduce_backward=ar_bwd, gather_forward=gather, divisor=divisor,
+                   sequence_bytes=seq_bytes)  # fmt: skip
 
 
 def layer_tp_shape(work: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str, amp: Any = None) -> TpShape | None:
