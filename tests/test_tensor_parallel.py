@@ -614,3 +614,44 @@ def test_each_layer_issues_the_collectives_its_price_counts(name: str, sp: bool)
     finally:
         dist.destroy_process_group()
     assert issued_any >= 3, issued_any
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_identical_layers_are_tried_on_dtensors_once(monkeypatch: pytest.MonkeyPatch, sp: bool) -> None:
+    """plan_tensor_parallel tries each layer on meta DTensors before any step (a layer DTensor cannot
+    run is run replicated). Identical layers (one structure key) placed alike are tried once: a
+    4-block Llama makes 4 trials (embedding, a block, norm, head), not 7, and the layout (placements,
+    replicated layers and why) is the one trying every layer gives. The same for Qwen3-MoE's blocks,
+    which run replicated."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopipe.runtime.stage import tensor_parallel as tpmod
+
+    calls: list[int] = []
+    real = tpmod._meta_trial
+    monkeypatch.setattr(tpmod, "_meta_trial", lambda *a, **k: calls.append(1) or real(*a, **k))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        for name, blocks, distinct in (("llama", 4, 4), ("qwen3_moe", 2, 4)):
+            import transformers
+
+            model, args, kwargs = getattr(tp_models, name)(ROWS)
+            if blocks != model.config.num_hidden_layers:  # the same tiny Llama, 4 decoder blocks
+                config = model.config
+                config.num_hidden_layers = blocks
+                model = transformers.LlamaForCausalLM(config)
+            seq = flatten(model, args, kwargs)
+            calls.clear()
+            once = tpmod.plan_tensor_parallel(seq, model, 2, mesh, sequence_parallel=sp)
+            tried = len(calls)
+            for info in seq.infos:  # no two layers alike: every layer tried
+                object.__setattr__(info, "structure", "")
+            calls.clear()
+            each = tpmod.plan_tensor_parallel(seq, model, 2, mesh, sequence_parallel=sp)
+            assert (tried, len(calls)) == (distinct, len(seq.layers)), (name, tried, len(calls))
+            assert (once.dims, once.replicated, once.kinds) == (each.dims, each.replicated, each.kinds), name
+    finally:
+        dist.destroy_process_group()
