@@ -34,6 +34,7 @@ from .accounting import (
 )
 from .devices import describe_device, device_spec, rank_threads, dtype_name, slow_16bit_cpu_note, steady_heap
 from .estimate import data_free, estimate_layer, meta_copy
+from ..graph.tp_plan import whole_weights
 from .tp_shape import layer_tp_shape
 from .in_model import InModelTiming, charge_in_model, time_in_model
 from .layer_costs import LayerCost, Profile, optimizer_state_factor
@@ -148,7 +149,7 @@ def profile(
         with StateGuard(layers), run.no_data():
             x = _to(x, run.device, estimate=estimate)
             first = x
-            walk = _Walk(run, infos, x)
+            walk = _Walk(run, infos, x, whole_weights(seq) if tp_shapes else None)
             with shown.phase("profile", total=len(layers), unit=f"layers {verb}", total_work=sum(weights)) as phase:
                 for i, layer in enumerate(layers):
                     try:
@@ -264,8 +265,11 @@ class _Run:
 class _Walk:
     """The sequence run once, layer after layer, each output feeding the next layer: what each costs."""
 
-    def __init__(self, run: _Run, infos: list[Any], first_input: Value) -> None:
+    def __init__(self, run: _Run, infos: list[Any], first_input: Value,
+                 whole: list[frozenset[str]] | None = None) -> None:  # fmt: skip
         self.run, self.infos = run, infos
+        # per layer, the parameters tensor parallelism keeps whole (graph.tp_plan.whole_weights)
+        self.whole = whole or [frozenset()] * len(infos)
         n = len(infos)
         # one ledger per recompute mode: what the layers keep for backward, each storage charged once
         self.ledgers = {mode: Ledger(n, as_tuple(first_input)) for mode in RECOMPUTE_MODES}
@@ -288,12 +292,12 @@ class _Walk:
         snapshot = [] if is_copy else StateGuard.snapshot_buffers(work)
         work.train()  # profile what training runs: dropout on, batch statistics
         structure = info.structure if info is not None else ""
-        key = (structure, _signature(x)) if structure else None
+        key = (structure, _signature(x), len(self.whole[i])) if structure else None
         timing = self.measured.get(key) if key is not None else None
         source = "reused" if timing is not None else ("estimated" if run.estimate else "measured")
         with run.autocast():
             if timing is None:
-                timing = _cost_layer(work, x, run)
+                timing = _cost_layer(work, x, run, self.whole[i])
                 if key is not None:
                     self.measured[key] = timing
             inputs = {storage_key(t) for t in as_tuple(x)}
@@ -357,7 +361,7 @@ class _Walk:
         return tuple(layer_cost(c, self.ledgers) for c in self.costs)
 
 
-def _cost_layer(work: nn.Module, x: Value, run: _Run) -> dict[str, Any]:
+def _cost_layer(work: nn.Module, x: Value, run: _Run, whole: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Seconds of one layer: forward, backward, its split for zero-bubble schedules, each recompute
     mode's extra backward; and what a unit waiting for its weight pass holds (zbv's memory)."""
     device, warmup, repeats = run.device, run.warmup, run.repeats
@@ -370,20 +374,20 @@ def _cost_layer(work: nn.Module, x: Value, run: _Run) -> dict[str, Any]:
         hold = {mode: weight_hold_change(work, x, mode=mode) for mode in ("none", "full")}
         return dict(forward_time=est.forward_time, backward_time=est.backward_time, flops=est.forward_flops,
                     recompute_time=est.recompute_time, hold_change={m: d for m, d in hold.items() if d is not None},
-                    tp=layer_tp_shape(work, x, spec=run.spec, dtype=dtype) if run.tp_shapes else None)
+                    tp=layer_tp_shape(work, x, spec=run.spec, dtype=dtype, whole=whole) if run.tp_shapes else None)
     t = time_layer(work, x, device=device, warmup=warmup, repeats=repeats)
     # what recomputation adds to the backward, timed beside a plain backward (measure.recompute_extras)
     extra = recompute_extras(work, x, RECOMPUTE_MODES[1:], device=device, warmup=warmup, repeats=repeats)
     split = time_split(work, x, device=device, warmup=warmup, repeats=repeats) or (0.0, 0.0)
     # what a unit waiting for its weight pass holds beyond its forward's bytes, per mode (zbv's memory)
     hold = {mode: weight_hold_change(work, x, mode=mode) for mode in RECOMPUTE_MODES}
-    return dict(forward_time=t.forward, backward_time=t.backward, tp=_measured_tp_shape(work, x, run) if run.tp_shapes else None,
+    return dict(forward_time=t.forward, backward_time=t.backward, tp=_measured_tp_shape(work, x, run, whole) if run.tp_shapes else None,
                 forward_spread=t.forward_spread, backward_spread=t.backward_spread, recompute_time=extra,
                 backward_input_time=split[0], backward_weight_time=split[1],
                 hold_change={m: d for m, d in hold.items() if d is not None})
 
 
-def _measured_tp_shape(work: nn.Module, x: Value, run: _Run) -> Any:
+def _measured_tp_shape(work: nn.Module, x: Value, run: _Run, whole: frozenset[str] = frozenset()) -> Any:
     """A measured layer's TpShape: the same data-free trace (autopipe.costs.tp_shape) on fake copies of
     the layer and its input, in the dtype autocast runs the matmuls in, priced by the H100 roofline
     (only its shares are kept; the layer's own measured seconds are what they divide)."""
@@ -394,7 +398,7 @@ def _measured_tp_shape(work: nn.Module, x: Value, run: _Run) -> Any:
             fake = meta_copy(work, dtype=dtype, device=run.device)
             fx = tuple(data_free(t, run.device, dtype) if isinstance(t, torch.Tensor) else t for t in as_tuple(x))
             fx = fx[0] if not isinstance(x, tuple) else fx
-            return layer_tp_shape(fake, fx, spec=spec, dtype=dtype_name(dtype))
+            return layer_tp_shape(fake, fx, spec=spec, dtype=dtype_name(dtype), whole=whole)
     except Exception:  # noqa: BLE001  (no shape: the layer is priced replicated at every degree)
         return None
 

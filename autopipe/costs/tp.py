@@ -71,11 +71,12 @@ timed at t still applies). Under sequence parallelism such a layer gathers its s
 in forward and its output's gradient whole in backward (one all-gather each, of the residual
 stream's bytes: ``TpShape.sequence_bytes``).
 
-Not priced as run: a tied tensor whose layers shard it differently (GPT-2's embedding, Shard(0) of
-the vocabulary, and its head, colwise) is replicated by the runtime, both layers then issuing no
-collectives for it; the price still counts the embedding's all-reduces and the head's gather and
-all-reduce (GPT-2 at tp 2: 4 a micro-batch priced for those two layers, 0 issued; under SP 7 priced,
-2 issued, and each block issues 2 all-reduces forward where 4 collectives are priced: its fused qkv).
+Which weights are sharded follows the runtime's plan (autopipe.graph.tp_plan.whole_weights: the
+model's HF tp_plan or the derived one, tied tensors agreeing on one placement), so a derived plan's
+output matmul kept whole (GPT-2's head) and the embedding tied to it are priced whole, with no
+collectives. Not priced as run: GPT-2's position table, sharded on its rows, for which DTensor issues
+no collective where one all-reduce is priced (4 KiB at the tests' size); and under sequence
+parallelism GPT-2's blocks, whose fused qkv issues 2 all-reduces forward where 4 collectives are priced.
 
 t = 1 returns the profile itself (the same object): today's numbers, exactly.
 """

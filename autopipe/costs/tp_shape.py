@@ -154,9 +154,13 @@ def _propagate(ops: list[_Op], start: set[int], gathered: set[int]) -> tuple[set
     return sharded, role, paired
 
 
-def tp_shape(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str) -> TpShape:
-    """The TpShape of ``layer`` (on meta or fake tensors) on input ``x``; see the module docstring."""
+def tp_shape(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str, whole: frozenset[str] = frozenset()) -> TpShape:
+    """The TpShape of ``layer`` (on meta or fake tensors) on input ``x``; see the module docstring.
+    ``whole``: names of parameters the runtime keeps whole (autopipe.graph.tp_plan.whole_weights: a
+    derived plan's unpaired output matmul, a tied tensor whose layers disagree): their matmuls and
+    lookups are not sharded here either."""
     params = {storage_key(p): tensor_bytes(p) for p in layer.parameters()}
+    kept = {storage_key(p) for n, p in layer.named_parameters(remove_duplicate=False) if n in whole}
     saved: dict[int, int] = {}
 
     def pack(t: Tensor) -> Tensor:
@@ -174,6 +178,9 @@ def tp_shape(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str) -> TpS
         with bwd:
             torch.autograd.grad(outs, targets, grads, allow_unused=True)
     ops = fwd.ops
+    for op in (*fwd.ops, *bwd.ops):
+        if op.kind in ("mm", "emb") and op.weight in kept:
+            op.kind = "other"  # a replicated weight: an op like any other, sharded only by a sharded input
     gathered: set[int] = set()
     for _ in range(8):  # a colwise op no rowwise one pairs with gathers its output; until nothing changes
         sharded, role, paired = _propagate(ops, set(), gathered)
@@ -217,10 +224,11 @@ def tp_shape(layer: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str) -> TpS
                    sequence_bytes=seq_bytes)  # fmt: skip
 
 
-def layer_tp_shape(work: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str, amp: Any = None) -> TpShape | None:
+def layer_tp_shape(work: nn.Module, x: Value, *, spec: DeviceSpec, dtype: str, amp: Any = None,
+                   whole: frozenset[str] = frozenset()) -> TpShape | None:  # fmt: skip
     """``tp_shape`` of a layer as the profiler holds it, or None where it cannot be traced data-free."""
     try:
-        return tp_shape(work, x, spec=spec, dtype=dtype)
+        return tp_shape(work, x, spec=spec, dtype=dtype, whole=whole)
     except Exception:  # noqa: BLE001  (a layer that cannot be followed is priced replicated: no shape)
         return None
 

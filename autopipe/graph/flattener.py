@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import operator
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -293,6 +294,8 @@ def _flatten_program(
                         notes=attention.notes)
     seq.attention = attention
     seq.layer_entries = _layer_entries(segments)
+    hf_plan = getattr(model, "_tp_plan", None)  # what tensor parallelism shards by (graph.tp_plan.whole_weights)
+    seq.hf_tp_plan = dict(hf_plan) if isinstance(hf_plan, Mapping) else {}
     return seq
 
 

@@ -33,7 +33,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["KINDS", "hf_kind", "shard_dims", "tp_plan"]
+__all__ = ["KINDS", "agree_on_tied_dims", "hf_kind", "shard_dims", "tp_plan", "whole_weights"]
 
 KINDS = ("colwise", "rowwise", "replicate", "vocab")
 
@@ -211,3 +211,34 @@ def shard_dims(layer: Any, plan: Mapping[str, str], tp: int) -> dict[str, int | 
             dim = None
         out[name] = dim
     return out
+
+
+def agree_on_tied_dims(tied: Any, dims: dict[str, int | None]) -> None:
+    """A tied tensor has one placement: where the layers sharing it would split it differently (GPT-2's
+    vocab-sharded embedding and its head, which the derived plan keeps whole), every name of it is
+    replicated. ``dims``: name -> shard dim (None: replicated), updated in place."""
+    for group in tied:
+        seen = {dims.get(n) for n in group.names if n in dims}
+        if len(seen) > 1:
+            for n in group.names:
+                if n in dims:
+                    dims[n] = None
+
+
+def whole_weights(seq: Any) -> list[frozenset[str]] | None:
+    """Per layer of ``seq``, the parameters tensor parallelism keeps whole on every rank, as
+    autopipe.runtime.stage.tensor_parallel plans them: the model's HF ``tp_plan`` (recorded by flatten
+    as ``seq.hf_tp_plan``) or the plan derived from the graph, tied tensors agreeing on one placement.
+    What the price of a layer at tp follows (autopipe.costs.tp_shape). None: the sequence records no
+    plan source (made before flatten recorded it)."""
+    hf = getattr(seq, "hf_tp_plan", None)
+    if hf is None:
+        return None
+    dims: dict[str, int | None] = {}
+    per_layer: list[list[str]] = []
+    for layer in seq.layers:
+        kinds = tp_plan(layer, hf or None)
+        dims.update(shard_dims(layer, kinds, 1))
+        per_layer.append(list(kinds))
+    agree_on_tied_dims(getattr(seq, "tied", ()), dims)
+    return [frozenset(n for n in names if dims.get(n) is None) for names in per_layer]

@@ -86,7 +86,7 @@ from torch.utils import _pytree as pytree
 
 from ...errors import AutopipeError
 from ...graph.rng import draws_random
-from ...graph.tp_plan import shard_dims, tp_plan
+from ...graph.tp_plan import agree_on_tied_dims, shard_dims, tp_plan
 
 __all__ = ["TPLayout", "apply_tensor_parallel_", "check_heads", "plan_tensor_parallel", "reduce_partial_grads_",
            "replicated_over_tp", "sequence_length", "sequence_positions", "settle_partials_", "shard_layer_",
@@ -258,11 +258,7 @@ def _agree_on_tied(seq: Any, layout: TPLayout) -> None:
                     if i not in layout.replicated:
                         layout.replicated[i] = f"shares {group.canonical} with a replicated layer"
                         changed = True
-    for group in seq.tied:
-        dims = {layout.dims.get(n) for n in group.names if n in layout.dims}
-        if len(dims) > 1:
-            for n in group.names:
-                layout.dims[n] = None
+    agree_on_tied_dims(seq.tied, layout.dims)
 
 
 def _placements(dim: int | None) -> list[Any]:
