@@ -129,3 +129,22 @@ def test_convert_gpus_emits_the_best_layout(tmp_path, monkeypatch) -> None:
 
 
 FACTORY = net_factory_source(batch_size=1)
+
+
+def test_a_model_tp_shards_nothing_gets_no_tp(tmp_path, monkeypatch) -> None:
+    """The MLP above is single Linears, no colwise→rowwise pair and no HF tp_plan: the runtime would run
+    every layer whole on each tp rank. convert --tp 2 says so in one line (nothing written), and
+    --gpus searches no tp degree for it (it used to price each Linear as a divided colwise matmul and
+    pick tp 4 on 4 devices)."""
+    monkeypatch.chdir(tmp_path)
+    factory = tmp_path / "tiny.py"
+    factory.write_text(FACTORY)
+    result = runner.invoke(app, ["convert", f"{factory}:build", "--stages", "1", "--tp", "2", "--estimate",
+                                 "--reserve", "0", "--out", "job"], env={"COLUMNS": "250"})  # fmt: skip
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "tensor parallelism shards no weight of this model" in result.output and not Path("job").exists()
+    result = runner.invoke(app, ["convert", f"{factory}:build", "--gpus", "4", "--gpus-per-node", "4", "--global-batch",
+                                 "8", "--estimate", "--memory-limit", "none", "--reserve", "0", "--out", "job2"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(Path("job2/plan.json").read_text()).get("tp", 1) == 1
+    assert all(layout.tp == 1 for layout in SearchResult.load("job2/plan.search.json").layouts)

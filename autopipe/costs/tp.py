@@ -128,8 +128,9 @@ class TpTerms:
 
 
 def check_tp(profile: Profile, t: int) -> None:
-    """Refuse a degree the profile cannot be split at: t < 1, no tp shapes recorded, or a layer whose
-    sharded dimensions (features, attention heads) t does not divide. One line, what to do."""
+    """Refuse a degree the profile cannot be split at: t < 1, no tp shapes recorded, no weight tp
+    shards, or a layer whose sharded dimensions (features, attention heads) t does not divide. One
+    line, what to do."""
     if not isinstance(t, int) or t < 1:
         raise PartitionError(f"tensor-parallel degree {t!r}: use a whole number >= 1 (1, 2, 4 or 8).")
     if t == 1:
@@ -138,6 +139,12 @@ def check_tp(profile: Profile, t: int) -> None:
         raise PartitionError(f"tp {t}: this profile records no tensor-parallel shapes (made before they were, "
                              "by convert without --tp, or from plain numbers); profile the model again (autopipe "
                              "profile records them), or use --tp 1.")
+    if not any(l.tp is not None and l.tp.param_share > 0 and _as_run(l) is not None for l in profile.layers):
+        # every weight kept whole (no colwise→rowwise pair, no HF tp_plan entry): each tp rank would run
+        # the whole model, dividing nothing
+        raise PartitionError(f"tp {t}: tensor parallelism shards no weight of this model (no colwise→rowwise "
+                             "matmul pair and no HF tp_plan entry; every layer would run whole on each tp rank); "
+                             "use --tp 1 and replicas (--dp) or stages instead.")
     for l in profile.layers:
         if l.tp is not None and l.tp.divisor and l.tp.divisor % t:
             raise PartitionError(f"tp {t} does not divide layer {l.index} ({l.name})'s sharded dimensions "
