@@ -36,10 +36,12 @@ def test_deepspeed_job_clips_by_the_whole_models_norm(torchrun: Launcher, tmp_pa
     tiny_gpt2_job(tmp_path, layers=4, microbatches=MICRO, rows=ROWS, seq=SEQ)
     run = tmp_path / "run"
     run.mkdir()
-    torchrun(tmp_path / "train.py", "--engine", "deepspeed", "--steps", 1, "--grad-clip", CLIP, "--plan", "even",
-             "--ckpt-dir", run / "ckpt", "--log-json", run / "log.json", nproc=2, cwd=run,
-             env={"AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_GRADS_AT": "clipped"},
-             pythonpath=[Path(__file__).parent / "probes"])  # fmt: skip
+    ran = torchrun(tmp_path / "train.py", "--engine", "deepspeed", "--steps", 1, "--grad-clip", CLIP, "--plan", "even",
+                   "--ckpt-dir", run / "ckpt", "--log-json", run / "log.json", nproc=2, cwd=run,
+                   env={"AUTOPIPE_TEST_GRADS": str(run), "AUTOPIPE_TEST_GRADS_AT": "clipped"},
+                   pythonpath=[Path(__file__).parent / "probes"])  # fmt: skip
+    # DeepSpeed says "... deepspeed_shm_comm_op built successfully" where it builds (or loads) that op
+    assert "shm_comm" not in ran.stdout + ran.stderr, (ran.stdout + ran.stderr)[-2000:]
 
     source = model_factory(str(tmp_path / "tiny"), batch_size=ROWS, seq_len=SEQ)
     model = build_reference(source.factory, seed=0)
@@ -66,3 +68,22 @@ def test_deepspeed_job_clips_by_the_whole_models_norm(torchrun: Launcher, tmp_pa
     assert math.sqrt(sum(float(g.double().pow(2).sum()) for g in joint.values())) == pytest.approx(CLIP, rel=1e-5)
     logged = json.loads((run / "log.json").read_text().splitlines()[0])
     assert logged["grad_norm"] == pytest.approx(whole, rel=1e-5)
+
+
+def test_a_cpu_deepspeed_job_does_not_compile_the_shared_memory_all_reduce() -> None:
+    """DeepSpeed's torch backend compiles ``deepspeed_shm_comm`` (its inference all-reduce) at the first
+    init_distributed on a CPU whose compiler flags it has not built for: 76 s of one CI run's first
+    DeepSpeed test. The CPU trainer marks the op incompatible first (skip_shm_comm_build), so DeepSpeed's
+    own build step returns no op, and the job runs every collective on gloo."""
+    import deepspeed
+    from deepspeed.comm.torch import build_shm_op
+
+    from autopipe.runtime.deepspeed_engine.trainer import skip_shm_comm_build
+
+    table = deepspeed.ops.__compatible_ops__
+    was = table.get("deepspeed_shm_comm")
+    try:
+        skip_shm_comm_build(deepspeed)
+        assert table["deepspeed_shm_comm"] is False and build_shm_op() is None
+    finally:
+        table["deepspeed_shm_comm"] = was

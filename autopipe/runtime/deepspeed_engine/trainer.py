@@ -119,6 +119,8 @@ class DeepSpeedTrainer:
         device = rank_device()
         if "WORLD_SIZE" not in os.environ:  # plain `python train.py`: a one-rank world
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+        if device.type != "cuda":
+            skip_shm_comm_build(deepspeed)
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         world, dp = dist.get_world_size(), args.dp
         if dp < 1 or world % dp:
@@ -430,3 +432,19 @@ def _ds_save(engine: Any, root: str, step: int, *, keep: int, data: dict[str, An
     if rank == 0 and keep > 0:
         for stale in _ds_tags(Path(root))[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def skip_shm_comm_build(deepspeed: Any) -> None:
+    """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce at init.
+
+    DeepSpeed compiles ``deepspeed_shm_comm`` (the all-reduce its inference engine calls) in every
+    process's first ``init_distributed`` on a CPU. That build is not cached across compiler flags:
+    about 70 s on 2 cores (a CI run's first DeepSpeed test took 79 s, 3 s otherwise). A training job
+    here talks over gloo and never calls the op. So it is marked incompatible in DeepSpeed's table of
+    buildable ops, ``deepspeed.ops.__compatible_ops__``. That table is one mutable dict by design ("edits
+    to it persist"). Its torch backend then skips the build and runs every collective on gloo, as it
+    does where the op cannot build.
+    """
+    table = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(table, dict):
+        table["deepspeed_shm_comm"] = False
