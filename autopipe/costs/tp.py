@@ -38,7 +38,7 @@ forward, all-gather of its gradient backward; a colwise input arriving as pieces
 reduce-scatter of its partial gradient backward). The first layer takes the data whole; the last
 gathers its pieces whole on entry (one all-gather) and all-reduces its colwise inputs' gradients whole.
 Each layer's count is what it issues, per pass (tests/test_tensor_parallel.py counts them on a fake
-process group), but for the two cases below. The collectives
+process group), but for the case below. The collectives
 sit on the layer's critical path (the next op needs their result), so they are added to the layer's
 forward and backward seconds; the zero-bubble split charges the backward's to the input-gradient pass.
 
@@ -75,10 +75,8 @@ Which weights are sharded follows the runtime's plan (autopipe.graph.tp_plan.who
 model's HF tp_plan or the derived one, tied tensors agreeing on one placement), so a derived plan's
 output matmul kept whole (GPT-2's head) and the embedding tied to it are priced whole, with no
 collectives. Not priced as run (counted per layer by torch's CommDebugMode on a fake process group:
-tests/test_tensor_parallel.py): a gathered head in the last layer (HF's colwise_gather_output, with
-the loss beside it) issues 2 all-gathers forward where 1 is priced, the logits gathered, I take it,
-for the loss and again for the output; and GPT-2's fused-qkv blocks issue 3 forward and 4 backward
-where 2 and 2 are priced.
+tests/test_tensor_parallel.py): GPT-2's fused-qkv blocks issue 3 forward and 4 backward where 2 and 2
+are priced.
 
 t = 1 returns the profile itself (the same object): today's numbers, exactly.
 """

@@ -465,12 +465,18 @@ def _is_partial(t: Any) -> bool:
 _MATMULS = {"aten.linear.default": 0, "aten.mm.default": 0, "aten.addmm.default": 1, "aten.matmul.default": 0}
 
 
-def _settle_partial(t: Any, seq_len: int) -> Any:
+def _settle_partial(t: Any, seq_len: int, last: bool = False) -> Any:
     """A matmul's partial sum (a rowwise matmul's output) summed over the tp ranks at once: whole, or
     under sequence parallelism (``seq_len`` > 0, a ``[batch, seq, hidden]`` value) reduce-scattered on
-    the sequence. Anything else passes through. Its gradient passes as it comes (Megatron's ``g``)."""
+    the sequence. Its gradient passes as it comes (Megatron's ``g``). ``last``: no matmul of the layer
+    follows this one, so a sharded output (a head's colwise logits) is gathered whole here, once: left
+    sharded, the loss beside it gathered the logits inside its op and the layer's output gathered them
+    again (2 all-gathers of the largest tensor tp moves, counted by CommDebugMode). Anything else
+    passes through."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    if last and isinstance(t, DTensor) and any(p.is_shard() for p in t.placements) and not _is_partial(t):
+        return t.redistribute(t.device_mesh, [Replicate()] * len(t.placements))
     if not _is_partial(t):
         return t
     seq = seq_len > 0 and t.dim() == 3 and t.shape[1] == seq_len
@@ -522,10 +528,12 @@ def settle_partials_(layer: nn.Module, seq_len: int = 0) -> int:
         return 0  # not a traced layer, or settled already
     done = 0
     shared: dict[torch.fx.Node, torch.fx.Node] = {}  # one gradient sum per input (q, k and v share theirs)
+    matmuls = [n for n in graph.nodes if n.op == "call_function" and str(n.target) in _MATMULS]
     for node in list(graph.nodes):
         at = _MATMULS.get(str(node.target)) if node.op == "call_function" else None
         if at is None:
             continue
+        last = not _reaches(node, set(matmuls) - {node})
         x = node.args[at] if len(node.args) > at else None
         if isinstance(x, torch.fx.Node):
             if x not in shared:
@@ -533,12 +541,25 @@ def settle_partials_(layer: nn.Module, seq_len: int = 0) -> int:
                     shared[x] = graph.call_function(_settle_input, (x, seq_len))
             node.update_arg(at, shared[x])
         with graph.inserting_after(node):
-            settled = graph.call_function(_settle_partial, (node, seq_len))
+            settled = graph.call_function(_settle_partial, (node, seq_len, last))
         node.replace_all_uses_with(settled, delete_user_cb=lambda user: user is not settled)
         done += 1
     if done:
         layer.recompile()
     return done
+
+
+def _reaches(node: torch.fx.Node, targets: set[torch.fx.Node]) -> bool:
+    """Whether any of ``targets`` uses ``node``'s value, directly or through other nodes."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n in targets:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return False
 
 
 def tp_sharded(p: torch.Tensor) -> bool:
