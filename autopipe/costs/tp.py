@@ -226,7 +226,7 @@ def _collectives(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, fl
                  sides: _Sides) -> tuple[float, float, int, int, int, int]:  # fmt: skip
     """(forward s, backward s, forward bytes, backward bytes, forward count, backward count) of the
     collectives layer ``l`` adds at degree t, as the runtime issues them (counted per layer on a fake
-    process group: tests/test_tp.py).
+    process group: tests/test_tensor_parallel.py).
 
     Without sequence parallelism: an all-reduce per rowwise output (forward) and per distinct colwise
     input (backward), an all-gather per gathered colwise output. Under it each all-reduce splits by

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import operator
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -35,6 +34,7 @@ from .sequence import (
     as_tuple,
     retarget_device_,
 )
+from .tp_plan import hf_tp_plan
 from .tracer import as_args, trace_device, trace_with_notes
 
 __all__ = ["flatten", "Granularity"]
@@ -294,8 +294,7 @@ def _flatten_program(
                         notes=attention.notes)
     seq.attention = attention
     seq.layer_entries = _layer_entries(segments)
-    hf_plan = getattr(model, "_tp_plan", None)  # what tensor parallelism shards by (graph.tp_plan.whole_weights)
-    seq.hf_tp_plan = dict(hf_plan) if isinstance(hf_plan, Mapping) else {}
+    seq.hf_tp_plan = hf_tp_plan(model)  # what tensor parallelism shards by (graph.tp_plan.whole_weights)
     return seq
 
 

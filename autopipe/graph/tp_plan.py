@@ -33,7 +33,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["KINDS", "agree_on_tied_dims", "hf_kind", "shard_dims", "tp_plan", "whole_weights"]
+__all__ = ["KINDS", "agree_on_tied_dims", "hf_kind", "hf_tp_plan", "shard_dims", "tp_plan", "whole_weights"]
 
 KINDS = ("colwise", "rowwise", "replicate", "vocab")
 
@@ -211,6 +211,12 @@ def shard_dims(layer: Any, plan: Mapping[str, str], tp: int) -> dict[str, int | 
             dim = None
         out[name] = dim
     return out
+
+
+def hf_tp_plan(model: Any) -> dict[str, str]:
+    """The model's own HuggingFace ``_tp_plan`` (module pattern -> style), or {} where it has none."""
+    plan = getattr(model, "_tp_plan", None)
+    return dict(plan) if isinstance(plan, Mapping) else {}
 
 
 def agree_on_tied_dims(tied: Any, dims: dict[str, int | None]) -> None:

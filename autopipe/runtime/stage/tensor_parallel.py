@@ -86,7 +86,7 @@ from torch.utils import _pytree as pytree
 
 from ...errors import AutopipeError
 from ...graph.rng import draws_random
-from ...graph.tp_plan import agree_on_tied_dims, shard_dims, tp_plan
+from ...graph.tp_plan import agree_on_tied_dims, hf_tp_plan, shard_dims, tp_plan
 
 __all__ = ["TPLayout", "apply_tensor_parallel_", "check_heads", "plan_tensor_parallel", "reduce_partial_grads_",
            "replicated_over_tp", "sequence_length", "sequence_positions", "settle_partials_", "shard_layer_",
@@ -140,11 +140,6 @@ def check_heads(model: nn.Module, tp: int) -> None:
                                 f"divides {heads}.")
 
 
-def _hf_plan(model: nn.Module) -> dict[str, str]:
-    plan = getattr(model, "_tp_plan", None)
-    return dict(plan) if isinstance(plan, Mapping) else {}
-
-
 def sequence_length(seq: Any, tp: int) -> int:
     """Tokens per row: dim 1 of the first layer's token ids (an integer ``[batch, seq]`` input). One
     line when the model has none or ``tp`` does not divide it."""
@@ -189,7 +184,7 @@ def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequ
     before any tensor is materialised; every rank gets the same answer). ``sequence_parallel``: the
     activations between layers travel sharded on the sequence (the module docstring)."""
     check_heads(model, tp)
-    hf = _hf_plan(model)
+    hf = hf_tp_plan(model)
     layout = TPLayout(tp=tp, plan_source="hf" if hf else "derived", sequence_parallel=sequence_parallel)
     if sequence_parallel:
         layout.seq_in, layout.seq_out = sequence_positions(seq, tp)
@@ -528,12 +523,12 @@ def settle_partials_(layer: nn.Module, seq_len: int = 0) -> int:
         return 0  # not a traced layer, or settled already
     done = 0
     shared: dict[torch.fx.Node, torch.fx.Node] = {}  # one gradient sum per input (q, k and v share theirs)
-    matmuls = [n for n in graph.nodes if n.op == "call_function" and str(n.target) in _MATMULS]
+    matmuls = {n for n in graph.nodes if n.op == "call_function" and str(n.target) in _MATMULS}
     for node in list(graph.nodes):
         at = _MATMULS.get(str(node.target)) if node.op == "call_function" else None
         if at is None:
             continue
-        last = not _reaches(node, set(matmuls) - {node})
+        last = not _reaches(node, matmuls)  # (a node never reaches itself: the graph has no cycles)
         x = node.args[at] if len(node.args) > at else None
         if isinstance(x, torch.fx.Node):
             if x not in shared:
