@@ -1,8 +1,8 @@
 """Tensor parallelism inside pipeline stages (autopipe.runtime.stage.tensor_parallel), against the untouched model.
 
 Each job of tests/tp_models.py (a Llama with HuggingFace's tp_plan, a GPT-2 whose plan is derived
-from its Conv1D graph with its embedding tied to its head, a Qwen3-MoE decoder whose expert blocks
-run replicated) is trained one step on tp 2 x 2 stages = 4 gloo processes at the model's own weights.
+from its Conv1D graph with its embedding tied to its head, a Qwen3-MoE decoder whose experts
+run whole on each tp rank beside their sharded attention) is trained one step on tp 2 x 2 stages = 4 gloo processes at the model's own weights.
 The reference is the untouched HuggingFace model on the job's rows, micro-batch by micro-batch: the
 first-step loss, every parameter's gradient before the update (AdamW would hide a constant scale),
 and every weight after one AdamW step must equal it. Also: the (dp, pp, tp) rank layout on fake
@@ -146,10 +146,10 @@ def test_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Launcher, root: Path,
     figures = compare(name, (loss, grads, weights), ref)
     assert "x tp 2" in out, out[-2000:]
     (said,) = [line for line in out.splitlines() if line.startswith("tp 2: ")]  # once, from rank 0
-    if name == "qwen3_moe":  # its decoder blocks hold the experts' custom grouped matmul: replicated
-        assert "run replicated" in said and "(model.layers.0)" in said and "grouped_mm" in said, said
-    else:
-        assert "every layer runs on DTensors" in said, said
+    # Qwen3-MoE: its decoder blocks' experts (a grouped matmul DTensor has no rule for) run whole on each
+    # tp rank's local tensors, the rest of the blocks on DTensors
+    assert "every layer runs on DTensors" in said, said
+    assert ("the MoE experts of 2 layer(s) run whole on every tp rank" in said) == (name == "qwen3_moe"), said
     assert ("HF tp_plan" in said) == (name != "gpt2"), said
     figures["seconds"] = time.perf_counter() - t0
     print(f"\n{name} tp2 x pp2: {figures}", file=sys.stderr)
@@ -162,8 +162,8 @@ def test_sequence_parallel_tp2_x_pp2_trains_as_the_untouched_model(torchrun: Lau
     """--sequence-parallel on tp 2 x 2 stages: the activations between layers (and across the cut)
     travel as half sequences, the norms' weights get their gradients summed over the tp ranks, and the
     loss, every gradient and every weight after one AdamW step still equal the untouched model's (GPT-2:
-    its head, tied to the embedding, replicated; Qwen3-MoE: its decoder blocks run replicated, gathering
-    their sequence inputs whole and keeping their part of the outputs)."""
+    its head, tied to the embedding, replicated; Qwen3-MoE: its decoder blocks gather their sequence inputs
+    whole, run as without SP, their experts whole on each tp rank, and keep their part of the outputs)."""
     job = root / f"{name}_tp2" if (root / f"{name}_tp2").exists() else make_job(root, name)
     loss, grads, weights, out = train(torchrun, job, 4, "--sequence-parallel", tag="sp")
     figures = compare(f"{name} sp", (loss, grads, weights), reference(name))
@@ -502,10 +502,12 @@ def test_a_run_at_another_tp_layout_than_its_plan_is_warned(tmp_path: Path, monk
 
 
 def test_moe_blocks_are_priced_at_tp_as_the_runtime_runs_them() -> None:
-    """At tp 2 the runtime runs Qwen3-MoE's decoder blocks replicated (plan_tensor_parallel on a fake
-    process group of 2, as a job decides it: the experts' grouped matmul has no DTensor rule); the
-    plan prices exactly those layers whole (their seconds and parameter bytes as at tp 1, no
-    collectives), while the embedding still all-reduces."""
+    """At tp 2 the runtime runs Qwen3-MoE's decoder blocks on DTensors around their experts, which run
+    whole on each tp rank's local tensors (plan_tensor_parallel on a fake process group of 2 over the
+    model traced as a job traces it: each experts call one op); the plan prices them so: the attention's
+    all-reduce each way, the parameters divided by the attention's share only. Under expert parallelism
+    the runtime runs those blocks replicated, and the plan prices exactly those whole (their seconds and
+    parameter bytes as at tp 1, no collectives); the embedding all-reduces either way."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -513,13 +515,17 @@ def test_moe_blocks_are_priced_at_tp_as_the_runtime_runs_them() -> None:
     import autopipe
     from autopipe.costs.moe_shape import moe_shapes, with_moe_shapes
     from autopipe.costs.tp import tp_terms
+    from autopipe.graph.expert_calls import experts_as_calls
     from autopipe.runtime.stage.tensor_parallel import plan_tensor_parallel
 
     shapes = load_model(f"{MODELS}:qwen3_moe", device="meta", batch_size=ROWS, seq_len=SEQ)
+    with experts_as_calls(shapes.model):
+        traced = flatten(shapes.model, shapes.args, shapes.kwargs)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        runs = plan_tensor_parallel(flatten(shapes.model, shapes.args, shapes.kwargs), shapes.model, 2, mesh)
+        runs = plan_tensor_parallel(traced, shapes.model, 2, mesh)
+        under_ep = plan_tensor_parallel(traced, shapes.model, 2, mesh, expert_parallel=True)
     finally:
         dist.destroy_process_group()
     model, args, kwargs = tp_models.qwen3_moe(ROWS)
@@ -527,12 +533,18 @@ def test_moe_blocks_are_priced_at_tp_as_the_runtime_runs_them() -> None:
     prof = autopipe.profile(seq, args, kwargs, estimate=True, device="h100", reserve=0)
     prof = with_moe_shapes(prof, moe_shapes(model, seq, [(args, kwargs)]))
     moe = {i for i, l in enumerate(prof.layers) if l.moe is not None}
-    assert moe and moe == set(runs.replicated), (moe, runs.replicated)
+    assert moe and moe == set(runs.local_experts) and not runs.replicated, (moe, runs.local_experts, runs.replicated)
+    assert moe == set(under_ep.replicated), (moe, under_ep.replicated)
     plain, at2 = (tp_terms(prof, t, bandwidth=450e9) for t in (1, 2))
+    whole = tp_terms(prof, 2, bandwidth=450e9, expert_parallel=True)
     for i in moe:
-        assert (at2[i].forward_collectives, at2[i].backward_collectives) == (0, 0), at2[i]
-        assert (at2[i].forward_compute, at2[i].param_bytes) == (plain[i].forward_compute, plain[i].param_bytes)
-    assert at2[0].forward_collectives == 1  # the vocab-sharded embedding's all-reduce
+        assert (at2[i].forward_collectives, at2[i].backward_collectives) == (1, 1), at2[i]
+        # the attention's weights halved, the experts' whole: between half and all of tp 1's
+        assert plain[i].param_bytes / 2 < at2[i].param_bytes < plain[i].param_bytes, (at2[i], plain[i])
+        assert at2[i].forward_compute < plain[i].forward_compute
+        assert (whole[i].forward_collectives, whole[i].backward_collectives) == (0, 0), whole[i]
+        assert (whole[i].forward_compute, whole[i].param_bytes) == (plain[i].forward_compute, plain[i].param_bytes)
+    assert at2[0].forward_collectives == whole[0].forward_collectives == 1  # the vocab-sharded embedding's all-reduce
 
 
 @pytest.mark.parametrize(("name", "sp"), [("llama", False), ("llama", True), ("qwen3_moe", False), ("qwen3_moe", True),
@@ -565,11 +577,15 @@ def test_each_layer_issues_the_collectives_its_price_counts(name: str, sp: bool)
     from autopipe.runtime.checks.tp_timing import _inputs, _on_meta, _piece
     from autopipe.runtime.stage.tensor_parallel import plan_tensor_parallel, shard_layer_, swap_parameters_
 
+    from autopipe.graph.expert_calls import experts_as_calls
+
     model, args, kwargs = getattr(tp_models, name)(2)
     seq = flatten(model, args, kwargs)
     prof = autopipe.profile(seq, args, kwargs, estimate=True, device="h100", reserve=0)
     prof = with_moe_shapes(prof, moe_shapes(model, seq, [(args, kwargs)]))
     priced = tp_terms(prof, 2, sequence_parallel=sp, bandwidth=450e9)
+    with experts_as_calls(model):  # as a tp job traces it (build_stage): each experts call one op
+        seq = flatten(model, args, kwargs)
     last = len(seq.layers) - 1
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:

@@ -235,7 +235,7 @@ def plan_command(
     degree = _tp_fixed(tp)
     if degree > 1 or sequence_parallel:
         prof = _at_tp(prof, degree, sequence_parallel, gpus=stages * dp * degree, gpus_per_node=gpus_per_node,
-                      bandwidth_intra=bandwidth_intra)  # fmt: skip
+                      bandwidth_intra=bandwidth_intra, ep=ep)  # fmt: skip
     if ep != 1 or skew != "p95":
         from ..cluster.evaluate import node_ep_view
         from ..costs.ep import check_ep
@@ -327,7 +327,7 @@ def _tp_fixed(text: Optional[str]) -> int:
 
 
 def _at_tp(prof: Any, degree: int, sequence_parallel: bool, *, gpus: int, gpus_per_node: Optional[int],
-           bandwidth_intra: Optional[str]) -> Any:  # fmt: skip
+           bandwidth_intra: Optional[str], ep: int = 1) -> Any:  # fmt: skip
     """The profile one rank of a tp group of ``degree`` sees, its collectives over the node's link."""
     from ..cluster.evaluate import node_tp_view
     from ..errors import PartitionError
@@ -336,7 +336,7 @@ def _at_tp(prof: Any, degree: int, sequence_parallel: bool, *, gpus: int, gpus_p
     if sequence_parallel and degree == 1:
         raise PartitionError("--sequence-parallel needs --tp 2 or more (it shards what tp leaves whole).")
     return node_tp_view(prof, degree, gpus=gpus, gpus_per_node=gpus_per_node, sequence_parallel=sequence_parallel,
-                        bandwidth_intra=parse_bandwidth(bandwidth_intra) if bandwidth_intra else None)
+                        bandwidth_intra=parse_bandwidth(bandwidth_intra) if bandwidth_intra else None, ep=ep)
 
 
 def _plan_search(profile: Path, *, gpus: int, gpus_per_node: Optional[int], global_batch: Optional[int],

@@ -162,7 +162,8 @@ def tp_view(profile: Profile, cluster: Cluster, x: Layout) -> tuple[Profile, Clu
     rescaling, so every bound and solve of the search prices the same figures."""
     prof, members = profile, cluster
     if x.tp > 1:
-        prof = at_tp(profile, x.tp, sequence_parallel=x.sequence_parallel, bandwidth=cluster.intra)
+        prof = at_tp(profile, x.tp, sequence_parallel=x.sequence_parallel, bandwidth=cluster.intra,
+                     expert_parallel=x.ep > 1)
         members = tp_cluster(cluster, x.tp)
     if x.ep > 1:  # the ep group, ep consecutive replicas: in one node when the replicas are and tp · ep fits
         inside = x.dp_link != "inter" and x.tp * x.ep <= cluster.gpus_per_node
@@ -171,7 +172,7 @@ def tp_view(profile: Profile, cluster: Cluster, x: Layout) -> tuple[Profile, Clu
 
 
 def node_tp_view(profile: Profile, tp: int, *, gpus: int, gpus_per_node: int | None = None,
-                 bandwidth_intra: float | None = None, sequence_parallel: bool = False) -> Profile:
+                 bandwidth_intra: float | None = None, sequence_parallel: bool = False, ep: int = 1) -> Profile:
     """The profile one rank of a tp group of ``tp`` sees for a fixed layout of ``gpus`` devices (plan
     --stages --tp, convert --tp): its collectives over the node's link unless ``bandwidth_intra`` is
     given: a CPU profile's host's measured all-reduce bandwidth (costs.links), else the profile's
@@ -180,7 +181,7 @@ def node_tp_view(profile: Profile, tp: int, *, gpus: int, gpus_per_node: int | N
     intra = bandwidth_intra if bandwidth_intra is not None else link_bandwidth(profile, "all_reduce")
     cluster = cluster_for(name, gpus, gpus_per_node, intra, 1.0)
     tp_cluster(cluster, tp)
-    return at_tp(profile, tp, sequence_parallel=sequence_parallel, bandwidth=cluster.intra)
+    return at_tp(profile, tp, sequence_parallel=sequence_parallel, bandwidth=cluster.intra, expert_parallel=ep > 1)
 
 
 def node_ep_view(profile: Profile, ep: int, *, gpus: int, dp: int, tp: int = 1, gpus_per_node: int | None = None,

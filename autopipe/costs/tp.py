@@ -63,13 +63,18 @@ of the layer's seconds instead, the collectives priced as below on top::
 
     f_t = f·r_f + collectives        b_t = b·r_b + collectives
 
-MoE layers (a layer with a MoeShape) run replicated over tp: their experts call has no DTensor rule
-(grouped_mm, or the eager loop's data-dependent ``nonzero``; under expert parallelism the experts call
-dispatches plain tensors), so autopipe.runtime.stage.tensor_parallel runs the whole layer on every tp
-rank, attention included. They are priced so: whole compute, whole memory, no collectives (a ratio
-timed at t still applies). Under sequence parallelism such a layer gathers its sequence input whole
-in forward and its output's gradient whole in backward (one all-gather each, of the residual
-stream's bytes: ``TpShape.sequence_bytes``).
+MoE layers (a layer with a MoeShape). Their experts call has no DTensor rule (grouped_mm, or the eager
+loop's data-dependent ``nonzero``), so autopipe.runtime.stage.tensor_parallel runs it whole on each tp
+rank's local tensors and the rest of the block on DTensors: the attention sharded by heads, the
+experts' weights whole. The traced shape says so already (the experts' stacked weights are no
+colwise/rowwise matmul: π, σ and the collectives are the attention's), and it is priced by it. Under
+sequence parallelism such a block gathers its sequence input whole on entry (the router and experts
+read every token) and runs as without it inside (ρ = 1, activations by κ), then cuts its output to
+pieces, whose gradient is gathered whole in backward. Under expert parallelism (``expert_parallel``)
+the experts call dispatches plain tensors over the ep group and the whole layer runs replicated over
+tp: whole compute, whole memory, no collectives, a ratio timed at t not applied; under sequence
+parallelism it gathers its sequence input whole in forward and its output's gradient whole in
+backward (one all-gather each, of the residual stream's bytes: ``TpShape.sequence_bytes``).
 
 Which weights are sharded follows the runtime's plan (autopipe.graph.tp_plan.whole_weights: the
 model's HF tp_plan or the derived one, tied tensors agreeing on one placement), so a derived plan's
@@ -165,9 +170,16 @@ def tp_degrees_for(profile: Profile, gpus_per_node: int, degrees: Sequence[int] 
     return out
 
 
-def _as_run(l: LayerCost) -> TpShape | None:
-    """The layer's TpShape as the runtime runs it: None (replicated, priced whole) for a MoE layer."""
-    return None if l.moe is not None else l.tp
+def _as_run(l: LayerCost, ep: bool = False) -> TpShape | None:
+    """The layer's TpShape as the runtime runs it: None (replicated, priced whole) for a MoE layer
+    under expert parallelism (``ep``)."""
+    return None if ep and l.moe is not None else l.tp
+
+
+def _sp_inside(l: LayerCost, sp: bool, ep: bool) -> bool:
+    """Whether the layer runs sequence parallel inside: not a MoE block run on DTensors, which gathers
+    its sequence input whole on entry and runs as without SP (its router and experts read every token)."""
+    return sp and not (l.moe is not None and not ep)
 
 
 def _factors(shape: TpShape | None, t: int, sp: bool) -> tuple[float, float, float, float, float]:
@@ -223,7 +235,7 @@ def _sides(profile: Profile, i: int) -> _Sides:
 
 
 def _collectives(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float],
-                 sides: _Sides) -> tuple[float, float, int, int, int, int]:  # fmt: skip
+                 sides: _Sides, ep: bool = False) -> tuple[float, float, int, int, int, int]:  # fmt: skip
     """(forward s, backward s, forward bytes, backward bytes, forward count, backward count) of the
     collectives layer ``l`` adds at degree t, as the runtime issues them (counted per layer on a fake
     process group: tests/test_tensor_parallel.py).
@@ -234,11 +246,14 @@ def _collectives(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, fl
     in forward, its gradient all-gathered in backward; a colwise input arriving as pieces is
     all-gathered in forward, its partial gradient reduce-scattered in backward (the same 2(t−1)/t·B
     bytes per link as the all-reduce, two latencies). The last layer gathers its pieces whole on entry
-    (one more all-gather forward), so its colwise inputs' gradients are all-reduced whole. A layer run
-    replicated (a MoE block) gathers its sequence input whole in forward and its output's gradient in
-    backward, nothing else."""
+    (one more all-gather forward), so its colwise inputs' gradients are all-reduced whole. A MoE block
+    does the same (its router and experts read every token) and, its output leaving as pieces, gathers
+    that output's gradient whole in backward. A layer run replicated (a MoE block under expert
+    parallelism) gathers its sequence input whole in forward and its output's gradient in backward,
+    nothing else."""
     ar, ag, rs = lat
-    shape = _as_run(l)
+    shape = _as_run(l, ep)
+    whole_inside = sp and not _sp_inside(l, sp, ep)
     if t == 1 or (shape is None and not (sp and l.moe is not None)):
         return 0.0, 0.0, 0, 0, 0, 0
     fwd: list[tuple[str, int]] = []  # (kind, whole bytes)
@@ -250,12 +265,13 @@ def _collectives(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, fl
             bwd.append(("ag", _sequence_bytes(l)))
     else:
         for b in shape.allreduce_forward:
-            if sp and sides.out_pieces:
+            if sp and sides.out_pieces and not whole_inside:
                 fwd.append(("rs", b))
                 bwd.append(("ag", b))
             else:
                 fwd.append(("ar", b))
-        gathered = sp and sides.in_pieces and not sides.out_pieces  # the last layer: pieces made whole on entry
+        # the last layer, and a MoE block: pieces made whole on entry
+        gathered = sp and sides.in_pieces and (not sides.out_pieces or whole_inside)
         if gathered:
             fwd.append(("ag", sides.in_bytes))
         for b in shape.allreduce_backward:
@@ -265,6 +281,8 @@ def _collectives(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, fl
             else:
                 bwd.append(("ar", b))
         fwd += [("ag", b) for b in shape.gather_forward]
+        if whole_inside and sides.out_pieces:  # its whole output cut to pieces: the gradient gathered back
+            bwd.append(("ag", _sequence_bytes(l)))
 
     def seconds(ops: list[tuple[str, int]]) -> float:
         return sum(ring_all_reduce(b, t, bw, ar) if k == "ar" else ring_all_gather(b, t, bw, ag if k == "ag" else rs)
@@ -273,10 +291,12 @@ def _collectives(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, fl
     return (seconds(fwd), seconds(bwd), sum(b for _, b in fwd), sum(b for _, b in bwd), len(fwd), len(bwd))
 
 
-def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float], sides: _Sides) -> LayerCost:
-    kf, kb, kp, ka, rho = _factors(_as_run(l), t, sp)
-    sf, sb = _seconds_factors(l.tp, t, sp, kf, kb)  # FLOPs still divide by the shares
-    cf, cb, *_ = _collectives(l, t, sp, bw, lat, sides)
+def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float], sides: _Sides,
+           ep: bool = False) -> LayerCost:
+    shape = _as_run(l, ep)
+    kf, kb, kp, ka, rho = _factors(shape, t, _sp_inside(l, sp, ep))
+    sf, sb = _seconds_factors(shape, t, sp, kf, kb)  # FLOPs still divide by the shares
+    cf, cb, *_ = _collectives(l, t, sp, bw, lat, sides, ep)
 
     def b(x: int, k: float) -> int:
         return int(round(x * k))
@@ -286,7 +306,7 @@ def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, f
         if mode == "full":  # the input alone is kept; the forward runs again, its collectives too
             rec[mode] = RecomputeCost(b(r.activation_bytes, rho), r.extra_backward_time * sf + cf)
         else:  # selective: the attention core again, sharded by heads
-            sel = 1.0 / t if _as_run(l) is not None and l.tp.divisor else 1.0
+            sel = 1.0 / t if shape is not None and shape.divisor else 1.0
             rec[mode] = RecomputeCost(b(r.activation_bytes, ka), r.extra_backward_time * sel)
     hold = {m: b(v, rho if m == "full" else ka) for m, v in l.weight_hold_bytes.items()}
     split = l.split_timed
@@ -308,10 +328,11 @@ _CACHE: dict[tuple, tuple[Profile, Profile]] = {}
 
 
 def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidth: float,
-          latency: float | None = None) -> Profile:  # fmt: skip
+          latency: float | None = None, expert_parallel: bool = False) -> Profile:  # fmt: skip
     """The profile one rank of a tp group of ``t`` sees (the module docstring's formulas), its
     collectives over ``bandwidth`` bytes/s per device (the node's link), each costing ``latency``
-    more (by default the profile's: :func:`tp_latencies`). t = 1 is ``profile`` itself.
+    more (by default the profile's: :func:`tp_latencies`). ``expert_parallel``: the plan shards the
+    experts over an ep group too, and its MoE layers run replicated over tp. t = 1 is ``profile`` itself.
 
     Example:
         >>> from autopipe.costs.layer_costs import LayerCost, TpShape
@@ -335,14 +356,16 @@ def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidt
     if sequence_parallel and not any(l.tp is not None and l.tp.pairs for l in profile.layers):
         raise PartitionError("sequence parallelism needs a layer with a colwise→rowwise pair; this profile has none.")
     lat = tp_latencies(profile, latency)
-    key = (id(profile), t, sequence_parallel, bandwidth, lat)
+    key = (id(profile), t, sequence_parallel, bandwidth, lat, expert_parallel)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is profile:
         return hit[1]
-    layers = tuple(_layer(l, t, sequence_parallel, bandwidth, lat, _sides(profile, i)) for i, l in enumerate(profile.layers))
+    ep = expert_parallel
+    layers = tuple(_layer(l, t, sequence_parallel, bandwidth, lat, _sides(profile, i), ep)
+                   for i, l in enumerate(profile.layers))
     tied_k: dict[str, float] = {}
     for l in profile.layers:
-        kp = _factors(_as_run(l), t, sequence_parallel)[2]
+        kp = _factors(_as_run(l, ep), t, _sp_inside(l, sequence_parallel, ep))[2]
         for name in l.tied:
             tied_k[name] = min(tied_k.get(name, 1.0), kp)
     out = replace(
@@ -359,7 +382,7 @@ def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidt
 
 
 def tp_terms(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidth: float,
-             latency: float | None = None) -> list[TpTerms]:  # fmt: skip
+             latency: float | None = None, expert_parallel: bool = False) -> list[TpTerms]:  # fmt: skip
     """Per layer, the predicted forward/backward compute and collective seconds and bytes at degree t
     (what a bench holds a measured tp run's per-layer figures to). The sums of compute + collective
     are :func:`at_tp`'s forward and backward times."""
@@ -367,9 +390,11 @@ def tp_terms(profile: Profile, t: int, *, sequence_parallel: bool = False, bandw
     lat = tp_latencies(profile, latency)
     out = []
     for i, l in enumerate(profile.layers):
-        kf, kb, kp, ka, _ = _factors(_as_run(l), t, sequence_parallel)
-        sf, sb = _seconds_factors(l.tp, t, sequence_parallel, kf, kb)
-        cf, cb, fb, bb, nf, nb = _collectives(l, t, sequence_parallel, bandwidth, lat, _sides(profile, i))
+        shape = _as_run(l, expert_parallel)
+        kf, kb, kp, ka, _ = _factors(shape, t, _sp_inside(l, sequence_parallel, expert_parallel))
+        sf, sb = _seconds_factors(shape, t, sequence_parallel, kf, kb)
+        cf, cb, fb, bb, nf, nb = _collectives(l, t, sequence_parallel, bandwidth, lat, _sides(profile, i),
+                                              expert_parallel)
         out.append(TpTerms(l.index, l.name, (l.forward_time + l.forward_gap) * sf, (l.backward_time + l.backward_gap) * sb,
                            cf, cb, fb, bb, nf, nb, int(round(l.param_bytes * kp)), int(round(l.activation_bytes * ka))))  # fmt: skip
     return out

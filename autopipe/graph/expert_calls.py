@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["EXPERTS_OP", "ExpertsCall", "experts_as_calls", "experts_calls_of", "is_experts_module"]
+__all__ = ["EXPERTS_OP", "ExpertsCall", "experts_as_calls", "experts_call_of", "experts_calls_of", "is_experts_module"]
 
 _LIB = torch.library.Library("autopipe", "FRAGMENT")
 _LIB.define("experts_call(int key, Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor[] state) -> Tensor")
@@ -75,6 +75,11 @@ def _fake(key: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
 
 # At the Autograd key: the ops the runner runs record their own backward (collectives included)
 _LIB.impl("experts_call", _eager, "Autograd")
+
+
+def experts_call_of(node: torch.fx.Node) -> ExpertsCall | None:
+    """The experts call a traced graph's ``autopipe::experts_call`` node stands for; None for any other node."""
+    return _CALLS.get(node.args[0]) if node.target is EXPERTS_OP else None  # type: ignore[arg-type]
 
 
 def is_experts_module(module: nn.Module) -> bool:

@@ -289,9 +289,18 @@ def _with_tp_timing(loaded: _Loaded, seq: Any, s: ConvertSettings, prof: Profile
     if s.estimate or prof.device.type != "cpu":
         return prof
     from ..costs.tp import with_tp_timed
+    from ..graph.expert_calls import experts_as_calls, experts_calls_of
+    from ..graph.flattener import flatten
     from ..runtime.checks.tp_timing import time_at_tp
 
-    for t in (t for t in _searched_tps(prof, s) if t > 1):
+    tps = [t for t in _searched_tps(prof, s) if t > 1]
+    if tps and experts_calls_of(loaded.model):  # traced as a tp job traces it: each experts call one op (build_stage)
+        amp = None if s.dtype == "fp32" else PRECISIONS[s.dtype]
+        with experts_as_calls(loaded.model):
+            again = flatten(loaded.model, loaded.args, loaded.kwargs, device_type="cpu", autocast=amp)
+        if len(again.layers) == len(seq.layers):
+            seq = again
+    for t in tps:
         try:
             ratios = time_at_tp(seq, loaded.model, loaded.args, loaded.kwargs, t, sequence_parallel=s.sequence_parallel,
                                 warmup=s.warmup, repeats=s.repeats)  # fmt: skip
@@ -404,7 +413,7 @@ def _tp_rank_view(prof: Profile, s: ConvertSettings) -> Profile:
 
     world = s.stages * s.dp * s.tp  # type: ignore[operator]
     return node_tp_view(prof, s.tp, gpus=world, gpus_per_node=s.gpus_per_node or world,
-                        bandwidth_intra=s.bandwidth_intra, sequence_parallel=s.sequence_parallel)
+                        bandwidth_intra=s.bandwidth_intra, sequence_parallel=s.sequence_parallel, ep=s.ep)
 
 
 def _ep_rank_view(prof: Profile, s: ConvertSettings) -> Profile:

@@ -305,7 +305,9 @@ def build_stage(
     model = meta_model(model_fn)
     # traced for this rank's device type: Python branching on it runs the branch this rank will;
     # under expert parallelism each experts call stays one op, which the ep runtime runs
-    with experts_as_calls(model) if ep_group is not None else contextlib.nullcontext({}) as experts:
+    # (under tp too: tp runs them whole on each rank's local tensors, the rest of their block on DTensors)
+    tp_on = tp_mesh is not None and tp_mesh.size() > 1
+    with experts_as_calls(model) if ep_group is not None or tp_on else contextlib.nullcontext({}) as experts:
         seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False,  # type: ignore[arg-type]
                       granularity=granularity, device_type=torch.device(device).type, autocast=autocast)
     ep_layout = None
@@ -338,7 +340,8 @@ def build_stage(
     if tp_mesh is not None and tp_mesh.size() > 1:  # decided on the meta model, alike on every rank
         from .tensor_parallel import plan_tensor_parallel
 
-        tp_layout = plan_tensor_parallel(seq, model, tp_mesh.size(), tp_mesh, sequence_parallel=sequence_parallel)
+        tp_layout = plan_tensor_parallel(seq, model, tp_mesh.size(), tp_mesh, sequence_parallel=sequence_parallel,
+                                         expert_parallel=ep_layout is not None)
     modes = chunk_modes(recompute, placed.num_chunks, placed.recompute)
     chunk_ids = placed.chunks_of(pp_rank)
     needed: list[str] = []

@@ -30,7 +30,14 @@ plain tensors, identical on every tp rank and without collectives, and the log s
 - a layer that draws random numbers (dropout): DTensor's RNG gives a sharded op other masks than
   the untouched model's (and autopipe seeds each layer per micro-batch to match it);
 - a layer whose forward or backward fails on meta DTensors at build time (custom ops such as
-  ``autopipe::opaque_function``, MoE expert loops with data-dependent indexing: ``nonzero``);
+  ``autopipe::opaque_function``);
+- a MoE block under expert parallelism (its experts call dispatches plain tensors over the ep group).
+
+A MoE block without expert parallelism runs on DTensors around its experts: the job traces each
+experts call as one op (autopipe.graph.expert_calls), and :func:`local_experts` runs it whole on
+each tp rank's local tensors (DTensor has no rule for the grouped matmul or the eager loop's
+``nonzero``), so the attention and the router run sharded as planned and the experts' weights stay
+whole on every tp rank (Megatron's expert tensor parallelism of 1).
 - the layers sharing a tied tensor with such a layer (one placement per tied tensor).
 
 The decision is made on the meta model, for every layer, on every rank alike, so the holders of a
@@ -48,7 +55,7 @@ shard counted on each tp rank, a replicated tensor on tp rank 0 only); tied-grad
 rank, shard by shard); torch.distributed.checkpoint (resumable on another tp degree); ``--verify``
 (sharded gradients gathered first). Refused in one line: DeepSpeed's engine, heads or KV heads that tp does not
 divide, a tp that does not divide the world or exceeds a node. Limits: every tp rank materialises its stage's whole weights
-before keeping its shards (the build's peak is a tp=1 stage's); MoE layers run replicated (with ``--ep`` their experts are
+before keeping its shards (the build's peak is a tp=1 stage's); MoE experts are never split over tp (with ``--ep`` they are
 shared out over the replicas at each tp rank: autopipe.runtime.stage.expert_parallel); DeepSpeed's engine runs no tp.
 
 **Sequence parallelism** (``sequence_parallel=True``, Megatron's, arXiv 2205.05198): the activations
@@ -62,7 +69,9 @@ tokens not ignored, as the mean of the shards' means: measured 4.5817 for 4.5823
 reduce-scatters where it all-reduced, the norms and residual adds run on 1/tp of the tokens, a
 colwise matmul all-gathers its input first (DTensor's sharding propagation decides, and the numbers
 stay the untouched model's), and the pipeline sends 1/tp of each activation. A layer run replicated
-gathers its sequence inputs whole and keeps its part of its outputs, gradients included. A
+gathers its sequence inputs whole and keeps its part of its outputs, gradients included; so does a
+MoE block on DTensors (``TPLayout.gather_in``: its router and experts read every token), which runs
+as without SP inside (its attention all-reduces). A
 replicated parameter (a norm's weight) meeting sharded tokens has one part of its gradient per tp
 rank (Megatron all-reduces the layernorm gradients for it): DTensor's backward sums them into the
 parameter's own placement already (Llama, GPT-2 and Qwen3-MoE under SP left 0 ``Partial`` gradients
@@ -110,6 +119,7 @@ class TPLayout:
     # that are not ignored, which DTensor takes as a mean of the shards' means on a sequence-sharded input)
     gather_in: tuple[int, ...] = ()
     seq_len: int = 0  # tokens per row under sequence parallelism (0: off)
+    local_experts: tuple[int, ...] = ()  # layers on DTensors whose MoE experts run whole on each tp rank
 
     def describe(self, seq: Any) -> str:
         """One line for the log: the plan's source, what is sharded, which layers run replicated and why."""
@@ -118,6 +128,9 @@ class TPLayout:
                 f"({'the model' + chr(39) + 's HF tp_plan' if self.plan_source == 'hf' else 'plan derived from the graph'})")
         if self.sequence_parallel:
             head += f"; sequence parallel: {sum(map(len, self.seq_out.values()))} activations sent sharded on the sequence"
+        if self.local_experts:
+            head += (f"; the MoE experts of {len(self.local_experts)} layer(s) run whole on every tp rank, their "
+                     "attention sharded")
         if not self.replicated:
             return head + "; every layer runs on DTensors"
         why: dict[str, list[str]] = {}
@@ -179,10 +192,13 @@ def sequence_positions(seq: Any, tp: int) -> tuple[dict[int, tuple[int, ...]], d
     return seq_in, seq_out
 
 
-def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequence_parallel: bool = False) -> TPLayout:
+def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequence_parallel: bool = False,
+                         expert_parallel: bool = False) -> TPLayout:
     """Every layer's placements and whether it runs replicated, decided on the meta model (call it
     before any tensor is materialised; every rank gets the same answer). ``sequence_parallel``: the
-    activations between layers travel sharded on the sequence (the module docstring)."""
+    activations between layers travel sharded on the sequence (the module docstring).
+    ``expert_parallel``: the layers' experts calls dispatch over an ep group, and those layers run
+    replicated; otherwise a layer holding one runs on DTensors around it (:func:`local_experts`)."""
     check_heads(model, tp)
     hf = hf_tp_plan(model)
     layout = TPLayout(tp=tp, plan_source="hf" if hf else "derived", sequence_parallel=sequence_parallel)
@@ -199,10 +215,16 @@ def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequ
         if draws_random(layer):
             layout.replicated[i] = "draws random numbers"
             continue
-        if _holds_experts_call(layer):  # expert parallelism dispatches its tokens as plain tensors
-            layout.replicated[i] = "its MoE experts run by expert parallelism"
-            continue
-        settle_partials_(layer, layout.seq_len)  # before the trial, so the trial runs what the steps will
+        if _holds_experts_call(layer):
+            if expert_parallel:  # expert parallelism dispatches its tokens as plain tensors
+                layout.replicated[i] = "its MoE experts run by expert parallelism"
+                continue
+            local_experts(layer)
+            layout.local_experts = (*layout.local_experts, i)
+            if sequence_parallel and i not in layout.gather_in:  # gathered on entry, run as without SP
+                layout.gather_in = (*layout.gather_in, i)
+        # before the trial, so the trial runs what the steps will; a MoE block gathered on entry settles as without SP
+        settle_partials_(layer, 0 if i in layout.local_experts else layout.seq_len)
         # an embedding's vocab shard runs as replicated in the trial: DTensor's MaskPartial keeps a mask
         # buffer in its cached sharding decision, and a meta one left there broke the real steps
         trial = {n: (None if kinds.get(n) == "vocab" else d) for n, d in dims.items()}
@@ -220,6 +242,51 @@ def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequ
     _agree_on_tied(seq, layout)
     _forget_meta_shardings()
     return layout
+
+
+def local_experts(layer: nn.Module) -> int:
+    """Run each ``autopipe::experts_call`` of ``layer`` on this tp rank's local tensors, whole (returns
+    how many). DTensor has no rule for the experts' grouped matmul or the eager loop's ``nonzero``, so
+    the call's inputs are made replicated and local (``to_local``, differentiable), the module's own
+    forward (or the runner set before) runs on them, and its output comes back as a replicated
+    DTensor: the experts' weights are whole on every tp rank, the rest of the block (attention, the
+    router) runs sharded as planned. Every tp rank holds the same tokens, so each computes the same
+    outputs and the same expert gradients, as a replicated parameter needs. Under sequence
+    parallelism the block takes its input gathered whole (``TPLayout.gather_in``), since the
+    router and the experts read every token."""
+    from ...graph.expert_calls import experts_call_of
+
+    done = 0
+    for node in layer.graph.nodes:
+        call = experts_call_of(node)
+        if call is not None:
+            if not getattr(call.runner, "autopipe_tp_local", False):
+                call.runner = _local_runner(call.runner)
+            done += 1
+    return done
+
+
+def _local_runner(inner: Any) -> Any:
+    def run(call: Any, hidden: Any, top_k_index: Any, top_k_weights: Any, state: list[Any]) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not isinstance(hidden, DTensor):  # a replicated layer, or a plain pass (shapes)
+            return inner(call, hidden, top_k_index, top_k_weights, state) if inner is not None else \
+                call.run_local(hidden, top_k_index, top_k_weights, state)
+        mesh = hidden.device_mesh
+
+        def local(t: Any) -> Any:
+            return t.redistribute(mesh, [Replicate()]).to_local() if isinstance(t, DTensor) else t
+
+        h, idx, w, st = local(hidden), local(top_k_index), local(top_k_weights), [local(t) for t in state]
+        if h.device.type == "meta":  # planning's trial: the experts' own ops cannot run on meta
+            out = h * 1
+        else:
+            out = inner(call, h, idx, w, st) if inner is not None else call.run_local(h, idx, w, st)
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+
+    run.autopipe_tp_local = True  # type: ignore[attr-defined]
+    return run
 
 
 def _holds_experts_call(layer: nn.Module) -> bool:
@@ -583,7 +650,8 @@ def shard_layer_(layer: nn.Module, index: int, layout: TPLayout, mesh: Any, made
         if seq_in or seq_out:
             layer.forward = _replicated_forward(layer.forward, mesh, seq_in, seq_out)
         return False
-    settle_partials_(layer, layout.seq_len)  # a no-op where planning settled this layer already
+    # a no-op where planning settled this layer already
+    settle_partials_(layer, 0 if index in layout.local_experts else layout.seq_len)
     for name, p in layer.named_parameters(remove_duplicate=False):
         if id(p) not in made:
             dt = distribute_tensor(p.detach(), mesh, _placements(layout.dims.get(name)), src_data_rank=None)
