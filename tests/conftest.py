@@ -77,20 +77,3 @@ def titan022(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                             str(where), f"torchtitan=={TITAN_TOML_RELEASE}"], check=True, timeout=300)  # fmt: skip
             done.write_text(TITAN_TOML_RELEASE)
     return str(where)
-
-
-# Seconds each of the longest files took in a full run (2026-12-07, 2 workers, quiet machine). The
-# workers take files one at a time from the front of the collection (--dist loadfile, and
-# --no-loadscope-reorder keeps this order rather than xdist's by test count), so putting the longest
-# first lets the short ones fill the gaps at the end: by test count, test_examples (113 s in 6 tests)
-# came late and one worker ran on alone while the other had finished.
-_FILE_SECONDS = {"test_tensor_parallel": 273, "test_expert_parallel": 238, "test_examples": 113, "test_zoo": 91,
-                 "test_jobs": 77, "test_run_launcher": 66, "test_cli_convert": 65, "test_runtime": 59,
-                 "test_causal_lms": 58, "test_gpu_ready_launch": 56, "test_runtime_units": 52,
-                 "test_memory_measured": 51, "test_zero": 50, "test_doctor": 46, "test_recompute": 42,
-                 "test_doctests": 36, "test_reserve": 36, "test_convert_gpus_parallel": 31}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest files first (``_FILE_SECONDS``), the rest as collected; a file's tests keep their order."""
-    items.sort(key=lambda item: -_FILE_SECONDS.get(item.path.stem, 0))
