@@ -7,7 +7,7 @@
 - Megatron-Core: its parallel_state, on a fake world of the plan's size, makes expert groups of the
   exported ``--expert-model-parallel-size`` (at tp 1 ep consecutive replicas, as the plan's ep group
   is), each expert whole on its rank (with tp, the exported ``--expert-tensor-parallel-size 1``: the
-  plan keeps experts whole over tp); its TransformerConfig takes the exported expert flags.
+  plan keeps experts whole over tp, at ep 1 too); its TransformerConfig takes the exported expert flags.
 - DeepSpeed: its pipeline engine has no expert parallelism: the export refuses in one line.
 """
 
@@ -81,7 +81,7 @@ def test_torchtitan_refuses_ep_without_sharded_replicas(tmp_path: Path) -> None:
     assert "\n" not in str(e.value) and "--zero 2 or 3" in str(e.value)
 
 
-@pytest.mark.parametrize("tp,dp,ep", [(1, 4, 4), (2, 4, 2), (2, 8, 8)])
+@pytest.mark.parametrize("tp,dp,ep", [(1, 4, 4), (2, 4, 2), (2, 8, 8), (2, 4, 1)])
 def test_megatron_makes_expert_groups_of_the_plans_ep(tp: int, dp: int, ep: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -95,7 +95,7 @@ def test_megatron_makes_expert_groups_of_the_plans_ep(tp: int, dp: int, ep: int)
     size, pp = int(flags["--tensor-model-parallel-size"]), int(flags["--pipeline-model-parallel-size"])
     emp, experts, k = (int(flags[f]) for f in ("--expert-model-parallel-size", "--num-experts", "--moe-router-topk"))
     assert (emp, experts, k) == (ep, 8, 2)
-    # the plan keeps each expert whole on a tp rank (autopipe runs a MoE layer replicated over tp)
+    # the plan keeps each expert whole on a tp rank (at ep 1 too: the experts run whole beside the sharded attention)
     etp = int(flags["--expert-tensor-parallel-size"]) if tp > 1 else None
     assert etp in (None, 1) and ("--expert-tensor-parallel-size" in flags) == (tp > 1)
     rank = plan.world - 1

@@ -66,10 +66,11 @@ def megatron_args(sm: StageModules) -> list[str]:
     ]
     if sm.sequence_parallel:
         flags.append("--sequence-parallel")
-    if sm.ep > 1:  # each rank holds experts/ep experts, as the plan counts them
+    if sm.ep > 1 or sm.experts:  # each rank holds experts/ep experts, as the plan counts them (ep 1: all)
         flags += [f"--expert-model-parallel-size {sm.ep}", f"--num-experts {sm.experts}", f"--moe-router-topk {sm.top_k}"]
         if sm.tp > 1:
-            # the plan keeps each expert whole on a tp rank (autopipe runs a MoE layer replicated over tp), where
+            # the plan keeps each expert whole on a tp rank (autopipe runs the experts whole on each tp rank,
+            # beside the sharded attention, or under ep the whole MoE layer replicated over tp), where
             # Megatron's default splits experts tp ways; with 1, its ep groups take a replica's tp ranks first
             # (consecutive ranks, inside a node) where autopipe's take one tp rank of ep replicas: the same
             # experts per rank, the all-to-alls over other (nearer) ranks
