@@ -621,8 +621,12 @@ def test_identical_layers_are_tried_on_dtensors_once(monkeypatch: pytest.MonkeyP
     """plan_tensor_parallel tries each layer on meta DTensors before any step (a layer DTensor cannot
     run is run replicated). Identical layers (one structure key) placed alike are tried once: a
     4-block Llama makes 4 trials (embedding, a block, norm, head), not 7, and the layout (placements,
-    replicated layers and why) is the one trying every layer gives. The same for Qwen3-MoE's blocks,
-    which run replicated."""
+    replicated layers and why) is the one trying every layer gives. The same for a 4-block Qwen3-MoE
+    traced as a tp job traces it (each experts call one op, numbered per call: the number is no part
+    of the structure, or every block was tried again)."""
+    from autopipe.graph.expert_calls import experts_as_calls
+    from autopipe.runtime.stage.build import to_meta
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -635,15 +639,15 @@ def test_identical_layers_are_tried_on_dtensors_once(monkeypatch: pytest.MonkeyP
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        for name, blocks, distinct in (("llama", 4, 4), ("qwen3_moe", 2, 4)):
-            import transformers
-
+        for name, blocks, distinct in (("llama", 4, 4), ("qwen3_moe", 4, 4)):
             model, args, kwargs = getattr(tp_models, name)(ROWS)
-            if blocks != model.config.num_hidden_layers:  # the same tiny Llama, 4 decoder blocks
-                config = model.config
-                config.num_hidden_layers = blocks
-                model = transformers.LlamaForCausalLM(config)
-            seq = flatten(model, args, kwargs)
+            config = model.config
+            config.num_hidden_layers = blocks  # the same tiny model, 4 decoder blocks
+            with torch.device("meta"):  # as a job plans: on the meta model
+                model = type(model)(config)
+            args, kwargs = to_meta(args), to_meta(kwargs)
+            with experts_as_calls(model):
+                seq = flatten(model, args, kwargs)
             calls.clear()
             once = tpmod.plan_tensor_parallel(seq, model, 2, mesh, sequence_parallel=sp)
             tried = len(calls)
@@ -653,5 +657,33 @@ def test_identical_layers_are_tried_on_dtensors_once(monkeypatch: pytest.MonkeyP
             each = tpmod.plan_tensor_parallel(seq, model, 2, mesh, sequence_parallel=sp)
             assert (tried, len(calls)) == (distinct, len(seq.layers)), (name, tried, len(calls))
             assert (once.dims, once.replicated, once.kinds) == (each.dims, each.replicated, each.kinds), name
+            assert (once.local_experts, once.gather_in) == (each.local_experts, each.gather_in), name
+            assert len(once.local_experts) == (blocks if name == "qwen3_moe" else 0), once.local_experts
     finally:
         dist.destroy_process_group()
+
+
+def test_a_moe_block_that_fails_its_trial_runs_replicated_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MoE block whose trial fails on meta DTensors runs replicated, and is then neither counted as a
+    block with local experts (the log line, the price) nor gathered on entry as one under SP."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopipe.graph.expert_calls import experts_as_calls
+    from autopipe.runtime.stage import tensor_parallel as tpmod
+
+    shapes = load_model(f"{MODELS}:qwen3_moe", device="meta", batch_size=ROWS, seq_len=SEQ)
+    with experts_as_calls(shapes.model):
+        seq = flatten(shapes.model, shapes.args, shapes.kwargs)
+    real = tpmod._meta_trial
+    monkeypatch.setattr(tpmod, "_meta_trial", lambda layer, *a, **k: "a fault" if tpmod._holds_experts_call(layer)
+                        else real(layer, *a, **k))  # fmt: skip
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        layout = tpmod.plan_tensor_parallel(seq, shapes.model, 2, mesh, sequence_parallel=True)
+    finally:
+        dist.destroy_process_group()
+    assert set(layout.replicated) == {1, 2} and layout.local_experts == () and layout.gather_in == (len(seq.layers) - 1,)
+    assert "run whole on every tp rank" not in layout.describe(seq) and "a fault" in layout.describe(seq)

@@ -1,7 +1,7 @@
 """Tiny models for the tensor-parallel tests (hidden 64, 4 heads, 2 KV heads, seq 16): a Llama (ships
 HuggingFace's tp_plan), a GPT-2 (no tp_plan: the plan is derived from its Conv1D graph; tied
 embedding and head; dropout 0, see autopipe.runtime.stage.tensor_parallel) and a Qwen3-MoE decoder
-(its experts run replicated). For expert parallelism (tests/test_expert_parallel.py): a Mixtral and a
+(its experts run whole on each tp rank). For expert parallelism (tests/test_expert_parallel.py): a Mixtral and a
 Qwen3-MoE with 4 experts, top-2, whose loss includes their load-balancing loss (``output_router_logits``,
 coefficient 0.1 so it shows in the loss). Each factory returns the model and one micro-batch of inputs."""
 

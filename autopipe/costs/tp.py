@@ -144,7 +144,7 @@ def check_tp(profile: Profile, t: int) -> None:
         raise PartitionError(f"tp {t}: this profile records no tensor-parallel shapes (made before they were, "
                              "by convert without --tp, or from plain numbers); profile the model again (autopipe "
                              "profile records them), or use --tp 1.")
-    if not any(l.tp is not None and l.tp.param_share > 0 and _as_run(l) is not None for l in profile.layers):
+    if not any(l.tp is not None and l.tp.param_share > 0 for l in profile.layers):
         # every weight kept whole (no colwise→rowwise pair, no HF tp_plan entry): each tp rank would run
         # the whole model, dividing nothing
         raise PartitionError(f"tp {t}: tensor parallelism shards no weight of this model (no colwise→rowwise "

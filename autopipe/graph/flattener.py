@@ -23,6 +23,7 @@ from ..errors import TraceError, TraceMismatchError
 from .attention import simplify_attention
 from .batch_free import BatchFreeValue, batch_free_nodes, computed_in_layer, crossing_values, recipe
 from .cut_policy import Segment, group_blocks, is_glue, module_stack, segment
+from .expert_calls import EXPERTS_OP, experts_call_of
 from .gradients import check_gradients
 from .rng import RngState
 from .sequence import (
@@ -545,7 +546,11 @@ def _structure_key(layer: fx.GraphModule, inputs: tuple[TensorSig, ...]) -> str:
             continue
         if n.op == "call_module":  # a batch-free value's holder: what it makes is part of the layer
             h.update(layer.get_submodule(n.target).recipe.code.encode())
-        argrepr = repr(fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{local[a]}"))
+        args = n.args
+        if n.target is EXPERTS_OP:  # its first argument numbers the call in this process: the class is the structure
+            call = experts_call_of(n)
+            args = (type(call.module).__qualname__ if call is not None else "", *n.args[1:])
+        argrepr = repr(fx.node.map_arg((args, n.kwargs), lambda a: f"%{local[a]}"))
         h.update(f"{n.op}|{n.target}|{argrepr}".encode())
     return h.hexdigest()[:16]
 

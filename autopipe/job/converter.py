@@ -298,8 +298,13 @@ def _with_tp_timing(loaded: _Loaded, seq: Any, s: ConvertSettings, prof: Profile
         amp = None if s.dtype == "fp32" else PRECISIONS[s.dtype]
         with experts_as_calls(loaded.model):
             again = flatten(loaded.model, loaded.args, loaded.kwargs, device_type="cpu", autocast=amp)
-        if len(again.layers) == len(seq.layers):
+        if [i.name for i in again.infos] == [i.name for i in seq.infos]:
             seq = again
+        else:  # timed replicated, the MoE blocks would read slower than the job runs them: say so
+            import warnings
+
+            warnings.warn("the MoE model traced with its experts calls as one op flattens into other layers; its "
+                          "layers are timed at tp as traced for the profile (MoE blocks replicated)", stacklevel=2)
     for t in tps:
         try:
             ratios = time_at_tp(seq, loaded.model, loaded.args, loaded.kwargs, t, sequence_parallel=s.sequence_parallel,

@@ -31,14 +31,14 @@ plain tensors, identical on every tp rank and without collectives, and the log s
   the untouched model's (and autopipe seeds each layer per micro-batch to match it);
 - a layer whose forward or backward fails on meta DTensors at build time (custom ops such as
   ``autopipe::opaque_function``);
-- a MoE block under expert parallelism (its experts call dispatches plain tensors over the ep group).
+- a MoE block under expert parallelism (its experts call dispatches plain tensors over the ep group);
+- the layers sharing a tied tensor with such a layer (one placement per tied tensor).
 
 A MoE block without expert parallelism runs on DTensors around its experts: the job traces each
 experts call as one op (autopipe.graph.expert_calls), and :func:`local_experts` runs it whole on
 each tp rank's local tensors (DTensor has no rule for the grouped matmul or the eager loop's
 ``nonzero``), so the attention and the router run sharded as planned and the experts' weights stay
 whole on every tp rank (Megatron's expert tensor parallelism of 1).
-- the layers sharing a tied tensor with such a layer (one placement per tied tensor).
 
 The decision is made on the meta model, for every layer, on every rank alike, so the holders of a
 tied tensor agree without talking. The trial runs on meta, so an op DTensor lacks only on the real
@@ -240,6 +240,11 @@ def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequ
         if why:
             layout.replicated[i] = why
     _agree_on_tied(seq, layout)
+    # a MoE block that failed its trial, or shares a tie with a replicated layer, runs replicated: not gathered
+    # on entry as a DTensor block, and not counted as one (the log line and the price)
+    layout.local_experts = tuple(i for i in layout.local_experts if i not in layout.replicated)
+    last = len(seq.layers) - 1
+    layout.gather_in = tuple(i for i in layout.gather_in if i == last or i not in layout.replicated)
     _forget_meta_shardings()
     return layout
 
@@ -276,21 +281,23 @@ def _local_runner(inner: Any) -> Any:
         mesh = hidden.device_mesh
 
         def local(t: Any) -> Any:
-            return t.redistribute(mesh, [Replicate()]).to_local() if isinstance(t, DTensor) else t
+            if not isinstance(t, DTensor):
+                return t
+            return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim).to_local()
 
         h, idx, w, st = local(hidden), local(top_k_index), local(top_k_weights), [local(t) for t in state]
         if h.device.type == "meta":  # planning's trial: the experts' own ops cannot run on meta
             out = h * 1
         else:
             out = inner(call, h, idx, w, st) if inner is not None else call.run_local(h, idx, w, st)
-        return DTensor.from_local(out, mesh, [Replicate()], run_check=False)
+        return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     run.autopipe_tp_local = True  # type: ignore[attr-defined]
     return run
 
 
 def _holds_experts_call(layer: nn.Module) -> bool:
-    """Whether the layer's graph calls ``autopipe::experts_call`` (traced under expert parallelism)."""
+    """Whether the layer's graph calls ``autopipe::experts_call`` (a job traces them so under ep or tp)."""
     from ...graph.expert_calls import EXPERTS_OP
 
     graph = getattr(layer, "graph", None)
