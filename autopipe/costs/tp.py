@@ -182,6 +182,12 @@ def _sp_inside(l: LayerCost, sp: bool, ep: bool) -> bool:
     return sp and not (l.moe is not None and not ep)
 
 
+def _run_factors(l: LayerCost, t: int, sp: bool, ep: bool) -> tuple[TpShape | None, tuple[float, float, float, float, float]]:
+    """The layer's shape as run (:func:`_as_run`) and its :func:`_factors` at t, sequence parallel as it runs inside."""
+    shape = _as_run(l, ep)
+    return shape, _factors(shape, t, _sp_inside(l, sp, ep))
+
+
 def _factors(shape: TpShape | None, t: int, sp: bool) -> tuple[float, float, float, float, float]:
     """(forward, backward, param, activation, replicated-activation) multipliers of one layer at t."""
     if shape is None or t == 1 or not shape.divisor:
@@ -293,8 +299,7 @@ def _collectives(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, fl
 
 def _layer(l: LayerCost, t: int, sp: bool, bw: float, lat: tuple[float, float, float], sides: _Sides,
            ep: bool = False) -> LayerCost:
-    shape = _as_run(l, ep)
-    kf, kb, kp, ka, rho = _factors(shape, t, _sp_inside(l, sp, ep))
+    shape, (kf, kb, kp, ka, rho) = _run_factors(l, t, sp, ep)
     sf, sb = _seconds_factors(shape, t, sp, kf, kb)  # FLOPs still divide by the shares
     cf, cb, *_ = _collectives(l, t, sp, bw, lat, sides, ep)
 
@@ -365,7 +370,7 @@ def at_tp(profile: Profile, t: int, *, sequence_parallel: bool = False, bandwidt
                    for i, l in enumerate(profile.layers))
     tied_k: dict[str, float] = {}
     for l in profile.layers:
-        kp = _factors(_as_run(l, ep), t, _sp_inside(l, sequence_parallel, ep))[2]
+        kp = _run_factors(l, t, sequence_parallel, ep)[1][2]
         for name in l.tied:
             tied_k[name] = min(tied_k.get(name, 1.0), kp)
     out = replace(
@@ -390,8 +395,7 @@ def tp_terms(profile: Profile, t: int, *, sequence_parallel: bool = False, bandw
     lat = tp_latencies(profile, latency)
     out = []
     for i, l in enumerate(profile.layers):
-        shape = _as_run(l, expert_parallel)
-        kf, kb, kp, ka, _ = _factors(shape, t, _sp_inside(l, sequence_parallel, expert_parallel))
+        shape, (kf, kb, kp, ka, _) = _run_factors(l, t, sequence_parallel, expert_parallel)
         sf, sb = _seconds_factors(shape, t, sequence_parallel, kf, kb)
         cf, cb, fb, bb, nf, nb = _collectives(l, t, sequence_parallel, bandwidth, lat, _sides(profile, i),
                                               expert_parallel)

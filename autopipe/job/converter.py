@@ -216,6 +216,11 @@ def _traced_width(s: ConvertSettings, spec: Any) -> ConvertSettings:
     return replace(s, seq_len=spec.seq_len)
 
 
+def _trace_autocast(s: ConvertSettings) -> Any:
+    """The 16-bit dtype convert traces under: the one the job trains in (an estimate's model is in 16 bits already)."""
+    return None if s.dtype == "fp32" or s.estimate else PRECISIONS[s.dtype]
+
+
 def _flatten(model: str, loaded: _Loaded, s: ConvertSettings) -> Any:
     """The layer sequence, refused before profiling when the job could not train or not be cut."""
     from ..graph.flattener import flatten
@@ -223,9 +228,8 @@ def _flatten(model: str, loaded: _Loaded, s: ConvertSettings) -> Any:
     # traced for the device the job will train on (a measured model is traced where it is), under
     # the autocast it trains in, as each rank traces it again (build_stage); an estimate's model is
     # in 16 bits already (_load)
-    amp = None if s.dtype == "fp32" or s.estimate else PRECISIONS[s.dtype]
     seq = flatten(loaded.model, loaded.args, loaded.kwargs, device_type="cpu" if s.device == "cpu" else "cuda",
-                  autocast=amp)
+                  autocast=_trace_autocast(s))
     _check_job_inputs(model, seq, loaded.loss, s, factory_data=loaded.spec.data is not None, rows=loaded.spec.batch_size)
     per_stage = s.chunks_per_stage
     if s.gpus is None and s.stages * per_stage > len(seq.layers):  # type: ignore[operator]
@@ -295,9 +299,8 @@ def _with_tp_timing(loaded: _Loaded, seq: Any, s: ConvertSettings, prof: Profile
 
     tps = [t for t in _searched_tps(prof, s) if t > 1]
     if tps and experts_calls_of(loaded.model):  # traced as a tp job traces it: each experts call one op (build_stage)
-        amp = None if s.dtype == "fp32" else PRECISIONS[s.dtype]
         with experts_as_calls(loaded.model):
-            again = flatten(loaded.model, loaded.args, loaded.kwargs, device_type="cpu", autocast=amp)
+            again = flatten(loaded.model, loaded.args, loaded.kwargs, device_type="cpu", autocast=_trace_autocast(s))
         if [i.name for i in again.infos] == [i.name for i in seq.infos]:
             seq = again
         else:  # timed replicated, the MoE blocks would read slower than the job runs them: say so

@@ -121,6 +121,11 @@ class TPLayout:
     seq_len: int = 0  # tokens per row under sequence parallelism (0: off)
     local_experts: tuple[int, ...] = ()  # layers on DTensors whose MoE experts run whole on each tp rank
 
+    def settle_len(self, index: int) -> int:
+        """The sequence length layer ``index`` settles its partial sums at (:func:`settle_partials_`): 0 for
+        a MoE block gathered on entry, which runs as without sequence parallelism inside."""
+        return 0 if index in self.local_experts else self.seq_len
+
     def describe(self, seq: Any) -> str:
         """One line for the log: the plan's source, what is sharded, which layers run replicated and why."""
         sharded = sum(1 for d in self.dims.values() if d is not None)
@@ -223,8 +228,7 @@ def plan_tensor_parallel(seq: Any, model: nn.Module, tp: int, mesh: Any, *, sequ
             layout.local_experts = (*layout.local_experts, i)
             if sequence_parallel and i not in layout.gather_in:  # gathered on entry, run as without SP
                 layout.gather_in = (*layout.gather_in, i)
-        # before the trial, so the trial runs what the steps will; a MoE block gathered on entry settles as without SP
-        settle_partials_(layer, 0 if i in layout.local_experts else layout.seq_len)
+        settle_partials_(layer, layout.settle_len(i))  # before the trial, so the trial runs what the steps will
         # an embedding's vocab shard runs as replicated in the trial: DTensor's MaskPartial keeps a mask
         # buffer in its cached sharding decision, and a meta one left there broke the real steps
         trial = {n: (None if kinds.get(n) == "vocab" else d) for n, d in dims.items()}
@@ -275,9 +279,11 @@ def _local_runner(inner: Any) -> Any:
     def run(call: Any, hidden: Any, top_k_index: Any, top_k_weights: Any, state: list[Any]) -> Any:
         from torch.distributed.tensor import DTensor, Replicate
 
+        def experts(*args: Any) -> Any:  # the runner set before (expert parallelism's), else the module's own
+            return inner(call, *args) if inner is not None else call.run_local(*args)
+
         if not isinstance(hidden, DTensor):  # a replicated layer, or a plain pass (shapes)
-            return inner(call, hidden, top_k_index, top_k_weights, state) if inner is not None else \
-                call.run_local(hidden, top_k_index, top_k_weights, state)
+            return experts(hidden, top_k_index, top_k_weights, state)
         mesh = hidden.device_mesh
 
         def local(t: Any) -> Any:
@@ -289,7 +295,7 @@ def _local_runner(inner: Any) -> Any:
         if h.device.type == "meta":  # planning's trial: the experts' own ops cannot run on meta
             out = h * 1
         else:
-            out = inner(call, h, idx, w, st) if inner is not None else call.run_local(h, idx, w, st)
+            out = experts(h, idx, w, st)
         return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     run.autopipe_tp_local = True  # type: ignore[attr-defined]
@@ -657,8 +663,7 @@ def shard_layer_(layer: nn.Module, index: int, layout: TPLayout, mesh: Any, made
         if seq_in or seq_out:
             layer.forward = _replicated_forward(layer.forward, mesh, seq_in, seq_out)
         return False
-    # a no-op where planning settled this layer already
-    settle_partials_(layer, 0 if index in layout.local_experts else layout.seq_len)
+    settle_partials_(layer, layout.settle_len(index))  # a no-op where planning settled this layer already
     for name, p in layer.named_parameters(remove_duplicate=False):
         if id(p) not in made:
             dt = distribute_tensor(p.detach(), mesh, _placements(layout.dims.get(name)), src_data_rank=None)
