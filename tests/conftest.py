@@ -17,17 +17,22 @@ from _launch import Launcher  # noqa: E402  (tests/ is put on sys.path just abov
 
 # The runtime reserve is measured once per device and cached (autopipe.runtime.checks.reserve); a session-wide
 # cache of its own makes the suite measure it once itself, on this machine, rather than trust a
-# figure left in the home folder by another torch or another machine.
-# xdist's workers share the run's one (its test-run id names it), so the probe runs once a run, not once a worker.
+# figure left in the home folder by another torch or another machine. The process that makes it
+# removes it when the run ends (a run used to leave one in the temp folder for good: 194 of them here).
+# xdist's workers inherit the controller's environment, so they share its folder and the probe runs once a
+# run, not once a worker.
+_MADE_CACHE = ""
 if "AUTOPIPE_CACHE" not in os.environ:
     import tempfile
 
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run:
-        os.environ["AUTOPIPE_CACHE"] = os.path.join(tempfile.gettempdir(), f"autopipe-cache-{run}")
-        os.makedirs(os.environ["AUTOPIPE_CACHE"], exist_ok=True)
-    else:
-        os.environ["AUTOPIPE_CACHE"] = tempfile.mkdtemp(prefix="autopipe-cache-")
+    os.environ["AUTOPIPE_CACHE"] = _MADE_CACHE = tempfile.mkdtemp(prefix="autopipe-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _MADE_CACHE:
+        import shutil
+
+        shutil.rmtree(_MADE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
