@@ -43,7 +43,9 @@ keeps under a job's default settings (``devices.steady_heap``; the probe measure
 --exact-memory`` does): the advice says so.
 
 The figures are cached per device, thread count, torch version, precision and architecture in
-``$AUTOPIPE_CACHE`` (default ``~/.cache/autopipe/reserve.json``). An estimate for a named GPU
+``$AUTOPIPE_CACHE`` (default ``~/.cache/autopipe/reserve.json``), with the probe's largest rank
+measured and predicted beside them; one process measures at a time (a lock file beside the cache),
+and another that needs the same figure meanwhile waits and reads it. An estimate for a named GPU
 (``--estimate --device h100``) carries no reserve: the device table's terms stand for the GPU.
 
     python -m autopipe.runtime.checks.reserve --device cpu                        # GPT-2 probe, fp32 (or the cache)
@@ -179,30 +181,76 @@ def runtime_reserve(device: str = "cpu", *, dtype: str = "fp32", config: Any = N
     arch = _arch(config)
     key = _key(device, dtype, arch)
     path = _cache_file()
-    cache: dict[str, int] = {}
-    if path.is_file():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cache = {}
     # a CPU figure cached before the probe kept its ranks' excess is measured again, once: the memory
     # advice needs both (module docstring)
-    if key in cache and not refresh and (device != "cpu" or _excess_key(key) in cache):
-        return int(cache[key])
-    measured = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None, progress=progress)
-    value = int(measured["reserve_bytes"])
-    _EXCESS[(str(path), key)] = int(measured.get("excess_bytes", 0))  # this process's, cached or not; a GPU's: 0
-    if not measured.get("clean", True):
-        return value  # polluted (module docstring): good for this run, measured again next time
-    cache[key] = value
-    cache[_excess_key(key)] = int(measured.get("excess_bytes", 0))
-    try:
-        from ...files import write_text_atomic
+    cached = _cached(path, key, device)
+    if cached is not None and not refresh:
+        return cached
+    with _one_probe_at_a_time(path):
+        cached = _cached(path, key, device)  # measured by another process while this one waited
+        if cached is not None and not refresh:
+            return cached
+        measured = measure_reserve(device, dtype=dtype, config=config if arch != "gpt2" else None, progress=progress)
+        value = int(measured["reserve_bytes"])
+        _EXCESS[(str(path), key)] = int(measured.get("excess_bytes", 0))  # this process's, cached or not; a GPU's: 0
+        if not measured.get("clean", True):
+            return value  # polluted (module docstring): good for this run, measured again next time
+        cache = _read_cache(path)
+        cache[key] = value
+        cache[_excess_key(key)] = int(measured.get("excess_bytes", 0))
+        # what the probe measured and predicted of its largest rank, kept so the figure can be checked later
+        for part in ("measured_bytes", "model_bytes"):
+            if part in measured:
+                cache[f"{key}|{part}"] = int(measured[part])
+        try:
+            from ...files import write_text_atomic
 
-        write_text_atomic(path, json.dumps(cache, indent=1) + "\n")
+            write_text_atomic(path, json.dumps(cache, indent=1) + "\n")
+        except OSError:
+            pass  # a read-only home: measure again next time
+        return value
+
+
+def _read_cache(path: Path) -> dict[str, int]:
+    try:
+        cache = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _cached(path: Path, key: str, device: str) -> int | None:
+    """The cached reserve under ``key``, or None where it must be measured (absent; on a CPU, cached
+    without its ranks' excess)."""
+    cache = _read_cache(path)
+    if key in cache and (device != "cpu" or _excess_key(key) in cache):
+        return int(cache[key])
+    return None
+
+
+@contextmanager
+def _one_probe_at_a_time(path: Path) -> Iterator[None]:
+    """Hold the cache's lock file while measuring: a second process needing the same figure (two
+    converts at once, the test suite's workers) waits for the first's and reads it, instead of
+    running a probe of its own beside it, twice the time on the same cores. Where no lock can be
+    taken (no fcntl, a read-only cache folder), each process measures as before."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")
     except OSError:
-        pass  # a read-only home: measure again next time
-    return value
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        except OSError:
+            pass  # a filesystem without locks: measure as before
+        yield
 
 
 # figures the probe measured in this process, cached or not: (cache file, key) -> excess bytes; the
