@@ -273,3 +273,36 @@ def test_a_parameter_no_forward_uses_is_one_line_under_ddp(tmp_path: Path) -> No
 
     other = RuntimeError("something else")
     assert explain_ddp_error(other, 0) is other
+
+
+@pytest.mark.parametrize(("zero", "tp"), [(2, 1), (3, 1), (0, 2), (3, 2)])
+def test_a_sharded_rank_keeps_no_whole_weight_beside_its_shards(zero: int, tp: int) -> None:
+    """Once a rank's trainer is made under ZeRO 2/3 or tp (Llama-shaped, dp 2, on a fake process group
+    of dp x tp), every parameter tensor its model and chunks reach is one the rank trains: its shard or
+    its tp part. The layers are graphs over module objects of their own, so FSDP2 and tp replaced the
+    parameters there and the model's modules kept the whole weights: every such rank held its whole
+    stage's weights beside its shards for the whole run (a GPU's memory too), and a CPU rank's memory
+    baseline counted them, so no measured peak showed it."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopipe.runtime import Trainer, init_dist, make_loss
+    from autopipe.runtime.stage.build import local
+
+    source = model_factory(str(Path(__file__).parent / "tp_models.py") + ":llama", batch_size=ROWS, seq_len=SEQ)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=DP * tp)
+    try:
+        env = init_dist(dp=DP, tp=tp)
+        build = build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1, tp_mesh=env.tp_mesh)
+        trainer = Trainer(build, env, TrainConfig(steps=1, microbatches=MICRO, zero=zero), loss_fn=make_loss(source.loss))
+
+        def storage(p: torch.Tensor) -> int:
+            return local(p.detach()).untyped_storage().data_ptr()
+
+        own = {storage(p) for p in trainer.params.values()}
+        reached = {n: p for mod in (build.model, *build.chunks) for n, p in mod.named_parameters(remove_duplicate=False)
+                   if p.device.type != "meta"}  # fmt: skip
+        stray = sorted(f"{n} {tuple(p.shape)}" for n, p in reached.items() if storage(p) not in own)
+        assert len(reached) > 10 and not stray, stray
+    finally:
+        dist.destroy_process_group()

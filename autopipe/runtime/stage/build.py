@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,8 @@ from .weights import (
     tensor_names,
 )
 
-__all__ = ["MicrobatchSeeds", "PipeChunk", "StageBuild", "TiedSpec", "build_reference", "build_stage", "contiguous_grads", "local", "meta_model"]
+__all__ = ["MicrobatchSeeds", "PipeChunk", "StageBuild", "TiedSpec", "build_reference", "build_stage", "contiguous_grads", "local",
+           "meta_model", "repoint_model_"]
 
 ModelFn = Callable[[], nn.Module]
 
@@ -407,13 +408,36 @@ def build_stage(
     if tp_layout is not None:
         from .tensor_parallel import apply_tensor_parallel_
 
+        whole = dict(build.params)
         apply_tensor_parallel_(build, tp_layout, tp_mesh)
         build.params = dict(sorted(build.params.items()))
+        repoint_model_(build, whole)
     if ep_layout is not None:
         from .expert_parallel import apply_expert_parallel_
 
+        whole = dict(build.params)
         apply_expert_parallel_(build, ep_layout)
+        repoint_model_(build, whole)
     return build
+
+
+def repoint_model_(build: StageBuild, before: Mapping[str, nn.Parameter]) -> None:
+    """Point ``build.model`` at the stage's parameters where a pass replaced them (``before``: the
+    parameters by name as they were): tp's DTensors, ep's expert slices, ZeRO 2/3's shards.
+
+    The layers are graphs over their own module objects, so a pass that swaps a layer's parameters
+    leaves the model's modules (which the flattener traced, and the reference reads) holding the old,
+    whole ones. Kept there, every tp or ZeRO 2/3 rank held its whole stage's weights beside its shards
+    for the whole run, a GPU's memory too; a CPU rank's memory baseline counted them, so no measured
+    peak showed it (tests/test_zero.py).
+    """
+    swap = {id(p): build.params[n] for n, p in before.items() if n in build.params and build.params[n] is not p}
+    if not swap:
+        return
+    for mod in build.model.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and id(p) in swap:
+                mod._parameters[attr] = swap[id(p)]
 
 
 def build_reference(

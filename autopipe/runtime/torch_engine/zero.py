@@ -56,6 +56,7 @@ from ...errors import AutopipeError
 from ...planner.memory import (
     ddp_schedule,  # the plan's memory model decides with the same rule
 )
+from ..stage.build import repoint_model_
 from ..training.optim import TrainConfig
 
 __all__ = ["DDP_BUCKET_CAP", "ZERO_STAGES", "bucket_bytes", "ddp_schedule", "explain_ddp_error", "shard_chunks_", "sharded_grads"]
@@ -150,8 +151,10 @@ def shard_chunks_(build: Any, chunks: Sequence[nn.Module], mesh: Any, zero: int,
             params.setdefault(name, p)
     if set(params) != set(build.params):
         raise AutopipeError(f"data parallelism lost parameters {sorted(set(build.params) - set(params))[:3]}: report this model.")
+    whole = build.params
     build.params = dict(sorted(params.items()))
     build.aliases = aliases
+    repoint_model_(build, whole)  # else the model's modules keep every whole weight beside the shards
     return list(chunks)
 
 
