@@ -429,7 +429,10 @@ def repoint_model_(build: StageBuild, before: Mapping[str, nn.Parameter]) -> Non
     leaves the model's modules (which the flattener traced, and the reference reads) holding the old,
     whole ones. Kept there, every tp or ZeRO 2/3 rank held its whole stage's weights beside its shards
     for the whole run, a GPU's memory too; a CPU rank's memory baseline counted them, so no measured
-    peak showed it (tests/test_zero.py).
+    peak showed it (tests/test_zero.py, bench/results/held-weights.md). Under ep the experts modules
+    (which the traced experts calls run) held every expert until each call's first forward swapped its
+    slices in: a GPU rank's first step peaked with all of them, and CPU peaks read 0.85x the plan after
+    the baseline had counted them (tests/test_expert_parallel.py, bench/results/moe-ep-memory.md).
     """
     swap = {id(p): build.params[n] for n, p in before.items() if n in build.params and build.params[n] is not p}
     if not swap:

@@ -120,16 +120,8 @@ def apply_expert_parallel_(build: Any, layout: EPLayout) -> None:
             for attr, p in list(mod._parameters.items()):
                 if p is not None and id(p) in fresh:
                     mod._parameters[attr] = fresh[id(p)]
-    for name, call in layout.calls.items():
+    for call in layout.calls.values():
         call.runner = _dispatching(layout)
-        # The traced call's module held the whole stacked tensors until its first run swapped the
-        # slices in, so a rank kept every expert beside its share until then: a GPU rank's first step
-        # peaked with all of them, and a CPU rank's memory baseline counted them (a tiny Mixtral's ep 2
-        # rank read 0.85x its plan, 0.99x once they go here: bench/results/moe-ep-memory.md).
-        for attr in call.params:
-            held = build.params.get(f"{name}.{attr}")
-            if held is not None:
-                call.module._parameters[attr] = held
     build.ep_layout = layout
 
 
