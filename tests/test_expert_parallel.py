@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import tp_models
+from _held import stray_parameters
 from _launch import Launcher
 from test_tensor_parallel import MICRO, MODELS, ROWS, SEQ, compare, make_job, reference, train, untouched
 
@@ -246,10 +247,7 @@ def test_an_ep_rank_keeps_no_whole_expert_tensor_once_built(name: str) -> None:
         for pp_rank in (0, 1):
             build = build_stage(source.factory, source.args, source.kwargs, CUT, pp_rank=pp_rank, pp_size=2,
                                 ep_group=dist.group.WORLD)
-            reached = {(n, p.untyped_storage().data_ptr()): p for mod in (build.model, *build.chunks)
-                       for n, p in mod.named_parameters(remove_duplicate=False) if p.device.type != "meta"}
-            own = {p.untyped_storage().data_ptr() for p in build.params.values()}
-            stray = sorted(f"{n} {tuple(p.shape)}" for (n, ptr), p in reached.items() if ptr not in own)
+            _, stray = stray_parameters(build, build.params.values())
             assert build.ep_layout.calls and not stray, (pp_rank, stray)
     finally:
         dist.destroy_process_group()

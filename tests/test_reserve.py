@@ -44,7 +44,7 @@ def test_the_cpu_reserve_is_measured_once_then_read_from_the_cache(monkeypatch: 
     assert runtime_reserve("cpu") == first
 
 
-def test_two_processes_needing_the_reserve_at_once_run_one_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_processes_needing_the_reserve_at_once_run_one_probe(tmp_path: Path) -> None:
     """Two processes asking at once for a figure not yet cached: one measures, the other waits on the
     cache's lock and reads its figure. Both start asking together (each waits for the other to be
     ready), and the probe's stand-in records each run and takes 2 s, so without the lock both run it."""

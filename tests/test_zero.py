@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from _factories import tiny_gpt2_job
+from _held import stray_parameters
 from _launch import Launcher, free_port
 
 from autopipe.job.script import write_train_script
@@ -287,7 +288,6 @@ def test_a_sharded_rank_keeps_no_whole_weight_beside_its_shards(zero: int, tp: i
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autopipe.runtime import Trainer, init_dist, make_loss
-    from autopipe.runtime.stage.build import local
 
     source = model_factory(str(Path(__file__).parent / "tp_models.py") + ":llama", batch_size=ROWS, seq_len=SEQ)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=DP * tp)
@@ -295,14 +295,7 @@ def test_a_sharded_rank_keeps_no_whole_weight_beside_its_shards(zero: int, tp: i
         env = init_dist(dp=DP, tp=tp)
         build = build_stage(source.factory, source.args, source.kwargs, 1, pp_rank=0, pp_size=1, tp_mesh=env.tp_mesh)
         trainer = Trainer(build, env, TrainConfig(steps=1, microbatches=MICRO, zero=zero), loss_fn=make_loss(source.loss))
-
-        def storage(p: torch.Tensor) -> int:
-            return local(p.detach()).untyped_storage().data_ptr()
-
-        own = {storage(p) for p in trainer.params.values()}
-        reached = {n: p for mod in (build.model, *build.chunks) for n, p in mod.named_parameters(remove_duplicate=False)
-                   if p.device.type != "meta"}  # fmt: skip
-        stray = sorted(f"{n} {tuple(p.shape)}" for n, p in reached.items() if storage(p) not in own)
-        assert len(reached) > 10 and not stray, stray
+        reached, stray = stray_parameters(build, trainer.params.values())
+        assert reached > 10 and not stray, stray
     finally:
         dist.destroy_process_group()
