@@ -146,17 +146,24 @@ def test_the_host_probe_times_per_op_host_work() -> None:
 
     from autopipe.costs.devices import describe_device, host_probe
 
+    spin = 50e-6  # host work added per torch call
+    calls = [0]
+
     class Slower(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls[0] += 1
             t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 20e-6:  # 20 µs of host work per call
+            while time.perf_counter() - t0 < spin:
                 pass
             return func(*args, **(kwargs or {}))
 
     plain = min(host_probe() for _ in range(3))  # the least of 3: a neighbour's burst on the shared cores inflates one
     with Slower():
         hooked = min(host_probe() for _ in range(3))
-    assert plain > 0 and hooked > 1.5 * plain, (plain, hooked)
+    # judged by the host work the hook added to one timed run, not by a ratio to the plain run: a slower
+    # host (CI's read 8 ms plain, twice this one's) makes any fixed ratio a coin toss
+    added = calls[0] / (3 * 8) * spin  # each probe runs its work 8 times (a warm-up and 7 timed)
+    assert plain > 0 and added > 0 and hooked - plain > 0.8 * added, (plain, hooked, added)
     assert describe_device(torch.device("cpu")).host_probe > 0
     with torch.inference_mode():  # a caller's mode does not change what it times
         assert host_probe() > 0
