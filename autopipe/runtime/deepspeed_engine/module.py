@@ -27,7 +27,7 @@ from torch import nn
 from ...errors import AutopipeError
 from ...graph.rng import draws_random
 from ...graph.sequence import retarget_device_
-from ..stage.build import contiguous_grads, fill_tensors, meta_model, to_meta
+from ..stage.build import contiguous_grads, fill_tensors, meta_model, retrace_with_sources_, to_meta
 from .parts import planned_pipeline_module
 
 __all__ = ["DSLayer", "LayerSource", "TiedHolder", "build_pipeline_module", "save_final_weights"]
@@ -43,8 +43,13 @@ class LayerSource:
         self.model_fn = model_fn
         self.model = meta_model(model_fn)
         # traced for this rank's device type and under its autocast, as build_stage traces
-        self.seq = flatten(self.model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs)), validate=False,
-                           device_type=torch.device(device).type, autocast=autocast)
+        def trace(model: nn.Module, stack_traces: bool = False) -> Any:
+            return flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs)), validate=False,
+                           device_type=torch.device(device).type, autocast=autocast, stack_traces=stack_traces)
+
+        self.seq = trace(self.model)
+        # without source lines, as build_stage: a rank failing in a layer traces again for its line
+        retrace_with_sources_(self.seq, lambda: trace(meta_model(model_fn), stack_traces=True))
         self.seed, self.weights, self.device = seed, weights, device
         self.built: list[DSLayer] = []
 

@@ -4,7 +4,8 @@ every rank's traceback went.
 A bug (ours or torch's) or a model that fails in training used to reach the user as one raw
 traceback per rank. ``describe`` walks the traceback for the pipeline chunk and the flattened layer
 that were running, and the graph node of that layer (its ATen operation and the line of the model's
-source it came from); ``write_traceback`` appends the rank's full traceback to one file all ranks of
+source it came from; the layers are traced without source lines, so the failing rank traces its model
+again with them, once, to find that line: ``autopipe.runtime.stage.build.retrace_with_sources_``); ``write_traceback`` appends the rank's full traceback to one file all ranks of
 the run share on a machine. ``autopipe.runtime.process.lifecycle.one_line_errors`` prints the line, from rank 0.
 
 Example:
@@ -21,11 +22,14 @@ import os
 import traceback
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import fx
 
 __all__ = ["describe", "error_log_path", "write_traceback"]
+
+
 
 
 def describe(exc: BaseException) -> str:
@@ -37,6 +41,7 @@ def describe(exc: BaseException) -> str:
     frames = [f for e in chain for f in traceback.walk_tb(e.__traceback__)]
     exc = chain[-1]
     chunk = layer = node = None
+    indexed: Any = None  # the outermost graph that is one of the sequence's layers (its index is known)
     for frame, lineno in frames:
         owner = frame.f_locals.get("self")
         if owner is None:
@@ -45,6 +50,8 @@ def describe(exc: BaseException) -> str:
             chunk = owner
         if isinstance(owner, fx.GraphModule) and hasattr(owner, "autopipe_attrs"):
             layer = owner
+            if indexed is None and getattr(owner, "autopipe_layer", (None,))[0] is not None:
+                indexed = owner
             node = _node_at(owner, frame.f_code.co_filename, lineno) or node
     parts = []
     if chunk is not None and hasattr(chunk, "layer_range"):
@@ -54,7 +61,7 @@ def describe(exc: BaseException) -> str:
         parts.append(f"layer {index} '{name}'" + (f" ({kind})" if kind and kind != "glue" else "") if index is not None
                      else f"layer {name}")
     if node is not None:
-        parts.append(f"operation {_op_name(node)}{_source(node)}")
+        parts.append(f"operation {_op_name(node)}{_source(_stack_trace(node, indexed))}")
     head = ", ".join(parts)
     text = " ".join((str(exc).strip().splitlines() or [""])[0].split())
     if len(text) > 300:
@@ -79,9 +86,29 @@ def _op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _source(node: fx.Node) -> str:
-    """`` (file.py:line `code`)``: the line of the model's source (not torch's) the node was traced from."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+def _stack_trace(node: fx.Node, layer: Any) -> str:
+    """The node's recorded stack, or that of the node of the same name and operation in the same layer
+    of the model traced again with source lines (the layer's ``autopipe_retrace``, given by
+    ``retrace_with_sources_``); "" when neither has one."""
+    retrace = getattr(layer, "autopipe_retrace", None)
+    if node.meta.get("stack_trace") or retrace is None:
+        return node.meta.get("stack_trace") or ""
+    try:
+        again = retrace().layers[layer.autopipe_layer[0]]
+        for graph in again.modules():
+            if isinstance(graph, fx.GraphModule):
+                for other in graph.graph.nodes:
+                    if other.name == node.name and other.target == node.target:
+                        return other.meta.get("stack_trace") or ""
+    except Exception:  # noqa: S110 (the report of the real error must not fail on this)
+        pass
+    return ""
+
+
+def _source(stack: str) -> str:
+    """`` (file.py:line `code`)``: the line of the model's source (not torch's) a node was traced from,
+    out of its recorded stack."""
+    trace = stack.strip().splitlines()
     for i in range(len(trace) - 1, -1, -1):
         line = trace[i].strip()
         if line.startswith("File "):

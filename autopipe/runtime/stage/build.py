@@ -8,6 +8,7 @@ whole model the same way, so the unpipelined reference starts from identical wei
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -241,6 +242,15 @@ def meta_model(model_fn: ModelFn) -> nn.Module:
     return model
 
 
+def retrace_with_sources_(seq: Any, retrace: Callable[[], Any]) -> None:
+    """Give each layer of ``seq`` (traced without source lines) ``retrace``, which flattens the model again
+    as ``seq`` was, with them, at most once: a failing rank's report
+    (``autopipe.runtime.process.failures.describe``) finds its node's line there."""
+    once = functools.cache(retrace)
+    for layer in seq.layers:
+        layer.autopipe_retrace = once
+
+
 def to_meta(tree: Any) -> Any:
     return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, tree)
 
@@ -308,9 +318,18 @@ def build_stage(
     # under expert parallelism each experts call stays one op, which the ep runtime runs
     # (under tp too: tp runs them whole on each rank's local tensors, the rest of their block on DTensors)
     tp_on = tp_mesh is not None and tp_mesh.size() > 1
-    with experts_as_calls(model) if ep_group is not None or tp_on else contextlib.nullcontext({}) as experts:
-        seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False,  # type: ignore[arg-type]
-                      granularity=granularity, device_type=torch.device(device).type, autocast=autocast)
+    as_calls = ep_group is not None or tp_on
+
+    def trace(model: nn.Module, stack_traces: bool = False) -> tuple[Any, dict]:
+        with experts_as_calls(model) if as_calls else contextlib.nullcontext({}) as experts:
+            seq = flatten(model, to_meta(tuple(example_args)), to_meta(dict(example_kwargs or {})), validate=False,  # type: ignore[arg-type]
+                          granularity=granularity, device_type=torch.device(device).type, autocast=autocast,
+                          stack_traces=stack_traces)
+        return seq, experts
+
+    seq, experts = trace(model)
+    # traced without source lines (a fifth to a third of the trace): a rank failing in a layer traces again for its line
+    retrace_with_sources_(seq, lambda: trace(meta_model(model_fn), stack_traces=True)[0])
     ep_layout = None
     if ep_group is not None:
         import torch.distributed as dist
