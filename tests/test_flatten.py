@@ -292,3 +292,25 @@ def test_every_higher_order_subgraph_a_layer_holds_goes_through_the_check_remova
     held = [getattr(layer, n.target) for layer in seq.layers for n in layer.graph.nodes
             if n.op == "get_attr" and isinstance(getattr(layer, n.target, None), fx.GraphModule)]
     assert held and all(any(m is s for s in seen) for m in held)
+
+
+def test_layers_record_source_lines_only_when_asked() -> None:
+    """flatten leaves torch's per-node stack out (a fifth to a third of a trace); stack_traces=True keeps
+    it, naming the model's own line, which a failing rank's report reads (test_zoo's one-line error)."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))  # the line the recorded stacks name
+
+    x = torch.randn(2, 4)
+    lean = autopipe.flatten(Net(), (x,), granularity="leaf")
+    full = autopipe.flatten(Net(), (x,), granularity="leaf", stack_traces=True)
+    stacks = [n.meta.get("stack_trace") for layer in lean.layers for n in layer.graph.nodes]
+    assert not any(stacks), stacks
+    named = [n.meta.get("stack_trace") or "" for layer in full.layers for n in layer.graph.nodes]
+    assert any("return self.b(torch.relu(self.a(x)))" in s for s in named), named
+    assert [n.name for layer in lean.layers for n in layer.graph.nodes] == \
+        [n.name for layer in full.layers for n in layer.graph.nodes]  # how the failing rank finds its node again

@@ -252,16 +252,26 @@ def retarget_device_(module: nn.Module, device: str | torch.device, *, constants
     """
     target = torch.device(device)
 
+    swapped = [0]
+
     def swap(value: Any) -> Any:
-        return target if isinstance(value, torch.device) else value
+        if isinstance(value, torch.device) and value != target:
+            swapped[0] += 1
+            return target
+        return value
 
     for sub in module.modules():
         if not isinstance(sub, fx.GraphModule):
             continue
+        before = swapped[0]
         for node in sub.graph.nodes:
-            node.args = fx.node.map_aggregate(node.args, swap)
-            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
-        sub.recompile()
+            seen = swapped[0]
+            args = fx.node.map_aggregate(node.args, swap)
+            kwargs = fx.node.map_aggregate(node.kwargs, swap)
+            if swapped[0] != seen:
+                node.args, node.kwargs = args, kwargs
+        if swapped[0] != before:  # recompiling a graph is its code generated and exec'd again: only when it changed
+            sub.recompile()
         for name, kind in getattr(sub, "autopipe_attrs", {}).items():
             if kind != "constant" or not constants:
                 continue
