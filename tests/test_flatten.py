@@ -295,7 +295,7 @@ def test_every_higher_order_subgraph_a_layer_holds_goes_through_the_check_remova
 
 
 def test_layers_record_source_lines_only_when_asked() -> None:
-    """flatten leaves torch's per-node stack out (a fifth to a third of a trace); stack_traces=True keeps
+    """flatten leaves torch's per-node stack out (16-30 % of a trace); stack_traces=True keeps
     it, naming the model's own line, which a failing rank's report reads (test_zoo's one-line error)."""
     class Net(nn.Module):
         def __init__(self) -> None:

@@ -75,7 +75,7 @@ def flatten(
             the model is traced under that autocast, so the regions it keeps in fp32 on purpose
             stay in the graph (below). None (fp32 training): traced without.
         stack_traces: keep each graph node's source line (``node.meta["stack_trace"]``); off, the
-            trace is a fifth to a third faster (``trace_with_notes``).
+            trace takes 16-30 % less time (bench/results/trace-sources.md).
 
     Why trace under the training autocast: transformers' ``maybe_autocast(enabled=False)`` (GPT-2's
     upcast attention, Nemotron's norm, the rotary tables of some versions) enters its fp32 region

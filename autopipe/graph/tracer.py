@@ -65,10 +65,10 @@ def trace_with_notes(
 
     A model on the meta device is traced as if it were on ``device_type`` (see :func:`trace_device`).
     ``stack_traces``: record each node's source line (``node.meta["stack_trace"]``), as torch does by
-    default. Off: torch's symbolising of a Python stack per node was a fifth to a third of the trace
-    (tiny Llama 0.34-0.54 s -> 0.28, Qwen3-MoE 0.48 -> 0.38, GPT-2 0.27 -> 0.20 on this host), and only a
-    failing rank's one-line report reads it, which traces again with it then
-    (:func:`autopipe.runtime.process.failures.trace_sources_on_failure`). A torch without the switch
+    default. Off: torch's symbolising of a Python stack per node was 16-30 % of the trace (flatten on
+    meta: GPT-2 1.21 -> 1.01 s, Llama-7B 4.30 -> 3.03 s, Llama-70B 11.74 -> 9.71 s; medians,
+    bench/results/trace-sources.md), and only a failing rank's one-line report reads it, which
+    traces again with it then (:func:`autopipe.runtime.stage.build.retrace_with_sources_`). A torch without the switch
     (``torch.fx.config.do_not_emit_stack_traces``; torch 2.13 has it) records them either way.
     """
     args = as_args(example_args)
