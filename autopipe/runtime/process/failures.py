@@ -5,8 +5,9 @@ A bug (ours or torch's) or a model that fails in training used to reach the user
 traceback per rank. ``describe`` walks the traceback for the pipeline chunk and the flattened layer
 that were running, and the graph node of that layer (its ATen operation and the line of the model's
 source it came from; the layers are traced without source lines, so the failing rank traces its model
-again with them, once, to find that line: ``autopipe.runtime.stage.build.retrace_with_sources_``); ``write_traceback`` appends the rank's full traceback to one file all ranks of
-the run share on a machine. ``autopipe.runtime.process.lifecycle.one_line_errors`` prints the line, from rank 0.
+again with them, once, to find that line: ``autopipe.runtime.stage.build.retrace_with_sources_``);
+``write_traceback`` appends the rank's full traceback to one file all ranks of the run share on a
+machine. ``autopipe.runtime.process.lifecycle.one_line_errors`` prints the line, from rank 0.
 
 Example:
     >>> try:
@@ -28,8 +29,6 @@ import torch
 from torch import fx
 
 __all__ = ["describe", "error_log_path", "write_traceback"]
-
-
 
 
 def describe(exc: BaseException) -> str:
