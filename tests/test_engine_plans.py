@@ -161,7 +161,7 @@ def test_the_host_probe_times_per_op_host_work() -> None:
     with Slower():
         hooked = min(host_probe() for _ in range(3))
     # judged by the host work the hook added to one timed run, not by a ratio to the plain run: a slower
-    # host (CI's read 8 ms plain, twice this one's) makes any fixed ratio a coin toss
+    # host (CI's read 8 ms plain, three times this one's) makes any fixed ratio a coin toss
     added = calls[0] / (3 * 8) * spin  # each probe runs its work 8 times (a warm-up and 7 timed)
     assert plain > 0 and added > 0 and hooked - plain > 0.8 * added, (plain, hooked, added)
     assert describe_device(torch.device("cpu")).host_probe > 0

@@ -424,19 +424,17 @@ def build_stage(
         weights=weights,
         tp_layout=tp_layout,
     )
+    whole = dict(build.params)
     if tp_layout is not None:
         from .tensor_parallel import apply_tensor_parallel_
 
-        whole = dict(build.params)
         apply_tensor_parallel_(build, tp_layout, tp_mesh)
         build.params = dict(sorted(build.params.items()))
-        repoint_model_(build, whole)
     if ep_layout is not None:
         from .expert_parallel import apply_expert_parallel_
 
-        whole = dict(build.params)
         apply_expert_parallel_(build, ep_layout)
-        repoint_model_(build, whole)
+    repoint_model_(build, whole)  # once, after both: each name's first tensor -> the one the rank now trains
     return build
 
 
